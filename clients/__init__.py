@@ -1,0 +1,7 @@
+"""Thin clients for the batchmaker wire protocol; they need only pyzmq, msgpack and numpy."""
+
+from .async_client import AsyncClient
+from .errors import ServerError
+from .sync_client import Client
+
+__all__ = ["AsyncClient", "Client", "ServerError"]

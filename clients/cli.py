@@ -1,0 +1,145 @@
+"""Command-line client: `python -m clients.cli {infer,models,health,stats} ...`.
+
+The subcommands are built by `add_client_commands` and run by `run_client_command`
+so the `batchmaker` entry point can mount the same commands under its own parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ServerError
+from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, Client, Reply
+from .text import DEFAULT_VOCAB, Vocabulary
+
+PREVIEW_VALUES = 8
+
+
+class UsageError(Exception):
+    """A problem with the command line itself, found before anything is sent."""
+
+
+def add_client_commands(subparsers: Any) -> None:
+    """Add the client subcommands to an `add_subparsers()` object; each sets `client_command`."""
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--address", default=DEFAULT_ADDRESS, help="manager address (default: %(default)s)")
+    connection.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for the reply")
+
+    infer = subparsers.add_parser("infer", parents=[connection], help="run one request and print its outputs")
+    infer.add_argument("--model", required=True, help="name of a served model (see the models command)")
+    source = infer.add_mutually_exclusive_group()
+    source.add_argument("--tokens", help='token ids separated by spaces, e.g. "1 2 3"')
+    source.add_argument("--text", help="an English sentence, turned into ids with --vocab")
+    infer.add_argument("--vocab", type=Path, default=DEFAULT_VOCAB, help="vocabulary for --text (default: %(default)s)")
+    infer.add_argument(
+        "--json",
+        dest="inputs_json",
+        metavar="INPUTS_JSON",
+        help='inputs as a JSON object, merged over --tokens/--text, e.g. \'{"max_len": 20}\' or '
+        '\'{"tree": {"tokens": [5, 7, -1], "parents": [2, 2, -1]}}\'',
+    )
+    infer.add_argument("--deadline-ms", type=int, help="give up if not answered within this many milliseconds")
+    infer.add_argument("--priority", type=int, help="request priority")
+    infer.set_defaults(client_command="infer")
+
+    for name, help_text in (
+        ("models", "list the served models and their inputs"),
+        ("health", "show whether the server is ready and its workers"),
+        ("stats", "show counters, latency percentiles and batch sizes"),
+    ):
+        subparsers.add_parser(name, parents=[connection], help=help_text).set_defaults(client_command=name)
+
+
+def run_client_command(args: argparse.Namespace) -> int:
+    """Run a parsed client subcommand; returns the process exit status."""
+    try:
+        inputs = _infer_inputs(args) if args.client_command == "infer" else {}
+        with Client(args.address, args.timeout) as client:
+            if args.client_command == "infer":
+                print(_format_infer_reply(client.infer(args.model, inputs, args.deadline_ms, args.priority)))
+            else:
+                reply = getattr(client, args.client_command)()
+                shown = {key: value for key, value in reply.items() if key not in ("id", "ok")}
+                print(json.dumps(_jsonable(shown), indent=2))
+    except ServerError as exc:
+        return _fail(exc.code, exc.message)
+    except TimeoutError as exc:
+        return _fail("TIMEOUT", str(exc))
+    except UsageError as exc:
+        return _fail("USAGE", str(exc))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clients.cli", description="Talk to a batchmaker server.")
+    add_client_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    return run_client_command(parser.parse_args(argv))
+
+
+def _infer_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    inputs: dict[str, Any] = {}
+    if args.tokens is not None:
+        try:
+            inputs["tokens"] = [int(token) for token in re.split(r"[\s,]+", args.tokens.strip()) if token]
+        except ValueError:
+            raise UsageError(f"--tokens must be integers separated by spaces, got {args.tokens!r}") from None
+    elif args.text is not None:
+        try:
+            inputs["tokens"] = Vocabulary(args.vocab).encode(args.text)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot load the vocabulary: {exc}") from None
+    if args.inputs_json is not None:
+        try:
+            extra = json.loads(args.inputs_json)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--json is not valid JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise UsageError("--json must be a JSON object mapping input names to values")
+        inputs.update(extra)
+    if not inputs:
+        raise UsageError("give the inputs with --tokens, --text or --json")
+    return inputs
+
+
+def _format_infer_reply(reply: Reply) -> str:
+    lines = [f"{name}: {_summarize(value)}" for name, value in reply.outputs.items()]
+    lines.append("timing: " + ", ".join(f"{key} {value}" for key, value in reply.timing.items()))
+    return "\n".join(lines)
+
+
+def _summarize(value: Any) -> str:
+    """Arrays as dtype, shape and their first values; anything else as JSON."""
+    if not isinstance(value, np.ndarray):
+        return json.dumps(_jsonable(value))
+    flat = value.reshape(-1)
+    floating = np.issubdtype(value.dtype, np.floating)
+    shown = [f"{item:.6g}" if floating else str(item) for item in flat[:PREVIEW_VALUES].tolist()]
+    more = ", ..." if flat.size > PREVIEW_VALUES else ""
+    return f"{value.dtype} shape {list(value.shape)} [{', '.join(shown)}{more}]"
+
+
+def _jsonable(value: Any) -> Any:
+    """Make a reply printable as JSON: binary blobs become their length, map keys strings."""
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    return value
+
+
+def _fail(code: str, message: str) -> int:
+    print(f"error {code}: {message}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

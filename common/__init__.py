@@ -1,0 +1,1 @@
+"""Code shared by the manager, the workers and the clients."""

@@ -1,0 +1,190 @@
+"""TOML configuration: server addresses, devices, scheduler policy and the models served.
+
+Every mistake is reported as a ConfigError naming the file, the table and the key,
+so that a typo fails at start-up instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("cellular", "padded", "graph")
+
+
+class ConfigError(ValueError):
+    """The configuration file cannot be used as written."""
+
+
+@dataclass(frozen=True)
+class CellTypeConfig:
+    """Scheduling settings of one cell type: the paper's Bsizes and priority."""
+
+    batch_sizes: tuple[int, ...]
+    priority: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    builder: str
+    weights: Path
+    params: dict[str, Any]
+    default_cell: CellTypeConfig
+    cells: dict[str, CellTypeConfig]
+
+    def cell_config(self, cell_type: str) -> CellTypeConfig:
+        return self.cells.get(cell_type, self.default_cell)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    address: str = "tcp://127.0.0.1:5555"
+    worker_address: str = "auto"
+    devices: str | tuple[str, ...] = "auto"
+    cpu_workers: int = 1
+    threads_per_worker: int = 1
+    arena_rows: int = 16384
+    io_rows: int = 16384
+    max_message_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "cellular"
+    max_tasks_to_submit: int = 5
+    idle_tasks: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    server: ServerConfig = field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and check a configuration file."""
+    path = Path(path).resolve()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_config(raw, path)
+
+
+def parse_config(raw: dict[str, Any], path: Path) -> Config:
+    unknown = set(raw) - {"server", "scheduler", "models"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models")
+    server = _parse_server(_table(raw, "server", path), path)
+    scheduler = _parse_scheduler(_table(raw, "scheduler", path), path)
+    models_raw = _table(raw, "models", path)
+    if not models_raw:
+        raise ConfigError(f"{path}: no [models.NAME] table; at least one model must be served")
+    models = {name: _parse_model(name, _table(models_raw, name, path, f"models.{name}"), path) for name in models_raw}
+    return Config(path=path, server=server, scheduler=scheduler, models=models)
+
+
+def _table(raw: dict[str, Any], key: str, path: Path, where: str | None = None) -> dict[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: [{where or key}] must be a table")
+    return value
+
+
+def _check_keys(table: dict[str, Any], allowed: set[str], where: str, path: Path) -> None:
+    unknown = set(table) - allowed
+    if unknown:
+        raise ConfigError(f"{path}: [{where}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _positive_int(table: dict[str, Any], key: str, default: int, where: str, path: Path, minimum: int = 1) -> int:
+    value = table.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{path}: [{where}] {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _string(table: dict[str, Any], key: str, default: str | None, where: str, path: Path) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: [{where}] {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
+    defaults = ServerConfig()
+    _check_keys(table, set(ServerConfig.__dataclass_fields__), "server", path)
+    devices = table.get("devices", defaults.devices)
+    if isinstance(devices, list):
+        if not devices or not all(isinstance(d, str) and (d == "cpu" or d.startswith("cuda:")) for d in devices):
+            raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list like [\"cuda:0\", \"cpu\"]")
+        devices = tuple(devices)
+    elif devices not in ("auto", "cpu"):
+        raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list of devices, got {devices!r}")
+    return ServerConfig(
+        address=_string(table, "address", defaults.address, "server", path),
+        worker_address=_string(table, "worker_address", defaults.worker_address, "server", path),
+        devices=devices,
+        cpu_workers=_positive_int(table, "cpu_workers", defaults.cpu_workers, "server", path),
+        threads_per_worker=_positive_int(table, "threads_per_worker", defaults.threads_per_worker, "server", path),
+        arena_rows=_positive_int(table, "arena_rows", defaults.arena_rows, "server", path, minimum=16),
+        io_rows=_positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
+        max_message_bytes=_positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
+    )
+
+
+def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
+    defaults = SchedulerConfig()
+    _check_keys(table, set(SchedulerConfig.__dataclass_fields__), "scheduler", path)
+    policy = table.get("policy", defaults.policy)
+    if policy not in POLICIES:
+        raise ConfigError(f"{path}: [scheduler] policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return SchedulerConfig(
+        policy=policy,
+        max_tasks_to_submit=_positive_int(table, "max_tasks_to_submit", defaults.max_tasks_to_submit, "scheduler", path),
+        idle_tasks=_positive_int(table, "idle_tasks", defaults.idle_tasks, "scheduler", path, minimum=0),
+    )
+
+
+def _parse_cell(table: dict[str, Any], where: str, path: Path, default: CellTypeConfig | None) -> CellTypeConfig:
+    sizes = table.get("batch_sizes", default.batch_sizes if default else None)
+    if (
+        not isinstance(sizes, (list, tuple))
+        or not sizes
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)
+    ):
+        raise ConfigError(f"{path}: [{where}] batch_sizes must be a non-empty list of positive integers, got {sizes!r}")
+    priority = table.get("priority", default.priority if default else 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ConfigError(f"{path}: [{where}] priority must be an integer, got {priority!r}")
+    return CellTypeConfig(batch_sizes=tuple(sorted(set(sizes))), priority=priority)
+
+
+def _parse_model(name: str, table: dict[str, Any], path: Path) -> ModelConfig:
+    where = f"models.{name}"
+    builder = _string(table, "builder", None, where, path)
+    if ":" not in builder:
+        raise ConfigError(f"{path}: [{where}] builder must look like \"package.module:function\", got {builder!r}")
+    weights = Path(_string(table, "weights", None, where, path))
+    if not weights.is_absolute():
+        weights = (path.parent / weights).resolve()
+    default_cell = _parse_cell(table, where, path, None)
+    cells_raw = _table(table, "cells", path, f"{where}.cells")
+    cells = {}
+    for cell_name, cell_table in cells_raw.items():
+        cell_where = f"{where}.cells.{cell_name}"
+        if not isinstance(cell_table, dict):
+            raise ConfigError(f"{path}: [{cell_where}] must be a table")
+        _check_keys(cell_table, {"batch_sizes", "priority"}, cell_where, path)
+        cells[cell_name] = _parse_cell(cell_table, cell_where, path, default_cell)
+    params = {k: v for k, v in table.items() if k not in {"builder", "weights", "batch_sizes", "priority", "cells"}}
+    return ModelConfig(
+        name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells
+    )

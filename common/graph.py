@@ -1,0 +1,105 @@
+"""Cell-graph types shared by models, the manager and the workers.
+
+A model's unfold function turns one request into a CellGraph: nodes (one cell
+invocation each) whose inputs are outputs of other nodes, external values taken
+from the request, or the all-zero row (an initial state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+
+class ValueKind(NamedTuple):
+    """What one arena row holds: a dtype and a per-row shape (the batch dimension excluded)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+
+@dataclass(frozen=True)
+class CellTypeSpec:
+    """A cell type: what it reads and writes, and how the scheduler batches it.
+
+    `key` is "model/cell" and names the cell type across processes.
+    """
+
+    key: str
+    inputs: tuple[ValueKind, ...]
+    outputs: tuple[ValueKind, ...]
+    batch_sizes: tuple[int, ...]
+    priority: int
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    @property
+    def min_batch(self) -> int:
+        return self.batch_sizes[0]
+
+    def padded_size(self, n: int) -> int:
+        """The smallest supported batch size that holds n nodes."""
+        for size in self.batch_sizes:
+            if size >= n:
+                return size
+        raise ValueError(f"{n} nodes exceed the largest batch size {self.max_batch} of {self.key}")
+
+
+# References and node specs are named tuples: requests unfold into thousands of them a second.
+
+
+class NodeOutput(NamedTuple):
+    """Output `port` of node `node` (an index into CellGraph.nodes; always an earlier node)."""
+
+    node: int
+    port: int = 0
+
+
+class External(NamedTuple):
+    """Value `index` of CellGraph.externals, written by the manager into a worker's io arena."""
+
+    index: int
+
+
+class Zero(NamedTuple):
+    """The all-zero row of an arena: an initial recurrent state."""
+
+
+ZERO = Zero()
+ValueRef = NodeOutput | External | Zero
+
+
+class NodeSpec(NamedTuple):
+    cell_type: str
+    inputs: tuple[ValueRef, ...]
+
+
+@dataclass
+class CellGraph:
+    """One request's unfolded computation.
+
+    `externals` holds one row per External reference, already shaped and typed
+    as the consuming input's ValueKind. `results` names the node outputs that
+    are copied back to the host and form the reply.
+    """
+
+    nodes: list[NodeSpec] = field(default_factory=list)
+    externals: list[np.ndarray] = field(default_factory=list)
+    results: dict[str, NodeOutput] = field(default_factory=dict)
+
+    def add_node(self, cell_type: str, *inputs: ValueRef) -> int:
+        self.nodes.append(NodeSpec(cell_type, tuple(inputs)))
+        return len(self.nodes) - 1
+
+    def add_external(self, value: np.ndarray) -> External:
+        self.externals.append(value)
+        return External(len(self.externals) - 1)

@@ -1,0 +1,155 @@
+"""The model interface: cell types, unfold function, cells with weights, reference.
+
+The manager only calls `unfold` and `describe` (no torch work on the hot path);
+workers call `make_cells`; tests and the demo call `reference`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.config import ConfigError, ModelConfig
+from common.graph import CellGraph, CellTypeSpec, ValueKind
+from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+
+
+class Model(ABC):
+    """A servable model: see DESIGN.md section 2."""
+
+    kind: str = ""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.name = config.name
+
+    # -- description -------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def cell_types(self) -> dict[str, CellTypeSpec]:
+        """Cell types by key ("model/cell")."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """The `models` reply entry: kind, inputs, outputs, vocab_size."""
+
+    def _cell_type(self, cell: str, inputs: tuple[ValueKind, ...], outputs: tuple[ValueKind, ...]) -> CellTypeSpec:
+        settings = self.config.cell_config(cell)
+        return CellTypeSpec(f"{self.name}/{cell}", inputs, outputs, settings.batch_sizes, settings.priority)
+
+    # -- serving -----------------------------------------------------------------------------
+    @abstractmethod
+    def unfold(self, inputs: Any) -> CellGraph:
+        """Validate one request's inputs and unfold them into a cell graph.
+
+        Raises RequestError (INVALID_INPUT or BAD_REQUEST) for inputs the model cannot serve.
+        """
+
+    def outputs(self, results: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Turn the host copies of the result values into the reply's outputs."""
+        return results
+
+    @abstractmethod
+    def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
+        """Build every cell type's module (weights embedded) from a state dict."""
+
+    # -- weights and reference -----------------------------------------------------------------
+    @abstractmethod
+    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
+        """A deterministic random state dict in this model's documented key layout."""
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        path = self.config.weights
+        if not path.exists():
+            raise ConfigError(
+                f"weights file {path} for model {self.name!r} does not exist; "
+                f"create it with: batchmaker init-weights CONFIG"
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        expected = self.init_weights(seed=0)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ConfigError(f"weights file {path} lacks {missing} needed by model {self.name!r}")
+        for key, tensor in expected.items():
+            if tuple(state[key].shape) != tuple(tensor.shape):
+                raise ConfigError(
+                    f"weights file {path}: {key} has shape {tuple(state[key].shape)}, "
+                    f"the config asks for {tuple(tensor.shape)}"
+                )
+        return {key: state[key].float() for key in expected}
+
+    @abstractmethod
+    def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
+        """Unbatched reference: what the served model must return for these inputs."""
+
+
+def build_model(config: ModelConfig) -> Model:
+    """Import the configured builder ("package.module:function") and build the model."""
+    module_name, _, func_name = config.builder.partition(":")
+    try:
+        builder = getattr(importlib.import_module(module_name), func_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"model {config.name!r}: cannot import builder {config.builder!r}: {exc}") from None
+    model = builder(config)
+    if not isinstance(model, Model):
+        raise ConfigError(f"model {config.name!r}: builder {config.builder!r} did not return a Model")
+    return model
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def int_param(params: dict[str, Any], key: str, model: str, default: int | None = None, minimum: int = 1) -> int:
+    value = params.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"[models.{model}] {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_params(params: dict[str, Any], allowed: set[str], model: str) -> None:
+    unknown = set(params) - allowed
+    if unknown:
+        raise ConfigError(f"[models.{model}] unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.ndarray:
+    """Validate a token sequence (a plain int array or an integer tensor map) and return it as int64."""
+    if not isinstance(inputs, dict):
+        raise RequestError(BAD_REQUEST, "inputs must be a map")
+    if key not in inputs:
+        raise RequestError(BAD_REQUEST, f"inputs lack {key!r}")
+    raw = inputs[key]
+    if is_tensor_map(raw):
+        array = map_to_tensor(raw, key)
+        if array.dtype.kind not in "iu" or array.ndim != 1:
+            raise RequestError(INVALID_INPUT, f"{key} must be a 1-D integer tensor, got {array.dtype}{list(array.shape)}")
+    elif isinstance(raw, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            raise RequestError(INVALID_INPUT, f"{key} must be a list of integer token ids")
+        try:
+            array = np.array(raw, dtype=np.int64)
+        except OverflowError:
+            raise RequestError(INVALID_INPUT, f"{key} holds a token id outside 0..{vocab_size - 1}") from None
+    else:
+        raise RequestError(INVALID_INPUT, f"{key} must be a list of integer token ids")
+    if array.size == 0:
+        raise RequestError(INVALID_INPUT, f"{key} is empty; send at least one token")
+    if array.size > max_length:
+        raise RequestError(INVALID_INPUT, f"{key} has {array.size} tokens; this model accepts at most {max_length}")
+    bad = (array < 0) | (array >= vocab_size)
+    if bad.any():
+        position = int(np.argmax(bad))
+        raise RequestError(
+            INVALID_INPUT,
+            f"{key}[{position}] = {int(array[position])} is outside the vocabulary; valid ids are 0..{vocab_size - 1}",
+        )
+    return array.astype(np.int64, copy=False)

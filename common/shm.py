@@ -1,0 +1,50 @@
+"""Named shared memory holding one array, mappable by other processes.
+
+Workers create their arenas and signal counter here; the manager attaches to a
+worker's io arenas (to write external inputs and read results) and its counter.
+"""
+
+from __future__ import annotations
+
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+
+class SharedArray:
+    """A numpy array in named shared memory. The creating process owns (and unlinks) it."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], name: str | None = None):
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize)
+        self.owner = name is None
+        if self.owner:
+            self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        else:
+            self._shm = shared_memory.SharedMemory(name=name)
+            # Attaching registers the segment with this process's resource tracker, which
+            # would unlink it (under its owner's feet) when this process exits.
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+            if self._shm.size < nbytes:
+                raise ValueError(f"shared memory {name} holds {self._shm.size} bytes, expected {nbytes}")
+        self.array = np.ndarray(self.shape, dtype=self.dtype, buffer=self._shm.buf)
+        if self.owner:
+            self.array.fill(0)
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    def close(self) -> None:
+        """Unmap (and unlink, for the owner). Views handed out must be dropped first."""
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._shm.close()
+        except BufferError:
+            pass  # a torch view still exports the buffer; the mapping goes with the process
+        if self.owner:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass

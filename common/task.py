@@ -1,0 +1,73 @@
+"""The batched-task message the manager sends a worker: just integers, no tensor data.
+
+    [task_id, cell_index, batch_size, uploads, inputs, outputs, downloads]
+
+* uploads:   [[io_arena, io_slots, arena, slots], ...] external inputs copied from the
+             host io arena into device rows before compute
+* inputs:    [[arena, slots], ...] one per cell input, `batch_size` slots each (padding
+             rows read the zero slot)
+* outputs:   [[arena, slots], ...] one per cell output (padding rows write the scratch slot)
+* downloads: [[arena, slots, io_arena, io_slots], ...] rows the host must see (results,
+             stop decisions), copied to the io arena after compute
+
+Slot lists travel as little-endian int64 bytes so both sides can view them without copying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+SLOT_DTYPE = np.dtype("<i8")
+
+SlotCopy = tuple[int, np.ndarray, int, np.ndarray]
+SlotList = tuple[int, np.ndarray]
+
+
+@dataclass(frozen=True)
+class TaskMessage:
+    task_id: int
+    cell_index: int
+    batch_size: int
+    uploads: list[SlotCopy]
+    inputs: list[SlotList]
+    outputs: list[SlotList]
+    downloads: list[SlotCopy]
+
+
+def _slots(values: list[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=SLOT_DTYPE).tobytes()
+
+
+def encode_task(message: TaskMessage) -> bytes:
+    return msgpack.packb(
+        [
+            message.task_id,
+            message.cell_index,
+            message.batch_size,
+            [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.uploads],
+            [[a, _slots(s)] for a, s in message.inputs],
+            [[a, _slots(s)] for a, s in message.outputs],
+            [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.downloads],
+        ],
+        use_bin_type=True,
+    )
+
+
+def _view(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=SLOT_DTYPE)
+
+
+def decode_task(frame: bytes) -> TaskMessage:
+    task_id, cell_index, batch_size, uploads, inputs, outputs, downloads = msgpack.unpackb(frame, raw=False)
+    return TaskMessage(
+        task_id,
+        cell_index,
+        batch_size,
+        [(a, _view(s), b, _view(t)) for a, s, b, t in uploads],
+        [(a, _view(s)) for a, s in inputs],
+        [(a, _view(s)) for a, s in outputs],
+        [(a, _view(s), b, _view(t)) for a, s, b, t in downloads],
+    )

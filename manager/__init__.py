@@ -1,0 +1,1 @@
+"""Manager process: frontend, request processor, scheduler, slot allocator."""

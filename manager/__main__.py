@@ -1,0 +1,5 @@
+import sys
+
+from manager.main import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""The `batchmaker` command: serve, run a worker, create weights, and the client subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from clients.cli import add_client_commands, run_client_command
+from common.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "configs/default.toml"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from manager.supervisor import serve
+
+    return serve(load_config(args.config), args.address, args.workers)
+
+
+def _init_weights(args: argparse.Namespace) -> int:
+    from common.models import init_missing_weights
+
+    created = init_missing_weights(load_config(args.config))
+    for path in created:
+        print(f"created {path}")
+    if not created:
+        print("all weights files exist")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from worker.main import main as worker_main
+
+    argv = ["--config", args.config, "--manager", args.manager, "--device", args.device, "--index", str(args.index)]
+    return worker_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchmaker", description="Low-latency RNN serving with cellular batching.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the server (manager + workers) in the foreground")
+    serve.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="TOML config (default: %(default)s)")
+    serve.add_argument("--address", help="client address, overriding the config")
+    serve.add_argument("--workers", type=int, help="number of CPU workers, overriding the config")
+    serve.set_defaults(handler=_serve)
+
+    weights = commands.add_parser("init-weights", help="create missing weights files deterministically")
+    weights.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
+    weights.set_defaults(handler=_init_weights)
+
+    worker = commands.add_parser("worker", help="run one worker process that registers with a running manager")
+    worker.add_argument("--config", default=DEFAULT_CONFIG)
+    worker.add_argument("--manager", required=True, help="the manager's worker address")
+    worker.add_argument("--device", default="cpu")
+    worker.add_argument("--index", type=int, default=0)
+    worker.set_defaults(handler=_worker)
+
+    add_client_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    if getattr(args, "client_command", None):
+        return run_client_command(args)
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        print(f"batchmaker: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

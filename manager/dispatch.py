@@ -1,0 +1,130 @@
+"""SubmitBatchedTask and its counterpart at completion: slots, io rows and the task message.
+
+At submission the dispatcher allocates each node's output slots on the chosen
+worker, writes external inputs into that worker's io arena, and sends the task.
+At completion it reads result rows back and frees every slot whose consumers
+have all completed.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable
+
+from common.graph import CellTypeSpec, External, NodeOutput, ValueKind
+from common.slots import SCRATCH_SLOT, ZERO_SLOT
+from common.task import TaskMessage, encode_task
+from manager.state import NodeState, Task
+from manager.workers import WorkerHandle
+
+
+class _Needs:
+    """Rows one node of a cell type may need, per kind: device rows and io rows (worst case)."""
+
+    def __init__(self, spec: CellTypeSpec):
+        device: collections.Counter[ValueKind] = collections.Counter(spec.outputs)
+        io: collections.Counter[ValueKind] = collections.Counter(spec.outputs)  # results
+        for kind in spec.inputs:
+            device[kind] += 1  # an external input is uploaded to a device row
+            io[kind] += 1
+        self.device = list(device.items())
+        self.io = list(io.items())
+
+
+class Dispatcher:
+    def __init__(self, specs: list[CellTypeSpec], send: Callable[[WorkerHandle, bytes], None]):
+        self._cell_index = {spec.key: i for i, spec in enumerate(specs)}
+        self._needs = {spec.key: _Needs(spec) for spec in specs}
+        self._send = send
+        self._next_task_id = 1
+
+    def capacity(self, spec: CellTypeSpec, worker: WorkerHandle) -> int:
+        """How many nodes of this cell type fit in the worker's free rows (at most one full batch)."""
+        needs = self._needs[spec.key]
+        limit = spec.max_batch
+        for kind, count in needs.device:
+            limit = min(limit, worker.slots[kind].available // count)
+        for kind, count in needs.io:
+            limit = min(limit, worker.io_slots[kind].available // count)
+        return limit
+
+    def submit(self, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle) -> Task:
+        size = spec.padded_size(len(nodes))
+        task = Task(self._next_task_id, spec, nodes, worker, size)
+        self._next_task_id += 1
+        in_kinds, out_kinds = spec.inputs, spec.outputs
+        in_slots = [[ZERO_SLOT] * size for _ in in_kinds]
+        out_slots = [[SCRATCH_SLOT] * size for _ in out_kinds]
+        uploads: dict[ValueKind, tuple[list[int], list[int]]] = {}
+        downloads: dict[ValueKind, tuple[list[int], list[int]]] = {}
+        out_allocators = [worker.slots[kind] for kind in out_kinds]
+        for row, node in enumerate(nodes):
+            node.worker = worker
+            request = node.request
+            for port, ref in enumerate(node.spec.inputs):
+                if type(ref) is NodeOutput:
+                    in_slots[port][row] = request.nodes[ref.node].out_slots[ref.port]
+                elif type(ref) is External:
+                    kind = in_kinds[port]
+                    device_slot, io_slot = worker.slots[kind].take(), worker.io_slots[kind].take()
+                    worker.io[kind][io_slot] = request.graph.externals[ref.index]
+                    io_rows, device_rows = uploads.setdefault(kind, ([], []))
+                    io_rows.append(io_slot)
+                    device_rows.append(device_slot)
+                    node.uploads.append((kind, device_slot, io_slot))
+                    in_slots[port][row] = device_slot
+            outs = tuple(allocator.take() for allocator in out_allocators)
+            node.out_slots = outs
+            for port, slot in enumerate(outs):
+                out_slots[port][row] = slot
+            for name, port in node.results:
+                kind = out_kinds[port]
+                io_slot = worker.io_slots[kind].take()
+                device_rows, io_rows = downloads.setdefault(kind, ([], []))
+                device_rows.append(outs[port])
+                io_rows.append(io_slot)
+                task.results.append((node, name, kind, io_slot))
+        message = TaskMessage(
+            task.task_id,
+            self._cell_index[spec.key],
+            size,
+            [(worker.io_arena_id[k], io, worker.arena_id[k], dev) for k, (io, dev) in uploads.items()],
+            [(worker.arena_id[k], slots) for k, slots in zip(in_kinds, in_slots)],
+            [(worker.arena_id[k], slots) for k, slots in zip(out_kinds, out_slots)],
+            [(worker.arena_id[k], dev, worker.io_arena_id[k], io) for k, (dev, io) in downloads.items()],
+        )
+        worker.tasks[task.task_id] = task
+        task.submitted = time.perf_counter()
+        self._send(worker, encode_task(message))
+        return task
+
+    def complete(self, task: Task) -> None:
+        """Read the task's results into their requests and free the slots no one will read again."""
+        worker = task.worker
+        for node, name, kind, io_slot in task.results:
+            node.request.results[name] = worker.io[kind][io_slot].copy()
+            worker.io_slots[kind].give(io_slot)
+        for node in task.nodes:
+            node.completed = True
+            for kind, device_slot, io_slot in node.uploads:
+                worker.slots[kind].give(device_slot)
+                worker.io_slots[kind].give(io_slot)
+            node.uploads.clear()
+            for producer in node.producers:
+                self.release_consumer(producer)
+            if node.live_consumers == 0:
+                self._free_outputs(node)
+
+    def release_consumer(self, producer: NodeState) -> None:
+        """One consumer of `producer` completed or was dropped; free its outputs after the last one."""
+        producer.live_consumers -= 1
+        if producer.live_consumers == 0 and producer.completed:
+            self._free_outputs(producer)
+
+    @staticmethod
+    def _free_outputs(node: NodeState) -> None:
+        allocators = node.worker.slots
+        for kind, slot in zip(node.cell.outputs, node.out_slots):
+            allocators[kind].give(slot)
+        node.out_slots = ()

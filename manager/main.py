@@ -1,0 +1,45 @@
+"""Entry point of the manager process (started by the supervisor)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import signal
+
+import zmq
+
+from common.config import ConfigError, load_config
+from manager.server import Manager
+
+log = logging.getLogger("batchmaker.manager")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m manager", description="Run the batchmaker manager process.")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--address", help="client address (default: from the config)")
+    parser.add_argument("--worker-address", required=True, help="address workers register at")
+    parser.add_argument("--expected-workers", type=int, default=1, help="workers configured (for health)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s manager %(levelname)s %(message)s")
+    try:
+        config = load_config(args.config)
+        manager = Manager(
+            config, args.address or config.server.address, args.worker_address, args.expected_workers, args.parent_pid
+        )
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    except zmq.ZMQError as exc:
+        log.error("cannot open the manager's sockets: %s", exc)
+        return 2
+    # Requests allocate many small cyclic objects; collect them rarely, and never rescan start-up state.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 20, 100)
+    signal.signal(signal.SIGTERM, manager.stop)
+    signal.signal(signal.SIGINT, manager.stop)
+    manager.run()
+    return 0

@@ -1,0 +1,335 @@
+"""The manager process: one thread, one zmq.Poller event loop, no locks on the hot path.
+
+Each turn of the loop takes completion notices first (they free workers and slots),
+then worker registrations, then client requests, and finally runs Schedule for every
+idle worker so that newly arrived requests join the very next batched tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from common.config import Config, ConfigError
+from common.graph import CellTypeSpec, ValueKind
+from common.models.base import Model, build_model
+from common.protocol import (
+    BAD_REQUEST,
+    CANCELLED,
+    INTERNAL,
+    OPS,
+    PROTOCOL_VERSION,
+    UNKNOWN_MODEL,
+    RequestError,
+    decode,
+    encode,
+    error_reply,
+)
+from manager.dispatch import Dispatcher
+from manager.request_processor import RequestProcessor
+from manager.scheduler import Scheduler
+from manager.state import NodeState, Request, Task
+from manager.stats import Stats, request_timing
+from manager.workers import WorkerHandle
+
+log = logging.getLogger("batchmaker.manager")
+
+CLIENT_BURST = 4  # client messages per loop turn: admission is interleaved with completions and scheduling
+IDLE_POLL_MS = 100
+
+
+def completion_address(worker_address: str) -> str:
+    """Where workers push completion notices: beside the worker address."""
+    if worker_address.startswith("tcp://"):
+        host, _, port = worker_address.rpartition(":")
+        return f"{host}:{int(port) + 1}"
+    return worker_address + "-completions"
+
+
+def load_models(config: Config) -> tuple[dict[str, Model], list[CellTypeSpec], list[ValueKind]]:
+    """Models by name, every cell type sorted by key (the order workers use) and every value kind."""
+    models = {name: build_model(model_config) for name, model_config in config.models.items()}
+    specs = sorted((spec for model in models.values() for spec in model.cell_types.values()), key=lambda s: s.key)
+    kinds = sorted({kind for spec in specs for kind in (*spec.inputs, *spec.outputs)}, key=lambda k: k.key)
+    return models, specs, kinds
+
+
+class Manager:
+    def __init__(
+        self,
+        config: Config,
+        client_address: str,
+        worker_address: str,
+        expected_workers: int,
+        parent_pid: int | None = None,
+    ):
+        if config.scheduler.policy != "cellular":
+            raise ConfigError(f"scheduler policy {config.scheduler.policy!r} is not available in this build")
+        self.config = config
+        self.models, self.specs, self.kinds = load_models(config)
+        self.expected_workers = expected_workers
+        self.max_message_bytes = config.server.max_message_bytes
+        self.idle_tasks = config.scheduler.idle_tasks
+        self.stats = Stats()
+        self.workers: dict[int, WorkerHandle] = {}
+        self._worker_by_identity: dict[bytes, WorkerHandle] = {}
+        self._next_worker_id = 0
+        self._in_flight: dict[tuple[bytes, Any], Request] = {}
+        self._stopping = False
+        self._parent_pid = parent_pid
+
+        self.dispatcher = Dispatcher(self.specs, self._send_task)
+        self.scheduler = Scheduler(
+            self.specs, config.scheduler.max_tasks_to_submit, self._submit, self.dispatcher.capacity
+        )
+        self.processor = RequestProcessor(
+            {spec.key: spec for spec in self.specs}, self.scheduler, self.dispatcher, self._finish
+        )
+
+        self._context = zmq.Context()
+        self.frontend = self._context.socket(zmq.ROUTER)
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self.frontend.setsockopt(zmq.LINGER, 0)
+        self.frontend.bind(client_address)
+        self.worker_socket = self._context.socket(zmq.ROUTER)
+        self.worker_socket.setsockopt(zmq.LINGER, 0)
+        self.worker_socket.bind(worker_address)
+        self.completions_address = completion_address(worker_address)
+        self.completions = self._context.socket(zmq.PULL)
+        self.completions.setsockopt(zmq.LINGER, 0)
+        self.completions.bind(self.completions_address)
+        log.info("serving %s on %s", ", ".join(self.models), client_address)
+
+    # -- event loop ----------------------------------------------------------------------------
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for socket in (self.completions, self.worker_socket, self.frontend):
+            poller.register(socket, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(IDLE_POLL_MS))
+                if self.completions in events:
+                    self._drain_completions()
+                if self.worker_socket in events:
+                    self._drain_worker_control()
+                if self.frontend in events:
+                    self._drain_clients()
+                self._schedule_idle_workers()
+                if not events and self._parent_pid is not None and os.getppid() != self._parent_pid:
+                    log.warning("parent process %d is gone; exiting", self._parent_pid)
+                    break
+        finally:
+            self._shutdown()
+
+    def _schedule_idle_workers(self) -> None:
+        for worker in self.workers.values():
+            while worker.in_flight <= self.idle_tasks and self.scheduler.schedule(worker):
+                pass
+
+    def _shutdown(self) -> None:
+        for request in list(self._in_flight.values()):
+            self.processor.fail(request, RequestError(INTERNAL, "the server is shutting down"))
+        for worker in self.workers.values():
+            self.worker_socket.send_multipart([worker.identity, b"stop", b""])
+            worker.close()
+        for socket in (self.frontend, self.worker_socket, self.completions):
+            socket.close()
+        self._context.term()
+
+    # -- workers -------------------------------------------------------------------------------
+    def _send_task(self, worker: WorkerHandle, payload: bytes) -> None:
+        self.worker_socket.send_multipart([worker.identity, b"task", payload])
+
+    def _submit(self, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle) -> Task:
+        task = self.dispatcher.submit(spec, nodes, worker)
+        self.stats.task_submitted(task)
+        return task
+
+    def _drain_completions(self) -> None:
+        while True:
+            try:
+                frame = self.completions.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            worker_id, task_ids, errors = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+            worker = self.workers.get(worker_id)
+            if worker is None:
+                continue
+            for task_id in task_ids:
+                task = worker.tasks.pop(task_id, None)
+                if task is not None:
+                    self.processor.task_completed(task, errors.get(task_id))
+
+    def _drain_worker_control(self) -> None:
+        while True:
+            try:
+                identity, frame = self.worker_socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # not a two-frame message: not one of our workers
+            try:
+                message = decode(frame)
+                if message.get("op") != "register":
+                    raise RequestError(BAD_REQUEST, f"unknown worker op {message.get('op')!r}")
+                worker = self._register(identity, message)
+                reply = {"ok": True, "worker_id": worker.worker_id, "completions": self.completions_address}
+            except RequestError as exc:
+                log.error("worker registration refused: %s", exc.message)
+                reply = {"ok": False, "error": exc.message}
+            self.worker_socket.send_multipart([identity, b"registered", encode(reply)])
+
+    def _register(self, identity: bytes, message: dict[str, Any]) -> WorkerHandle:
+        expected = [spec.key for spec in self.specs]
+        if message.get("cells") != expected:
+            raise RequestError(BAD_REQUEST, f"worker serves cells {message.get('cells')}, the manager {expected}")
+        worker = WorkerHandle(self._next_worker_id, identity, message, self.kinds)
+        self._next_worker_id += 1
+        self.workers[worker.worker_id] = worker
+        self._worker_by_identity[identity] = worker
+        log.info("worker %s (pid %s, %s) registered as %d", worker.index, worker.pid, worker.device, worker.worker_id)
+        return worker
+
+    # -- clients -------------------------------------------------------------------------------
+    def _reply(self, client: bytes, message: dict[str, Any]) -> None:
+        self.frontend.send_multipart([client, encode(message)])
+
+    def _drain_clients(self) -> None:
+        for _ in range(CLIENT_BURST):
+            try:
+                frames = self.frontend.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            arrival = time.perf_counter()
+            self.stats.request_received()
+            client, body = frames[0], frames[-1]
+            request_id = None
+            try:
+                if len(frames) != 2:
+                    raise RequestError(BAD_REQUEST, "a request is exactly one frame holding a msgpack map")
+                message = decode(body, self.max_message_bytes)
+                if not isinstance(message, dict):
+                    raise RequestError(BAD_REQUEST, "a request must be a msgpack map")
+                request_id = message.get("id")
+                self._handle(client, message, arrival)
+            except RequestError as exc:
+                self._refuse(client, request_id, exc)
+            except Exception as exc:  # a bug must cost one request, never the server
+                log.exception("request %r failed", request_id)
+                self._refuse(client, request_id, RequestError(INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _refuse(self, client: bytes, request_id: Any, error: RequestError) -> None:
+        self.stats.request_answered(error.code, None, False)
+        self._reply(client, error_reply(_echo_id(request_id), error.code, error.message))
+
+    def _handle(self, client: bytes, message: dict[str, Any], arrival: float) -> None:
+        if "id" not in message:
+            raise RequestError(BAD_REQUEST, "request lacks 'id' (an int or a string)")
+        request_id = message["id"]
+        if _echo_id(request_id) is None:
+            raise RequestError(BAD_REQUEST, "'id' must be an int or a string")
+        op = message.get("op", "infer")
+        if op not in OPS:
+            raise RequestError(BAD_REQUEST, f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+        if op == "infer":
+            self._infer(client, request_id, message, arrival)
+        elif op == "models":
+            self._reply(client, {"id": request_id, "ok": True, "version": PROTOCOL_VERSION, "models": self._models()})
+        elif op == "health":
+            self._reply(client, {"id": request_id, "ok": True, **self._health()})
+        elif op == "stats":
+            self._reply(client, {"id": request_id, "ok": True, **self._stats()})
+        elif op == "cancel":
+            self._cancel(client, request_id, message)
+
+    def _infer(self, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> None:
+        name = message.get("model")
+        if not isinstance(name, str):
+            raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
+        model = self.models.get(name)
+        if model is None:
+            raise RequestError(UNKNOWN_MODEL, f"no model named {name!r}; this server has {', '.join(self.models)}")
+        if "inputs" not in message:
+            raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
+        key = (client, request_id)
+        if key in self._in_flight:
+            raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
+        graph = model.unfold(message["inputs"])
+        self._in_flight[key] = self.processor.admit(client, request_id, model, graph, arrival)
+
+    def _cancel(self, client: bytes, request_id: Any, message: dict[str, Any]) -> None:
+        if "target" not in message:
+            raise RequestError(BAD_REQUEST, "cancel lacks 'target' (the id of an earlier request)")
+        request = self._in_flight.get((client, message["target"]))
+        if request is not None:
+            self.processor.fail(request, RequestError(CANCELLED, "cancelled by the client"))
+        self._reply(client, {"id": request_id, "ok": True, "cancelled": request is not None})
+
+    def _finish(self, request: Request, error: RequestError | None) -> None:
+        """Answer a request: its results, or the error that ended it."""
+        self._in_flight.pop((request.client, request.request_id), None)
+        end = time.perf_counter()
+        earliest = self.processor.earliest_running_arrival()
+        left_early = earliest is not None and earliest < request.arrival
+        if error is not None:
+            self.stats.request_answered(error.code, None, False)
+            self._reply(request.client, error_reply(request.request_id, error.code, error.message))
+            return
+        timing = request_timing(request, end)
+        self.stats.request_answered("ok", timing, left_early)
+        outputs = request.model.outputs(request.results)
+        self._reply(request.client, {"id": request.request_id, "ok": True, "outputs": outputs, "timing": timing})
+
+    # -- introspection ---------------------------------------------------------------------------
+    def _models(self) -> dict[str, Any]:
+        described = {}
+        for name, model in self.models.items():
+            entry = model.describe()
+            entry["cell_types"] = {
+                spec.key: {"batch_sizes": list(spec.batch_sizes), "priority": spec.priority}
+                for spec in model.cell_types.values()
+            }
+            described[name] = entry
+        return described
+
+    def _health(self) -> dict[str, Any]:
+        up = len(self.workers)
+        status = "ready" if up >= self.expected_workers and up > 0 else "degraded"
+        return {
+            "status": status,
+            "workers": [
+                {"id": w.worker_id, "index": w.index, "device": w.device, "pid": w.pid, "tasks_in_flight": w.in_flight}
+                for w in self.workers.values()
+            ],
+            "expected_workers": self.expected_workers,
+        }
+
+    def _stats(self) -> dict[str, Any]:
+        return {
+            **self.stats.snapshot(),
+            "requests_in_flight": len(self._in_flight),
+            "ready_nodes": self.scheduler.ready_nodes(),
+            "workers": {
+                str(w.worker_id): {
+                    "tasks_in_flight": w.in_flight,
+                    "arenas": w.occupancy(),
+                    "slots_in_use": w.slots_in_use(),
+                }
+                for w in self.workers.values()
+            },
+        }
+
+
+def _echo_id(value: Any) -> Any:
+    """A request id fit to echo back: an int or a str, else None."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return None

@@ -1,0 +1,116 @@
+"""Run-time records of the manager: requests, nodes, subgraphs and batched tasks.
+
+Plain classes with __slots__: the scheduler touches these tens of thousands of
+times a second, so attribute access must stay cheap.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from common.graph import CellGraph, CellTypeSpec, NodeSpec
+
+if TYPE_CHECKING:
+    from common.models.base import Model
+    from manager.workers import WorkerHandle
+
+
+class Subgraph:
+    """Connected nodes of one cell type in one request: the unit that is queued and pinned (paper section 4.3)."""
+
+    __slots__ = ("cell_key", "request", "ready", "remaining", "pinned_worker", "running_tasks", "queued")
+
+    def __init__(self, cell_key: str, request: Request):
+        self.cell_key = cell_key
+        self.request = request
+        self.ready: collections.deque[NodeState] = collections.deque()
+        self.remaining = 0  # nodes not yet submitted
+        self.pinned_worker: WorkerHandle | None = None
+        self.running_tasks = 0  # submitted tasks holding nodes of this subgraph, not yet completed
+        self.queued = False
+
+
+class NodeState:
+    """One cell invocation of one request, from unfold to the freeing of its output slots."""
+
+    __slots__ = (
+        "spec",
+        "cell",
+        "request",
+        "subgraph",
+        "pending",
+        "consumers",
+        "producers",
+        "live_consumers",
+        "results",
+        "worker",
+        "out_slots",
+        "uploads",
+        "completed",
+    )
+
+    def __init__(self, spec: NodeSpec, cell: CellTypeSpec, request: Request):
+        self.spec = spec
+        self.cell = cell
+        self.request = request
+        self.subgraph: Subgraph | None = None
+        self.pending = 0  # producers not yet submitted
+        self.consumers: list[NodeState] = []
+        self.producers: list[NodeState] = []  # distinct producer nodes
+        self.live_consumers = 0  # consumers that have not completed (or been dropped)
+        self.results: list[tuple[str, int]] = []  # (result name, output port) copied back to the host
+        self.worker: WorkerHandle | None = None
+        self.out_slots: tuple[int, ...] = ()
+        self.uploads: list[tuple[Any, int, int]] = []  # (kind, device slot, io slot) of external inputs
+        self.completed = False
+
+
+class Request:
+    __slots__ = (
+        "client",
+        "request_id",
+        "model",
+        "graph",
+        "nodes",
+        "subgraphs",
+        "arrival",
+        "started",
+        "worker",
+        "results",
+        "results_pending",
+        "in_flight",
+        "done",
+    )
+
+    def __init__(self, client: bytes, request_id: Any, model: Model, graph: CellGraph, arrival: float):
+        self.client = client
+        self.request_id = request_id
+        self.model = model
+        self.graph = graph
+        self.nodes: list[NodeState] = []
+        self.subgraphs: list[Subgraph] = []
+        self.arrival = arrival
+        self.started: float | None = None  # first submission
+        self.worker: WorkerHandle | None = None  # where its values live
+        self.results: dict[str, np.ndarray] = {}
+        self.results_pending = 0
+        self.in_flight = 0  # submitted nodes not yet completed
+        self.done = False  # replied to (answer or error); remaining nodes are dropped
+
+
+class Task:
+    """A batched task: nodes of one cell type sent together to one worker."""
+
+    __slots__ = ("task_id", "spec", "nodes", "worker", "batch_size", "results", "submitted")
+
+    def __init__(self, task_id: int, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle, batch_size: int):
+        self.task_id = task_id
+        self.spec = spec
+        self.nodes = nodes
+        self.worker = worker
+        self.batch_size = batch_size
+        self.results: list[tuple[NodeState, str, Any, int]] = []  # (node, name, kind, io slot)
+        self.submitted = 0.0

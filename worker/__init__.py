@@ -1,0 +1,1 @@
+"""Worker process: device arenas, task issuer, stream, signal counter and poller."""

@@ -1,0 +1,66 @@
+"""What a device backend offers the worker's issuer and poller.
+
+A backend owns the device arenas (one per value kind), the host io arenas shared
+with the manager, the stream tasks are issued to, and the signal counter that the
+stream advances after each task, in stream order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from common.graph import ValueKind
+from common.task import TaskMessage
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    """One arena as announced to the manager at registration."""
+
+    arena_id: int
+    kind: ValueKind
+    space: str  # "device" or "io"
+    rows: int
+    shm_name: str | None  # set where another process can map it
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.arena_id, "kind": self.kind.key, "space": self.space, "rows": self.rows, "shm": self.shm_name}
+
+
+def arena_ids(kinds: list[ValueKind]) -> dict[ValueKind, tuple[int, int]]:
+    """Arena ids of each kind: (device arena, io arena)."""
+    return {kind: (2 * i, 2 * i + 1) for i, kind in enumerate(kinds)}
+
+
+class Backend(ABC):
+    device: str
+
+    @property
+    @abstractmethod
+    def arenas(self) -> list[ArenaInfo]: ...
+
+    @property
+    @abstractmethod
+    def signal_name(self) -> str | None:
+        """Shared-memory name of the signal counter, where the manager can watch it."""
+
+    @abstractmethod
+    def warm_up(self) -> None:
+        """Materialize every (cell type, batch size) once before serving."""
+
+    @abstractmethod
+    def issue(self, task: TaskMessage) -> None:
+        """Enqueue all of a task's work on the stream, ending with the signal write. Never blocks on the device."""
+
+    @abstractmethod
+    def signal(self) -> int:
+        """How many issued tasks the stream has finished."""
+
+    @abstractmethod
+    def finish(self, task_id: int) -> str | None:
+        """Host-side completion of a finished task; returns its error message, if it failed."""
+
+    @abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,146 @@
+"""CPU backend: arenas in shared memory and an executor thread standing in for a device stream.
+
+The "stream" drains a FIFO of issued tasks in order; after each task it advances an
+int64 signal counter in shared memory, exactly where a GPU stream would write its
+pinned counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from common.graph import CellTypeSpec, ValueKind
+from common.shm import SharedArray
+from common.slots import SCRATCH_SLOT, ZERO_SLOT
+from common.task import TaskMessage
+from worker.backend import ArenaInfo, Backend, arena_ids
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+SlotCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Upload = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class IssuedTask:
+    """A task with its arenas and slot lists resolved to tensors, ready for the stream."""
+
+    task_id: int
+    cell: nn.Module
+    uploads: list[Upload]  # (rows gathered from the io arena at issue time, arena, slots)
+    inputs: list[tuple[torch.Tensor, torch.Tensor]]
+    outputs: list[tuple[torch.Tensor, torch.Tensor]]
+    downloads: list[SlotCopy]
+
+
+def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module]) -> IssuedTask:
+    """Turn a task message into tensors: the issuer's share of the work, done off the stream."""
+
+    def index(slots) -> torch.Tensor:
+        return torch.from_numpy(slots.copy())
+
+    return IssuedTask(
+        task.task_id,
+        cells[task.cell_index],
+        [(tensors[a].index_select(0, index(s)), tensors[b], index(t)) for a, s, b, t in task.uploads],
+        [(tensors[a], index(s)) for a, s in task.inputs],
+        [(tensors[a], index(s)) for a, s in task.outputs],
+        [(tensors[a], index(s), tensors[b], index(t)) for a, s, b, t in task.downloads],
+    )
+
+
+def run_task(task: IssuedTask) -> None:
+    """Gather, compute, scatter: the body of every task on every backend."""
+    for rows, dst, dst_slots in task.uploads:
+        dst.index_copy_(0, dst_slots, rows.to(dst.device, non_blocking=True))
+    batch = [arena.index_select(0, slots) for arena, slots in task.inputs]
+    results = task.cell(*batch)
+    if isinstance(results, torch.Tensor):
+        results = (results,)
+    for (arena, slots), value in zip(task.outputs, results):
+        arena.index_copy_(0, slots, value)
+    for src, src_slots, dst, dst_slots in task.downloads:
+        dst.index_copy_(0, dst_slots, src.index_select(0, src_slots))
+
+
+def warm_up_cells(cells: list[nn.Module], specs: list[CellTypeSpec], tensors: list[torch.Tensor], ids) -> None:
+    """Run each cell once at each batch size on zero rows, writing only the scratch slot."""
+    for cell, spec in zip(cells, specs):
+        for size in spec.batch_sizes:
+            inputs = [(tensors[ids[k][0]], torch.full((size,), ZERO_SLOT, dtype=torch.int64)) for k in spec.inputs]
+            outputs = [(tensors[ids[k][0]], torch.full((size,), SCRATCH_SLOT, dtype=torch.int64)) for k in spec.outputs]
+            run_task(IssuedTask(-1, cell, [], inputs, outputs, []))
+
+
+class CpuBackend(Backend):
+    device = "cpu"
+
+    def __init__(
+        self, cells: list[nn.Module], specs: list[CellTypeSpec], kinds: list[ValueKind], arena_rows: int, io_rows: int
+    ):
+        self._cells = cells
+        self._specs = specs
+        self._ids = arena_ids(kinds)
+        self._shared: list[SharedArray] = []
+        self._arena_info: list[ArenaInfo] = []
+        for kind in kinds:
+            for arena_id, space, rows in zip(self._ids[kind], ("device", "io"), (arena_rows, io_rows)):
+                shared = SharedArray(kind.dtype, (rows, *kind.shape))
+                self._shared.append(shared)
+                self._arena_info.append(ArenaInfo(arena_id, kind, space, rows, shared.name))
+        self._tensors = [torch.from_numpy(shared.array) for shared in self._shared]
+        self._counter = SharedArray("int64", (1,))
+        self._errors: dict[int, str] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._stream, name="cpu-stream", daemon=True)
+        self._thread.start()
+
+    @property
+    def arenas(self) -> list[ArenaInfo]:
+        return self._arena_info
+
+    @property
+    def signal_name(self) -> str:
+        return self._counter.name
+
+    def warm_up(self) -> None:
+        with torch.inference_mode():
+            warm_up_cells(self._cells, self._specs, self._tensors, self._ids)
+
+    def issue(self, task: TaskMessage) -> None:
+        self._queue.put(resolve(task, self._tensors, self._cells))
+
+    def signal(self) -> int:
+        return int(self._counter.array[0])
+
+    def finish(self, task_id: int) -> str | None:
+        return self._errors.pop(task_id, None)
+
+    def _stream(self) -> None:
+        counter = self._counter.array
+        with torch.inference_mode():
+            while True:
+                task = self._queue.get()
+                if task is _STOP:
+                    return
+                try:
+                    run_task(task)
+                except Exception as exc:  # a failed task must still advance the counter
+                    log.exception("task %d failed", task.task_id)
+                    self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
+                counter[0] += 1
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
+        self._tensors = []
+        for shared in [*self._shared, self._counter]:
+            shared.close()

@@ -1,0 +1,120 @@
+"""CUDA backend: one stream per worker, device arenas, page-locked io arenas, pinned signal counter.
+
+Every kernel of a task is enqueued on the worker's stream without waiting; the
+stream then copies the task's sequence number into a pinned host counter, so the
+poller learns of completion by reading host memory, with no synchronize and no
+host callback on the stream. Only imported when a worker is started on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.graph import CellTypeSpec, ValueKind
+from common.shm import SharedArray
+from common.task import TaskMessage
+from worker.backend import ArenaInfo, Backend, arena_ids
+from worker.cpu import IssuedTask, run_task, warm_up_cells
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
+
+
+class CudaBackend(Backend):
+    def __init__(
+        self,
+        device: str,
+        cells: list[nn.Module],
+        specs: list[CellTypeSpec],
+        kinds: list[ValueKind],
+        arena_rows: int,
+        io_rows: int,
+    ):
+        self.device = device
+        self._dev = torch.device(device)
+        torch.cuda.set_device(self._dev)
+        self._stream = torch.cuda.Stream(self._dev)
+        self._cells = [cell.to(self._dev) for cell in cells]
+        self._specs = specs
+        self._ids = arena_ids(kinds)
+        self._arena_info: list[ArenaInfo] = []
+        self._shared: list[SharedArray] = []
+        self._tensors: list[torch.Tensor] = [torch.empty(0)] * (2 * len(kinds))
+        for kind in kinds:
+            device_id, io_id = self._ids[kind]
+            self._tensors[device_id] = torch.zeros((arena_rows, *kind.shape), dtype=_TORCH_DTYPES[kind.dtype], device=self._dev)
+            self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None))
+            shared = SharedArray(kind.dtype, (io_rows, *kind.shape))
+            io = torch.from_numpy(shared.array)
+            _page_lock(io)
+            self._shared.append(shared)
+            self._tensors[io_id] = io
+            self._arena_info.append(ArenaInfo(io_id, kind, "io", io_rows, shared.name))
+        self._counter = torch.zeros(1, dtype=torch.int64).pin_memory()
+        self._sequence = torch.zeros(1, dtype=torch.int64, device=self._dev)
+        self._issued = 0
+        self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def arenas(self) -> list[ArenaInfo]:
+        return self._arena_info
+
+    @property
+    def signal_name(self) -> None:
+        return None  # the counter is pinned memory private to this process
+
+    def warm_up(self) -> None:
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            warm_up_cells(self._cells, self._specs, self._tensors, self._ids)
+        self._stream.synchronize()
+
+    def _device_index(self, slots) -> torch.Tensor:
+        return torch.from_numpy(slots.copy()).pin_memory().to(self._dev, non_blocking=True)
+
+    def issue(self, task: TaskMessage) -> None:
+        tensors, index = self._tensors, self._device_index
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            uploads = []
+            for a, s, b, t in task.uploads:
+                rows = tensors[a].index_select(0, torch.from_numpy(s.copy())).pin_memory()
+                uploads.append((rows, tensors[b], index(t)))
+            run_task(
+                IssuedTask(
+                    task.task_id,
+                    self._cells[task.cell_index],
+                    uploads,
+                    [(tensors[a], index(s)) for a, s in task.inputs],
+                    [(tensors[a], index(s)) for a, s in task.outputs],
+                    [],
+                )
+            )
+            staged = []
+            for a, s, b, t in task.downloads:
+                rows = tensors[a].index_select(0, index(s))
+                host = torch.empty(rows.shape, dtype=rows.dtype).pin_memory()
+                host.copy_(rows, non_blocking=True)
+                staged.append((host, tensors[b], torch.from_numpy(t.copy())))
+            self._staged[task.task_id] = staged
+            self._issued += 1
+            self._sequence.fill_(self._issued)
+            self._counter.copy_(self._sequence, non_blocking=True)
+
+    def signal(self) -> int:
+        return int(self._counter[0])
+
+    def finish(self, task_id: int) -> str | None:
+        for host, io, slots in self._staged.pop(task_id, []):
+            io.index_copy_(0, slots, host)
+        return None
+
+    def close(self) -> None:
+        self._stream.synchronize()
+        for shared in self._shared:
+            shared.close()
+
+
+def _page_lock(tensor: torch.Tensor) -> None:
+    """Page-lock memory we did not allocate (the shared io arena) so device copies are asynchronous."""
+    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    if int(result) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with error {int(result)}")

@@ -1,0 +1,242 @@
+"""The worker process: registers with the manager, issues tasks ahead of time, reports completions.
+
+Threads (ZeroMQ sockets are not thread-safe, so each thread has its own):
+* issuer (main thread): receives tasks, pushes each on the in-progress FIFO and
+  issues all its work to the stream at once, in arrival order, without waiting;
+* poller: watches the stream's signal counter and, for each increment, pops the
+  FIFO head and sends a completion notice (several are coalesced into one message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import msgpack
+import torch
+import zmq
+
+from common.config import Config, ConfigError, load_config
+from common.graph import CellTypeSpec, ValueKind
+from common.models.base import build_model
+from common.protocol import decode, encode
+from common.task import decode_task
+from worker.backend import Backend
+
+log = logging.getLogger("batchmaker.worker")
+
+REGISTER_TIMEOUT_S = 60.0
+SPIN_ROUNDS = 50  # polls without sleeping before backing off
+MAX_BACKOFF_S = 0.0005
+IDLE_WAIT_S = 0.05
+
+
+class InProgressFIFO:
+    """Tasks issued to the stream and not yet reported complete, in stream order."""
+
+    def __init__(self) -> None:
+        self._tasks: collections.deque[int] = collections.deque()
+        self._issued = threading.Event()
+
+    def push(self, task_id: int) -> None:
+        self._tasks.append(task_id)
+        self._issued.set()
+
+    def pop(self) -> int:
+        return self._tasks.popleft()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def wait_for_work(self, timeout: float) -> None:
+        self._issued.clear()
+        if not self._tasks:
+            self._issued.wait(timeout)
+
+
+class Poller(threading.Thread):
+    """Turns signal-counter increments into completion notices for the manager."""
+
+    def __init__(self, context: zmq.Context, address: str, worker_id: int, backend: Backend, fifo: InProgressFIFO):
+        super().__init__(name="poller", daemon=True)
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(address)
+        self._worker_id = worker_id
+        self._backend = backend
+        self._fifo = fifo
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        done = 0
+        spins = 0
+        while not self.stopping.is_set():
+            finished = self._backend.signal()
+            if finished > done:
+                task_ids, errors = [], {}
+                for _ in range(finished - done):
+                    task_id = self._fifo.pop()
+                    error = self._backend.finish(task_id)
+                    task_ids.append(task_id)
+                    if error is not None:
+                        errors[task_id] = error
+                done = finished
+                self._socket.send(msgpack.packb([self._worker_id, task_ids, errors]))
+                spins = 0
+            elif not self._fifo:
+                self._fifo.wait_for_work(IDLE_WAIT_S)
+                spins = 0
+            else:
+                spins += 1
+                time.sleep(0 if spins < SPIN_ROUNDS else min(MAX_BACKOFF_S, 1e-5 * (spins - SPIN_ROUNDS + 1)))
+        self._socket.close()
+
+
+def load_cells(config: Config) -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
+    """Every configured model's cell types in a stable order (the manager uses the same), with their modules."""
+    specs: list[CellTypeSpec] = []
+    modules: dict[str, torch.nn.Module] = {}
+    for model_config in config.models.values():
+        model = build_model(model_config)
+        modules.update(model.make_cells(model.load_weights()))
+        specs.extend(model.cell_types.values())
+    specs.sort(key=lambda spec: spec.key)
+    for module in modules.values():
+        module.eval()
+    kinds = sorted({kind for spec in specs for kind in (*spec.inputs, *spec.outputs)}, key=lambda k: k.key)
+    return specs, [modules[spec.key] for spec in specs], kinds
+
+
+def make_backend(
+    device: str, specs: list[CellTypeSpec], cells: list[torch.nn.Module], kinds: list[ValueKind], rows: int, io_rows: int
+) -> Backend:
+    if device == "cpu":
+        from worker.cpu import CpuBackend
+
+        return CpuBackend(cells, specs, kinds, rows, io_rows)
+    if device.startswith("cuda"):
+        from worker.cuda import CudaBackend
+
+        return CudaBackend(device, cells, specs, kinds, rows, io_rows)
+    raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")
+
+
+class Worker:
+    def __init__(self, backend: Backend, manager: str, index: int, cell_keys: list[str], parent_pid: int | None):
+        self._backend = backend
+        self._manager = manager
+        self._index = index
+        self._cell_keys = cell_keys
+        self._parent_pid = parent_pid
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._fifo = InProgressFIFO()
+        self._stop = False
+
+    def request_stop(self, *_: object) -> None:
+        self._stop = True
+
+    def _register(self) -> tuple[int, str]:
+        self._socket.connect(self._manager)
+        self._socket.send(
+            encode(
+                {
+                    "op": "register",
+                    "index": self._index,
+                    "pid": os.getpid(),
+                    "device": self._backend.device,
+                    "cells": self._cell_keys,
+                    "arenas": [arena.to_wire() for arena in self._backend.arenas],
+                    "signal": self._backend.signal_name,
+                }
+            )
+        )
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while not self._stop and time.monotonic() < deadline:
+            if self._socket.poll(200):
+                kind, payload = self._socket.recv_multipart()
+                reply = decode(payload)
+                if kind != b"registered" or not reply.get("ok"):
+                    raise RuntimeError(f"manager refused registration: {reply.get('error')}")
+                return reply["worker_id"], reply["completions"]
+            self._check_parent()
+        raise TimeoutError(f"manager at {self._manager} did not answer the registration")
+
+    def _check_parent(self) -> None:
+        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+            log.warning("parent process %d is gone; exiting", self._parent_pid)
+            self._stop = True
+
+    def run(self) -> None:
+        worker_id, completions = self._register()
+        log.info("worker %d registered as %d on %s", self._index, worker_id, self._backend.device)
+        poller = Poller(self._context, completions, worker_id, self._backend, self._fifo)
+        poller.start()
+        try:
+            self._issue_loop()
+        finally:
+            poller.stopping.set()
+            poller.join(timeout=2)
+            self._socket.close()
+            self._context.term()
+            self._backend.close()
+
+    def _issue_loop(self) -> None:
+        socket = self._socket
+        while not self._stop:
+            if not socket.poll(1000):
+                self._check_parent()
+                continue
+            while True:
+                try:
+                    kind, payload = socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if kind == b"task":
+                    task = decode_task(payload)
+                    self._fifo.push(task.task_id)
+                    self._backend.issue(task)
+                elif kind == b"stop":
+                    self._stop = True
+                    break
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchmaker worker", description="Run one worker process for a device.")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--manager", required=True, help="the manager's worker address")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: from the config)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{args.index}] %(levelname)s %(message)s")
+    try:
+        config = load_config(args.config)
+        torch.set_num_threads(args.threads or config.server.threads_per_worker)
+        specs, cells, kinds = load_cells(config)
+        backend = make_backend(args.device, specs, cells, kinds, config.server.arena_rows, config.server.io_rows)
+        backend.warm_up()
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    worker = Worker(backend, args.manager, args.index, [spec.key for spec in specs], args.parent_pid)
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+    try:
+        worker.run()
+    except (TimeoutError, RuntimeError) as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
