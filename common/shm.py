@@ -11,6 +11,9 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 
+_created_here: set[str] = set()
+
+
 class SharedArray:
     """A numpy array in named shared memory. The creating process owns (and unlinks) it."""
 
@@ -21,11 +24,13 @@ class SharedArray:
         self.owner = name is None
         if self.owner:
             self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            _created_here.add(self._shm.name)
         else:
             self._shm = shared_memory.SharedMemory(name=name)
-            # Attaching registers the segment with this process's resource tracker, which
-            # would unlink it (under its owner's feet) when this process exits.
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+            if name not in _created_here:
+                # Attaching registers the segment with this process's resource tracker, which
+                # would unlink it (under its owner's feet) when this process exits.
+                resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
             if self._shm.size < nbytes:
                 raise ValueError(f"shared memory {name} holds {self._shm.size} bytes, expected {nbytes}")
         self.array = np.ndarray(self.shape, dtype=self.dtype, buffer=self._shm.buf)
@@ -44,6 +49,7 @@ class SharedArray:
         except BufferError:
             pass  # a torch view still exports the buffer; the mapping goes with the process
         if self.owner:
+            _created_here.discard(self._shm.name)
             try:
                 self._shm.unlink()
             except FileNotFoundError:

@@ -166,6 +166,7 @@ class Manager:
             for task_id in task_ids:
                 task = worker.tasks.pop(task_id, None)
                 if task is not None:
+                    worker.tasks_completed += 1
                     self.processor.task_completed(task, errors.get(task_id))
 
     def _drain_worker_control(self) -> None:
@@ -320,6 +321,7 @@ class Manager:
             "workers": {
                 str(w.worker_id): {
                     "tasks_in_flight": w.in_flight,
+                    "tasks_completed": w.tasks_completed,
                     "arenas": w.occupancy(),
                     "slots_in_use": w.slots_in_use(),
                 }

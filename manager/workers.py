@@ -39,6 +39,7 @@ class WorkerHandle:
             self._shared.append(shared)
             self.io[kind] = shared.array
         self.tasks: dict[int, Task] = {}
+        self.tasks_completed = 0
 
     @property
     def in_flight(self) -> int:

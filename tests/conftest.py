@@ -1,0 +1,112 @@
+"""Shared fixtures: small configs with generated weights, and a real server (supervisor, manager, workers)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clients import Client  # noqa: E402
+from common.config import Config, load_config  # noqa: E402
+from common.models import init_missing_weights  # noqa: E402
+from manager.supervisor import Supervisor  # noqa: E402
+
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(directory: Path, models: str, server: str = "", scheduler: str = "") -> Config:
+    """A config in `directory` with the given TOML bodies, a free loopback port, and weights created."""
+    port = free_port()
+    text = textwrap.dedent(
+        f"""
+        [server]
+        address = "tcp://127.0.0.1:{port}"
+        arena_rows = 4096
+        io_rows = 4096
+        {textwrap.dedent(server)}
+
+        [scheduler]
+        {textwrap.dedent(scheduler)}
+        """
+    ) + textwrap.dedent(models)
+    path = directory / "config.toml"
+    path.write_text(text)
+    config = load_config(path)
+    init_missing_weights(config)
+    return config
+
+
+SMALL_LSTM = """
+[models.lstm]
+builder = "common.models.lstm:build"
+weights = "lstm.pt"
+vocab_size = 1000
+embedding_size = 32
+hidden_size = 64
+num_layers = 1
+max_length = 200
+batch_sizes = [1, 2, 4, 8, 16, 32]
+"""
+
+
+class RunningServer:
+    def __init__(self, supervisor: Supervisor, config: Config):
+        self.supervisor = supervisor
+        self.config = config
+        self.address = supervisor.address
+
+    def client(self, timeout: float = 30.0) -> Client:
+        return Client(self.address, timeout=timeout)
+
+    def pids(self) -> list[int]:
+        return [child.pid for child in self.supervisor.children]
+
+
+def start_server(config: Config, workers: int | None = None) -> RunningServer:
+    supervisor = Supervisor(config, workers=workers)
+    supervisor.start()
+    if not supervisor.wait_ready(timeout=120):
+        supervisor.stop()
+        raise RuntimeError("test server did not become ready")
+    return RunningServer(supervisor, config)
+
+
+def stop_server(server: RunningServer) -> None:
+    pids = server.pids()
+    server.supervisor.stop()
+    leftovers = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not leftovers, f"processes left after stop: {leftovers}"
+
+
+@pytest.fixture
+def lstm_config(tmp_path: Path) -> Config:
+    return write_config(tmp_path, SMALL_LSTM)
+
+
+@pytest.fixture
+def lstm_server(lstm_config: Config) -> Iterator[RunningServer]:
+    server = start_server(lstm_config, workers=1)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The project's shared data folder, or a clean skip where this checkout has none beside it."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA

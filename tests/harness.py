@@ -1,0 +1,66 @@
+"""An in-process manager core (request processor, scheduler, dispatcher) with workers whose
+arenas are real shared memory but whose stream is the test itself: tasks complete when the
+test says so. Used to check scheduling decisions step by step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.config import Config
+from common.shm import SharedArray
+from common.task import decode_task
+from manager.dispatch import Dispatcher
+from manager.request_processor import RequestProcessor
+from manager.scheduler import Scheduler
+from manager.server import load_models
+from manager.state import Request, Task
+from manager.workers import WorkerHandle
+
+
+class Harness:
+    def __init__(self, config: Config, workers: int = 1, rows: int = 1024, max_tasks_to_submit: int = 5):
+        self.models, self.specs, self.kinds = load_models(config)
+        self._shared: list[SharedArray] = []
+        self.workers = [self._worker(i, rows) for i in range(workers)]
+        self.sent: list[tuple[WorkerHandle, Any]] = []
+        self.dispatcher = Dispatcher(self.specs, lambda w, payload: self.sent.append((w, decode_task(payload))))
+        self.scheduler = Scheduler(self.specs, max_tasks_to_submit, self.dispatcher.submit, self.dispatcher.capacity)
+        self.finished: list[tuple[Request, Any]] = []
+        self.processor = RequestProcessor(
+            {s.key: s for s in self.specs}, self.scheduler, self.dispatcher, lambda r, e: self.finished.append((r, e))
+        )
+        self._next_id = 0
+
+    def _worker(self, index: int, rows: int) -> WorkerHandle:
+        arenas = []
+        for i, kind in enumerate(self.kinds):
+            for space, arena_id in (("device", 2 * i), ("io", 2 * i + 1)):
+                shared = SharedArray(kind.dtype, (rows, *kind.shape))
+                self._shared.append(shared)
+                arenas.append({"id": arena_id, "kind": kind.key, "space": space, "rows": rows, "shm": shared.name})
+        return WorkerHandle(index, f"w{index}".encode(), {"index": index, "arenas": arenas}, self.kinds)
+
+    def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0) -> Request:
+        self._next_id += 1
+        m = self.models[model]
+        return self.processor.admit(b"client", name if name is not None else self._next_id, m, m.unfold(inputs), arrival)
+
+    def in_flight(self, worker: WorkerHandle | None = None) -> list[Task]:
+        workers = [worker] if worker else self.workers
+        return [task for w in workers for task in w.tasks.values()]
+
+    def complete_oldest(self, worker: WorkerHandle) -> Task:
+        """The worker's stream finishes its oldest task (FIFO)."""
+        task_id = min(worker.tasks)
+        task = worker.tasks.pop(task_id)
+        self.processor.task_completed(task, None)
+        return task
+
+    def slots_in_use(self) -> int:
+        return sum(w.slots_in_use() for w in self.workers)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        for shared in self._shared:
+            shared.close()

@@ -1,0 +1,479 @@
+"""The client wire protocol (DESIGN.md section 6) spoken by hand against a real server.
+
+The client here is written only from the design document, with raw pyzmq, msgpack and
+numpy: a DEALER socket that sends one msgpack-map frame per request and reads one
+msgpack-map frame per reply. Nothing from clients/, common/, manager/ or worker/ is used,
+so these tests check the wire format itself rather than our own client library.
+
+Correctness is checked against an independent reference: torch.nn.Embedding +
+torch.nn.LSTM loaded straight from the served weights file.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+RECV_TIMEOUT_MS = 10_000
+MODEL = "lstm"
+VOCAB_SIZE = 1000
+HIDDEN = 64
+MAX_LENGTH = 200
+
+BAD_REQUEST = "BAD_REQUEST"
+UNKNOWN_MODEL = "UNKNOWN_MODEL"
+INVALID_INPUT = "INVALID_INPUT"
+
+
+# -- a client written from DESIGN.md section 6 ----------------------------------------------------
+
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+class RawClient:
+    """A DEALER socket speaking protocol version 1 with nothing but pyzmq and msgpack."""
+
+    def __init__(self, address: str):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, message: Any) -> None:
+        self.send_bytes(pack(message))
+
+    def send_bytes(self, frame: bytes) -> None:
+        self.socket.send(frame)
+
+    def recv(self, timeout_ms: int = RECV_TIMEOUT_MS) -> dict[str, Any]:
+        """One reply: exactly one frame holding a msgpack map. Fails instead of hanging."""
+        if not self.socket.poll(timeout_ms, zmq.POLLIN):
+            pytest.fail(f"no reply from the server within {timeout_ms / 1000:.0f} s")
+        frames = self.socket.recv_multipart(zmq.NOBLOCK)
+        assert len(frames) == 1, f"a reply must be one frame, got {len(frames)}"
+        reply = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        assert isinstance(reply, dict), f"a reply must be a msgpack map, got {type(reply).__name__}"
+        return reply
+
+    def recv_many(self, count: int) -> dict[Any, dict[str, Any]]:
+        """`count` replies keyed by id (replies may come in any order); ids must be distinct."""
+        replies: dict[Any, dict[str, Any]] = {}
+        for _ in range(count):
+            reply = self.recv()
+            assert "id" in reply, f"reply without an id: {reply}"
+            assert reply["id"] not in replies, f"two replies carry id {reply['id']!r}"
+            replies[reply["id"]] = reply
+        return replies
+
+    def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.send(message)
+        return self.recv()
+
+    def assert_quiet(self, timeout_ms: int = 200) -> None:
+        """No reply is pending: the server did not answer one request twice."""
+        assert not self.socket.poll(timeout_ms, zmq.POLLIN), f"unexpected extra reply: {self.recv()}"
+
+
+@pytest.fixture
+def client(lstm_server) -> Any:
+    raw = RawClient(lstm_server.address)
+    yield raw
+    raw.close()
+
+
+def assert_error(reply: dict[str, Any], code: str, request_id: Any = ..., allowed: tuple[str, ...] = ()) -> None:
+    """An error reply: ok false, the expected code, a human message, and the request's id echoed."""
+    assert reply.get("ok") is False, f"expected an error reply, got {reply}"
+    error = reply.get("error")
+    assert isinstance(error, dict), f"error must be a map: {reply}"
+    codes = (code, *allowed)
+    assert error.get("code") in codes, f"expected code {' or '.join(codes)}, got {reply}"
+    message = error.get("message")
+    assert isinstance(message, str) and message.strip(), f"error message must be non-empty text: {reply}"
+    assert "id" in reply, f"an error reply carries an id (nil when unknown): {reply}"
+    if request_id is not ...:
+        assert reply["id"] == request_id and type(reply["id"]) is type(request_id), (
+            f"reply must echo id {request_id!r}, got {reply['id']!r}"
+        )
+
+
+# -- independent reference ---------------------------------------------------------------------------
+
+
+class Reference:
+    """torch.nn.Embedding + torch.nn.LSTM loaded from the served weights file."""
+
+    def __init__(self, weights_path):
+        state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        vocab, embedding_size = state["embedding.weight"].shape
+        hidden = state["lstm.weight_hh_l0"].shape[1]
+        layers = sum(1 for key in state if key.startswith("lstm.weight_ih_l"))
+        self.embedding = torch.nn.Embedding(vocab, embedding_size)
+        self.embedding.load_state_dict({"weight": state["embedding.weight"]})
+        self.lstm = torch.nn.LSTM(embedding_size, hidden, num_layers=layers)
+        self.lstm.load_state_dict({k[len("lstm.") :]: v for k, v in state.items() if k.startswith("lstm.")})
+
+    def __call__(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        with torch.no_grad():
+            _, (h, c) = self.lstm(self.embedding(torch.tensor(tokens, dtype=torch.int64)))
+        return h[-1].numpy(), c[-1].numpy()
+
+
+@pytest.fixture
+def reference(lstm_server) -> Reference:
+    return Reference(lstm_server.config.models[MODEL].weights)
+
+
+def wire_tensor(reply_value: Any, name: str) -> np.ndarray:
+    """Decode a float32 [HIDDEN] tensor map from a reply, checking it field by field."""
+    assert isinstance(reply_value, dict), f"{name} must be a tensor map, got {type(reply_value).__name__}"
+    assert set(reply_value) >= {"dtype", "shape", "data"}, f"{name} lacks tensor-map fields: {reply_value.keys()}"
+    assert reply_value["dtype"] == "float32", f"{name} dtype: {reply_value['dtype']!r}"
+    assert reply_value["shape"] == [HIDDEN], f"{name} shape: {reply_value['shape']!r}"
+    data = reply_value["data"]
+    assert isinstance(data, bytes), f"{name} data must be msgpack bin, got {type(data).__name__}"
+    assert len(data) == HIDDEN * 4, f"{name} has {len(data)} bytes, expected {HIDDEN * 4}"
+    return np.frombuffer(data, dtype="<f4").reshape(HIDDEN)
+
+
+def assert_correct(reply: dict[str, Any], tokens: list[int], reference: Reference, request_id: Any) -> None:
+    assert reply.get("ok") is True, f"request {request_id!r} failed: {reply}"
+    assert reply["id"] == request_id and type(reply["id"]) is type(request_id)
+    outputs = reply.get("outputs")
+    assert isinstance(outputs, dict) and {"h", "c"} <= set(outputs), f"outputs: {outputs!r}"
+    h = wire_tensor(outputs["h"], "h")
+    c = wire_tensor(outputs["c"], "c")
+    want_h, want_c = reference(tokens)
+    np.testing.assert_allclose(h, want_h, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(c, want_c, rtol=0, atol=1e-5)
+    timing = reply.get("timing")
+    assert isinstance(timing, dict), f"timing: {timing!r}"
+    for key in ("queue_us", "compute_us", "total_us"):
+        value = timing.get(key)
+        assert isinstance(value, int) and not isinstance(value, bool), f"timing {key} must be an int: {timing}"
+        assert value >= 0, f"timing {key} is negative: {timing}"
+
+
+def infer(request_id: Any, tokens: Any, model: str = MODEL) -> dict[str, Any]:
+    return {"op": "infer", "id": request_id, "model": model, "inputs": {"tokens": tokens}}
+
+
+def int64_tensor(tokens: list[int]) -> dict[str, Any]:
+    return {"dtype": "int64", "shape": [len(tokens)], "data": np.asarray(tokens, dtype="<i8").tobytes()}
+
+
+def tokens_for(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB_SIZE, size=length).tolist()
+
+
+# -- malformed frames -----------------------------------------------------------------------------
+
+
+def test_bytes_that_are_not_msgpack_are_bad_request(client: RawClient) -> None:
+    # 0xc1 is the one byte msgpack never uses; the rest is a truncated map header.
+    for garbage in (b"\xc1", b"not msgpack at all \xc1\xff", b"\x82\xa2id"):
+        client.send_bytes(garbage)
+        assert_error(client.recv(), BAD_REQUEST)
+    client.assert_quiet()
+
+
+def test_msgpack_value_that_is_not_a_map_is_bad_request(client: RawClient) -> None:
+    for value in ([1, 2, 3], "infer", 42, None, [{"id": 1, "model": MODEL, "inputs": {"tokens": [1]}}]):
+        client.send(value)
+        assert_error(client.recv(), BAD_REQUEST)
+    client.assert_quiet()
+
+
+def test_multi_frame_message_is_bad_request(client: RawClient, reference: Reference) -> None:
+    # The ROUTER sees [identity, f1, f2]: a request is exactly one frame, even when both parts are valid maps.
+    client.socket.send_multipart([pack(infer(1, [5, 6])), pack(infer(2, [7, 8]))])
+    reply = client.recv()
+    assert_error(reply, BAD_REQUEST)
+    assert reply["id"] in (None, 1, 2)
+    client.assert_quiet()
+    # An empty delimiter frame (a REQ-style envelope) is not one frame either.
+    client.socket.send_multipart([b"", pack(infer(3, [9]))])
+    assert_error(client.recv(), BAD_REQUEST)
+    client.assert_quiet()
+    # The connection still works.
+    assert_correct(client.call(infer(4, [5, 6])), [5, 6], reference, 4)
+
+
+# -- missing and ill-typed fields ------------------------------------------------------------------
+
+
+def test_missing_model_is_bad_request(client: RawClient) -> None:
+    assert_error(client.call({"op": "infer", "id": 11, "inputs": {"tokens": [1, 2]}}), BAD_REQUEST, 11)
+    # op defaults to "infer".
+    assert_error(client.call({"id": "no-model", "inputs": {"tokens": [1, 2]}}), BAD_REQUEST, "no-model")
+
+
+def test_missing_inputs_is_bad_request(client: RawClient) -> None:
+    assert_error(client.call({"op": "infer", "id": 12, "model": MODEL}), BAD_REQUEST, 12)
+    assert_error(client.call({"id": "no-inputs", "model": MODEL}), BAD_REQUEST, "no-inputs")
+
+
+def test_missing_id_is_bad_request(client: RawClient) -> None:
+    reply = client.call({"op": "infer", "model": MODEL, "inputs": {"tokens": [1, 2]}})
+    assert_error(reply, BAD_REQUEST)
+    assert reply["id"] is None, f"there was no id to echo, got {reply['id']!r}"
+    for op in ("models", "health", "stats"):
+        reply = client.call({"op": op})
+        assert_error(reply, BAD_REQUEST)
+        assert reply["id"] is None
+    client.assert_quiet()
+
+
+@pytest.mark.parametrize("bad_id", [1.5, [1], {"a": 1}, True, None, b"bytes"], ids=repr)
+def test_ill_typed_id_is_bad_request(client: RawClient, bad_id: Any) -> None:
+    # An id is an int or a str; anything else is refused, and cannot be echoed.
+    reply = client.call({"op": "infer", "id": bad_id, "model": MODEL, "inputs": {"tokens": [1]}})
+    assert_error(reply, BAD_REQUEST)
+    assert reply["id"] is None or (reply["id"] == bad_id and not isinstance(bad_id, (list, dict))), reply
+
+
+def test_ill_typed_model_and_inputs_are_bad_request(client: RawClient) -> None:
+    assert_error(client.call({"id": 21, "model": 7, "inputs": {"tokens": [1]}}), BAD_REQUEST, 21)
+    assert_error(client.call({"id": 22, "model": MODEL, "inputs": [1, 2, 3]}), BAD_REQUEST, 22)
+    assert_error(client.call({"id": 23, "model": MODEL, "inputs": "1 2 3"}), BAD_REQUEST, 23)
+
+
+def test_unknown_op_is_bad_request(client: RawClient) -> None:
+    assert_error(client.call({"op": "explode", "id": 31, "model": MODEL, "inputs": {"tokens": [1]}}), BAD_REQUEST, 31)
+    assert_error(client.call({"op": 5, "id": "op-int"}), BAD_REQUEST, "op-int")
+    assert_error(client.call({"op": "INFER", "id": 32, "model": MODEL, "inputs": {"tokens": [1]}}), BAD_REQUEST, 32)
+
+
+def test_cancel_without_target_is_bad_request(client: RawClient) -> None:
+    assert_error(client.call({"op": "cancel", "id": 41}), BAD_REQUEST, 41)
+
+
+def test_unknown_model_is_unknown_model(client: RawClient) -> None:
+    assert_error(client.call(infer(51, [1, 2, 3], model="gru")), UNKNOWN_MODEL, 51)
+    assert_error(client.call(infer("s-52", [1, 2, 3], model="LSTM")), UNKNOWN_MODEL, "s-52")
+    assert_error(client.call(infer(53, [1], model="")), UNKNOWN_MODEL, 53, allowed=(BAD_REQUEST,))
+
+
+# -- invalid inputs ----------------------------------------------------------------------------------
+
+INVALID_TOKENS = {
+    "empty": [],
+    "id-equal-to-vocab-size": [1, 2, VOCAB_SIZE],
+    "negative-id": [-1, 2, 3],
+    "far-out-of-vocab": [10**9],
+    "beyond-int64": [2**64 - 1],
+    "strings": ["the", "cat"],
+    "numeric-strings": ["1", "2"],
+    "floats": [1.0, 2.0],
+    "mixed-float": [1, 2.5, 3],
+    "bools": [True, False],
+    "nested-lists": [[1, 2], [3]],
+    "nil-token": [1, None],
+    "too-long": [1] * (MAX_LENGTH + 1),
+    "not-a-list": 17,
+    "a-string": "1 2 3",
+}
+
+
+def test_invalid_tokens_are_invalid_input(client: RawClient, reference: Reference) -> None:
+    for index, (name, tokens) in enumerate(INVALID_TOKENS.items()):
+        reply = client.call(infer(f"bad-{index}", tokens))
+        try:
+            assert_error(reply, INVALID_INPUT, f"bad-{index}")
+        except AssertionError as exc:
+            raise AssertionError(f"tokens case {name!r}: {exc}") from None
+    client.assert_quiet()
+    # Boundary values that must be accepted: ids 0 and vocab_size-1, exactly max_length tokens.
+    good = [0, VOCAB_SIZE - 1]
+    assert_correct(client.call(infer("edge-ids", good)), good, reference, "edge-ids")
+    longest = tokens_for(7, MAX_LENGTH)
+    assert_correct(client.call(infer("max-length", longest)), longest, reference, "max-length")
+
+
+# -- tensor-map tokens ---------------------------------------------------------------------------------
+
+
+def test_tokens_as_int64_tensor_map_match_plain_int_array(client: RawClient, reference: Reference) -> None:
+    tokens = tokens_for(3, 12)
+    client.send(infer("plain", tokens))
+    client.send(infer("tensor", int64_tensor(tokens)))
+    replies = client.recv_many(2)
+    assert_correct(replies["plain"], tokens, reference, "plain")
+    assert_correct(replies["tensor"], tokens, reference, "tensor")
+    assert replies["plain"]["outputs"]["h"]["data"] == replies["tensor"]["outputs"]["h"]["data"]
+    assert replies["plain"]["outputs"]["c"]["data"] == replies["tensor"]["outputs"]["c"]["data"]
+
+
+def test_tensor_map_with_wrong_byte_count_is_refused(client: RawClient) -> None:
+    tokens = [1, 2, 3, 4]
+    short = int64_tensor(tokens) | {"data": np.asarray(tokens[:3], dtype="<i8").tobytes()}
+    long = int64_tensor(tokens) | {"data": np.asarray(tokens + [5], dtype="<i8").tobytes()}
+    ragged = int64_tensor(tokens) | {"data": np.asarray(tokens, dtype="<i8").tobytes()[:-1]}
+    shape_says_more = {"dtype": "int64", "shape": [5], "data": np.asarray(tokens, dtype="<i8").tobytes()}
+    for index, tensor in enumerate((short, long, ragged, shape_says_more)):
+        assert_error(client.call(infer(60 + index, tensor)), BAD_REQUEST, 60 + index, allowed=(INVALID_INPUT,))
+
+
+def test_ill_formed_tensor_maps_are_refused(client: RawClient) -> None:
+    data = np.asarray([1, 2], dtype="<i8").tobytes()
+    cases = {
+        "unknown-dtype": {"dtype": "int128", "shape": [1], "data": data},
+        "float-tokens": {"dtype": "float32", "shape": [2], "data": np.asarray([1, 2], dtype="<f4").tobytes()},
+        "two-dimensional": {"dtype": "int64", "shape": [1, 2], "data": data},
+        "negative-shape": {"dtype": "int64", "shape": [-2], "data": data},
+        "shape-not-a-list": {"dtype": "int64", "shape": 2, "data": data},
+        "data-as-str": {"dtype": "int64", "shape": [2], "data": "AQAAAAAAAAACAAAAAAAAAA=="},
+        "empty": {"dtype": "int64", "shape": [0], "data": b""},
+        "out-of-vocab": int64_tensor([1, VOCAB_SIZE]),
+        "negative-id": int64_tensor([-1]),
+        "too-long": int64_tensor([1] * (MAX_LENGTH + 1)),
+    }
+    for index, (name, tensor) in enumerate(cases.items()):
+        reply = client.call(infer(70 + index, tensor))
+        try:
+            assert_error(reply, INVALID_INPUT, 70 + index, allowed=(BAD_REQUEST,))
+        except AssertionError as exc:
+            raise AssertionError(f"tensor case {name!r}: {exc}") from None
+    client.assert_quiet()
+
+
+# -- good requests survive bad ones --------------------------------------------------------------------
+
+
+def test_pipelined_bad_and_good_requests_interleaved(client: RawClient, reference: Reference) -> None:
+    """Bad requests of every kind, each followed by a good one, all sent without waiting."""
+    bad_frames: list[tuple[str, bytes | list[bytes], str, Any]] = [
+        ("not-msgpack", b"\xc1\xc1garbage", BAD_REQUEST, None),
+        ("a-list", pack([1, 2, 3]), BAD_REQUEST, None),
+        ("missing-id", pack({"model": MODEL, "inputs": {"tokens": [1]}}), BAD_REQUEST, None),
+        ("multi-frame", [pack(infer("mf-a", [1])), pack(infer("mf-b", [2]))], BAD_REQUEST, None),
+    ]
+    bad_messages: list[tuple[dict[str, Any], str]] = [
+        ({"id": "b-model", "inputs": {"tokens": [1]}}, BAD_REQUEST),
+        ({"id": "b-inputs", "model": MODEL}, BAD_REQUEST),
+        ({"op": "nope", "id": "b-op"}, BAD_REQUEST),
+        (infer("b-unknown-model", [1, 2], model="missing"), UNKNOWN_MODEL),
+        (infer("b-empty", []), INVALID_INPUT),
+        (infer("b-vocab", [VOCAB_SIZE]), INVALID_INPUT),
+        (infer("b-negative", [-1]), INVALID_INPUT),
+        (infer("b-strings", ["a"]), INVALID_INPUT),
+        (infer("b-floats", [0.5]), INVALID_INPUT),
+        (infer("b-long", [3] * (MAX_LENGTH + 1)), INVALID_INPUT),
+    ]
+    good: dict[Any, list[int]] = {}
+    expected_anonymous = 0
+    sequence = 0
+
+    def send_good() -> None:
+        nonlocal sequence
+        sequence += 1
+        tokens = tokens_for(100 + sequence, 1 + (sequence * 37) % 60)
+        request_id = 1000 + sequence if sequence % 2 else f"good-{sequence}"
+        payload = int64_tensor(tokens) if sequence % 3 == 0 else tokens
+        client.send(infer(request_id, payload))
+        good[request_id] = tokens
+
+    send_good()
+    for _, frame, _, _ in bad_frames:
+        if isinstance(frame, list):
+            client.socket.send_multipart(frame)
+        else:
+            client.send_bytes(frame)
+        expected_anonymous += 1
+        send_good()
+    for message, _ in bad_messages:
+        client.send(message)
+        send_good()
+    client.send({"op": "health", "id": "h"})
+    send_good()
+
+    total = expected_anonymous + len(bad_messages) + len(good) + 1
+    replies: list[dict[str, Any]] = [client.recv() for _ in range(total)]
+    client.assert_quiet()
+
+    by_id: dict[Any, dict[str, Any]] = {}
+    anonymous = []
+    for reply in replies:
+        assert "id" in reply, reply
+        # The multi-frame request may or may not echo the id of one of its parts.
+        if reply["id"] is None or reply["id"] in ("mf-a", "mf-b"):
+            anonymous.append(reply)
+            continue
+        assert reply["id"] not in by_id, f"two replies carry id {reply['id']!r}"
+        by_id[reply["id"]] = reply
+
+    assert len(anonymous) == expected_anonymous, anonymous
+    for reply in anonymous:
+        assert_error(reply, BAD_REQUEST)
+    for message, code in bad_messages:
+        assert_error(by_id.pop(message["id"]), code, message["id"])
+    health = by_id.pop("h")
+    assert health.get("ok") is True and health.get("status") == "ready", health
+    for request_id, tokens in good.items():
+        assert_correct(by_id.pop(request_id), tokens, reference, request_id)
+    assert not by_id, f"replies to requests never sent: {list(by_id)}"
+
+
+def test_many_pipelined_requests_answered_by_id(client: RawClient, reference: Reference) -> None:
+    """Requests of very different lengths sent at once; every reply matches its own request."""
+    lengths = [1, MAX_LENGTH, 2, 150, 3, 90, 1, 40, 7, 120, 5, 60, 11, 30, 1, 200]
+    requests = {f"r{i}": tokens_for(500 + i, n) for i, n in enumerate(lengths)}
+    for request_id, tokens in requests.items():
+        client.send(infer(request_id, tokens))
+    replies = client.recv_many(len(requests))
+    client.assert_quiet()
+    assert set(replies) == set(requests)
+    for request_id, tokens in requests.items():
+        assert_correct(replies[request_id], tokens, reference, request_id)
+
+
+# -- introspection ops ---------------------------------------------------------------------------------
+
+
+def test_models_op_describes_the_lstm(client: RawClient) -> None:
+    reply = client.call({"op": "models", "id": "m"})
+    assert reply.get("ok") is True and reply["id"] == "m", reply
+    models = reply.get("models")
+    assert isinstance(models, dict) and MODEL in models, reply
+    lstm = models[MODEL]
+    assert isinstance(lstm.get("kind"), str) and lstm["kind"], lstm
+    assert lstm.get("vocab_size") == VOCAB_SIZE, lstm
+    inputs, outputs = lstm.get("inputs"), lstm.get("outputs")
+    assert isinstance(inputs, dict) and "tokens" in inputs, lstm
+    for name, spec in inputs.items():
+        assert isinstance(spec.get("dtype"), str) and isinstance(spec.get("shape"), list), (name, spec)
+    assert isinstance(outputs, dict) and {"h", "c"} <= set(outputs), lstm
+    for name in ("h", "c"):
+        assert outputs[name]["dtype"] == "float32", outputs
+        assert outputs[name]["shape"] == [HIDDEN], outputs
+
+
+def test_health_op_is_ready_with_workers(client: RawClient) -> None:
+    reply = client.call({"op": "health", "id": 77})
+    assert reply.get("ok") is True and reply["id"] == 77, reply
+    assert reply.get("status") == "ready", reply
+    workers = reply.get("workers")
+    assert isinstance(workers, list) and len(workers) == 1, reply
+
+
+def test_stats_op_is_ok(client: RawClient, reference: Reference) -> None:
+    assert_correct(client.call(infer(1, [4, 5, 6])), [4, 5, 6], reference, 1)
+    reply = client.call({"op": "stats", "id": "st"})
+    assert reply.get("ok") is True and reply["id"] == "st", reply
+    assert "error" not in reply

@@ -1,0 +1,204 @@
+"""Scheduling decisions of Algorithm 1, replayed step by step on an in-process manager core."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.protocol import CANCELLED, RequestError
+from harness import Harness
+from conftest import write_config
+
+
+def lstm_models(batch_sizes: str = "[1, 2, 3, 4]", layers: int = 1, cells: str = "") -> str:
+    return f"""
+[models.lstm]
+builder = "common.models.lstm:build"
+weights = "lstm.pt"
+vocab_size = 100
+embedding_size = 8
+hidden_size = 8
+num_layers = {layers}
+batch_sizes = {batch_sizes}
+{cells}
+"""
+
+
+@pytest.fixture
+def harness(tmp_path: Path):
+    made = []
+
+    def make(models: str = lstm_models(), **kwargs) -> Harness:
+        h = Harness(write_config(tmp_path, models), **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def requests_in(task) -> list:
+    return [node.request.request_id for node in task.nodes]
+
+
+def test_figure5_requests_join_and_leave(harness):
+    """The paper's Figure 5: 8 requests, batch size 4, one cell step per time unit.
+
+    req1-4 (lengths 2, 3, 3, 5) arrive at t=0; req5 (4) at t=1.5; req6 and req7 (3 each)
+    at t=2.5; req8 (2) at t=3.5. Cellular batching lets req5 join at t=2, right after
+    req1 leaves, and req6/req7 at t=3 after req2/req3 leave.
+    """
+    h = harness(max_tasks_to_submit=1)
+    worker = h.workers[0]
+    arrivals = [
+        (0.0, "req1", 2), (0.0, "req2", 3), (0.0, "req3", 3), (0.0, "req4", 5),
+        (1.5, "req5", 4), (2.5, "req6", 3), (2.5, "req7", 3), (3.5, "req8", 2),
+    ]  # fmt: skip
+    timeline, finished_at = [], {}
+    total = len(arrivals)
+    t = 0
+    while len(finished_at) < total:
+        while arrivals and arrivals[0][0] <= t:
+            arrival, name, length = arrivals.pop(0)
+            h.admit("lstm", {"tokens": list(range(1, length + 1))}, name=name, arrival=arrival)
+        assert h.scheduler.schedule(worker) == 1
+        timeline.append(sorted(requests_in(h.in_flight(worker)[0])))
+        h.complete_oldest(worker)
+        t += 1
+        for request, error in h.finished:
+            assert error is None
+            finished_at.setdefault(request.request_id, t)
+        arrivals = arrivals  # admitted ones were popped
+
+    assert timeline == [
+        ["req1", "req2", "req3", "req4"],
+        ["req1", "req2", "req3", "req4"],
+        ["req2", "req3", "req4", "req5"],  # req5 joins as req1 leaves
+        ["req4", "req5", "req6", "req7"],  # req6, req7 join as req2, req3 leave
+        ["req4", "req5", "req6", "req7"],  # full batch: req8 waits for a free row
+        ["req5", "req6", "req7", "req8"],
+        ["req8"],
+    ]
+    assert finished_at == {
+        "req1": 2, "req2": 3, "req3": 3, "req4": 5, "req5": 6, "req6": 6, "req7": 6, "req8": 7,
+    }  # fmt: skip
+    assert h.slots_in_use() == 0
+
+
+def test_batch_issues_successive_steps_ahead_on_one_worker(harness):
+    """Same-worker dependencies are met at submission, so one Batch call runs a chain 5 steps ahead."""
+    h = harness()
+    worker = h.workers[0]
+    request = h.admit("lstm", {"tokens": list(range(1, 9))})
+    assert h.scheduler.schedule(worker) == 5
+    tasks = h.in_flight(worker)
+    assert [len(t.nodes) for t in tasks] == [1] * 5
+    assert [request.nodes.index(t.nodes[0]) for t in tasks] == [0, 1, 2, 3, 4]
+    # Each step reads the slots the previous step writes.
+    for previous, task in zip(tasks, tasks[1:]):
+        assert task.nodes[0].producers == previous.nodes
+    while worker.tasks:
+        h.complete_oldest(worker)
+        h.scheduler.schedule(worker)
+    assert h.finished and h.finished[0][1] is None
+    assert h.slots_in_use() == 0
+
+
+def test_subgraph_stays_pinned_to_its_worker(harness):
+    h = harness(workers=2)
+    first, second = h.workers
+    request = h.admit("lstm", {"tokens": [1, 2, 3, 4, 5, 6, 7]})
+    h.scheduler.schedule(first)
+    assert request.subgraphs[0].pinned_worker is first
+    assert h.scheduler.schedule(second) == 0  # its remaining nodes wait for `first`
+    other = h.admit("lstm", {"tokens": [1, 2]})
+    assert h.scheduler.schedule(second) == 2
+    assert all(t.nodes[0].request is other for t in h.in_flight(second))
+    while first.tasks:
+        h.complete_oldest(first)
+    assert request.subgraphs[0].pinned_worker is None  # unpinned once nothing runs
+    assert request.subgraphs[0].remaining == 2
+
+
+def test_cell_type_choice_full_batch_then_idle_type_then_priority(harness):
+    """Schedule(): a type with a full batch first, then a type with no running task, then priority."""
+    cells = """
+[models.lstm.cells.layer1]
+priority = 5
+"""
+    h = harness(lstm_models(batch_sizes="[1, 2]", layers=2, cells=cells), max_tasks_to_submit=1, workers=2)
+    a, b = h.workers
+    layer0, layer1 = "lstm/layer0", "lstm/layer1"
+    h.admit("lstm", {"tokens": [1]})
+    h.admit("lstm", {"tokens": [2]})
+    # Only layer0 has ready nodes (a full batch of 2).
+    h.scheduler.schedule(a)
+    assert h.in_flight(a)[0].spec.key == layer0
+    # Both layer-1 nodes became ready at submission: layer1 has a full batch and wins.
+    h.admit("lstm", {"tokens": [3]})
+    h.admit("lstm", {"tokens": [4]})
+    h.scheduler.schedule(a)
+    assert [t.spec.key for t in h.in_flight(a)] == [layer0, layer1]
+    # Worker b: layer0 has a full batch (requests 3, 4) and no running task -> it is chosen.
+    h.scheduler.schedule(b)
+    assert h.in_flight(b)[0].spec.key == layer0
+    while a.tasks:
+        h.complete_oldest(a)
+    # a: layer1 has 2 ready nodes (full batch) on b's requests? They are pinned to b, so a gets nothing.
+    assert h.scheduler.schedule(a) == 0
+    h.complete_oldest(b)
+    # Now layer1 (priority 5) and nothing else is ready: it goes to b, where the values live.
+    assert h.scheduler.schedule(b) == 1
+    assert h.in_flight(b)[0].spec.key == layer1
+    h.complete_oldest(b)
+    assert len(h.finished) == 4 and h.slots_in_use() == 0
+
+
+def test_failed_request_drops_unsubmitted_nodes_and_frees_slots(harness):
+    h = harness()
+    worker = h.workers[0]
+    doomed = h.admit("lstm", {"tokens": list(range(1, 20))})
+    kept = h.admit("lstm", {"tokens": [1, 2, 3]})
+    h.scheduler.schedule(worker)
+    h.processor.fail(doomed, RequestError(CANCELLED, "test"))
+    assert h.finished[0][0] is doomed and h.finished[0][1].code == CANCELLED
+    while worker.tasks:
+        h.complete_oldest(worker)
+        h.scheduler.schedule(worker)
+    assert [r for r, e in h.finished if e is None] == [kept]
+    assert all(not sg.queued for sg in doomed.subgraphs)
+    assert h.scheduler.ready_nodes() == {"lstm/layer0": 0}
+    assert h.slots_in_use() == 0
+
+
+def test_task_size_is_padded_to_a_supported_batch_size(harness):
+    h = harness(lstm_models(batch_sizes="[1, 4]"), max_tasks_to_submit=1)
+    worker = h.workers[0]
+    for _ in range(3):
+        h.admit("lstm", {"tokens": [1]})
+    h.scheduler.schedule(worker)
+    sent_worker, message = h.sent[-1]
+    assert message.batch_size == 4
+    inputs = [slots.tolist() for _, slots in message.inputs]
+    outputs = [slots.tolist() for _, slots in message.outputs]
+    assert all(row[3] == 0 for row in inputs)  # padding reads the zero slot
+    assert all(row[3] == 1 for row in outputs)  # and writes the scratch slot
+    assert len({s for row in outputs for s in row[:3]}) == 6  # real rows get distinct slots
+
+
+def test_full_arena_limits_the_batch_instead_of_failing(harness):
+    h = harness(rows=2 + 8)  # 8 free rows per arena
+    worker = h.workers[0]
+    for _ in range(6):
+        h.admit("lstm", {"tokens": [1, 2]})
+    h.scheduler.schedule(worker)
+    # A node needs 2 state rows (h, c) of the state arena: at most 4 nodes fit at once.
+    assert sum(len(t.nodes) for t in h.in_flight(worker)) <= 4
+    while worker.tasks or any(h.scheduler.ready_nodes().values()):
+        if worker.tasks:
+            h.complete_oldest(worker)
+        h.scheduler.schedule(worker)
+    assert len(h.finished) == 6 and all(e is None for _, e in h.finished)
+    assert h.slots_in_use() == 0
