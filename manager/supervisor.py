@@ -79,7 +79,8 @@ class Supervisor:
 
     def _spawn(self, module: str, *args: str) -> subprocess.Popen:
         command = [sys.executable, "-m", module, "--config", str(self.config.path), "--parent-pid", str(os.getpid())]
-        return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent)
+        # A process group of their own: a terminal's Ctrl-C reaches only the supervisor, which stops them in order.
+        return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent, process_group=0)
 
     def start(self) -> None:
         self.manager = self._spawn(

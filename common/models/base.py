@@ -60,6 +60,10 @@ class Model(ABC):
 
     # -- weights and reference -----------------------------------------------------------------
     @abstractmethod
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the weights file, by key, with the shape this config needs."""
+
+    @abstractmethod
     def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
         """A deterministic random state dict in this model's documented key layout."""
 
@@ -71,15 +75,14 @@ class Model(ABC):
                 f"create it with: batchmaker init-weights CONFIG"
             )
         state = torch.load(path, map_location="cpu", weights_only=True)
-        expected = self.init_weights(seed=0)
+        expected = self.weight_shapes()
         missing = sorted(set(expected) - set(state))
         if missing:
             raise ConfigError(f"weights file {path} lacks {missing} needed by model {self.name!r}")
-        for key, tensor in expected.items():
-            if tuple(state[key].shape) != tuple(tensor.shape):
+        for key, shape in expected.items():
+            if tuple(state[key].shape) != shape:
                 raise ConfigError(
-                    f"weights file {path}: {key} has shape {tuple(state[key].shape)}, "
-                    f"the config asks for {tuple(tensor.shape)}"
+                    f"weights file {path}: {key} has shape {tuple(state[key].shape)}, the config asks for {shape}"
                 )
         return {key: state[key].float() for key in expected}
 

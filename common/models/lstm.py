@@ -122,19 +122,26 @@ class LSTMModel(Model):
             cells[key] = EmbeddingLSTMCell(embedding, cell) if layer == 0 else StackedLSTMCell(cell)
         return cells
 
-    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
-        generator = torch.Generator().manual_seed(seed)
-        bound = self.hidden_size**-0.5
-        state = {"embedding.weight": torch.randn(self.vocab_size, self.embedding_size, generator=generator)}
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"embedding.weight": (self.vocab_size, self.embedding_size)}
+        gates = 4 * self.hidden_size
         for layer in range(self.num_layers):
             input_size = self.embedding_size if layer == 0 else self.hidden_size
-            shapes = {
-                f"lstm.weight_ih_l{layer}": (4 * self.hidden_size, input_size),
-                f"lstm.weight_hh_l{layer}": (4 * self.hidden_size, self.hidden_size),
-                f"lstm.bias_ih_l{layer}": (4 * self.hidden_size,),
-                f"lstm.bias_hh_l{layer}": (4 * self.hidden_size,),
-            }
-            for key, shape in shapes.items():
+            shapes[f"lstm.weight_ih_l{layer}"] = (gates, input_size)
+            shapes[f"lstm.weight_hh_l{layer}"] = (gates, self.hidden_size)
+            shapes[f"lstm.bias_ih_l{layer}"] = (gates,)
+            shapes[f"lstm.bias_hh_l{layer}"] = (gates,)
+        return shapes
+
+    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
+        """N(0, 1) embeddings and U(-1/sqrt(hidden), 1/sqrt(hidden)) LSTM weights, as torch initializes them."""
+        generator = torch.Generator().manual_seed(seed)
+        bound = self.hidden_size**-0.5
+        state = {}
+        for key, shape in self.weight_shapes().items():
+            if key == "embedding.weight":
+                state[key] = torch.randn(shape, generator=generator)
+            else:
                 state[key] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
         return state
 
