@@ -1,0 +1,198 @@
+"""Worker backends driven directly with task messages: gather, compute, scatter, signal, poll."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from common.models import build_model
+from common.slots import FIRST_FREE_SLOT, SCRATCH_SLOT, ZERO_SLOT
+from common.task import TaskMessage, decode_task, encode_task
+from conftest import SMALL_LSTM, write_config
+from worker.backend import arena_ids
+from worker.main import InProgressFIFO, Poller, load_cells
+
+ROWS = 64
+
+
+@pytest.fixture
+def cells(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM)
+    specs, modules, kinds = load_cells(config)
+    model = build_model(config.models["lstm"])
+    return specs, modules, kinds, model.load_weights()
+
+
+def make_backend(device: str, cells):
+    specs, modules, kinds, _ = cells
+    if device == "cpu":
+        from worker.cpu import CpuBackend
+
+        return CpuBackend(modules, specs, kinds, ROWS, ROWS)
+    from worker.cuda import CudaBackend
+
+    return CudaBackend(device, modules, specs, kinds, ROWS, ROWS)
+
+
+def io_array(backend, kind_key: str):
+    """The numpy view the manager would map: attach to the io arena by its shared-memory name."""
+    from common.shm import SharedArray
+
+    info = next(a for a in backend.arenas if a.space == "io" and a.kind.key == kind_key)
+    return SharedArray(info.kind.dtype, (info.rows, *info.kind.shape), name=info.shm_name)
+
+
+def lstm_step_task(task_id: int, kinds, tokens_io: list[int], h_in: list[int], h_out: list[int], results_io):
+    """One LSTM step for len(h_out) rows: tokens uploaded from io rows, (h, c) read and written in pairs."""
+    ids = arena_ids(kinds)
+    tok_kind = next(k for k in kinds if k.dtype == "int64")
+    state_kind = next(k for k in kinds if k.dtype == "float32")
+    tok_dev, tok_io = ids[tok_kind]
+    state_dev, state_io = ids[state_kind]
+    n = len(h_out)
+    upload_rows = list(range(FIRST_FREE_SLOT + 40, FIRST_FREE_SLOT + 40 + n))
+    return TaskMessage(
+        task_id,
+        0,
+        n,
+        [(tok_io, np.array(tokens_io), tok_dev, np.array(upload_rows))],
+        [
+            (tok_dev, np.array(upload_rows)),
+            (state_dev, np.array(h_in)),
+            (state_dev, np.array([s + 1 if s not in (ZERO_SLOT,) else ZERO_SLOT for s in h_in])),
+        ],
+        [(state_dev, np.array(h_out)), (state_dev, np.array([s + 1 for s in h_out]))],
+        [(state_dev, np.array(h_out), state_io, np.array(results_io))] if results_io else [],
+    )
+
+
+def wait_signal(backend, value: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while backend.signal() < value:
+        assert time.monotonic() < deadline, f"signal stuck at {backend.signal()}, expected {value}"
+        time.sleep(0.001)
+
+
+def run_two_steps(device: str, cells) -> np.ndarray:
+    """Two chained steps of two sequences issued back to back; returns the final h rows from the io arena."""
+    specs, modules, kinds, _ = cells
+    backend = make_backend(device, cells)
+    try:
+        tokens = io_array(backend, "int64[]")
+        results = io_array(backend, "float32[64]")
+        tokens.array[2:6] = [5, 9, 7, 3]  # sequence A = 5, 7; sequence B = 9, 3
+        first = lstm_step_task(1, kinds, [2, 3], [ZERO_SLOT, ZERO_SLOT], [10, 12], None)
+        second = lstm_step_task(2, kinds, [4, 5], [10, 12], [20, 22], [2, 3])
+        # The second task depends on the first: issued at once, the stream's FIFO order makes it correct.
+        backend.issue(decode_task(encode_task(first)))
+        backend.issue(decode_task(encode_task(second)))
+        wait_signal(backend, 2)
+        assert backend.finish(1) is None and backend.finish(2) is None
+        out = results.array[2:4].copy()
+        tokens.close()
+        results.close()
+        return out
+    finally:
+        backend.close()
+
+
+def expected_h(cells, sequences: list[list[int]]) -> np.ndarray:
+    specs, modules, kinds, state = cells
+    embedding = torch.nn.Embedding(state["embedding.weight"].shape[0], state["embedding.weight"].shape[1])
+    embedding.load_state_dict({"weight": state["embedding.weight"]})
+    lstm = torch.nn.LSTM(32, 64)
+    lstm.load_state_dict({k.removeprefix("lstm."): v for k, v in state.items() if k.startswith("lstm.")})
+    with torch.inference_mode():
+        return np.stack([lstm(embedding(torch.tensor(s)))[1][0][-1].numpy() for s in sequences])
+
+
+def test_cpu_backend_runs_chained_tasks_in_stream_order(cells):
+    got = run_two_steps("cpu", cells)
+    np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
+
+
+def test_cpu_backend_reports_a_failed_task_and_keeps_going(cells):
+    specs, modules, kinds, _ = cells
+    backend = make_backend("cpu", cells)
+    try:
+        bad = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [ROWS + 5], None)  # output slot outside the arena
+        good = lstm_step_task(2, kinds, [2], [ZERO_SLOT], [10], None)
+        backend.issue(decode_task(encode_task(bad)))
+        backend.issue(decode_task(encode_task(good)))
+        wait_signal(backend, 2)
+        assert "index" in (backend.finish(1) or "").lower()
+        assert backend.finish(2) is None
+    finally:
+        backend.close()
+
+
+def test_warm_up_writes_only_the_scratch_row(cells):
+    backend = make_backend("cpu", cells)
+    try:
+        backend.warm_up()
+        for info, tensor in zip(backend.arenas, backend._tensors):
+            rows = tensor.reshape(tensor.shape[0], -1)
+            touched = {int(i) for i in torch.nonzero(rows.abs().sum(dim=1)).flatten()}
+            assert touched <= {SCRATCH_SLOT}, (info, touched)
+    finally:
+        backend.close()
+
+
+def test_poller_reports_completions_in_fifo_order(cells, tmp_path: Path):
+    specs, modules, kinds, _ = cells
+    backend = make_backend("cpu", cells)
+    context = zmq.Context()
+    receiver = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/completions"
+    receiver.bind(address)
+    fifo = InProgressFIFO()
+    poller = Poller(context, address, worker_id=7, backend=backend, fifo=fifo)
+    poller.start()
+    try:
+        for task_id in range(1, 21):
+            task = lstm_step_task(task_id, kinds, [2], [ZERO_SLOT], [10 + 2 * (task_id % 5)], None)
+            fifo.push(task_id)
+            backend.issue(decode_task(encode_task(task)))
+        seen: list[int] = []
+        while len(seen) < 20:
+            assert receiver.poll(10_000), f"completions stopped after {seen}"
+            worker_id, task_ids, errors = msgpack.unpackb(receiver.recv(), strict_map_key=False)
+            assert worker_id == 7 and errors == {}
+            seen.extend(task_ids)
+        assert seen == list(range(1, 21))
+        assert len(fifo) == 0
+    finally:
+        poller.stopping.set()
+        poller.join(timeout=5)
+        receiver.close()
+        context.term()
+        backend.close()
+
+
+@pytest.mark.cuda
+def test_cuda_backend_matches_cpu(cells):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    got = run_two_steps("cuda:0", cells)
+    np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_counter_is_written_in_stream_order(cells):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    specs, modules, kinds, _ = cells
+    backend = make_backend("cuda:0", cells)
+    try:
+        for task_id in range(1, 11):
+            backend.issue(decode_task(encode_task(lstm_step_task(task_id, kinds, [2], [ZERO_SLOT], [10], None))))
+        wait_signal(backend, 10)
+        assert backend.signal() == 10
+    finally:
+        backend.close()
