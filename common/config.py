@@ -49,6 +49,7 @@ class ServerConfig:
     arena_rows: int = 16384
     io_rows: int = 16384
     max_message_bytes: int = 16 * 1024 * 1024
+    default_deadline_ms: int = 0  # 0: requests without deadline_ms have none
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         arena_rows=_positive_int(table, "arena_rows", defaults.arena_rows, "server", path, minimum=16),
         io_rows=_positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
         max_message_bytes=_positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
+        default_deadline_ms=_positive_int(
+            table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
+        ),
     )
 
 

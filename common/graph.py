@@ -8,7 +8,7 @@ from the request, or the all-zero row (an initial state).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,7 +24,6 @@ class ValueKind(NamedTuple):
         return f"{self.dtype}[{','.join(map(str, self.shape))}]"
 
 
-
 @dataclass(frozen=True)
 class CellTypeSpec:
     """A cell type: what it reads and writes, and how the scheduler batches it.
@@ -37,6 +36,10 @@ class CellTypeSpec:
     outputs: tuple[ValueKind, ...]
     batch_sizes: tuple[int, ...]
     priority: int
+    # Input ports that take any number of values per node (e.g. a Child-Sum node's children).
+    # The cell receives such a port as two arguments: the flat rows, and for each row the
+    # index of the batch row (node) it belongs to.
+    ragged_inputs: frozenset[int] = frozenset()
 
     @property
     def max_batch(self) -> int:
@@ -74,8 +77,14 @@ class Zero(NamedTuple):
     """The all-zero row of an arena: an initial recurrent state."""
 
 
+class Ragged(NamedTuple):
+    """The value of a ragged input port: any number (zero included) of node outputs."""
+
+    refs: tuple[NodeOutput, ...]
+
+
 ZERO = Zero()
-ValueRef = NodeOutput | External | Zero
+ValueRef = NodeOutput | External | Zero | Ragged
 
 
 class NodeSpec(NamedTuple):
@@ -89,12 +98,17 @@ class CellGraph:
 
     `externals` holds one row per External reference, already shaped and typed
     as the consuming input's ValueKind. `results` names the node outputs that
-    are copied back to the host and form the reply.
+    are copied back to the host and form the reply. `watch` lists node outputs
+    the model observes as they complete (Model.observe), to end a request whose
+    length is only known at run time, such as a decoder emitting EOS; `state`
+    is the model's own record of what it observed.
     """
 
     nodes: list[NodeSpec] = field(default_factory=list)
     externals: list[np.ndarray] = field(default_factory=list)
     results: dict[str, NodeOutput] = field(default_factory=dict)
+    watch: list[NodeOutput] = field(default_factory=list)
+    state: Any = None
 
     def add_node(self, cell_type: str, *inputs: ValueRef) -> int:
         self.nodes.append(NodeSpec(cell_type, tuple(inputs)))

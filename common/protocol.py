@@ -6,6 +6,7 @@ module with the server. Nothing received is ever unpickled or evaluated.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -109,7 +110,7 @@ def map_to_tensor(value: Any, name: str = "tensor") -> np.ndarray:
     if not isinstance(data, bytes):
         raise RequestError(BAD_REQUEST, f"{name}: data must be binary")
     np_dtype = np.dtype(dtype).newbyteorder("<")
-    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    expected = math.prod(shape) * np_dtype.itemsize  # exact integers: a huge shape cannot wrap around
     if expected != len(data):
         raise RequestError(BAD_REQUEST, f"{name}: shape {shape} of {dtype} needs {expected} bytes, got {len(data)}")
     return np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np.dtype(dtype), copy=False)

@@ -4,8 +4,9 @@
 
 * uploads:   [[io_arena, io_slots, arena, slots], ...] external inputs copied from the
              host io arena into device rows before compute
-* inputs:    [[arena, slots], ...] one per cell input, `batch_size` slots each (padding
-             rows read the zero slot)
+* inputs:    [[arena, slots, segments], ...] one per cell input: `batch_size` slots each
+             (padding rows read the zero slot) and segments nil; for a ragged input, any
+             number of slots and, per slot, the batch row it belongs to
 * outputs:   [[arena, slots], ...] one per cell output (padding rows write the scratch slot)
 * downloads: [[arena, slots, io_arena, io_slots], ...] rows the host must see (results,
              stop decisions), copied to the io arena after compute
@@ -24,6 +25,7 @@ SLOT_DTYPE = np.dtype("<i8")
 
 SlotCopy = tuple[int, np.ndarray, int, np.ndarray]
 SlotList = tuple[int, np.ndarray]
+InputSlots = tuple[int, np.ndarray, np.ndarray | None]
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class TaskMessage:
     cell_index: int
     batch_size: int
     uploads: list[SlotCopy]
-    inputs: list[SlotList]
+    inputs: list[InputSlots]
     outputs: list[SlotList]
     downloads: list[SlotCopy]
 
@@ -48,7 +50,7 @@ def encode_task(message: TaskMessage) -> bytes:
             message.cell_index,
             message.batch_size,
             [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.uploads],
-            [[a, _slots(s)] for a, s in message.inputs],
+            [[a, _slots(s), None if g is None else _slots(g)] for a, s, g in message.inputs],
             [[a, _slots(s)] for a, s in message.outputs],
             [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.downloads],
         ],
@@ -67,7 +69,7 @@ def decode_task(frame: bytes) -> TaskMessage:
         cell_index,
         batch_size,
         [(a, _view(s), b, _view(t)) for a, s, b, t in uploads],
-        [(a, _view(s)) for a, s in inputs],
+        [(a, _view(s), None if g is None else _view(g)) for a, s, g in inputs],
         [(a, _view(s)) for a, s in outputs],
         [(a, _view(s), b, _view(t)) for a, s, b, t in downloads],
     )

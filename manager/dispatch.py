@@ -12,7 +12,9 @@ import collections
 import time
 from typing import Callable
 
-from common.graph import CellTypeSpec, External, NodeOutput, ValueKind
+import numpy as np
+
+from common.graph import CellTypeSpec, External, NodeOutput, Ragged, ValueKind
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage, encode_task
 from manager.state import NodeState, Task
@@ -53,8 +55,9 @@ class Dispatcher:
         size = spec.padded_size(len(nodes))
         task = Task(self._next_task_id, spec, nodes, worker, size)
         self._next_task_id += 1
-        in_kinds, out_kinds = spec.inputs, spec.outputs
-        in_slots = [[ZERO_SLOT] * size for _ in in_kinds]
+        in_kinds, out_kinds, ragged = spec.inputs, spec.outputs, spec.ragged_inputs
+        in_slots = [[] if port in ragged else [ZERO_SLOT] * size for port in range(len(in_kinds))]
+        segments: list[list[int] | None] = [[] if port in ragged else None for port in range(len(in_kinds))]
         out_slots = [[SCRATCH_SLOT] * size for _ in out_kinds]
         uploads: dict[ValueKind, tuple[list[int], list[int]]] = {}
         downloads: dict[ValueKind, tuple[list[int], list[int]]] = {}
@@ -63,9 +66,10 @@ class Dispatcher:
             node.worker = worker
             request = node.request
             for port, ref in enumerate(node.spec.inputs):
-                if type(ref) is NodeOutput:
+                kind_of_ref = type(ref)
+                if kind_of_ref is NodeOutput:
                     in_slots[port][row] = request.nodes[ref.node].out_slots[ref.port]
-                elif type(ref) is External:
+                elif kind_of_ref is External:
                     kind = in_kinds[port]
                     device_slot, io_slot = worker.slots[kind].take(), worker.io_slots[kind].take()
                     worker.io[kind][io_slot] = request.graph.externals[ref.index]
@@ -74,23 +78,28 @@ class Dispatcher:
                     device_rows.append(device_slot)
                     node.uploads.append((kind, device_slot, io_slot))
                     in_slots[port][row] = device_slot
+                elif kind_of_ref is Ragged:
+                    flat, rows = in_slots[port], segments[port]
+                    for child in ref.refs:
+                        flat.append(request.nodes[child.node].out_slots[child.port])
+                        rows.append(row)
             outs = tuple(allocator.take() for allocator in out_allocators)
             node.out_slots = outs
             for port, slot in enumerate(outs):
                 out_slots[port][row] = slot
-            for name, port in node.results:
+            for key, port in node.copies:
                 kind = out_kinds[port]
                 io_slot = worker.io_slots[kind].take()
                 device_rows, io_rows = downloads.setdefault(kind, ([], []))
                 device_rows.append(outs[port])
                 io_rows.append(io_slot)
-                task.results.append((node, name, kind, io_slot))
+                task.results.append((node, key, kind, io_slot))
         message = TaskMessage(
             task.task_id,
             self._cell_index[spec.key],
             size,
             [(worker.io_arena_id[k], io, worker.arena_id[k], dev) for k, (io, dev) in uploads.items()],
-            [(worker.arena_id[k], slots) for k, slots in zip(in_kinds, in_slots)],
+            [(worker.arena_id[k], slots, rows) for k, slots, rows in zip(in_kinds, in_slots, segments)],
             [(worker.arena_id[k], slots) for k, slots in zip(out_kinds, out_slots)],
             [(worker.arena_id[k], dev, worker.io_arena_id[k], io) for k, (dev, io) in downloads.items()],
         )
@@ -99,12 +108,21 @@ class Dispatcher:
         self._send(worker, encode_task(message))
         return task
 
-    def complete(self, task: Task) -> None:
-        """Read the task's results into their requests and free the slots no one will read again."""
+    def complete(self, task: Task) -> list[tuple[NodeState, int, np.ndarray]]:
+        """Read the task's host copies and free the slots no one will read again.
+
+        Results are stored on their requests; watched values are returned, in order,
+        as (node, watch index, value) for the model to observe.
+        """
         worker = task.worker
-        for node, name, kind, io_slot in task.results:
-            node.request.results[name] = worker.io[kind][io_slot].copy()
+        observed = []
+        for node, key, kind, io_slot in task.results:
+            value = worker.io[kind][io_slot].copy()
             worker.io_slots[kind].give(io_slot)
+            if type(key) is str:
+                node.request.results[key] = value
+            else:
+                observed.append((node, key, value))
         for node in task.nodes:
             node.completed = True
             for kind, device_slot, io_slot in node.uploads:
@@ -115,6 +133,7 @@ class Dispatcher:
                 self.release_consumer(producer)
             if node.live_consumers == 0:
                 self._free_outputs(node)
+        return observed
 
     def release_consumer(self, producer: NodeState) -> None:
         """One consumer of `producer` completed or was dropped; free its outputs after the last one."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from common.graph import CellGraph, CellTypeSpec, NodeOutput
+from common.graph import CellGraph, CellTypeSpec, External, NodeOutput, Ragged
 from common.protocol import INTERNAL, RequestError
 from manager.dispatch import Dispatcher
 from manager.scheduler import Scheduler
@@ -21,31 +21,34 @@ FinishFn = Callable[[Request, RequestError | None], None]
 
 
 def split_subgraphs(request: Request) -> list[Subgraph]:
-    """Union-find over edges between nodes of the same cell type."""
-    nodes = request.nodes
-    parent = list(range(len(nodes)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for index, node in enumerate(nodes):
-        for ref in node.spec.inputs:
-            if type(ref) is NodeOutput and nodes[ref.node].spec.cell_type == node.spec.cell_type:
-                a, b = find(index), find(ref.node)
-                if a != b:
-                    parent[a] = b
-    by_root: dict[int, Subgraph] = {}
-    for index, node in enumerate(nodes):
-        root = find(index)
-        subgraph = by_root.get(root)
-        if subgraph is None:
-            subgraph = by_root[root] = Subgraph(node.spec.cell_type, request)
+    """Group connected nodes of one cell type. Nodes come in topological order, so one pass
+    suffices: a node joins its same-type producers' subgraph, merging them if there are several."""
+    members: dict[Subgraph, list[NodeState]] = {}
+    for node in request.nodes:
+        joined: list[Subgraph] = []
+        for producer in node.producers:
+            if producer.cell is node.cell and producer.subgraph not in joined:
+                joined.append(producer.subgraph)
+        if not joined:
+            subgraph = Subgraph(node.cell.key, request)
+            members[subgraph] = [node]
+        else:
+            subgraph = max(joined, key=lambda s: len(members[s]))
+            group = members[subgraph]
+            for other in joined:
+                if other is not subgraph:
+                    for moved in members.pop(other):
+                        moved.subgraph = subgraph
+                        group.append(moved)
+            group.append(node)
         node.subgraph = subgraph
-        subgraph.remaining += 1
-    return list(by_root.values())
+    for subgraph, group in members.items():
+        subgraph.remaining = len(group)
+    return list(members)
+
+
+def _invalid(request: Request, problem: str) -> RequestError:
+    return RequestError(INTERNAL, f"model {request.model.name!r} produced an invalid cell graph: {problem}")
 
 
 class RequestProcessor:
@@ -67,43 +70,69 @@ class RequestProcessor:
         return request
 
     def _build_nodes(self, request: Request) -> None:
+        """Node records with producer/consumer links, checking the graph a model's unfold produced."""
         graph = request.graph
-        try:
-            cells = [self._cell_types[spec.cell_type] for spec in graph.nodes]
-        except KeyError as exc:
-            raise RequestError(INTERNAL, f"model produced a node of unknown cell type {exc}") from None
-        nodes = [NodeState(spec, cell, request) for spec, cell in zip(graph.nodes, cells)]
-        request.nodes = nodes
-        for node in nodes:
-            producers: list[NodeState] = []
-            for ref in node.spec.inputs:
-                if type(ref) is NodeOutput:
-                    producer = nodes[ref.node]
+        nodes: list[NodeState] = []
+        for index, spec in enumerate(graph.nodes):
+            cell = self._cell_types.get(spec.cell_type)
+            if cell is None:
+                raise _invalid(request, f"node {index} has unknown cell type {spec.cell_type!r}")
+            if len(spec.inputs) != len(cell.inputs):
+                raise _invalid(request, f"node {index} gives {len(spec.inputs)} inputs to {cell.key}")
+            node = NodeState(spec, cell, request)
+            producers = node.producers
+            for port, ref in enumerate(spec.inputs):
+                refs = ref.refs if type(ref) is Ragged else (ref,) if type(ref) is NodeOutput else ()
+                if (type(ref) is Ragged) != (port in cell.ragged_inputs):
+                    raise _invalid(request, f"node {index} input {port}: ragged values go to ragged inputs only")
+                for source in refs:
+                    if not 0 <= source.node < index:
+                        raise _invalid(request, f"node {index} reads node {source.node}, not an earlier node")
+                    producer = nodes[source.node]
+                    if producer.cell.outputs[source.port] != cell.inputs[port]:
+                        raise _invalid(request, f"node {index} input {port} has the wrong kind")
                     if producer not in producers:
                         producers.append(producer)
-            node.producers = producers
+                if type(ref) is External and not 0 <= ref.index < len(graph.externals):
+                    raise _invalid(request, f"node {index} reads external value {ref.index}, which does not exist")
             node.pending = len(producers)
             for producer in producers:
                 producer.consumers.append(node)
                 producer.live_consumers += 1
-        for name, ref in graph.results.items():
-            nodes[ref.node].results.append((name, ref.port))
+            nodes.append(node)
+        request.nodes = nodes
+        for key, ref in (*graph.results.items(), *enumerate(graph.watch)):
+            if not 0 <= ref.node < len(nodes) or not 0 <= ref.port < len(nodes[ref.node].cell.outputs):
+                raise _invalid(request, f"{key!r} names output {ref.port} of node {ref.node}, which does not exist")
+            nodes[ref.node].copies.append((key, ref.port))
+        if not graph.results and not graph.watch:
+            raise _invalid(request, "it has neither results nor watched outputs")
         request.results_pending = len(graph.results)
         request.subgraphs = split_subgraphs(request)
 
     def task_completed(self, task: Task, error: str | None) -> None:
-        """Slots are freed and results read by the dispatcher; here requests progress and finish."""
-        self._dispatcher.complete(task)
+        """Slots are freed and host copies read by the dispatcher; here requests progress and finish."""
+        observed = self._dispatcher.complete(task)
         self._scheduler.task_completed(task)
+        for node, watch_index, value in observed:
+            request = node.request
+            if request.done or error is not None:
+                continue
+            try:
+                finished = request.model.observe(request.graph, watch_index, value)
+            except Exception as exc:  # a model bug fails its request, never the manager
+                self.fail(request, RequestError(INTERNAL, f"{type(exc).__name__} in {request.model.name}: {exc}"))
+                continue
+            if finished:
+                self._complete(request)
         for node in task.nodes:
             request = node.request
             request.in_flight -= 1
             if request.done:
                 self._forget_if_drained(request)
-                continue
-            if error is not None:
+            elif error is not None:
                 self.fail(request, RequestError(INTERNAL, f"a worker failed to run {task.spec.key}: {error}"))
-            elif node.results and len(request.results) == request.results_pending:
+            elif node.copies and not request.graph.watch and len(request.results) == request.results_pending:
                 self._complete(request)
 
     def _complete(self, request: Request) -> None:

@@ -7,7 +7,9 @@ idle worker so that newly arrived requests join the very next batched tasks.
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -21,6 +23,7 @@ from common.models.base import Model, build_model
 from common.protocol import (
     BAD_REQUEST,
     CANCELLED,
+    DEADLINE_EXCEEDED,
     INTERNAL,
     OPS,
     PROTOCOL_VERSION,
@@ -39,6 +42,7 @@ from manager.workers import WorkerHandle
 
 log = logging.getLogger("batchmaker.manager")
 
+SOCKET_LIMIT_FACTOR = 4
 CLIENT_BURST = 4  # client messages per loop turn: admission is interleaved with completions and scheduling
 IDLE_POLL_MS = 100
 
@@ -80,6 +84,8 @@ class Manager:
         self._worker_by_identity: dict[bytes, WorkerHandle] = {}
         self._next_worker_id = 0
         self._in_flight: dict[tuple[bytes, Any], Request] = {}
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, tie-breaker, request)
+        self._default_deadline_ms = config.server.default_deadline_ms
         self._stopping = False
         self._parent_pid = parent_pid
 
@@ -93,7 +99,9 @@ class Manager:
 
         self._context = zmq.Context()
         self.frontend = self._context.socket(zmq.ROUTER)
-        self.frontend.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        # Frames over max_message_bytes get a BAD_REQUEST from the decoder; the socket itself drops the
+        # connection only past a hard ceiling well above it, to bound what a peer can make us buffer.
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT_FACTOR * self.max_message_bytes)
         self.frontend.setsockopt(zmq.LINGER, 0)
         self.frontend.bind(client_address)
         self.worker_socket = self._context.socket(zmq.ROUTER)
@@ -115,19 +123,34 @@ class Manager:
             poller.register(socket, zmq.POLLIN)
         try:
             while not self._stopping:
-                events = dict(poller.poll(IDLE_POLL_MS))
+                events = dict(poller.poll(self._poll_timeout_ms()))
                 if self.completions in events:
                     self._drain_completions()
                 if self.worker_socket in events:
                     self._drain_worker_control()
                 if self.frontend in events:
                     self._drain_clients()
+                self._expire_deadlines()
                 self._schedule_idle_workers()
                 if not events and self._parent_pid is not None and os.getppid() != self._parent_pid:
                     log.warning("parent process %d is gone; exiting", self._parent_pid)
                     break
         finally:
             self._shutdown()
+
+    def _poll_timeout_ms(self) -> int:
+        if not self._deadlines:
+            return IDLE_POLL_MS
+        wait = (self._deadlines[0][0] - time.perf_counter()) * 1e3
+        return max(0, min(IDLE_POLL_MS, math.ceil(wait)))
+
+    def _expire_deadlines(self) -> None:
+        """Fail queued or running requests whose deadline has passed; their unissued nodes are dropped."""
+        now = time.perf_counter()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if not request.done:
+                self.processor.fail(request, RequestError(DEADLINE_EXCEEDED, "the request's deadline passed"))
 
     def _schedule_idle_workers(self) -> None:
         for worker in self.workers.values():
@@ -263,8 +286,14 @@ class Manager:
         key = (client, request_id)
         if key in self._in_flight:
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
+        deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
+        _optional_int(message, "priority")
         graph = model.unfold(message["inputs"])
-        self._in_flight[key] = self.processor.admit(client, request_id, model, graph, arrival)
+        request = self.processor.admit(client, request_id, model, graph, arrival)
+        self._in_flight[key] = request
+        deadline_ms = deadline_ms if deadline_ms is not None else self._default_deadline_ms or None
+        if deadline_ms is not None:
+            heapq.heappush(self._deadlines, (arrival + deadline_ms / 1e3, id(request), request))
 
     def _cancel(self, client: bytes, request_id: Any, message: dict[str, Any]) -> None:
         if "target" not in message:
@@ -286,7 +315,7 @@ class Manager:
             return
         timing = request_timing(request, end)
         self.stats.request_answered("ok", timing, left_early)
-        outputs = request.model.outputs(request.results)
+        outputs = request.model.outputs(request.graph, request.results)
         self._reply(request.client, {"id": request.request_id, "ok": True, "outputs": outputs, "timing": timing})
 
     # -- introspection ---------------------------------------------------------------------------
@@ -328,6 +357,16 @@ class Manager:
                 for w in self.workers.values()
             },
         }
+
+
+def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None) -> int | None:
+    value = message.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {value!r}")
+    return value
 
 
 def _echo_id(value: Any) -> Any:

@@ -45,7 +45,7 @@ class NodeState:
         "consumers",
         "producers",
         "live_consumers",
-        "results",
+        "copies",
         "worker",
         "out_slots",
         "uploads",
@@ -61,7 +61,8 @@ class NodeState:
         self.consumers: list[NodeState] = []
         self.producers: list[NodeState] = []  # distinct producer nodes
         self.live_consumers = 0  # consumers that have not completed (or been dropped)
-        self.results: list[tuple[str, int]] = []  # (result name, output port) copied back to the host
+        # Outputs copied back to the host: (result name, port) for results, (index in graph.watch, port) for watched
+        self.copies: list[tuple[str | int, int]] = []
         self.worker: WorkerHandle | None = None
         self.out_slots: tuple[int, ...] = ()
         self.uploads: list[tuple[Any, int, int]] = []  # (kind, device slot, io slot) of external inputs
@@ -112,5 +113,6 @@ class Task:
         self.nodes = nodes
         self.worker = worker
         self.batch_size = batch_size
-        self.results: list[tuple[NodeState, str, Any, int]] = []  # (node, name, kind, io slot)
+        # Host copies to read at completion: (node, result name or watch index, kind, io slot)
+        self.results: list[tuple[NodeState, str | int, Any, int]] = []
         self.submitted = 0.0

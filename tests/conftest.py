@@ -110,3 +110,36 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+SMALL_GRU = """
+[models.gru]
+builder = "common.models.gru:build"
+weights = "gru.pt"
+vocab_size = 1000
+embedding_size = 32
+hidden_size = 64
+num_layers = 2
+max_length = 200
+batch_sizes = [1, 2, 4, 8, 16, 32]
+
+[models.gru.cells.layer1]
+priority = 1
+"""
+
+SMALL_SEQ2SEQ = """
+[models.seq2seq]
+builder = "common.models.seq2seq:build"
+weights = "seq2seq.pt"
+src_vocab_size = 1000
+tgt_vocab_size = 40
+embedding_size = 32
+hidden_size = 64
+max_length = 100
+max_decode_length = 60
+batch_sizes = [1, 2, 4, 8, 16, 32]
+
+[models.seq2seq.cells.decoder]
+priority = 1
+batch_sizes = [1, 2, 4, 8, 16]
+"""

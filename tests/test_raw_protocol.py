@@ -12,6 +12,7 @@ torch.nn.LSTM loaded straight from the served weights file.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -90,8 +91,22 @@ class RawClient:
         assert not self.socket.poll(timeout_ms, zmq.POLLIN), f"unexpected extra reply: {self.recv()}"
 
 
+@pytest.fixture(scope="module")
+def lstm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """conftest's `lstm_server` (1 CPU worker, SMALL_LSTM), started once for this module.
+
+    Starting a server costs seconds, so every test here shares one; each test gets its own
+    DEALER connection. Only `.address` and the configured weights path are used.
+    """
+    from conftest import SMALL_LSTM, start_server, stop_server, write_config
+
+    server = start_server(write_config(tmp_path_factory.mktemp("raw-protocol"), SMALL_LSTM), workers=1)
+    yield server
+    stop_server(server)
+
+
 @pytest.fixture
-def client(lstm_server) -> Any:
+def client(lstm_server) -> Iterator[RawClient]:
     raw = RawClient(lstm_server.address)
     yield raw
     raw.close()
@@ -135,7 +150,7 @@ class Reference:
         return h[-1].numpy(), c[-1].numpy()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def reference(lstm_server) -> Reference:
     return Reference(lstm_server.config.models[MODEL].weights)
 
@@ -316,8 +331,14 @@ def test_tokens_as_int64_tensor_map_match_plain_int_array(client: RawClient, ref
     replies = client.recv_many(2)
     assert_correct(replies["plain"], tokens, reference, "plain")
     assert_correct(replies["tensor"], tokens, reference, "tensor")
-    assert replies["plain"]["outputs"]["h"]["data"] == replies["tensor"]["outputs"]["h"]["data"]
-    assert replies["plain"]["outputs"]["c"]["data"] == replies["tensor"]["outputs"]["c"]["data"]
+    # Same answer either way (not necessarily bit for bit: the two may run in different batches).
+    for name in ("h", "c"):
+        np.testing.assert_allclose(
+            wire_tensor(replies["plain"]["outputs"][name], name),
+            wire_tensor(replies["tensor"]["outputs"][name], name),
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_tensor_map_with_wrong_byte_count_is_refused(client: RawClient) -> None:
@@ -351,6 +372,42 @@ def test_ill_formed_tensor_maps_are_refused(client: RawClient) -> None:
         except AssertionError as exc:
             raise AssertionError(f"tensor case {name!r}: {exc}") from None
     client.assert_quiet()
+
+
+def test_tensor_map_with_overflowing_shape_is_refused(client: RawClient) -> None:
+    # 2**32 * 2**32 elements: a byte count computed in int64 wraps to 0 and "matches" empty data.
+    cases = [[2**32, 2**32], [2**64 - 1], [2**63], [2**62, 4]]
+    for index, shape in enumerate(cases):
+        reply = client.call(infer(90 + index, {"dtype": "int64", "shape": shape, "data": b""}))
+        try:
+            assert_error(reply, BAD_REQUEST, 90 + index, allowed=(INVALID_INPUT,))
+        except AssertionError as exc:
+            raise AssertionError(f"shape {shape}: {exc}") from None
+
+
+def test_ill_typed_optional_fields_are_bad_request(client: RawClient) -> None:
+    # deadline_ms and priority are optional, but when given they must be numbers (DESIGN.md 6: ill-typed field).
+    assert_error(client.call(infer(81, [1, 2]) | {"deadline_ms": "soon"}), BAD_REQUEST, 81)
+    assert_error(client.call(infer(82, [1, 2]) | {"deadline_ms": [100]}), BAD_REQUEST, 82)
+    assert_error(client.call(infer(83, [1, 2]) | {"priority": "high"}), BAD_REQUEST, 83)
+
+
+def test_oversize_frame_is_refused_without_disturbing_the_connection(
+    lstm_server, client: RawClient, reference: Reference
+) -> None:
+    """A frame over the server's message limit gets an error reply; other requests are not lost."""
+    limit = lstm_server.config.server.max_message_bytes
+    before = tokens_for(9, MAX_LENGTH)
+    client.send(infer("before", before))
+    client.send(infer("huge", [1, 2]) | {"padding": b"x" * (limit + 1024)})
+    replies = [client.recv(), client.recv()]
+    by_id = {reply["id"]: reply for reply in replies}
+    assert "before" in by_id, f"the reply to a request sent before the oversize frame was lost: {replies}"
+    assert_correct(by_id.pop("before"), before, reference, "before")
+    (refusal,) = by_id.values()
+    assert_error(refusal, BAD_REQUEST)
+    assert refusal["id"] in (None, "huge")
+    assert client.call({"op": "health", "id": "after"}).get("ok") is True
 
 
 # -- good requests survive bad ones --------------------------------------------------------------------

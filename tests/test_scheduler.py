@@ -181,7 +181,7 @@ def test_task_size_is_padded_to_a_supported_batch_size(harness):
     h.scheduler.schedule(worker)
     sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
-    inputs = [slots.tolist() for _, slots in message.inputs]
+    inputs = [slots.tolist() for _, slots, _ in message.inputs]
     outputs = [slots.tolist() for _, slots in message.outputs]
     assert all(row[3] == 0 for row in inputs)  # padding reads the zero slot
     assert all(row[3] == 1 for row in outputs)  # and writes the scratch slot

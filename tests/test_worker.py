@@ -63,9 +63,9 @@ def lstm_step_task(task_id: int, kinds, tokens_io: list[int], h_in: list[int], h
         n,
         [(tok_io, np.array(tokens_io), tok_dev, np.array(upload_rows))],
         [
-            (tok_dev, np.array(upload_rows)),
-            (state_dev, np.array(h_in)),
-            (state_dev, np.array([s + 1 if s not in (ZERO_SLOT,) else ZERO_SLOT for s in h_in])),
+            (tok_dev, np.array(upload_rows), None),
+            (state_dev, np.array(h_in), None),
+            (state_dev, np.array([s + 1 if s not in (ZERO_SLOT,) else ZERO_SLOT for s in h_in]), None),
         ],
         [(state_dev, np.array(h_out)), (state_dev, np.array([s + 1 for s in h_out]))],
         [(state_dev, np.array(h_out), state_io, np.array(results_io))] if results_io else [],

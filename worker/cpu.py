@@ -36,7 +36,7 @@ class IssuedTask:
     task_id: int
     cell: nn.Module
     uploads: list[Upload]  # (rows gathered from the io arena at issue time, arena, slots)
-    inputs: list[tuple[torch.Tensor, torch.Tensor]]
+    inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # (arena, slots, ragged segments)
     outputs: list[tuple[torch.Tensor, torch.Tensor]]
     downloads: list[SlotCopy]
 
@@ -51,7 +51,7 @@ def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Modul
         task.task_id,
         cells[task.cell_index],
         [(tensors[a].index_select(0, index(s)), tensors[b], index(t)) for a, s, b, t in task.uploads],
-        [(tensors[a], index(s)) for a, s in task.inputs],
+        [(tensors[a], index(s), None if g is None else index(g)) for a, s, g in task.inputs],
         [(tensors[a], index(s)) for a, s in task.outputs],
         [(tensors[a], index(s), tensors[b], index(t)) for a, s, b, t in task.downloads],
     )
@@ -61,7 +61,11 @@ def run_task(task: IssuedTask) -> None:
     """Gather, compute, scatter: the body of every task on every backend."""
     for rows, dst, dst_slots in task.uploads:
         dst.index_copy_(0, dst_slots, rows.to(dst.device, non_blocking=True))
-    batch = [arena.index_select(0, slots) for arena, slots in task.inputs]
+    batch = []
+    for arena, slots, segments in task.inputs:
+        batch.append(arena.index_select(0, slots))
+        if segments is not None:
+            batch.append(segments)
     results = task.cell(*batch)
     if isinstance(results, torch.Tensor):
         results = (results,)
@@ -75,7 +79,11 @@ def warm_up_cells(cells: list[nn.Module], specs: list[CellTypeSpec], tensors: li
     """Run each cell once at each batch size on zero rows, writing only the scratch slot."""
     for cell, spec in zip(cells, specs):
         for size in spec.batch_sizes:
-            inputs = [(tensors[ids[k][0]], torch.full((size,), ZERO_SLOT, dtype=torch.int64)) for k in spec.inputs]
+            inputs = []
+            for port, kind in enumerate(spec.inputs):
+                slots = torch.full((size,), ZERO_SLOT, dtype=torch.int64)
+                segments = torch.arange(size) if port in spec.ragged_inputs else None  # one zero child per node
+                inputs.append((tensors[ids[kind][0]], slots, segments))
             outputs = [(tensors[ids[k][0]], torch.full((size,), SCRATCH_SLOT, dtype=torch.int64)) for k in spec.outputs]
             run_task(IssuedTask(-1, cell, [], inputs, outputs, []))
 

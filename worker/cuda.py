@@ -83,7 +83,7 @@ class CudaBackend(Backend):
                     task.task_id,
                     self._cells[task.cell_index],
                     uploads,
-                    [(tensors[a], index(s)) for a, s in task.inputs],
+                    [(tensors[a], index(s), None if g is None else index(g)) for a, s, g in task.inputs],
                     [(tensors[a], index(s)) for a, s in task.outputs],
                     [],
                 )

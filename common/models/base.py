@@ -38,9 +38,17 @@ class Model(ABC):
     def describe(self) -> dict[str, Any]:
         """The `models` reply entry: kind, inputs, outputs, vocab_size."""
 
-    def _cell_type(self, cell: str, inputs: tuple[ValueKind, ...], outputs: tuple[ValueKind, ...]) -> CellTypeSpec:
+    def _cell_type(
+        self,
+        cell: str,
+        inputs: tuple[ValueKind, ...],
+        outputs: tuple[ValueKind, ...],
+        ragged_inputs: frozenset[int] = frozenset(),
+    ) -> CellTypeSpec:
         settings = self.config.cell_config(cell)
-        return CellTypeSpec(f"{self.name}/{cell}", inputs, outputs, settings.batch_sizes, settings.priority)
+        return CellTypeSpec(
+            f"{self.name}/{cell}", inputs, outputs, settings.batch_sizes, settings.priority, ragged_inputs
+        )
 
     # -- serving -----------------------------------------------------------------------------
     @abstractmethod
@@ -50,8 +58,16 @@ class Model(ABC):
         Raises RequestError (INVALID_INPUT or BAD_REQUEST) for inputs the model cannot serve.
         """
 
-    def outputs(self, results: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Turn the host copies of the result values into the reply's outputs."""
+    def observe(self, graph: CellGraph, watch_index: int, value: np.ndarray) -> bool:
+        """See the host copy of `graph.watch[watch_index]`; return True when the request is complete.
+
+        Called in the order the watched nodes complete. Models without watched outputs
+        never see this: their requests complete when every result has been read.
+        """
+        raise NotImplementedError(f"model {self.name!r} watches outputs but does not observe them")
+
+    def outputs(self, graph: CellGraph, results: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Turn the host copies of the result values (and what was observed) into the reply's outputs."""
         return results
 
     @abstractmethod
@@ -74,15 +90,22 @@ class Model(ABC):
                 f"weights file {path} for model {self.name!r} does not exist; "
                 f"create it with: batchmaker init-weights CONFIG"
             )
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        remedy = "fix the config's sizes, or delete the file and run: batchmaker init-weights CONFIG"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many unrelated types for a file that is not its own
+            raise ConfigError(f"weights file {path} is not a torch weights file ({exc}); {remedy}") from None
+        if not isinstance(state, dict):
+            raise ConfigError(f"weights file {path} does not hold a state dict; {remedy}")
         expected = self.weight_shapes()
         missing = sorted(set(expected) - set(state))
         if missing:
-            raise ConfigError(f"weights file {path} lacks {missing} needed by model {self.name!r}")
+            raise ConfigError(f"weights file {path} lacks {missing} needed by model {self.name!r}; {remedy}")
         for key, shape in expected.items():
             if tuple(state[key].shape) != shape:
                 raise ConfigError(
-                    f"weights file {path}: {key} has shape {tuple(state[key].shape)}, the config asks for {shape}"
+                    f"weights file {path}: {key} has shape {tuple(state[key].shape)}, "
+                    f"the config asks for {shape}; {remedy}"
                 )
         return {key: state[key].float() for key in expected}
 

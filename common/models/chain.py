@@ -1,0 +1,148 @@
+"""Chain RNNs: an embedding followed by one or more recurrent layers, unfolded over the tokens.
+
+Node (layer l, step t) reads layer l-1's h at step t (the token for layer 0) and its
+own layer's state at step t-1; each layer is its own cell type because it has its
+own weights. Weights use torch.nn.Embedding + torch.nn.LSTM / torch.nn.GRU
+state_dict names (`embedding.weight`, `<rnn>.weight_ih_l0`, `<rnn>.weight_hh_l0`,
+`<rnn>.bias_ih_l0`, `<rnn>.bias_hh_l0`, then `_l1`, ...), so a model trained as
+`self.embedding = nn.Embedding(...); self.<rnn> = nn.LSTM(...)` is served by saving
+its state_dict.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.config import ModelConfig
+from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from common.models.base import Model, check_params, int_param, token_ids
+
+TOKEN = ValueKind("int64", ())
+
+
+class EmbeddingStep(nn.Module):
+    """First layer: looks the token up, then runs one recurrent step."""
+
+    def __init__(self, embedding: nn.Embedding, step: nn.Module):
+        super().__init__()
+        self.embedding = embedding
+        self.step = step
+
+    def forward(self, tokens: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.step(self.embedding(tokens), *state)
+
+
+class ChainModel(Model):
+    """The shared unfolding, weights layout and validation of LSTM and GRU chains."""
+
+    rnn_name: str  # state_dict prefix: "lstm" or "gru"
+    state_names: tuple[str, ...]  # recurrent state per layer, also the reply's outputs
+    gates: int  # rows of weight_ih per hidden unit
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        params = config.params
+        check_params(params, {"vocab_size", "embedding_size", "hidden_size", "num_layers", "max_length"}, self.name)
+        self.vocab_size = int_param(params, "vocab_size", self.name)
+        self.hidden_size = int_param(params, "hidden_size", self.name)
+        self.embedding_size = int_param(params, "embedding_size", self.name, default=self.hidden_size)
+        self.num_layers = int_param(params, "num_layers", self.name, default=1)
+        self.max_length = int_param(params, "max_length", self.name, default=1000)
+        state = ValueKind("float32", (self.hidden_size,))
+        states = (state,) * len(self.state_names)
+        self._cell_types = {}
+        for layer in range(self.num_layers):
+            first = TOKEN if layer == 0 else state
+            spec = self._cell_type(f"layer{layer}", (first, *states), states)
+            self._cell_types[spec.key] = spec
+        self.layer_keys = list(self._cell_types)
+
+    @property
+    def cell_types(self) -> dict[str, CellTypeSpec]:
+        return self._cell_types
+
+    def describe(self) -> dict[str, Any]:
+        state = {"dtype": "float32", "shape": [self.hidden_size]}
+        return {
+            "kind": self.kind,
+            "inputs": {"tokens": {"dtype": "int64", "shape": [-1], "max_length": self.max_length}},
+            "outputs": {name: state for name in self.state_names},
+            "vocab_size": self.vocab_size,
+        }
+
+    def unfold(self, inputs: Any) -> CellGraph:
+        tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
+        graph = CellGraph()
+        below: list[Any] = [graph.add_external(token) for token in tokens]
+        ports = range(len(self.state_names))
+        for key in self.layer_keys:
+            state: tuple[Any, ...] = (ZERO,) * len(self.state_names)
+            outputs = []
+            for x in below:
+                node = graph.add_node(key, x, *state)
+                state = tuple(NodeOutput(node, port) for port in ports)
+                outputs.append(state[0])
+            below = outputs
+        graph.results = dict(zip(self.state_names, state))
+        return graph
+
+    @abstractmethod
+    def make_step(self, input_size: int) -> nn.Module:
+        """One layer's recurrent step module, taking (x, *state) and returning the new state tuple."""
+
+    def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+        embedding = nn.Embedding(self.vocab_size, self.embedding_size)
+        embedding.load_state_dict({"weight": state["embedding.weight"]})
+        cells: dict[str, nn.Module] = {}
+        for layer, key in enumerate(self.layer_keys):
+            step = self.make_step(self.embedding_size if layer == 0 else self.hidden_size)
+            step.cell.load_state_dict(
+                {name: state[f"{self.rnn_name}.{name}_l{layer}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+            )
+            cells[key] = EmbeddingStep(embedding, step) if layer == 0 else step
+        return cells
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"embedding.weight": (self.vocab_size, self.embedding_size)}
+        rows = self.gates * self.hidden_size
+        for layer in range(self.num_layers):
+            input_size = self.embedding_size if layer == 0 else self.hidden_size
+            shapes[f"{self.rnn_name}.weight_ih_l{layer}"] = (rows, input_size)
+            shapes[f"{self.rnn_name}.weight_hh_l{layer}"] = (rows, self.hidden_size)
+            shapes[f"{self.rnn_name}.bias_ih_l{layer}"] = (rows,)
+            shapes[f"{self.rnn_name}.bias_hh_l{layer}"] = (rows,)
+        return shapes
+
+    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
+        """N(0, 1) embeddings and U(-1/sqrt(hidden), 1/sqrt(hidden)) recurrent weights, as torch initializes them."""
+        generator = torch.Generator().manual_seed(seed)
+        bound = self.hidden_size**-0.5
+        state = {}
+        for key, shape in self.weight_shapes().items():
+            if key == "embedding.weight":
+                state[key] = torch.randn(shape, generator=generator)
+            else:
+                state[key] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+        return state
+
+    @abstractmethod
+    def reference_rnn(self) -> nn.Module:
+        """The whole-sequence torch module (nn.LSTM or nn.GRU) the reference runs."""
+
+    def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
+        """torch.nn.Embedding + the whole-sequence torch RNN, one request at a time."""
+        tokens = torch.from_numpy(token_ids(inputs, "tokens", self.vocab_size, self.max_length))
+        embedding = nn.Embedding(self.vocab_size, self.embedding_size)
+        embedding.load_state_dict({"weight": state["embedding.weight"]})
+        rnn = self.reference_rnn()
+        prefix = f"{self.rnn_name}."
+        rnn.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+        with torch.inference_mode():
+            _, final = rnn(embedding(tokens))
+        final = final if isinstance(final, tuple) else (final,)
+        return {name: value[-1].numpy().astype(np.float32) for name, value in zip(self.state_names, final)}

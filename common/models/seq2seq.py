@@ -1,0 +1,245 @@
+"""Seq2Seq with a "feed previous" greedy decoder (the paper's section 7.4).
+
+Two cell types with separate weights:
+* `encoder`: source token, h, c -> h, c (embedding + LSTM cell);
+* `decoder`: previous token, h, c -> h, c, next token (embedding + LSTM cell +
+  projection to the target vocabulary + argmax, all on the device).
+
+The first decoder step reads the GO token and the encoder's final state; each later
+step reads the previous step's argmax straight from the device arena, so decoder
+steps are issued ahead of time like encoder steps. The graph is unfolded up to the
+request's maximum decoding length; only the stop decision needs a host-visible
+value: each step's token is copied back and observed, and at EOS the request is
+answered while steps already issued past it finish and free their slots.
+
+Weights file keys: `encoder.embedding.weight` [src_vocab, emb], `encoder.lstm.*_l0`
+and `decoder.lstm.*_l0` (torch.nn.LSTM names: weight_ih_l0, weight_hh_l0, bias_ih_l0,
+bias_hh_l0), `decoder.embedding.weight` [tgt_vocab, emb], `decoder.projection.weight`
+[tgt_vocab, hidden], `decoder.projection.bias` [tgt_vocab].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.config import ModelConfig
+from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from common.models.base import Model, check_params, int_param, token_ids
+from common.protocol import INVALID_INPUT, RequestError
+
+TOKEN = ValueKind("int64", ())
+LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+DECODER_GAIN = 4.0
+EOS_BIAS = 0.2
+
+
+class EncoderCell(nn.Module):
+    def __init__(self, embedding: nn.Embedding, lstm: nn.LSTMCell):
+        super().__init__()
+        self.embedding = embedding
+        self.lstm = lstm
+
+    def forward(self, tokens: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lstm(self.embedding(tokens), (h, c))
+
+
+class DecoderCell(nn.Module):
+    def __init__(self, embedding: nn.Embedding, lstm: nn.LSTMCell, projection: nn.Linear):
+        super().__init__()
+        self.embedding = embedding
+        self.lstm = lstm
+        self.projection = projection
+
+    def forward(self, tokens: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h, c = self.lstm(self.embedding(tokens), (h, c))
+        return h, c, self.projection(h).argmax(dim=1)
+
+
+class Decoded:
+    """What a request has decoded so far; steps may be observed out of order, tokens are kept in order."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.seen: dict[int, int] = {}
+        self.tokens: list[int] = []
+        self.finished = False
+
+
+class Seq2SeqModel(Model):
+    kind = "seq2seq"
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        params = config.params
+        allowed = {
+            "src_vocab_size",
+            "tgt_vocab_size",
+            "embedding_size",
+            "hidden_size",
+            "max_length",
+            "max_decode_length",
+            "extra_decode_steps",
+            "go_id",
+            "eos_id",
+        }
+        check_params(params, allowed, self.name)
+        self.src_vocab_size = int_param(params, "src_vocab_size", self.name)
+        self.tgt_vocab_size = int_param(params, "tgt_vocab_size", self.name)
+        self.hidden_size = int_param(params, "hidden_size", self.name)
+        self.embedding_size = int_param(params, "embedding_size", self.name, default=self.hidden_size)
+        self.max_length = int_param(params, "max_length", self.name, default=400)
+        self.max_decode_length = int_param(params, "max_decode_length", self.name, default=200)
+        self.extra_decode_steps = int_param(params, "extra_decode_steps", self.name, default=10, minimum=0)
+        self.go_id = int_param(params, "go_id", self.name, default=2, minimum=0)
+        self.eos_id = int_param(params, "eos_id", self.name, default=3, minimum=0)
+        state = ValueKind("float32", (self.hidden_size,))
+        encoder = self._cell_type("encoder", (TOKEN, state, state), (state, state))
+        decoder = self._cell_type("decoder", (TOKEN, state, state), (state, state, TOKEN))
+        self._cell_types = {encoder.key: encoder, decoder.key: decoder}
+        self.encoder_key, self.decoder_key = encoder.key, decoder.key
+
+    @property
+    def cell_types(self) -> dict[str, CellTypeSpec]:
+        return self._cell_types
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "inputs": {
+                "tokens": {"dtype": "int64", "shape": [-1], "max_length": self.max_length},
+                "max_len": {"dtype": "int64", "shape": [], "optional": True, "max": self.max_decode_length},
+            },
+            "outputs": {"tokens": {"dtype": "int64", "shape": [-1]}},
+            "vocab_size": self.src_vocab_size,
+            "target_vocab_size": self.tgt_vocab_size,
+            "eos_id": self.eos_id,
+        }
+
+    def _max_len(self, inputs: dict[str, Any], source_length: int) -> int:
+        if "max_len" not in inputs:
+            return min(source_length + self.extra_decode_steps, self.max_decode_length)
+        max_len = inputs["max_len"]
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= self.max_decode_length:
+            raise RequestError(INVALID_INPUT, f"max_len must be an integer from 1 to {self.max_decode_length}")
+        return max_len
+
+    def unfold(self, inputs: Any) -> CellGraph:
+        source = token_ids(inputs, "tokens", self.src_vocab_size, self.max_length)
+        max_len = self._max_len(inputs, len(source))
+        graph = CellGraph(state=Decoded(max_len))
+        h: Any = ZERO
+        c: Any = ZERO
+        for token in source:
+            node = graph.add_node(self.encoder_key, graph.add_external(token), h, c)
+            h, c = NodeOutput(node, 0), NodeOutput(node, 1)
+        previous: Any = graph.add_external(np.int64(self.go_id))
+        for _ in range(max_len):
+            node = graph.add_node(self.decoder_key, previous, h, c)
+            h, c, previous = NodeOutput(node, 0), NodeOutput(node, 1), NodeOutput(node, 2)
+            graph.watch.append(previous)
+        return graph
+
+    def observe(self, graph: CellGraph, watch_index: int, value: np.ndarray) -> bool:
+        decoded: Decoded = graph.state
+        decoded.seen[watch_index] = int(value)
+        while not decoded.finished and len(decoded.tokens) in decoded.seen:
+            token = decoded.seen.pop(len(decoded.tokens))
+            if token == self.eos_id:
+                decoded.finished = True
+            else:
+                decoded.tokens.append(token)
+                decoded.finished = len(decoded.tokens) == decoded.max_len
+        return decoded.finished
+
+    def outputs(self, graph: CellGraph, results: dict[str, np.ndarray]) -> dict[str, Any]:
+        return {"tokens": np.array(graph.state.tokens, dtype=np.int64)}
+
+    def _modules(self, state: dict[str, torch.Tensor]) -> tuple[nn.Module, ...]:
+        src_embedding = nn.Embedding(self.src_vocab_size, self.embedding_size)
+        tgt_embedding = nn.Embedding(self.tgt_vocab_size, self.embedding_size)
+        src_embedding.load_state_dict({"weight": state["encoder.embedding.weight"]})
+        tgt_embedding.load_state_dict({"weight": state["decoder.embedding.weight"]})
+        encoder, decoder = nn.LSTMCell(self.embedding_size, self.hidden_size), nn.LSTMCell(self.embedding_size, self.hidden_size)
+        encoder.load_state_dict({k: state[f"encoder.lstm.{k}_l0"] for k in LSTM_KEYS})
+        decoder.load_state_dict({k: state[f"decoder.lstm.{k}_l0"] for k in LSTM_KEYS})
+        projection = nn.Linear(self.hidden_size, self.tgt_vocab_size)
+        projection.load_state_dict({"weight": state["decoder.projection.weight"], "bias": state["decoder.projection.bias"]})
+        return src_embedding, encoder, tgt_embedding, decoder, projection
+
+    def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+        src_embedding, encoder, tgt_embedding, decoder, projection = self._modules(state)
+        return {
+            self.encoder_key: EncoderCell(src_embedding, encoder),
+            self.decoder_key: DecoderCell(tgt_embedding, decoder, projection),
+        }
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        rows, emb, hidden = 4 * self.hidden_size, self.embedding_size, self.hidden_size
+        shapes: dict[str, tuple[int, ...]] = {
+            "encoder.embedding.weight": (self.src_vocab_size, emb),
+            "decoder.embedding.weight": (self.tgt_vocab_size, emb),
+            "decoder.projection.weight": (self.tgt_vocab_size, hidden),
+            "decoder.projection.bias": (self.tgt_vocab_size,),
+        }
+        for part in ("encoder", "decoder"):
+            shapes[f"{part}.lstm.weight_ih_l0"] = (rows, emb)
+            shapes[f"{part}.lstm.weight_hh_l0"] = (rows, hidden)
+            shapes[f"{part}.lstm.bias_ih_l0"] = (rows,)
+            shapes[f"{part}.lstm.bias_hh_l0"] = (rows,)
+        return shapes
+
+    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
+        """Random weights that decode like a trained model: outputs of varied length ending in EOS.
+
+        Plain random weights make greedy decoding settle on one repeated token that is
+        never EOS; a livelier decoder (recurrent and projection weights scaled up) and a
+        small EOS bias make decoding stop at lengths that vary with the source.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        bound = self.hidden_size**-0.5
+        state = {}
+        for key, shape in self.weight_shapes().items():
+            if key.endswith("embedding.weight"):
+                state[key] = torch.randn(shape, generator=generator)
+            else:
+                state[key] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+        state["decoder.lstm.weight_hh_l0"] *= DECODER_GAIN
+        state["decoder.projection.weight"] *= DECODER_GAIN
+        state["decoder.projection.bias"][self.eos_id] += EOS_BIAS
+        return state
+
+    def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
+        """Greedy decoding one request at a time: torch.nn.LSTM over the source, then a step loop.
+
+        Besides `tokens`, returns `margins`: each step's gap between the two largest logits,
+        so a comparison can tell a real difference from a float near-tie of the argmax.
+        """
+        source = torch.from_numpy(token_ids(inputs, "tokens", self.src_vocab_size, self.max_length))
+        max_len = self._max_len(inputs, len(source))
+        src_embedding, _, tgt_embedding, decoder, projection = self._modules(state)
+        encoder = nn.LSTM(self.embedding_size, self.hidden_size)
+        encoder.load_state_dict({f"{k}_l0": state[f"encoder.lstm.{k}_l0"] for k in LSTM_KEYS})
+        decoded: list[int] = []
+        margins: list[float] = []
+        with torch.inference_mode():
+            _, (h, c) = encoder(src_embedding(source))
+            h, c = h[0], c[0]
+            token = self.go_id
+            while len(decoded) < max_len:
+                h, c = decoder(tgt_embedding(torch.tensor(token)), (h, c))
+                logits = projection(h)
+                top = torch.topk(logits, 2).values
+                margins.append(float(top[0] - top[1]))
+                token = int(logits.argmax())
+                if token == self.eos_id:
+                    break
+                decoded.append(token)
+        return {"tokens": np.array(decoded, dtype=np.int64), "margins": np.array(margins, dtype=np.float32)}
+
+
+def build(config: ModelConfig) -> Seq2SeqModel:
+    return Seq2SeqModel(config)

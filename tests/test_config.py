@@ -1,0 +1,387 @@
+"""Unit tests for common/config.py, model building (common/models/base.py) and weight loading."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import ConfigError, load_config
+from common.models import build_model
+from common.models.base import Model, save_weights
+from common.models.lstm import LSTMModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL = """
+[models.lstm]
+builder = "common.models.lstm:build"
+weights = "lstm.pt"
+vocab_size = 50
+embedding_size = 8
+hidden_size = 16
+max_length = 20
+batch_sizes = [1, 2, 4]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def config_error(tmp_path: Path, text: str, *fragments: str) -> str:
+    """Load `text` as a config; it must fail with a ConfigError whose message holds every fragment."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path)
+    message = str(excinfo.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in the error message: {message}"
+    assert str(path) in message, f"the error should name the file: {message}"
+    return message
+
+
+# -- the shipped configuration --------------------------------------------------------------------
+
+
+def test_default_config_loads() -> None:
+    config = load_config(ROOT / "configs" / "default.toml")
+    assert config.path == (ROOT / "configs" / "default.toml").resolve()
+    assert config.server.address == "tcp://127.0.0.1:5555"
+    assert config.server.devices == "auto"
+    assert config.server.cpu_workers == 1
+    assert config.server.threads_per_worker == 1
+    assert config.scheduler.policy == "cellular"
+    assert config.scheduler.max_tasks_to_submit == 5
+    assert list(config.models) == ["lstm"]
+    lstm = config.models["lstm"]
+    assert lstm.builder == "common.models.lstm:build"
+    assert lstm.weights == (ROOT / "weights" / "lstm-h256.pt").resolve()
+    assert lstm.params["hidden_size"] == 256
+    assert lstm.params["vocab_size"] == 8192
+    assert lstm.default_cell.batch_sizes[0] == 1 and lstm.default_cell.batch_sizes[-1] == 64
+    assert list(lstm.default_cell.batch_sizes) == sorted(lstm.default_cell.batch_sizes)
+    assert lstm.default_cell.priority == 0
+
+
+def test_default_config_builds_its_model() -> None:
+    model = build_model(load_config(ROOT / "configs" / "default.toml").models["lstm"])
+    assert isinstance(model, LSTMModel)
+    assert model.hidden_size == 256 and model.vocab_size == 8192
+
+
+def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MODEL))
+    assert config.server.address == "tcp://127.0.0.1:5555"
+    assert config.scheduler.policy == "cellular"
+    assert config.models["lstm"].params == {"vocab_size": 50, "embedding_size": 8, "hidden_size": 16, "max_length": 20}
+
+
+def test_config_accepts_every_policy_and_device_form(tmp_path: Path) -> None:
+    for policy in ("cellular", "padded", "graph"):
+        for devices in ('"auto"', '"cpu"', '["cuda:0", "cpu"]'):
+            text = f'[server]\ndevices = {devices}\n[scheduler]\npolicy = "{policy}"\n' + MODEL
+            config = load_config(write(tmp_path, text))
+            assert config.scheduler.policy == policy
+
+
+# -- file-level errors ------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path)
+    assert str(path) in str(excinfo.value)
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    config_error(tmp_path, "[server\naddress = 'x'\n" + MODEL, "TOML")
+    config_error(tmp_path, '[server]\naddress = "unterminated\n' + MODEL, "TOML")
+    config_error(tmp_path, "[server]\ncpu_workers = 1\ncpu_workers = 2\n" + MODEL, "TOML")
+
+
+def test_unknown_top_level_table(tmp_path: Path) -> None:
+    config_error(tmp_path, "[sever]\naddress = 'tcp://127.0.0.1:1'\n" + MODEL, "sever")
+    config_error(tmp_path, "metrics_port = 9000\n" + MODEL, "metrics_port")
+
+
+def test_no_models(tmp_path: Path) -> None:
+    config_error(tmp_path, "[server]\ncpu_workers = 1\n", "models")
+
+
+# -- [server] ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_server_key(tmp_path: Path) -> None:
+    config_error(tmp_path, "[server]\nworkers = 2\n" + MODEL, "[server]", "workers")
+
+
+@pytest.mark.parametrize("devices", ['"gpu"', '"cuda:0"', '[]', '["gpu0"]', '["cpu", 3]', "3", "true"])
+def test_bad_devices(tmp_path: Path, devices: str) -> None:
+    config_error(tmp_path, f"[server]\ndevices = {devices}\n" + MODEL, "devices")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", '"2"', "1.5", "true"])
+def test_non_positive_or_ill_typed_cpu_workers(tmp_path: Path, value: str) -> None:
+    config_error(tmp_path, f"[server]\ncpu_workers = {value}\n" + MODEL, "cpu_workers")
+
+
+def test_bad_server_strings_and_limits(tmp_path: Path) -> None:
+    config_error(tmp_path, '[server]\naddress = ""\n' + MODEL, "address")
+    config_error(tmp_path, "[server]\naddress = 5555\n" + MODEL, "address")
+    config_error(tmp_path, "[server]\narena_rows = 8\n" + MODEL, "arena_rows")
+    config_error(tmp_path, "[server]\nthreads_per_worker = 0\n" + MODEL, "threads_per_worker")
+
+
+def test_server_must_be_a_table(tmp_path: Path) -> None:
+    config_error(tmp_path, 'server = "tcp://127.0.0.1:1"\n' + MODEL, "server")
+
+
+# -- [scheduler] ------------------------------------------------------------------------------------------
+
+
+def test_unknown_policy(tmp_path: Path) -> None:
+    config_error(tmp_path, '[scheduler]\npolicy = "fifo"\n' + MODEL, "policy", "fifo")
+    config_error(tmp_path, '[scheduler]\npolicy = "Cellular"\n' + MODEL, "policy")
+
+
+def test_unknown_scheduler_key_and_bad_max_tasks(tmp_path: Path) -> None:
+    config_error(tmp_path, "[scheduler]\nb_max = 64\n" + MODEL, "[scheduler]", "b_max")
+    config_error(tmp_path, "[scheduler]\nmax_tasks_to_submit = 0\n" + MODEL, "max_tasks_to_submit")
+
+
+# -- [models.x] -------------------------------------------------------------------------------------------
+
+
+def test_model_without_builder(tmp_path: Path) -> None:
+    text = MODEL.replace('builder = "common.models.lstm:build"\n', "")
+    config_error(tmp_path, text, "models.lstm", "builder")
+
+
+def test_builder_without_colon(tmp_path: Path) -> None:
+    text = MODEL.replace("common.models.lstm:build", "common.models.lstm.build")
+    config_error(tmp_path, text, "models.lstm", "builder", "common.models.lstm.build")
+
+
+def test_model_without_weights(tmp_path: Path) -> None:
+    text = MODEL.replace('weights = "lstm.pt"\n', "")
+    config_error(tmp_path, text, "models.lstm", "weights")
+
+
+@pytest.mark.parametrize("sizes", ["[]", "[0]", "[-1]", "[1, -4]", "[1, 2.5]", '["1"]', "4", "[true]"])
+def test_bad_batch_sizes(tmp_path: Path, sizes: str) -> None:
+    text = MODEL.replace("batch_sizes = [1, 2, 4]", f"batch_sizes = {sizes}")
+    config_error(tmp_path, text, "models.lstm", "batch_sizes")
+
+
+def test_model_without_batch_sizes(tmp_path: Path) -> None:
+    text = MODEL.replace("batch_sizes = [1, 2, 4]\n", "")
+    config_error(tmp_path, text, "models.lstm", "batch_sizes")
+
+
+@pytest.mark.parametrize("priority", ["1.5", '"high"', "true", "[1]"])
+def test_non_integer_priority(tmp_path: Path, priority: str) -> None:
+    config_error(tmp_path, MODEL + f"priority = {priority}\n", "models.lstm", "priority")
+
+
+def test_non_integer_priority_in_a_cell_table(tmp_path: Path) -> None:
+    text = MODEL + '\n[models.lstm.cells.layer0]\npriority = "high"\n'
+    config_error(tmp_path, text, "models.lstm.cells.layer0", "priority")
+
+
+def test_unknown_key_in_a_cell_table(tmp_path: Path) -> None:
+    text = MODEL + "\n[models.lstm.cells.layer0]\npriority = 2\nmax_batch = 8\n"
+    config_error(tmp_path, text, "models.lstm.cells.layer0", "max_batch")
+
+
+def test_bad_batch_sizes_in_a_cell_table(tmp_path: Path) -> None:
+    text = MODEL + "\n[models.lstm.cells.layer0]\nbatch_sizes = []\n"
+    config_error(tmp_path, text, "models.lstm.cells.layer0", "batch_sizes")
+
+
+def test_cell_entry_must_be_a_table(tmp_path: Path) -> None:
+    config_error(tmp_path, MODEL + "\n[models.lstm.cells]\nlayer0 = 3\n", "models.lstm.cells.layer0")
+
+
+def test_model_must_be_a_table(tmp_path: Path) -> None:
+    config_error(tmp_path, "[models]\nlstm = 3\n", "models.lstm")
+
+
+# -- paths and inheritance --------------------------------------------------------------------------------
+
+
+def test_relative_weights_resolve_against_the_config_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    text = MODEL.replace('weights = "lstm.pt"', 'weights = "../weights/lstm.pt"')
+    write(configs, text)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    # Loaded through a relative path from another working directory, it still resolves beside the config.
+    config = load_config(Path("..") / "configs" / "config.toml")
+    assert config.models["lstm"].weights == (tmp_path / "weights" / "lstm.pt").resolve()
+    assert config.models["lstm"].weights.is_absolute()
+
+
+def test_absolute_weights_path_is_kept(tmp_path: Path) -> None:
+    target = tmp_path / "store" / "w.pt"
+    config = load_config(write(tmp_path, MODEL.replace('"lstm.pt"', f'"{target}"')))
+    assert config.models["lstm"].weights == target
+
+
+def test_per_cell_overrides_inherit_the_model_defaults(tmp_path: Path) -> None:
+    text = (
+        MODEL
+        + "priority = 3\n"
+        + "\n[models.lstm.cells.layer0]\npriority = 5\n"
+        + "\n[models.lstm.cells.layer1]\nbatch_sizes = [8, 1, 8]\n"
+    )
+    model = load_config(write(tmp_path, text)).models["lstm"]
+    assert model.default_cell.batch_sizes == (1, 2, 4) and model.default_cell.priority == 3
+    layer0 = model.cell_config("layer0")
+    assert layer0.batch_sizes == (1, 2, 4), "batch_sizes not overridden: inherited from the model"
+    assert layer0.priority == 5
+    layer1 = model.cell_config("layer1")
+    assert layer1.batch_sizes == (1, 8), "batch sizes are sorted and deduplicated"
+    assert layer1.priority == 3, "priority not overridden: inherited from the model"
+    assert model.cell_config("layer7") == model.default_cell
+    assert "cells" not in model.params and "priority" not in model.params
+
+
+def test_cell_overrides_reach_the_model_cell_types(tmp_path: Path) -> None:
+    text = MODEL + "num_layers = 2\n\n[models.lstm.cells.layer1]\nbatch_sizes = [2, 16]\npriority = 9\n"
+    model = build_model(load_config(write(tmp_path, text)).models["lstm"])
+    specs = model.cell_types
+    assert specs["lstm/layer0"].batch_sizes == (1, 2, 4) and specs["lstm/layer0"].priority == 0
+    assert specs["lstm/layer1"].batch_sizes == (2, 16) and specs["lstm/layer1"].priority == 9
+
+
+# -- building models --------------------------------------------------------------------------------------
+
+
+def model_config(tmp_path: Path, text: str = MODEL):
+    return load_config(write(tmp_path, text)).models["lstm"]
+
+
+@pytest.mark.parametrize("builder", ["no_such_package.models:build", "common.models.lstm:no_such_function"])
+def test_build_model_with_unimportable_builder(tmp_path: Path, builder: str) -> None:
+    config = model_config(tmp_path, MODEL.replace("common.models.lstm:build", builder))
+    with pytest.raises(ConfigError) as excinfo:
+        build_model(config)
+    assert builder in str(excinfo.value)
+    assert "lstm" in str(excinfo.value)
+
+
+def test_build_model_with_builder_that_returns_no_model(tmp_path: Path) -> None:
+    config = model_config(tmp_path, MODEL.replace("common.models.lstm:build", "builtins:repr"))
+    with pytest.raises(ConfigError) as excinfo:
+        build_model(config)
+    assert "builtins:repr" in str(excinfo.value)
+
+
+def test_build_model_returns_the_lstm(tmp_path: Path) -> None:
+    model = build_model(model_config(tmp_path))
+    assert isinstance(model, Model) and isinstance(model, LSTMModel)
+    assert model.name == "lstm" and model.num_layers == 1 and model.embedding_size == 8
+    assert list(model.cell_types) == ["lstm/layer0"]
+
+
+def test_lstm_refuses_unknown_param(tmp_path: Path) -> None:
+    config = model_config(tmp_path, MODEL + "hiden_size = 32\n")
+    with pytest.raises(ConfigError) as excinfo:
+        build_model(config)
+    assert "hiden_size" in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "line", ["hidden_size = 0", "hidden_size = -3", 'hidden_size = "64"', "hidden_size = 1.5", "hidden_size = true"]
+)
+def test_lstm_refuses_bad_hidden_size(tmp_path: Path, line: str) -> None:
+    config = model_config(tmp_path, MODEL.replace("hidden_size = 16", line))
+    with pytest.raises(ConfigError) as excinfo:
+        build_model(config)
+    assert "hidden_size" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "hidden_size"])
+def test_lstm_requires_sizes(tmp_path: Path, key: str) -> None:
+    text = "\n".join(line for line in MODEL.splitlines() if not line.startswith(f"{key} ="))
+    with pytest.raises(ConfigError) as excinfo:
+        build_model(model_config(tmp_path, text))
+    assert key in str(excinfo.value)
+
+
+def with_param(key: str, value: str, text: str = MODEL) -> str:
+    """MODEL with `key = value`, replacing the key's line if it has one."""
+    lines = [line for line in text.splitlines() if not line.startswith(f"{key} =")]
+    return "\n".join(lines) + f"\n{key} = {value}\n"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("num_layers", "0"), ("vocab_size", "0"), ("max_length", "0"), ("embedding_size", "-1")]
+)
+def test_lstm_refuses_other_non_positive_sizes(tmp_path: Path, key: str, value: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        build_model(model_config(tmp_path, with_param(key, value)))
+    assert key in str(excinfo.value)
+
+
+# -- weights ----------------------------------------------------------------------------------------------
+
+
+def test_load_weights_missing_file(tmp_path: Path) -> None:
+    model = build_model(model_config(tmp_path))
+    assert not model.config.weights.exists()
+    with pytest.raises(ConfigError) as excinfo:
+        model.load_weights()
+    message = str(excinfo.value)
+    assert "batchmaker init-weights" in message
+    assert str(model.config.weights) in message
+
+
+def test_load_weights_with_shapes_that_disagree_with_the_config(tmp_path: Path) -> None:
+    small = build_model(model_config(tmp_path))
+    save_weights(small.init_weights(seed=1), small.config.weights)
+    # Same file, but the config now asks for a wider hidden state.
+    wider = build_model(model_config(tmp_path, MODEL.replace("hidden_size = 16", "hidden_size = 32")))
+    assert wider.config.weights == small.config.weights
+    with pytest.raises(ConfigError) as excinfo:
+        wider.load_weights()
+    message = str(excinfo.value)
+    assert str(wider.config.weights) in message
+    assert "batchmaker init-weights" in message, f"the message should say how to fix it: {message}"
+
+
+def test_load_weights_lacking_a_layer(tmp_path: Path) -> None:
+    one_layer = build_model(model_config(tmp_path))
+    save_weights(one_layer.init_weights(seed=1), one_layer.config.weights)
+    two_layers = build_model(model_config(tmp_path, MODEL + "num_layers = 2\n"))
+    with pytest.raises(ConfigError) as excinfo:
+        two_layers.load_weights()
+    assert "lstm.weight_ih_l1" in str(excinfo.value)
+
+
+def test_load_weights_that_are_not_a_weights_file(tmp_path: Path) -> None:
+    model = build_model(model_config(tmp_path))
+    model.config.weights.write_bytes(b"this is not a torch file")
+    with pytest.raises(ConfigError) as excinfo:
+        model.load_weights()
+    assert str(model.config.weights) in str(excinfo.value)
+
+
+def test_load_weights_round_trip(tmp_path: Path) -> None:
+    model = build_model(model_config(tmp_path))
+    state = model.init_weights(seed=7)
+    save_weights(state, model.config.weights)
+    loaded = model.load_weights()
+    assert set(loaded) == set(state)
+    for key, tensor in state.items():
+        assert loaded[key].dtype == torch.float32
+        assert torch.equal(loaded[key], tensor)
+    assert set(model.make_cells(loaded)) == {"lstm/layer0"}
