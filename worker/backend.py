@@ -59,6 +59,10 @@ class Backend(ABC):
         """How many issued tasks the stream has finished."""
 
     @abstractmethod
+    def wait_for_signal(self, seen: int, timeout: float) -> None:
+        """Return once the signal exceeds `seen` or after `timeout` seconds, without burning a core."""
+
+    @abstractmethod
     def finish(self, task_id: int) -> str | None:
         """Host-side completion of a finished task; returns its error message, if it failed."""
 

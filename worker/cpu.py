@@ -107,6 +107,7 @@ class CpuBackend(Backend):
         self._tensors = [torch.from_numpy(shared.array) for shared in self._shared]
         self._counter = SharedArray("int64", (1,))
         self._errors: dict[int, str] = {}
+        self._advanced = threading.Condition()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._stream, name="cpu-stream", daemon=True)
         self._thread.start()
@@ -129,6 +130,12 @@ class CpuBackend(Backend):
     def signal(self) -> int:
         return int(self._counter.array[0])
 
+    def wait_for_signal(self, seen: int, timeout: float) -> None:
+        # The stream is a thread of this process, so the poller can sleep on a condition the
+        # stream notifies after each counter update instead of spinning against it for the GIL.
+        with self._advanced:
+            self._advanced.wait_for(lambda: self._counter.array[0] > seen, timeout)
+
     def finish(self, task_id: int) -> str | None:
         return self._errors.pop(task_id, None)
 
@@ -144,7 +151,9 @@ class CpuBackend(Backend):
                 except Exception as exc:  # a failed task must still advance the counter
                     log.exception("task %d failed", task.task_id)
                     self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
-                counter[0] += 1
+                with self._advanced:
+                    counter[0] += 1
+                    self._advanced.notify()
 
     def close(self) -> None:
         self._queue.put(_STOP)

@@ -8,6 +8,8 @@ host callback on the stream. Only imported when a worker is started on a GPU.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -16,6 +18,9 @@ from common.shm import SharedArray
 from common.task import TaskMessage
 from worker.backend import ArenaInfo, Backend, arena_ids
 from worker.cpu import IssuedTask, run_task, warm_up_cells
+
+SPIN_ROUNDS = 50  # polls without sleeping before backing off
+MAX_BACKOFF_S = 0.0005
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 
@@ -101,6 +106,14 @@ class CudaBackend(Backend):
 
     def signal(self) -> int:
         return int(self._counter[0])
+
+    def wait_for_signal(self, seen: int, timeout: float) -> None:
+        """Spin briefly on the pinned counter, then back off: the device gives no wake-up without a callback."""
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while int(self._counter[0]) <= seen and time.monotonic() < deadline:
+            spins += 1
+            time.sleep(0 if spins < SPIN_ROUNDS else min(MAX_BACKOFF_S, 1e-5 * (spins - SPIN_ROUNDS + 1)))
 
     def finish(self, task_id: int) -> str | None:
         for host, io, slots in self._staged.pop(task_id, []):

@@ -32,8 +32,6 @@ from worker.backend import Backend
 log = logging.getLogger("batchmaker.worker")
 
 REGISTER_TIMEOUT_S = 60.0
-SPIN_ROUNDS = 50  # polls without sleeping before backing off
-MAX_BACKOFF_S = 0.0005
 IDLE_WAIT_S = 0.05
 
 
@@ -75,7 +73,6 @@ class Poller(threading.Thread):
 
     def run(self) -> None:
         done = 0
-        spins = 0
         while not self.stopping.is_set():
             finished = self._backend.signal()
             if finished > done:
@@ -88,13 +85,10 @@ class Poller(threading.Thread):
                         errors[task_id] = error
                 done = finished
                 self._socket.send(msgpack.packb([self._worker_id, task_ids, errors]))
-                spins = 0
             elif not self._fifo:
                 self._fifo.wait_for_work(IDLE_WAIT_S)
-                spins = 0
             else:
-                spins += 1
-                time.sleep(0 if spins < SPIN_ROUNDS else min(MAX_BACKOFF_S, 1e-5 * (spins - SPIN_ROUNDS + 1)))
+                self._backend.wait_for_signal(done, IDLE_WAIT_S)
         self._socket.close()
 
 
