@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-POLICIES = ("cellular", "padded", "graph")
+POLICIES = ("cellular",)
+AFFINITIES = ("subgraph", "request")
 
 
 class ConfigError(ValueError):
@@ -50,11 +51,16 @@ class ServerConfig:
     io_rows: int = 16384
     max_message_bytes: int = 16 * 1024 * 1024
     default_deadline_ms: int = 0  # 0: requests without deadline_ms have none
+    heartbeat_timeout_ms: int = 3000  # a worker silent this long is taken for dead
+    hang_timeout_ms: int = 10000  # a worker whose stream does not advance this long, with tasks in flight, is hung
+    drain_timeout_ms: int = 30000  # on SIGTERM, how long in-flight requests may take to finish
+    restart_budget: int = 10  # worker restarts allowed per 10 minutes before the supervisor gives up
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = "cellular"
+    affinity: str = "subgraph"
     max_tasks_to_submit: int = 5
     idle_tasks: int = 1
 
@@ -141,6 +147,10 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         default_deadline_ms=_positive_int(
             table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
         ),
+        heartbeat_timeout_ms=_positive_int(table, "heartbeat_timeout_ms", defaults.heartbeat_timeout_ms, "server", path, 500),
+        hang_timeout_ms=_positive_int(table, "hang_timeout_ms", defaults.hang_timeout_ms, "server", path, 100),
+        drain_timeout_ms=_positive_int(table, "drain_timeout_ms", defaults.drain_timeout_ms, "server", path, minimum=0),
+        restart_budget=_positive_int(table, "restart_budget", defaults.restart_budget, "server", path, minimum=0),
     )
 
 
@@ -150,8 +160,12 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
     policy = table.get("policy", defaults.policy)
     if policy not in POLICIES:
         raise ConfigError(f"{path}: [scheduler] policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    affinity = table.get("affinity", defaults.affinity)
+    if affinity not in AFFINITIES:
+        raise ConfigError(f"{path}: [scheduler] affinity must be one of {', '.join(AFFINITIES)}, got {affinity!r}")
     return SchedulerConfig(
         policy=policy,
+        affinity=affinity,
         max_tasks_to_submit=_positive_int(table, "max_tasks_to_submit", defaults.max_tasks_to_submit, "scheduler", path),
         idle_tasks=_positive_int(table, "idle_tasks", defaults.idle_tasks, "scheduler", path, minimum=0),
     )

@@ -4,9 +4,12 @@
 
 * uploads:   [[io_arena, io_slots, arena, slots], ...] external inputs copied from the
              host io arena into device rows before compute
-* inputs:    [[arena, slots, segments], ...] one per cell input: `batch_size` slots each
-             (padding rows read the zero slot) and segments nil; for a ragged input, any
-             number of slots and, per slot, the batch row it belongs to
+* inputs:    [[arena, slots, segments, remote], ...] one per cell input: `batch_size` slots
+             each (padding rows read the zero slot) and segments nil; for a ragged input, any
+             number of slots and, per slot, the batch row it belongs to. `remote` (or nil)
+             lists values produced on other workers by tasks that have completed:
+             [[peer_worker, peer_arena, peer_slots, positions], ...], read from the peer's
+             arena into those positions of the gathered input
 * outputs:   [[arena, slots], ...] one per cell output (padding rows write the scratch slot)
 * downloads: [[arena, slots, io_arena, io_slots], ...] rows the host must see (results,
              stop decisions), copied to the io arena after compute
@@ -24,8 +27,9 @@ import numpy as np
 SLOT_DTYPE = np.dtype("<i8")
 
 SlotCopy = tuple[int, np.ndarray, int, np.ndarray]
+RemoteRows = tuple[int, int, np.ndarray, np.ndarray]  # (peer worker, peer arena, peer slots, positions)
 SlotList = tuple[int, np.ndarray]
-InputSlots = tuple[int, np.ndarray, np.ndarray | None]
+InputSlots = tuple[int, np.ndarray, np.ndarray | None, list[RemoteRows] | None]
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,20 @@ def encode_task(message: TaskMessage) -> bytes:
             message.cell_index,
             message.batch_size,
             [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.uploads],
-            [[a, _slots(s), None if g is None else _slots(g)] for a, s, g in message.inputs],
+            [[a, _slots(s), _optional(g), _remote(r)] for a, s, g, r in message.inputs],
             [[a, _slots(s)] for a, s in message.outputs],
             [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.downloads],
         ],
         use_bin_type=True,
     )
+
+
+def _optional(values: list[int] | np.ndarray | None) -> bytes | None:
+    return None if values is None else _slots(values)
+
+
+def _remote(rows: list[RemoteRows] | None) -> list | None:
+    return None if rows is None else [[w, a, _slots(s), _slots(p)] for w, a, s, p in rows]
 
 
 def _view(data: bytes) -> np.ndarray:
@@ -69,7 +81,10 @@ def decode_task(frame: bytes) -> TaskMessage:
         cell_index,
         batch_size,
         [(a, _view(s), b, _view(t)) for a, s, b, t in uploads],
-        [(a, _view(s), None if g is None else _view(g)) for a, s, g in inputs],
+        [
+            (a, _view(s), None if g is None else _view(g), None if r is None else [(w, b, _view(t), _view(p)) for w, b, t, p in r])
+            for a, s, g, r in inputs
+        ],
         [(a, _view(s)) for a, s in outputs],
         [(a, _view(s), b, _view(t)) for a, s, b, t in downloads],
     )

@@ -34,6 +34,20 @@ class _Needs:
         self.io = list(io.items())
 
 
+def _read_remote(
+    remote: dict[tuple[int, int], tuple[list[int], list[int]]],
+    producer: NodeState,
+    port: int,
+    position: int,
+    kind: ValueKind,
+) -> None:
+    """Have the worker read this input from the producer's worker's arena (its task has completed)."""
+    peer = producer.worker
+    slots, positions = remote.setdefault((peer.worker_id, peer.arena_id[kind]), ([], []))
+    slots.append(producer.out_slots[port])
+    positions.append(position)
+
+
 class Dispatcher:
     def __init__(self, specs: list[CellTypeSpec], send: Callable[[WorkerHandle, bytes], None]):
         self._cell_index = {spec.key: i for i, spec in enumerate(specs)}
@@ -58,6 +72,7 @@ class Dispatcher:
         in_kinds, out_kinds, ragged = spec.inputs, spec.outputs, spec.ragged_inputs
         in_slots = [[] if port in ragged else [ZERO_SLOT] * size for port in range(len(in_kinds))]
         segments: list[list[int] | None] = [[] if port in ragged else None for port in range(len(in_kinds))]
+        remote: list[dict[tuple[int, int], tuple[list[int], list[int]]]] = [{} for _ in in_kinds]
         out_slots = [[SCRATCH_SLOT] * size for _ in out_kinds]
         uploads: dict[ValueKind, tuple[list[int], list[int]]] = {}
         downloads: dict[ValueKind, tuple[list[int], list[int]]] = {}
@@ -68,7 +83,11 @@ class Dispatcher:
             for port, ref in enumerate(node.spec.inputs):
                 kind_of_ref = type(ref)
                 if kind_of_ref is NodeOutput:
-                    in_slots[port][row] = request.nodes[ref.node].out_slots[ref.port]
+                    producer = request.nodes[ref.node]
+                    if producer.worker is worker:
+                        in_slots[port][row] = producer.out_slots[ref.port]
+                    else:
+                        _read_remote(remote[port], producer, ref.port, row, in_kinds[port])
                 elif kind_of_ref is External:
                     kind = in_kinds[port]
                     device_slot, io_slot = worker.slots[kind].take(), worker.io_slots[kind].take()
@@ -81,7 +100,12 @@ class Dispatcher:
                 elif kind_of_ref is Ragged:
                     flat, rows = in_slots[port], segments[port]
                     for child in ref.refs:
-                        flat.append(request.nodes[child.node].out_slots[child.port])
+                        producer = request.nodes[child.node]
+                        if producer.worker is worker:
+                            flat.append(producer.out_slots[child.port])
+                        else:
+                            _read_remote(remote[port], producer, child.port, len(flat), in_kinds[port])
+                            flat.append(ZERO_SLOT)
                         rows.append(row)
             outs = tuple(allocator.take() for allocator in out_allocators)
             node.out_slots = outs
@@ -99,7 +123,10 @@ class Dispatcher:
             self._cell_index[spec.key],
             size,
             [(worker.io_arena_id[k], io, worker.arena_id[k], dev) for k, (io, dev) in uploads.items()],
-            [(worker.arena_id[k], slots, rows) for k, slots, rows in zip(in_kinds, in_slots, segments)],
+            [
+                (worker.arena_id[k], slots, rows, [(w, a, peer, at) for (w, a), (peer, at) in far.items()] or None)
+                for k, slots, rows, far in zip(in_kinds, in_slots, segments, remote)
+            ],
             [(worker.arena_id[k], slots) for k, slots in zip(out_kinds, out_slots)],
             [(worker.arena_id[k], dev, worker.io_arena_id[k], io) for k, (dev, io) in downloads.items()],
         )

@@ -16,6 +16,7 @@ from common.protocol import INTERNAL, RequestError
 from manager.dispatch import Dispatcher
 from manager.scheduler import Scheduler
 from manager.state import NodeState, Request, Subgraph, Task
+from manager.workers import WorkerHandle
 
 FinishFn = Callable[[Request, RequestError | None], None]
 
@@ -59,9 +60,11 @@ class RequestProcessor:
         self._finish = finish
         self.active: dict[int, Request] = {}  # by id(request), in arrival order
 
-    def admit(self, client: bytes, request_id: Any, model: Any, graph: CellGraph, arrival: float) -> Request:
+    def admit(
+        self, client: bytes, request_id: Any, model: Any, inputs: Any, graph: CellGraph, arrival: float
+    ) -> Request:
         """Track a validated request and queue its first ready nodes."""
-        request = Request(client, request_id, model, graph, arrival)
+        request = Request(client, request_id, model, inputs, graph, arrival)
         self._build_nodes(request)
         self.active[id(request)] = request
         for node in request.nodes:
@@ -148,6 +151,35 @@ class RequestProcessor:
         self._drop_unsubmitted(request)
         self._finish(request, error)
         self._forget_if_drained(request)
+
+    def worker_lost(self, worker: WorkerHandle) -> list[Request]:
+        """Write off a dead worker's tasks; return the unanswered requests that had values there.
+
+        Its slots go with it; only claims its in-flight nodes held on other workers' values
+        are released here.
+        """
+        for task in worker.tasks.values():
+            self._scheduler.task_completed(task)
+            for node in task.nodes:
+                node.request.in_flight -= 1
+                for producer in node.producers:
+                    self._dispatcher.release_consumer(producer)
+        worker.tasks.clear()
+        return [
+            request
+            for request in self.active.values()
+            if not request.done and any(node.worker is worker for node in request.nodes)
+        ]
+
+    def replay(self, request: Request) -> Request:
+        """Start a request over from its inputs; the old record is dropped without a reply."""
+        request.done = True
+        self._drop_unsubmitted(request)
+        self._forget_if_drained(request)
+        graph = request.model.unfold(request.inputs)
+        replayed = self.admit(request.client, request.request_id, request.model, request.inputs, graph, request.arrival)
+        replayed.deadline = request.deadline
+        return replayed
 
     def _drop_unsubmitted(self, request: Request) -> None:
         """Nodes that will never run release their claim on their producers' outputs."""

@@ -7,6 +7,11 @@ priority. Batch then submits up to `max_tasks_to_submit` tasks of that type to t
 worker. A dependency between nodes submitted to the same worker counts as met at
 submission (the worker's stream is FIFO), which lets a worker run several steps of
 a subgraph ahead; subgraphs are pinned to the worker while they have tasks in flight.
+
+With several workers, a subgraph that is not pinned may move: its next nodes can run on
+another worker, which reads their inputs from the producing worker's arena once the
+producing tasks have completed (affinity "subgraph", the paper's). With affinity
+"request", every node of a request runs on the worker of its first node.
 """
 
 from __future__ import annotations
@@ -34,12 +39,21 @@ class CellTypeQueue:
 
 
 class Scheduler:
-    def __init__(self, specs: list[CellTypeSpec], max_tasks_to_submit: int, submit: SubmitFn, capacity: CapacityFn):
+    def __init__(
+        self,
+        specs: list[CellTypeSpec],
+        max_tasks_to_submit: int,
+        submit: SubmitFn,
+        capacity: CapacityFn,
+        affinity: str = "subgraph",
+    ):
         self.queues = {spec.key: CellTypeQueue(spec) for spec in specs}
         self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
         self.max_tasks_to_submit = max_tasks_to_submit
         self._submit = submit
         self._capacity = capacity
+        self._request_affinity = affinity == "request"
+        self.several_workers = False  # set by the manager: placement only needs checking then
 
     # -- readiness ---------------------------------------------------------------------------
     def node_ready(self, node: NodeState) -> None:
@@ -94,19 +108,34 @@ class Scheduler:
         batch: list[NodeState] = []
         if limit <= 0:
             return batch
+        check_placement = self.several_workers and not self._request_affinity
         for subgraph in queue.subgraphs:
             if subgraph.pinned_worker not in (None, worker):
                 continue
-            if subgraph.request.worker not in (None, worker):
-                continue  # its inputs live on another worker
+            if self._request_affinity and subgraph.request.worker not in (None, worker):
+                continue
             ready = subgraph.ready
-            while ready:
-                batch.append(ready.popleft())
-                if len(batch) == limit:
-                    queue.num_ready -= limit
-                    return batch
+            if check_placement:
+                self._take_placeable(ready, worker, batch, limit)
+            else:
+                while ready and len(batch) < limit:
+                    batch.append(ready.popleft())
+            if len(batch) == limit:
+                break
         queue.num_ready -= len(batch)
         return batch
+
+    @staticmethod
+    def _take_placeable(ready, worker: WorkerHandle, batch: list[NodeState], limit: int) -> None:
+        """Take the ready nodes whose inputs `worker` can read: its own, or those of completed tasks."""
+        waiting = []
+        while ready and len(batch) < limit:
+            node = ready.popleft()
+            if all(p.worker is worker or p.completed for p in node.producers):
+                batch.append(node)
+            else:
+                waiting.append(node)
+        ready.extendleft(reversed(waiting))
 
     def _put_back(self, queue: CellTypeQueue, batch: list[NodeState]) -> None:
         for node in reversed(batch):

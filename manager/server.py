@@ -11,6 +11,7 @@ import heapq
 import logging
 import math
 import os
+import signal
 import time
 from typing import Any
 
@@ -26,8 +27,10 @@ from common.protocol import (
     DEADLINE_EXCEEDED,
     INTERNAL,
     OPS,
+    OVERLOADED,
     PROTOCOL_VERSION,
     UNKNOWN_MODEL,
+    WORKER_LOST,
     RequestError,
     decode,
     encode,
@@ -43,6 +46,8 @@ from manager.workers import WorkerHandle
 log = logging.getLogger("batchmaker.manager")
 
 SOCKET_LIMIT_FACTOR = 4
+WATCH_INTERVAL_S = 0.1  # how often workers are pinged and checked
+MANAGER_SILENCE_S = 10.0  # a worker that hears nothing from the manager this long exits
 CLIENT_BURST = 4  # client messages per loop turn: admission is interleaved with completions and scheduling
 IDLE_POLL_MS = 100
 
@@ -87,11 +92,21 @@ class Manager:
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, tie-breaker, request)
         self._default_deadline_ms = config.server.default_deadline_ms
         self._stopping = False
+        self._draining_until: float | None = None
         self._parent_pid = parent_pid
+        server = config.server
+        self._heartbeat_timeout = server.heartbeat_timeout_ms / 1e3
+        self._hang_timeout = server.hang_timeout_ms / 1e3
+        self._drain_timeout = server.drain_timeout_ms / 1e3
+        self._next_watch = 0.0
 
         self.dispatcher = Dispatcher(self.specs, self._send_task)
         self.scheduler = Scheduler(
-            self.specs, config.scheduler.max_tasks_to_submit, self._submit, self.dispatcher.capacity
+            self.specs,
+            config.scheduler.max_tasks_to_submit,
+            self._submit,
+            self.dispatcher.capacity,
+            config.scheduler.affinity,
         )
         self.processor = RequestProcessor(
             {spec.key: spec for spec in self.specs}, self.scheduler, self.dispatcher, self._finish
@@ -115,7 +130,16 @@ class Manager:
 
     # -- event loop ----------------------------------------------------------------------------
     def stop(self, *_: object) -> None:
-        self._stopping = True
+        """First call: drain (refuse new requests, finish the accepted ones). Second call: stop at once."""
+        if self._draining_until is None:
+            self._draining_until = time.monotonic() + self._drain_timeout
+            log.info("draining: %d requests in flight", len(self._in_flight))
+        else:
+            self._stopping = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining_until is not None
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -131,7 +155,10 @@ class Manager:
                 if self.frontend in events:
                     self._drain_clients()
                 self._expire_deadlines()
+                self._watch_workers()
                 self._schedule_idle_workers()
+                if self.draining and (not self._in_flight or time.monotonic() > self._draining_until):
+                    break
                 if not events and self._parent_pid is not None and os.getppid() != self._parent_pid:
                     log.warning("parent process %d is gone; exiting", self._parent_pid)
                     break
@@ -151,6 +178,42 @@ class Manager:
             _, _, request = heapq.heappop(self._deadlines)
             if not request.done:
                 self.processor.fail(request, RequestError(DEADLINE_EXCEEDED, "the request's deadline passed"))
+
+    def _watch_workers(self) -> None:
+        """Ping workers; take a silent one for dead and kill a hung one (tasks in flight, counter stuck)."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + WATCH_INTERVAL_S
+        for worker in list(self.workers.values()):
+            if now - worker.last_seen > self._heartbeat_timeout:
+                self._worker_lost(worker, f"silent for {now - worker.last_seen:.1f} s")
+            elif worker.tasks and now - worker.progress_at > self._hang_timeout:
+                _kill(worker.pid)
+                self._worker_lost(worker, f"hung: its stream did not advance for {now - worker.progress_at:.1f} s")
+            else:
+                self.worker_socket.send_multipart([worker.identity, b"ping", b""])
+
+    def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
+        """Forget a dead worker and replay, on the others, every request that had values there."""
+        log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
+        del self.workers[worker.worker_id]
+        self._worker_by_identity.pop(worker.identity, None)
+        self.scheduler.several_workers = len(self.workers) > 1
+        self.stats.worker_losses += 1
+        affected = self.processor.worker_lost(worker)
+        for other in self.workers.values():
+            self.worker_socket.send_multipart([other.identity, b"forget-peer", encode({"worker_id": worker.worker_id})])
+        worker.close()
+        for request in affected:
+            if not self.workers:
+                self.processor.fail(request, RequestError(WORKER_LOST, f"its worker was lost ({reason}) and none remains"))
+                continue
+            replayed = self.processor.replay(request)
+            self.stats.replayed += 1
+            self._in_flight[(replayed.client, replayed.request_id)] = replayed
+            if replayed.deadline is not None:
+                heapq.heappush(self._deadlines, (replayed.deadline, id(replayed), replayed))
 
     def _schedule_idle_workers(self) -> None:
         for worker in self.workers.values():
@@ -172,6 +235,8 @@ class Manager:
         self.worker_socket.send_multipart([worker.identity, b"task", payload])
 
     def _submit(self, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle) -> Task:
+        if not worker.tasks:
+            worker.progress_at = time.monotonic()  # the hang watchdog counts from when work arrives
         task = self.dispatcher.submit(spec, nodes, worker)
         self.stats.task_submitted(task)
         return task
@@ -182,10 +247,11 @@ class Manager:
                 frame = self.completions.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            worker_id, task_ids, errors = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+            worker_id, task_ids, errors, counter = msgpack.unpackb(frame, raw=False, strict_map_key=False)
             worker = self.workers.get(worker_id)
             if worker is None:
-                continue
+                continue  # from a worker already written off
+            worker.heard_from(counter, time.monotonic())
             for task_id in task_ids:
                 task = worker.tasks.pop(task_id, None)
                 if task is not None:
@@ -202,14 +268,34 @@ class Manager:
                 continue  # not a two-frame message: not one of our workers
             try:
                 message = decode(frame)
+            except RequestError:
+                continue
+            if message.get("op") == "worker_exited":  # from the supervisor, which saw the process end
+                for worker in list(self.workers.values()):
+                    if worker.pid == message.get("pid"):
+                        self._worker_lost(worker, f"process exited with status {message.get('status')}")
+                continue
+            try:
                 if message.get("op") != "register":
                     raise RequestError(BAD_REQUEST, f"unknown worker op {message.get('op')!r}")
+                peers = {str(w.worker_id): w.arenas for w in self.workers.values()}
                 worker = self._register(identity, message)
-                reply = {"ok": True, "worker_id": worker.worker_id, "completions": self.completions_address}
+                reply = {
+                    "ok": True,
+                    "worker_id": worker.worker_id,
+                    "completions": self.completions_address,
+                    "peers": peers,
+                    "manager_timeout_s": MANAGER_SILENCE_S,
+                }
             except RequestError as exc:
                 log.error("worker registration refused: %s", exc.message)
-                reply = {"ok": False, "error": exc.message}
+                self.worker_socket.send_multipart([identity, b"registered", encode({"ok": False, "error": exc.message})])
+                continue
             self.worker_socket.send_multipart([identity, b"registered", encode(reply)])
+            announcement = encode({str(worker.worker_id): worker.arenas})
+            for other in self.workers.values():
+                if other is not worker:
+                    self.worker_socket.send_multipart([other.identity, b"peers", announcement])
 
     def _register(self, identity: bytes, message: dict[str, Any]) -> WorkerHandle:
         expected = [spec.key for spec in self.specs]
@@ -219,6 +305,7 @@ class Manager:
         self._next_worker_id += 1
         self.workers[worker.worker_id] = worker
         self._worker_by_identity[identity] = worker
+        self.scheduler.several_workers = len(self.workers) > 1
         log.info("worker %s (pid %s, %s) registered as %d", worker.index, worker.pid, worker.device, worker.worker_id)
         return worker
 
@@ -275,6 +362,8 @@ class Manager:
             self._cancel(client, request_id, message)
 
     def _infer(self, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> None:
+        if self.draining:
+            raise RequestError(OVERLOADED, "the server is draining before it stops; send the request elsewhere")
         name = message.get("model")
         if not isinstance(name, str):
             raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
@@ -289,11 +378,12 @@ class Manager:
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
         _optional_int(message, "priority")
         graph = model.unfold(message["inputs"])
-        request = self.processor.admit(client, request_id, model, graph, arrival)
+        request = self.processor.admit(client, request_id, model, message["inputs"], graph, arrival)
         self._in_flight[key] = request
         deadline_ms = deadline_ms if deadline_ms is not None else self._default_deadline_ms or None
         if deadline_ms is not None:
-            heapq.heappush(self._deadlines, (arrival + deadline_ms / 1e3, id(request), request))
+            request.deadline = arrival + deadline_ms / 1e3
+            heapq.heappush(self._deadlines, (request.deadline, id(request), request))
 
     def _cancel(self, client: bytes, request_id: Any, message: dict[str, Any]) -> None:
         if "target" not in message:
@@ -332,7 +422,10 @@ class Manager:
 
     def _health(self) -> dict[str, Any]:
         up = len(self.workers)
-        status = "ready" if up >= self.expected_workers and up > 0 else "degraded"
+        if self.draining:
+            status = "draining"
+        else:
+            status = "ready" if up >= self.expected_workers and up > 0 else "degraded"
         return {
             "status": status,
             "workers": [
@@ -357,6 +450,15 @@ class Manager:
                 for w in self.workers.values()
             },
         }
+
+
+def _kill(pid: int | None) -> None:
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None) -> int | None:

@@ -74,7 +74,9 @@ class Request:
         "client",
         "request_id",
         "model",
+        "inputs",
         "graph",
+        "deadline",
         "nodes",
         "subgraphs",
         "arrival",
@@ -86,11 +88,13 @@ class Request:
         "done",
     )
 
-    def __init__(self, client: bytes, request_id: Any, model: Model, graph: CellGraph, arrival: float):
+    def __init__(self, client: bytes, request_id: Any, model: Model, inputs: Any, graph: CellGraph, arrival: float):
         self.client = client
         self.request_id = request_id
         self.model = model
+        self.inputs = inputs  # kept to replay the request from scratch if its worker dies
         self.graph = graph
+        self.deadline: float | None = None
         self.nodes: list[NodeState] = []
         self.subgraphs: list[Subgraph] = []
         self.arrival = arrival

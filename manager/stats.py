@@ -26,6 +26,8 @@ class Stats:
         self.padded_rows = 0
         self.joining_tasks = 0
         self.leaving_requests = 0
+        self.worker_losses = 0
+        self.replayed = 0
         self.batch_sizes: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         self._latency: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=LATENCY_WINDOW)
 
@@ -71,6 +73,8 @@ class Stats:
             "padded_rows": self.padded_rows,
             "joining_tasks": self.joining_tasks,
             "leaving_requests": self.leaving_requests,
+            "worker_losses": self.worker_losses,
+            "replayed_requests": self.replayed,
             "batch_sizes": {key: {str(size): n for size, n in sorted(c.items())} for key, c in self.batch_sizes.items()},
             "latency": {name: {k: float(v) for k, v in values.items()} for name, values in latency.items()},
             "latency_window": len(self._latency),

@@ -2,13 +2,15 @@
 
 Children are told to die with the supervisor (PR_SET_PDEATHSIG on Linux) and also
 check their parent themselves, so no process is left behind even if the
-supervisor is killed outright. If any child exits unexpectedly the supervisor
-stops the others and exits non-zero, so a process manager above it can restart
-the service.
+supervisor is killed outright. A worker that dies is restarted with exponential
+backoff, within a restart budget; the manager replays its requests meanwhile. If
+the manager dies the supervisor stops everything and exits non-zero, so a process
+manager above it can restart the service.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -28,7 +30,10 @@ from common.protocol import decode, encode
 log = logging.getLogger("batchmaker.supervisor")
 
 STOP_GRACE_S = 5.0
-WATCH_INTERVAL_S = 0.2
+WATCH_INTERVAL_S = 0.1
+RESTART_BACKOFF_S = 0.5  # first restart delay, doubled after each restart up to the maximum
+MAX_RESTART_BACKOFF_S = 30.0
+RESTART_WINDOW_S = 600.0  # the restart budget counts restarts within this window
 _PR_SET_PDEATHSIG = 1
 
 
@@ -61,6 +66,19 @@ def _gpu_count() -> int:
         return 0
 
 
+class WorkerSlot:
+    """One configured worker: its process, and the restart history that bounds how often it is restarted."""
+
+    def __init__(self, index: int, device: str):
+        self.index = index
+        self.device = device
+        self.process: subprocess.Popen | None = None
+        self.restarts: collections.deque[float] = collections.deque()
+        self.backoff = RESTART_BACKOFF_S
+        self.restart_at: float | None = None
+        self.given_up = False
+
+
 class Supervisor:
     def __init__(self, config: Config, address: str | None = None, workers: int | None = None):
         self.config = config
@@ -74,13 +92,20 @@ class Supervisor:
         else:
             self.worker_address = config.server.worker_address
         self.manager: subprocess.Popen | None = None
-        self.workers: list[subprocess.Popen] = []
+        self.slots = [WorkerSlot(index, device) for index, device in enumerate(self.devices)]
         self._stopping = False
+        self._aborting = False
+        self._notices: zmq.Socket | None = None
 
     def _spawn(self, module: str, *args: str) -> subprocess.Popen:
         command = [sys.executable, "-m", module, "--config", str(self.config.path), "--parent-pid", str(os.getpid())]
         # A process group of their own: a terminal's Ctrl-C reaches only the supervisor, which stops them in order.
         return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent, process_group=0)
+
+    def _spawn_worker(self, slot: WorkerSlot) -> None:
+        slot.process = self._spawn(
+            "worker", "--manager", self.worker_address, "--device", slot.device, "--index", str(slot.index)
+        )
 
     def start(self) -> None:
         self.manager = self._spawn(
@@ -92,10 +117,12 @@ class Supervisor:
             "--expected-workers",
             str(len(self.devices)),
         )
-        for index, device in enumerate(self.devices):
-            self.workers.append(
-                self._spawn("worker", "--manager", self.worker_address, "--device", device, "--index", str(index))
-            )
+        for slot in self.slots:
+            self._spawn_worker(slot)
+
+    @property
+    def workers(self) -> list[subprocess.Popen]:
+        return [slot.process for slot in self.slots if slot.process is not None]
 
     @property
     def children(self) -> list[subprocess.Popen]:
@@ -124,6 +151,9 @@ class Supervisor:
         return next((p for p in self.children if p.poll() is not None), None)
 
     def request_stop(self, *_: object) -> None:
+        """First signal: drain and stop. Second signal: stop at once."""
+        if self._stopping:
+            self._aborting = True
         self._stopping = True
 
     @property
@@ -131,18 +161,58 @@ class Supervisor:
         return self._stopping
 
     def watch(self) -> int:
-        """Block until asked to stop (0) or until a child dies (1)."""
+        """Restart workers that die; return 0 when asked to stop, 1 if the manager dies."""
         while not self._stopping:
-            dead = self._dead_child()
-            if dead is not None:
-                role = "manager" if dead is self.manager else f"worker {self.workers.index(dead)}"
-                log.error("%s (pid %d) exited with status %s; stopping", role, dead.pid, dead.returncode)
+            if self.manager is not None and self.manager.poll() is not None:
+                log.error("the manager (pid %d) exited with status %s; stopping", self.manager.pid, self.manager.returncode)
                 return 1
+            for slot in self.slots:
+                self._tend(slot)
             time.sleep(WATCH_INTERVAL_S)
         return 0
 
+    def _tend(self, slot: WorkerSlot) -> None:
+        now = time.monotonic()
+        process = slot.process
+        if process is not None and process.poll() is not None:
+            log.warning("worker %d (pid %d) exited with status %s", slot.index, process.pid, process.returncode)
+            self._tell_manager({"op": "worker_exited", "pid": process.pid, "status": process.returncode})
+            slot.process = None
+            while slot.restarts and now - slot.restarts[0] > RESTART_WINDOW_S:
+                slot.restarts.popleft()
+            if len(slot.restarts) >= self.config.server.restart_budget:
+                slot.given_up = True
+                log.error("worker %d restarted %d times within %.0f s; not restarting it", slot.index, len(slot.restarts), RESTART_WINDOW_S)
+            else:
+                slot.restart_at = now + slot.backoff
+                slot.backoff = min(slot.backoff * 2, MAX_RESTART_BACKOFF_S)
+        if slot.process is None and not slot.given_up and slot.restart_at is not None and now >= slot.restart_at:
+            slot.restarts.append(now)
+            slot.restart_at = None
+            self._spawn_worker(slot)
+            log.info("worker %d restarted (pid %d)", slot.index, slot.process.pid)
+        if slot.process is not None and slot.restarts and now - slot.restarts[-1] > RESTART_WINDOW_S:
+            slot.backoff = RESTART_BACKOFF_S  # a long healthy run resets the backoff
+
+    def _tell_manager(self, message: dict) -> None:
+        """The manager also notices a dead worker by its silence; this makes it immediate."""
+        if self._notices is None:
+            self._notices = zmq.Context.instance().socket(zmq.DEALER)
+            self._notices.setsockopt(zmq.LINGER, 0)
+            self._notices.connect(self.worker_address)
+        self._notices.send(encode(message), zmq.NOBLOCK)
+
     def stop(self) -> None:
-        """SIGTERM every child (workers after the manager has stopped), then SIGKILL what remains."""
+        """Drain: SIGTERM the manager and let it answer what it accepted; then stop the workers.
+
+        A second SIGINT/SIGTERM meanwhile (or a manager that does not finish in time)
+        turns this into SIGKILL for everything.
+        """
+        if self.manager is not None and self.manager.poll() is None and not self._aborting:
+            _signal_pid(self.manager.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.config.server.drain_timeout_ms / 1e3 + STOP_GRACE_S
+            while self.manager.poll() is None and not self._aborting and time.monotonic() < deadline:
+                time.sleep(WATCH_INTERVAL_S)
         processes = []
         for child in self.children:
             try:
@@ -150,14 +220,19 @@ class Supervisor:
             except psutil.NoSuchProcess:
                 pass
         descendants = [d for p in processes for d in _children_of(p)]
-        for process in processes:
-            _signal(process, signal.SIGTERM)
-        _, alive = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
+        if not self._aborting:
+            for process in processes:
+                _signal(process, signal.SIGTERM)
+            _, alive = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
+        else:
+            alive = processes
         for process in [*alive, *descendants]:
             _signal(process, signal.SIGKILL)
         psutil.wait_procs([*alive, *descendants], timeout=STOP_GRACE_S)
         for child in self.children:
             child.poll()
+        if self._notices is not None:
+            self._notices.close()
         if self._private_dir:
             shutil.rmtree(self._private_dir, ignore_errors=True)
 
@@ -167,6 +242,13 @@ def _children_of(process: psutil.Process) -> list[psutil.Process]:
         return process.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def _signal_pid(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def _signal(process: psutil.Process, signum: int) -> None:

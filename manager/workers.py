@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,21 @@ class WorkerHandle:
             self.io[kind] = shared.array
         self.tasks: dict[int, Task] = {}
         self.tasks_completed = 0
+        self.arenas = registration.get("arenas", [])  # as announced, for peers to open
+        now = time.monotonic()
+        self.last_seen = now  # any message from the worker
+        self.signal = 0  # its stream's counter, as last reported
+        self.progress_at = now  # when the counter last advanced, or work arrived while it was idle
 
     @property
     def in_flight(self) -> int:
         return len(self.tasks)
+
+    def heard_from(self, signal: int, now: float) -> None:
+        self.last_seen = now
+        if signal != self.signal:
+            self.signal = signal
+            self.progress_at = now
 
     def occupancy(self) -> dict[str, dict[str, int]]:
         """Rows in use per arena (excluding the reserved zero and scratch rows)."""

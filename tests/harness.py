@@ -18,13 +18,23 @@ from manager.workers import WorkerHandle
 
 
 class Harness:
-    def __init__(self, config: Config, workers: int = 1, rows: int = 1024, max_tasks_to_submit: int = 5):
+    def __init__(
+        self,
+        config: Config,
+        workers: int = 1,
+        rows: int = 1024,
+        max_tasks_to_submit: int = 5,
+        affinity: str = "subgraph",
+    ):
         self.models, self.specs, self.kinds = load_models(config)
         self._shared: list[SharedArray] = []
         self.workers = [self._worker(i, rows) for i in range(workers)]
         self.sent: list[tuple[WorkerHandle, Any]] = []
         self.dispatcher = Dispatcher(self.specs, lambda w, payload: self.sent.append((w, decode_task(payload))))
-        self.scheduler = Scheduler(self.specs, max_tasks_to_submit, self.dispatcher.submit, self.dispatcher.capacity)
+        self.scheduler = Scheduler(
+            self.specs, max_tasks_to_submit, self.dispatcher.submit, self.dispatcher.capacity, affinity
+        )
+        self.scheduler.several_workers = workers > 1
         self.finished: list[tuple[Request, Any]] = []
         self.processor = RequestProcessor(
             {s.key: s for s in self.specs}, self.scheduler, self.dispatcher, lambda r, e: self.finished.append((r, e))
@@ -43,7 +53,8 @@ class Harness:
     def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0) -> Request:
         self._next_id += 1
         m = self.models[model]
-        return self.processor.admit(b"client", name if name is not None else self._next_id, m, m.unfold(inputs), arrival)
+        request_id = name if name is not None else self._next_id
+        return self.processor.admit(b"client", request_id, m, inputs, m.unfold(inputs), arrival)
 
     def in_flight(self, worker: WorkerHandle | None = None) -> list[Task]:
         workers = [worker] if worker else self.workers

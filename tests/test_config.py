@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import ConfigError, load_config
+from common.config import AFFINITIES, POLICIES, ConfigError, load_config
 from common.models import build_model
 from common.models.base import Model, save_weights
 from common.models.lstm import LSTMModel
@@ -81,12 +81,13 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
     assert config.models["lstm"].params == {"vocab_size": 50, "embedding_size": 8, "hidden_size": 16, "max_length": 20}
 
 
-def test_config_accepts_every_policy_and_device_form(tmp_path: Path) -> None:
-    for policy in ("cellular", "padded", "graph"):
-        for devices in ('"auto"', '"cpu"', '["cuda:0", "cpu"]'):
-            text = f'[server]\ndevices = {devices}\n[scheduler]\npolicy = "{policy}"\n' + MODEL
-            config = load_config(write(tmp_path, text))
-            assert config.scheduler.policy == policy
+def test_config_accepts_every_policy_affinity_and_device_form(tmp_path: Path) -> None:
+    for policy in POLICIES:
+        for affinity in AFFINITIES:
+            for devices in ('"auto"', '"cpu"', '["cuda:0", "cpu"]'):
+                text = f'[server]\ndevices = {devices}\n[scheduler]\npolicy = "{policy}"\naffinity = "{affinity}"\n'
+                config = load_config(write(tmp_path, text + MODEL))
+                assert (config.scheduler.policy, config.scheduler.affinity) == (policy, affinity)
 
 
 # -- file-level errors ------------------------------------------------------------------------------------

@@ -106,8 +106,9 @@ def test_batch_issues_successive_steps_ahead_on_one_worker(harness):
     assert h.slots_in_use() == 0
 
 
-def test_subgraph_stays_pinned_to_its_worker(harness):
-    h = harness(workers=2)
+@pytest.mark.parametrize("affinity", ["subgraph", "request"])
+def test_subgraph_stays_pinned_to_its_worker(harness, affinity):
+    h = harness(workers=2, affinity=affinity)
     first, second = h.workers
     request = h.admit("lstm", {"tokens": [1, 2, 3, 4, 5, 6, 7]})
     h.scheduler.schedule(first)
@@ -128,7 +129,9 @@ def test_cell_type_choice_full_batch_then_idle_type_then_priority(harness):
 [models.lstm.cells.layer1]
 priority = 5
 """
-    h = harness(lstm_models(batch_sizes="[1, 2]", layers=2, cells=cells), max_tasks_to_submit=1, workers=2)
+    h = harness(
+        lstm_models(batch_sizes="[1, 2]", layers=2, cells=cells), max_tasks_to_submit=1, workers=2, affinity="request"
+    )
     a, b = h.workers
     layer0, layer1 = "lstm/layer0", "lstm/layer1"
     h.admit("lstm", {"tokens": [1]})
@@ -181,7 +184,7 @@ def test_task_size_is_padded_to_a_supported_batch_size(harness):
     h.scheduler.schedule(worker)
     sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
-    inputs = [slots.tolist() for _, slots, _ in message.inputs]
+    inputs = [slots.tolist() for _, slots, _, _ in message.inputs]
     outputs = [slots.tolist() for _, slots in message.outputs]
     assert all(row[3] == 0 for row in inputs)  # padding reads the zero slot
     assert all(row[3] == 1 for row in outputs)  # and writes the scratch slot
@@ -202,3 +205,38 @@ def test_full_arena_limits_the_batch_instead_of_failing(harness):
         h.scheduler.schedule(worker)
     assert len(h.finished) == 6 and all(e is None for _, e in h.finished)
     assert h.slots_in_use() == 0
+
+
+def test_unpinned_subgraph_moves_and_reads_the_first_workers_arena(harness):
+    """Affinity "subgraph": once nothing of a chain runs, its next step may go to another worker,
+    which gathers the previous step's h and c from the first worker's arena."""
+    h = harness(workers=2, max_tasks_to_submit=2)
+    first, second = h.workers
+    request = h.admit("lstm", {"tokens": [1, 2, 3, 4]})
+    assert h.scheduler.schedule(first) == 2
+    assert h.scheduler.schedule(second) == 0  # pinned to `first` while its tasks run
+    while first.tasks:
+        h.complete_oldest(first)
+    assert h.scheduler.schedule(second) == 2
+    _, message = h.sent[-2]
+    step1 = request.nodes[1]
+    remote_inputs = [r for _, _, _, r in message.inputs if r]
+    assert len(remote_inputs) == 2  # h and c of step 1 live on `first`
+    for (peer, arena, slots, positions), port in zip([r[0] for r in remote_inputs], (0, 1)):
+        assert peer == first.worker_id
+        assert slots.tolist() == [step1.out_slots[port]] and positions.tolist() == [0]
+    while second.tasks:
+        h.complete_oldest(second)
+    assert h.finished and h.finished[0][1] is None
+    assert h.slots_in_use() == 0
+
+
+def test_request_affinity_keeps_a_request_on_one_worker(harness):
+    h = harness(workers=2, max_tasks_to_submit=2, affinity="request")
+    first, second = h.workers
+    h.admit("lstm", {"tokens": [1, 2, 3, 4]})
+    h.scheduler.schedule(first)
+    while first.tasks:
+        h.complete_oldest(first)
+    assert h.scheduler.schedule(second) == 0
+    assert h.scheduler.schedule(first) == 2

@@ -63,9 +63,9 @@ def lstm_step_task(task_id: int, kinds, tokens_io: list[int], h_in: list[int], h
         n,
         [(tok_io, np.array(tokens_io), tok_dev, np.array(upload_rows))],
         [
-            (tok_dev, np.array(upload_rows), None),
-            (state_dev, np.array(h_in), None),
-            (state_dev, np.array([s + 1 if s not in (ZERO_SLOT,) else ZERO_SLOT for s in h_in]), None),
+            (tok_dev, np.array(upload_rows), None, None),
+            (state_dev, np.array(h_in), None, None),
+            (state_dev, np.array([s + 1 if s not in (ZERO_SLOT,) else ZERO_SLOT for s in h_in]), None, None),
         ],
         [(state_dev, np.array(h_out)), (state_dev, np.array([s + 1 for s in h_out]))],
         [(state_dev, np.array(h_out), state_io, np.array(results_io))] if results_io else [],
@@ -162,9 +162,10 @@ def test_poller_reports_completions_in_fifo_order(cells, tmp_path: Path):
         seen: list[int] = []
         while len(seen) < 20:
             assert receiver.poll(10_000), f"completions stopped after {seen}"
-            worker_id, task_ids, errors = msgpack.unpackb(receiver.recv(), strict_map_key=False)
+            worker_id, task_ids, errors, signal = msgpack.unpackb(receiver.recv(), strict_map_key=False)
             assert worker_id == 7 and errors == {}
             seen.extend(task_ids)
+            assert signal == len(seen)  # every notice (heartbeats too) carries the stream's counter
         assert seen == list(range(1, 21))
         assert len(fifo) == 0
     finally:

@@ -25,8 +25,19 @@ class ArenaInfo:
     rows: int
     shm_name: str | None  # set where another process can map it
 
+    handle: list[Any] | None = None  # CUDA IPC handle of a device arena, for peers to open
+
     def to_wire(self) -> dict[str, Any]:
-        return {"id": self.arena_id, "kind": self.kind.key, "space": self.space, "rows": self.rows, "shm": self.shm_name}
+        return {
+            "id": self.arena_id,
+            "kind": self.kind.key,
+            "dtype": self.kind.dtype,
+            "shape": list(self.kind.shape),
+            "space": self.space,
+            "rows": self.rows,
+            "shm": self.shm_name,
+            "handle": self.handle,
+        }
 
 
 def arena_ids(kinds: list[ValueKind]) -> dict[ValueKind, tuple[int, int]]:
@@ -51,6 +62,14 @@ class Backend(ABC):
         """Materialize every (cell type, batch size) once before serving."""
 
     @abstractmethod
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+        """Open another worker's device arenas (as announced at its registration) to read values produced there."""
+
+    @abstractmethod
+    def detach_peer(self, worker_id: int) -> None:
+        """Forget a peer that has gone away."""
+
+    @abstractmethod
     def issue(self, task: TaskMessage) -> None:
         """Enqueue all of a task's work on the stream, ending with the signal write. Never blocks on the device."""
 
@@ -65,6 +84,10 @@ class Backend(ABC):
     @abstractmethod
     def finish(self, task_id: int) -> str | None:
         """Host-side completion of a finished task; returns its error message, if it failed."""
+
+    @abstractmethod
+    def stall(self) -> None:
+        """Test hook: make the stream stop advancing, as a hung device would."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,9 +25,12 @@ from worker.backend import ArenaInfo, Backend, arena_ids
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_STALL = object()  # test hook: the stream blocks forever, like a hung device
 
 SlotCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Upload = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+RemoteInput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (peer arena, peer slots, positions in the batch)
+InputRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[RemoteInput]]  # arena, slots, segments, remote
 
 
 @dataclass
@@ -36,12 +40,15 @@ class IssuedTask:
     task_id: int
     cell: nn.Module
     uploads: list[Upload]  # (rows gathered from the io arena at issue time, arena, slots)
-    inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # (arena, slots, ragged segments)
+    inputs: list[InputRows]
     outputs: list[tuple[torch.Tensor, torch.Tensor]]
     downloads: list[SlotCopy]
 
 
-def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module]) -> IssuedTask:
+PeerArenas = dict[tuple[int, int], torch.Tensor]  # (worker id, arena id) -> tensor
+
+
+def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> IssuedTask:
     """Turn a task message into tensors: the issuer's share of the work, done off the stream."""
 
     def index(slots) -> torch.Tensor:
@@ -51,7 +58,10 @@ def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Modul
         task.task_id,
         cells[task.cell_index],
         [(tensors[a].index_select(0, index(s)), tensors[b], index(t)) for a, s, b, t in task.uploads],
-        [(tensors[a], index(s), None if g is None else index(g)) for a, s, g in task.inputs],
+        [
+            (tensors[a], index(s), None if g is None else index(g), [(peers[(w, b)], index(t), index(p)) for w, b, t, p in r or ()])
+            for a, s, g, r in task.inputs
+        ],
         [(tensors[a], index(s)) for a, s in task.outputs],
         [(tensors[a], index(s), tensors[b], index(t)) for a, s, b, t in task.downloads],
     )
@@ -62,8 +72,11 @@ def run_task(task: IssuedTask) -> None:
     for rows, dst, dst_slots in task.uploads:
         dst.index_copy_(0, dst_slots, rows.to(dst.device, non_blocking=True))
     batch = []
-    for arena, slots, segments in task.inputs:
-        batch.append(arena.index_select(0, slots))
+    for arena, slots, segments, remote in task.inputs:
+        rows = arena.index_select(0, slots)
+        for peer, peer_slots, positions in remote:  # values another worker produced (its task has completed)
+            rows.index_copy_(0, positions.to(rows.device), peer.index_select(0, peer_slots).to(rows.device))
+        batch.append(rows)
         if segments is not None:
             batch.append(segments)
     results = task.cell(*batch)
@@ -83,7 +96,7 @@ def warm_up_cells(cells: list[nn.Module], specs: list[CellTypeSpec], tensors: li
             for port, kind in enumerate(spec.inputs):
                 slots = torch.full((size,), ZERO_SLOT, dtype=torch.int64)
                 segments = torch.arange(size) if port in spec.ragged_inputs else None  # one zero child per node
-                inputs.append((tensors[ids[kind][0]], slots, segments))
+                inputs.append((tensors[ids[kind][0]], slots, segments, []))
             outputs = [(tensors[ids[k][0]], torch.full((size,), SCRATCH_SLOT, dtype=torch.int64)) for k in spec.outputs]
             run_task(IssuedTask(-1, cell, [], inputs, outputs, []))
 
@@ -105,6 +118,8 @@ class CpuBackend(Backend):
                 self._shared.append(shared)
                 self._arena_info.append(ArenaInfo(arena_id, kind, space, rows, shared.name))
         self._tensors = [torch.from_numpy(shared.array) for shared in self._shared]
+        self._peers: PeerArenas = {}
+        self._peer_memory: dict[int, list[SharedArray]] = {}
         self._counter = SharedArray("int64", (1,))
         self._errors: dict[int, str] = {}
         self._advanced = threading.Condition()
@@ -124,8 +139,24 @@ class CpuBackend(Backend):
         with torch.inference_mode():
             warm_up_cells(self._cells, self._specs, self._tensors, self._ids)
 
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+        self.detach_peer(worker_id)
+        mapped = []
+        for arena in arenas:
+            if arena["space"] == "device" and arena.get("shm"):
+                shared = SharedArray(arena["dtype"], (arena["rows"], *arena["shape"]), name=arena["shm"])
+                mapped.append(shared)
+                self._peers[(worker_id, arena["id"])] = torch.from_numpy(shared.array)
+        self._peer_memory[worker_id] = mapped
+
+    def detach_peer(self, worker_id: int) -> None:
+        for key in [key for key in self._peers if key[0] == worker_id]:
+            del self._peers[key]
+        for shared in self._peer_memory.pop(worker_id, []):
+            shared.close()
+
     def issue(self, task: TaskMessage) -> None:
-        self._queue.put(resolve(task, self._tensors, self._cells))
+        self._queue.put(resolve(task, self._tensors, self._cells, self._peers))
 
     def signal(self) -> int:
         return int(self._counter.array[0])
@@ -139,6 +170,9 @@ class CpuBackend(Backend):
     def finish(self, task_id: int) -> str | None:
         return self._errors.pop(task_id, None)
 
+    def stall(self) -> None:
+        self._queue.put(_STALL)
+
     def _stream(self) -> None:
         counter = self._counter.array
         with torch.inference_mode():
@@ -146,6 +180,8 @@ class CpuBackend(Backend):
                 task = self._queue.get()
                 if task is _STOP:
                     return
+                if task is _STALL:
+                    threading.Event().wait()
                 try:
                     run_task(task)
                 except Exception as exc:  # a failed task must still advance the counter
@@ -159,5 +195,7 @@ class CpuBackend(Backend):
         self._queue.put(_STOP)
         self._thread.join(timeout=5)
         self._tensors = []
+        for worker_id in list(self._peer_memory):
+            self.detach_peer(worker_id)
         for shared in [*self._shared, self._counter]:
             shared.close()

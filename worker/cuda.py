@@ -9,6 +9,7 @@ host callback on the stream. Only imported when a worker is started on a GPU.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
 from worker.backend import ArenaInfo, Backend, arena_ids
-from worker.cpu import IssuedTask, run_task, warm_up_cells
+from worker.cpu import IssuedTask, PeerArenas, run_task, warm_up_cells
 
 SPIN_ROUNDS = 50  # polls without sleeping before backing off
 MAX_BACKOFF_S = 0.0005
@@ -47,8 +48,9 @@ class CudaBackend(Backend):
         self._tensors: list[torch.Tensor] = [torch.empty(0)] * (2 * len(kinds))
         for kind in kinds:
             device_id, io_id = self._ids[kind]
-            self._tensors[device_id] = torch.zeros((arena_rows, *kind.shape), dtype=_TORCH_DTYPES[kind.dtype], device=self._dev)
-            self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None))
+            arena = torch.zeros((arena_rows, *kind.shape), dtype=_TORCH_DTYPES[kind.dtype], device=self._dev)
+            self._tensors[device_id] = arena
+            self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None, export_ipc_handle(arena)))
             shared = SharedArray(kind.dtype, (io_rows, *kind.shape))
             io = torch.from_numpy(shared.array)
             _page_lock(io)
@@ -59,6 +61,7 @@ class CudaBackend(Backend):
         self._sequence = torch.zeros(1, dtype=torch.int64, device=self._dev)
         self._issued = 0
         self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._peers: PeerArenas = {}
 
     @property
     def arenas(self) -> list[ArenaInfo]:
@@ -72,6 +75,24 @@ class CudaBackend(Backend):
         with torch.inference_mode(), torch.cuda.stream(self._stream):
             warm_up_cells(self._cells, self._specs, self._tensors, self._ids)
         self._stream.synchronize()
+
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+        for arena in arenas:
+            if arena["space"] == "device" and arena.get("handle"):
+                shape = (arena["rows"], *arena["shape"])
+                self._peers[(worker_id, arena["id"])] = open_ipc_handle(arena["handle"], _TORCH_DTYPES[arena["dtype"]], shape)
+
+    def detach_peer(self, worker_id: int) -> None:
+        for key in [key for key in self._peers if key[0] == worker_id]:
+            del self._peers[key]
+
+    def _remote(self, rows) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Peer arenas are read on their own device (their tasks have completed), then copied here."""
+        remote = []
+        for worker_id, arena_id, slots, positions in rows or ():
+            peer = self._peers[(worker_id, arena_id)]
+            remote.append((peer, torch.from_numpy(slots.copy()).to(peer.device), self._device_index(positions)))
+        return remote
 
     def _device_index(self, slots) -> torch.Tensor:
         return torch.from_numpy(slots.copy()).pin_memory().to(self._dev, non_blocking=True)
@@ -88,7 +109,10 @@ class CudaBackend(Backend):
                     task.task_id,
                     self._cells[task.cell_index],
                     uploads,
-                    [(tensors[a], index(s), None if g is None else index(g)) for a, s, g in task.inputs],
+                    [
+                        (tensors[a], index(s), None if g is None else index(g), self._remote(r))
+                        for a, s, g, r in task.inputs
+                    ],
                     [(tensors[a], index(s)) for a, s in task.outputs],
                     [],
                 )
@@ -120,10 +144,27 @@ class CudaBackend(Backend):
             io.index_copy_(0, slots, host)
         return None
 
+    def stall(self) -> None:
+        with torch.cuda.stream(self._stream):
+            torch.cuda._sleep(2**62)
+
     def close(self) -> None:
         self._stream.synchronize()
         for shared in self._shared:
             shared.close()
+
+
+def export_ipc_handle(tensor: torch.Tensor) -> list[Any]:
+    """The CUDA IPC handle of a tensor's storage, as plain values another process can open.
+
+    The same handle torch.multiprocessing sends when a CUDA tensor is shared (opened once per peer).
+    """
+    return list(tensor.untyped_storage()._share_cuda_())
+
+
+def open_ipc_handle(handle: list[Any], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared_cuda(*handle)
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape)
 
 
 def _page_lock(tensor: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import msgpack
 import torch
@@ -33,6 +34,8 @@ log = logging.getLogger("batchmaker.worker")
 
 REGISTER_TIMEOUT_S = 60.0
 IDLE_WAIT_S = 0.05
+HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
+TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # lets tests stall the stream
 
 
 class InProgressFIFO:
@@ -59,7 +62,11 @@ class InProgressFIFO:
 
 
 class Poller(threading.Thread):
-    """Turns signal-counter increments into completion notices for the manager."""
+    """Turns signal-counter increments into completion notices for the manager.
+
+    Every message carries the counter, and one is sent at least every HEARTBEAT_S, so the
+    manager sees both that this process is alive and whether its stream makes progress.
+    """
 
     def __init__(self, context: zmq.Context, address: str, worker_id: int, backend: Backend, fifo: InProgressFIFO):
         super().__init__(name="poller", daemon=True)
@@ -73,6 +80,7 @@ class Poller(threading.Thread):
 
     def run(self) -> None:
         done = 0
+        last_sent = 0.0
         while not self.stopping.is_set():
             finished = self._backend.signal()
             if finished > done:
@@ -84,8 +92,13 @@ class Poller(threading.Thread):
                     if error is not None:
                         errors[task_id] = error
                 done = finished
-                self._socket.send(msgpack.packb([self._worker_id, task_ids, errors]))
-            elif not self._fifo:
+                self._socket.send(msgpack.packb([self._worker_id, task_ids, errors, done]))
+                last_sent = time.monotonic()
+                continue
+            if time.monotonic() - last_sent >= HEARTBEAT_S:
+                self._socket.send(msgpack.packb([self._worker_id, [], {}, done]))
+                last_sent = time.monotonic()
+            if not self._fifo:
                 self._fifo.wait_for_work(IDLE_WAIT_S)
             else:
                 self._backend.wait_for_signal(done, IDLE_WAIT_S)
@@ -133,6 +146,8 @@ class Worker:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._fifo = InProgressFIFO()
         self._stop = False
+        self._manager_timeout = 0.0
+        self._last_heard = time.monotonic()
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
@@ -159,13 +174,23 @@ class Worker:
                 reply = decode(payload)
                 if kind != b"registered" or not reply.get("ok"):
                     raise RuntimeError(f"manager refused registration: {reply.get('error')}")
+                self._attach_peers(reply.get("peers", {}))
+                self._manager_timeout = reply["manager_timeout_s"]
                 return reply["worker_id"], reply["completions"]
-            self._check_parent()
+            self._check_alive()
         raise TimeoutError(f"manager at {self._manager} did not answer the registration")
 
-    def _check_parent(self) -> None:
+    def _attach_peers(self, peers: dict[Any, list[dict[str, Any]]]) -> None:
+        for worker_id, arenas in peers.items():
+            self._backend.attach_peer(int(worker_id), arenas)
+
+    def _check_alive(self) -> None:
+        """Exit when the supervisor that started us is gone, or the manager has fallen silent."""
         if self._parent_pid is not None and os.getppid() != self._parent_pid:
             log.warning("parent process %d is gone; exiting", self._parent_pid)
+            self._stop = True
+        elif self._manager_timeout and time.monotonic() - self._last_heard > self._manager_timeout:
+            log.warning("no word from the manager for %.0f s; exiting", self._manager_timeout)
             self._stop = True
 
     def run(self) -> None:
@@ -185,21 +210,30 @@ class Worker:
     def _issue_loop(self) -> None:
         socket = self._socket
         while not self._stop:
-            if not socket.poll(1000):
-                self._check_parent()
-                continue
-            while True:
-                try:
-                    kind, payload = socket.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if kind == b"task":
-                    task = decode_task(payload)
-                    self._fifo.push(task.task_id)
-                    self._backend.issue(task)
-                elif kind == b"stop":
-                    self._stop = True
-                    break
+            if socket.poll(500):
+                self._last_heard = time.monotonic()
+                self._drain(socket)
+            self._check_alive()
+
+    def _drain(self, socket: zmq.Socket) -> None:
+        while not self._stop:
+            try:
+                kind, payload = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if kind == b"task":
+                task = decode_task(payload)
+                self._fifo.push(task.task_id)
+                self._backend.issue(task)
+            elif kind == b"peers":
+                self._attach_peers(decode(payload))
+            elif kind == b"forget-peer":
+                self._backend.detach_peer(decode(payload)["worker_id"])
+            elif kind == b"stop":
+                self._stop = True
+            elif kind == b"stall" and TEST_HOOKS:
+                log.warning("stalling the stream (test hook)")
+                self._backend.stall()
 
 
 def main(argv: list[str] | None = None) -> int:

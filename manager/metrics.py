@@ -1,0 +1,180 @@
+"""Prometheus metrics of the manager, served over HTTP for scraping.
+
+The manager's event loop is a single thread, so recording is a dictionary lookup
+and one increment or observation on a labelled child cached at first use; the
+HTTP endpoint runs in its own daemon thread. Each Metrics owns a CollectorRegistry
+(never the process-wide default) so that several managers can share a process.
+
+Series (all prefixed `batchmaker_`):
+
+=========================================  =========  ===================================================
+name                                       type       meaning
+=========================================  =========  ===================================================
+requests_total{model,outcome}              counter    requests answered; outcome is "ok" or an error code;
+                                                      model is "-" when the request was refused before
+                                                      a served model was known (unreadable frame, ...)
+request_latency_seconds{model}             histogram  arrival to reply, successful requests only
+request_queue_seconds{model}               histogram  arrival to first task submitted, successful requests only
+batch_size{cell_type}                      histogram  nodes per submitted task (buckets 1, 2, 4 ... 1024)
+tasks_total{cell_type}                     counter    batched tasks submitted to workers
+queue_depth_nodes{cell_type}               gauge      nodes ready to run and not yet submitted
+worker_tasks_in_flight{worker}             gauge      tasks submitted to a worker and not yet completed
+arena_rows_in_use{worker}                  gauge      arena rows (slots) the manager holds on a worker
+arena_rows_capacity{worker}                gauge      arena rows a worker has
+worker_restarts_total                      counter    workers that died and were replaced
+=========================================  =========  ===================================================
+
+Counters also carry the `_created` series prometheus_client adds by default.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from common.protocol import ERROR_CODES
+
+NO_MODEL = "-"
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 .. 1024
+
+
+class Metrics:
+    def __init__(self, models: list[str], cell_types: list[str]) -> None:
+        """Declare every series and create the children of the known labels, so they show up as 0 from the start."""
+        self.registry = CollectorRegistry()
+        self._models = frozenset(models)
+        self._requests = Counter(
+            "batchmaker_requests", "Requests answered, by model and outcome (ok or an error code).",
+            ("model", "outcome"), registry=self.registry,
+        )
+        self._latency = Histogram(
+            "batchmaker_request_latency_seconds", "Time from a request's arrival to its reply (successful requests).",
+            ("model",), buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self._queue = Histogram(
+            "batchmaker_request_queue_seconds",
+            "Time from a request's arrival to its first task being submitted (successful requests).",
+            ("model",), buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self._batch_size = Histogram(
+            "batchmaker_batch_size", "Nodes per batched task submitted to a worker.",
+            ("cell_type",), buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
+        )
+        self._tasks = Counter(
+            "batchmaker_tasks", "Batched tasks submitted to workers.", ("cell_type",), registry=self.registry
+        )
+        self._queue_depth = Gauge(
+            "batchmaker_queue_depth_nodes", "Nodes ready to run and not yet submitted.",
+            ("cell_type",), registry=self.registry,
+        )
+        self._in_flight = Gauge(
+            "batchmaker_worker_tasks_in_flight", "Tasks submitted to a worker and not yet completed.",
+            ("worker",), registry=self.registry,
+        )
+        self._rows_in_use = Gauge(
+            "batchmaker_arena_rows_in_use", "Arena rows (slots) held on a worker.", ("worker",), registry=self.registry
+        )
+        self._rows_capacity = Gauge(
+            "batchmaker_arena_rows_capacity", "Arena rows a worker has.", ("worker",), registry=self.registry
+        )
+        self._restarts = Counter(
+            "batchmaker_worker_restarts", "Workers that died and were replaced.", registry=self.registry
+        )
+
+        outcomes = ("ok", *ERROR_CODES)
+        self._request_children = {
+            (model, outcome): self._requests.labels(model, outcome) for model in models for outcome in outcomes
+        }
+        self._request_children.update({(NO_MODEL, code): self._requests.labels(NO_MODEL, code) for code in ERROR_CODES})
+        self._latency_children = {model: (self._latency.labels(model), self._queue.labels(model)) for model in models}
+        self._cell_children = {
+            cell: (self._batch_size.labels(cell), self._tasks.labels(cell), self._queue_depth.labels(cell))
+            for cell in cell_types
+        }
+        self._worker_children: dict[str, tuple[Gauge, Gauge, Gauge]] = {}
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- recording (manager thread) -------------------------------------------------------------
+    def request_finished(self, model: str, outcome: str, total_s: float | None, queue_s: float | None) -> None:
+        """Count an answered request; its latency and queueing time are observed only for outcome "ok"."""
+        if model not in self._models:
+            model = NO_MODEL  # a name the server does not serve must not become a label value
+        child = self._request_children.get((model, outcome))
+        if child is None:
+            child = self._request_children[(model, outcome)] = self._requests.labels(model, outcome)
+        child.inc()
+        if outcome == "ok" and model != NO_MODEL:
+            latency, queue = self._latency_children[model]
+            if total_s is not None:
+                latency.observe(total_s)
+            if queue_s is not None:
+                queue.observe(queue_s)
+
+    def request_refused(self, outcome: str) -> None:
+        """Count a request refused before it named a served model."""
+        self.request_finished(NO_MODEL, outcome, None, None)
+
+    def task_submitted(self, cell_type: str, batch_size: int) -> None:
+        batch, tasks, _ = self._cell(cell_type)
+        batch.observe(batch_size)
+        tasks.inc()
+
+    def set_queue_depth(self, cell_type: str, ready_nodes: int) -> None:
+        self._cell(cell_type)[2].set(ready_nodes)
+
+    def set_worker(self, worker: str, tasks_in_flight: int, arena_rows_in_use: int, arena_rows_capacity: int) -> None:
+        children = self._worker_children.get(worker)
+        if children is None:
+            children = self._worker_children[worker] = (
+                self._in_flight.labels(worker),
+                self._rows_in_use.labels(worker),
+                self._rows_capacity.labels(worker),
+            )
+        in_flight, in_use, capacity = children
+        in_flight.set(tasks_in_flight)
+        in_use.set(arena_rows_in_use)
+        capacity.set(arena_rows_capacity)
+
+    def remove_worker(self, worker: str) -> None:
+        """Drop a departed worker's series so that a scrape does not report stale values for it."""
+        if self._worker_children.pop(worker, None) is not None:
+            for gauge in (self._in_flight, self._rows_in_use, self._rows_capacity):
+                gauge.remove(worker)
+
+    def worker_restarted(self) -> None:
+        self._restarts.inc()
+
+    def _cell(self, cell_type: str) -> tuple[Histogram, Counter, Gauge]:
+        children = self._cell_children.get(cell_type)
+        if children is None:
+            children = self._cell_children[cell_type] = (
+                self._batch_size.labels(cell_type),
+                self._tasks.labels(cell_type),
+                self._queue_depth.labels(cell_type),
+            )
+        return children
+
+    # -- exposition -----------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0 picks a free port) from a daemon thread; return the bound port."""
+        if self._server is not None:
+            raise RuntimeError(f"metrics are already served on port {self._server.server_port}")
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint and release its port; safe to call more than once."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+        self._server = self._thread = None
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
