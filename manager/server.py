@@ -237,6 +237,8 @@ class Manager:
     def _submit(self, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle) -> Task:
         if not worker.tasks:
             worker.progress_at = time.monotonic()  # the hang watchdog counts from when work arrives
+            if worker.first_task_delay is None:
+                worker.first_task_delay = worker.progress_at - worker.registered_at
         task = self.dispatcher.submit(spec, nodes, worker)
         self.stats.task_submitted(task)
         return task
@@ -444,6 +446,8 @@ class Manager:
                 str(w.worker_id): {
                     "tasks_in_flight": w.in_flight,
                     "tasks_completed": w.tasks_completed,
+                    "first_task_delay_ms": None if w.first_task_delay is None else w.first_task_delay * 1e3,
+                    "pid": w.pid,
                     "arenas": w.occupancy(),
                     "slots_in_use": w.slots_in_use(),
                 }

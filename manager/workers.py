@@ -43,6 +43,8 @@ class WorkerHandle:
         self.tasks_completed = 0
         self.arenas = registration.get("arenas", [])  # as announced, for peers to open
         now = time.monotonic()
+        self.registered_at = now
+        self.first_task_delay: float | None = None  # seconds from registration to its first task
         self.last_seen = now  # any message from the worker
         self.signal = 0  # its stream's counter, as last reported
         self.progress_at = now  # when the counter last advanced, or work arrived while it was idle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 import textwrap
 from pathlib import Path
 from typing import Iterator
@@ -64,10 +65,14 @@ batch_sizes = [1, 2, 4, 8, 16, 32]
 
 
 class RunningServer:
+    """A server started in-process: the supervisor's watch loop (restarts) runs in a thread."""
+
     def __init__(self, supervisor: Supervisor, config: Config):
         self.supervisor = supervisor
         self.config = config
         self.address = supervisor.address
+        self.watcher = threading.Thread(target=supervisor.watch, daemon=True)
+        self.watcher.start()
 
     def client(self, timeout: float = 30.0) -> Client:
         return Client(self.address, timeout=timeout)
@@ -87,6 +92,8 @@ def start_server(config: Config, workers: int | None = None) -> RunningServer:
 
 def stop_server(server: RunningServer) -> None:
     pids = server.pids()
+    server.supervisor.request_stop()
+    server.watcher.join(timeout=5)
     server.supervisor.stop()
     leftovers = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not leftovers, f"processes left after stop: {leftovers}"

@@ -35,7 +35,7 @@ log = logging.getLogger("batchmaker.worker")
 REGISTER_TIMEOUT_S = 60.0
 IDLE_WAIT_S = 0.05
 HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
-TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # lets tests stall the stream
+TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
 
 
 class InProgressFIFO:
@@ -231,9 +231,6 @@ class Worker:
                 self._backend.detach_peer(decode(payload)["worker_id"])
             elif kind == b"stop":
                 self._stop = True
-            elif kind == b"stall" and TEST_HOOKS:
-                log.warning("stalling the stream (test hook)")
-                self._backend.stall()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     worker = Worker(backend, args.manager, args.index, [spec.key for spec in specs], args.parent_pid)
     signal.signal(signal.SIGTERM, worker.request_stop)
+    if TEST_HOOKS:
+        signal.signal(signal.SIGUSR1, lambda *_: backend.stall())
     signal.signal(signal.SIGINT, worker.request_stop)
     try:
         worker.run()

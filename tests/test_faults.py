@@ -1,0 +1,220 @@
+"""Worker failures under load: killed, hung, added by hand; and a draining stop. Real processes throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from clients import AsyncClient, Client, ServerError
+from common.models import build_model
+from conftest import SMALL_LSTM, start_server, stop_server, write_config
+from test_integration_lstm import wait_idle
+
+TOLERANCE = 1e-5
+
+
+async def open_loop(address: str, rate: float, duration: float, seed: int) -> list[tuple[list[int], object]]:
+    """Poisson arrivals of random sequences; returns (tokens, reply or exception) per request."""
+    rng = np.random.default_rng(seed)
+    async with AsyncClient(address, timeout=120) as client:
+        sent = []
+        start = time.monotonic()
+        while time.monotonic() - start < duration:
+            tokens = rng.integers(0, 1000, size=int(rng.integers(1, 60))).tolist()
+            sent.append((tokens, asyncio.create_task(client.infer("lstm", {"tokens": tokens}))))
+            await asyncio.sleep(float(rng.exponential(1 / rate)))
+        replies = await asyncio.gather(*(task for _, task in sent), return_exceptions=True)
+    return [(tokens, reply) for (tokens, _), reply in zip(sent, replies)]
+
+
+def check_replies(config, results) -> None:
+    errors = [reply for _, reply in results if isinstance(reply, BaseException)]
+    assert not errors, f"{len(errors)} requests failed, e.g. {errors[:3]}"
+    model = build_model(config.models["lstm"])
+    state = model.load_weights()
+    for tokens, reply in results:
+        expected = model.reference(state, {"tokens": tokens})
+        assert np.abs(reply.outputs["h"] - expected["h"]).max() <= TOLERANCE
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+def healthy_workers(server) -> int:
+    with server.client(timeout=5) as client:
+        return len(client.health()["workers"])
+
+
+def test_killing_workers_under_load_loses_nothing(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM)
+    server = start_server(config, workers=3)
+    try:
+        killed: list[int] = []
+
+        def killer() -> None:
+            """Twice, at a random moment, SIGKILL a worker the manager has registered."""
+            rng = np.random.default_rng(1)
+            for _ in range(2):
+                time.sleep(float(rng.uniform(1.0, 2.5)))
+                with server.client(timeout=10) as client:
+                    pids = [w["pid"] for w in client.health()["workers"] if w["pid"] not in killed]
+                victim = pids[int(rng.integers(0, len(pids)))]
+                os.kill(victim, signal.SIGKILL)
+                killed.append(victim)
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        results = asyncio.run(open_loop(server.address, rate=120, duration=8.0, seed=2))
+        thread.join()
+
+        check_replies(config, results)  # every request answered, correctly, none WORKER_LOST
+        assert wait_for(lambda: healthy_workers(server) == 3, timeout=30), "killed workers did not come back"
+        with server.client() as client:
+            stats = wait_idle(client)
+        assert stats["worker_losses"] == 2
+        assert stats["requests"]["ok"] == len(results)
+        assert all(w["slots_in_use"] == 0 for w in stats["workers"].values()), stats["workers"]
+    finally:
+        stop_server(server)
+
+
+def test_hung_worker_is_killed_replaced_and_its_requests_replayed(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("BATCHMAKER_TEST_HOOKS", "1")
+    config = write_config(tmp_path, SMALL_LSTM, server="hang_timeout_ms = 1500")
+    server = start_server(config, workers=2)
+    try:
+        hung = server.supervisor.slots[0].process
+
+        def stall_soon() -> None:
+            time.sleep(1.0)
+            os.kill(hung.pid, signal.SIGUSR1)  # its stream stops advancing; its heartbeats go on
+
+        thread = threading.Thread(target=stall_soon)
+        thread.start()
+        results = asyncio.run(open_loop(server.address, rate=100, duration=5.0, seed=3))
+        thread.join()
+
+        check_replies(config, results)
+        assert wait_for(lambda: not psutil.pid_exists(hung.pid) or psutil.Process(hung.pid).status() == "zombie", 10)
+        assert wait_for(lambda: healthy_workers(server) == 2, timeout=15)
+        with server.client() as client:
+            stats = wait_idle(client)
+        assert stats["worker_losses"] >= 1 and stats["replayed_requests"] >= 1
+        assert all(w["slots_in_use"] == 0 for w in stats["workers"].values())
+    finally:
+        stop_server(server)
+
+
+def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
+    address = f"ipc://{tmp_path}/workers"
+    config = write_config(tmp_path, SMALL_LSTM, server=f'worker_address = "{address}"')
+    server = start_server(config, workers=1)
+    joined = None
+    try:
+        outcome: dict = {}
+
+        def load() -> None:
+            outcome["results"] = asyncio.run(open_loop(server.address, rate=150, duration=5.0, seed=4))
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        time.sleep(1.0)
+        joined = subprocess.Popen(
+            [sys.executable, "-m", "manager.cli", "worker", "--config", str(config.path), "--manager", address, "--index", "1"]
+        )
+        assert wait_for(lambda: healthy_workers(server) == 2, timeout=30), "the new worker did not register"
+        thread.join()
+        with server.client() as client:
+            workers = client.stats()["workers"]
+        new = next(w for w in workers.values() if w["pid"] == joined.pid)
+        assert new["tasks_completed"] > 0
+        assert new["first_task_delay_ms"] < 1000, "the new worker waited over a second for its first task"
+        check_replies(config, outcome["results"])
+    finally:
+        stop_server(server)
+        if joined is not None:
+            assert joined.wait(timeout=15) == 0  # told to stop by the manager as it shut down
+
+
+def test_sigterm_under_load_answers_everything_then_exits(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM)
+    process = subprocess.Popen([sys.executable, "-m", "manager.cli", "serve", str(config.path), "--workers", "2"])
+    try:
+        with Client(config.server.address, timeout=1) as client:
+            assert wait_for(lambda: _ready(client), timeout=60)
+        tree = psutil.Process(process.pid).children(recursive=True)
+
+        async def load_then_terminate():
+            async with AsyncClient(config.server.address, timeout=60) as client:
+                rng = np.random.default_rng(5)
+                accepted = [
+                    asyncio.create_task(client.infer("lstm", {"tokens": rng.integers(0, 1000, size=200).tolist()}))
+                    for _ in range(150)
+                ]
+                await asyncio.sleep(0.1)
+                process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.02)
+                late = await asyncio.gather(client.infer("lstm", {"tokens": [1, 2]}), return_exceptions=True)
+                return await asyncio.gather(*accepted, return_exceptions=True), late[0]
+
+        replies, late = asyncio.run(load_then_terminate())
+        # Requests the manager had accepted are answered; any it had not yet read are refused, never dropped.
+        answered = [r for r in replies if not isinstance(r, BaseException)]
+        refused = [r for r in replies if isinstance(r, ServerError) and r.code == "OVERLOADED"]
+        assert answered and len(answered) + len(refused) == len(replies), [r for r in replies if r not in answered][:3]
+        assert isinstance(late, ServerError) and late.code == "OVERLOADED" and "draining" in late.message
+        stop_started = time.monotonic()
+        assert process.wait(timeout=60) == 0
+        assert time.monotonic() - stop_started < 15
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _ready(client: Client) -> bool:
+    try:
+        return client.health()["status"] == "ready"
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.cuda
+def test_cuda_arenas_open_in_a_peer_process():
+    import torch
+
+    if torch.cuda.device_count() < 1:
+        pytest.skip("no CUDA device")
+    from worker.cuda import export_ipc_handle, open_ipc_handle
+
+    arena = torch.arange(12, dtype=torch.float32, device="cuda:0").reshape(4, 3)
+    handle = export_ipc_handle(arena)
+    script = (
+        "import sys, torch, msgpack; from worker.cuda import open_ipc_handle;"
+        "h = msgpack.unpackb(sys.stdin.buffer.read());"
+        "t = open_ipc_handle(h, torch.float32, (4, 3)); print(float(t[2].sum()))"
+    )
+    import msgpack
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], input=msgpack.packb(handle), capture_output=True, check=True, cwd=Path(__file__).parents[1]
+    )
+    assert float(out.stdout) == float(arena[2].sum())
