@@ -1,0 +1,429 @@
+"""What the binary and the Child-Sum TreeLSTM share: tree requests, SST trees and the model skeleton.
+
+A request's `tree` is `{"tokens": [...], "parents": [...]}`: node i carries word id
+`tokens[i]` (-1 for an internal node without a word) and hangs below `parents[i]`
+(-1 for the root). Children are ordered by node index, so in a binary tree the left
+child is the one with the smaller index, as `ptb_to_tree` numbers them.
+
+Both models unfold a tree in the same order (level by level, children before parents,
+see `Tree.levels`), may put a `classifier` cell (h -> logits) on the root, and keep their
+weights in one nn.Module whose state_dict is the weights file, so that a training script
+trains exactly the cells the workers serve and saves them with `state_dict()`.
+
+Cell priorities: the cell types a model lists later run later in every request
+(internal after leaf, the classifier last), and preferring them lets requests finish
+sooner (paper section 4.3). So a cell type without its own `[models.NAME.cells.CELL]`
+table gets the model's priority plus its rank (leaf 0, internal 1, classifier 2). A
+cell table sets the priority exactly: a config that tunes one cell type should give
+internal a higher priority than leaf, and the classifier a higher one still.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from abc import abstractmethod
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.config import ModelConfig
+from common.graph import CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from common.models.base import Model, check_params, int_param
+from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+
+TOKEN = ValueKind("int64", ())
+NO_WORD = -1  # the token of an internal node without a word
+UNK_ID = 0  # id of `<unk>` in a vocabulary file; ptb_to_tree maps unknown words to it
+EMBEDDING_KEY = "embedding.weight"
+# A bracket, or a label or word: SST words may hold non-ASCII spaces (U+00A0 in "2 1/2"), so only ASCII ones split.
+PTB_PIECE = re.compile(r"[()]|[^()\x20\t\r\n]+")
+CLASSIFIER = "classifier"
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """A validated tree.
+
+    `children[i]` lists node i's children by index (the left child first). `levels[k]`
+    lists the nodes of height k (leaves have height 0, a parent is one above its highest
+    child), by index: every node's children sit on lower levels, so the levels in turn
+    are a topological order, and the nodes of one level can be computed together.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    children: list[list[int]]
+    levels: list[list[int]]
+    root: int
+
+    @property
+    def order(self) -> list[int]:
+        """Every node, children before parents."""
+        return [node for level in self.levels for node in level]
+
+
+def _int_list(tree: dict[str, Any], key: str) -> list[int]:
+    """A plain list of ints or a 1-D integer tensor map, as a list of Python ints."""
+    if key not in tree:
+        raise RequestError(INVALID_INPUT, f"tree lacks {key!r}; send tokens and parents, one entry per node")
+    raw = tree[key]
+    if is_tensor_map(raw):
+        array = map_to_tensor(raw, f"tree.{key}")
+        if array.dtype.kind not in "iu" or array.ndim != 1:
+            got = f"{array.dtype}{list(array.shape)}"
+            raise RequestError(INVALID_INPUT, f"tree.{key} must be a 1-D integer tensor, got {got}")
+        return array.tolist()
+    if not isinstance(raw, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw):
+        raise RequestError(INVALID_INPUT, f"tree.{key} must be a list of integers")
+    return raw
+
+
+def _read(inputs: Any, vocab_size: int, max_nodes: int) -> tuple[list[int], list[int]]:
+    """tokens and parents, checked entry by entry: types, lengths, the vocabulary."""
+    if not isinstance(inputs, dict):
+        raise RequestError(BAD_REQUEST, "inputs must be a map")
+    if "tree" not in inputs:
+        raise RequestError(BAD_REQUEST, "inputs lack 'tree'")
+    raw = inputs["tree"]
+    if not isinstance(raw, dict):
+        raise RequestError(INVALID_INPUT, 'tree must be a map {"tokens": [...], "parents": [...]}')
+    tokens, parents = _int_list(raw, "tokens"), _int_list(raw, "parents")
+    n = len(tokens)
+    if n == 0:
+        raise RequestError(INVALID_INPUT, "tree is empty; send at least one node")
+    if len(parents) != n:
+        raise RequestError(
+            INVALID_INPUT, f"tree.tokens has {n} entries but tree.parents has {len(parents)}; give one parent per node"
+        )
+    if n > max_nodes:
+        raise RequestError(INVALID_INPUT, f"tree has {n} nodes; this model accepts at most {max_nodes}")
+    for i, token in enumerate(tokens):
+        if not NO_WORD <= token < vocab_size:
+            raise RequestError(
+                INVALID_INPUT,
+                f"tree.tokens[{i}] = {token} is outside the vocabulary; valid ids are 0..{vocab_size - 1}, "
+                f"or -1 for an internal node without a word",
+            )
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < n:
+            raise RequestError(
+                INVALID_INPUT, f"tree.parents[{i}] = {parent} is not a node; use 0..{n - 1}, or -1 for the root"
+            )
+    return tokens, parents
+
+
+def _cycle_through(parents: list[int], start: int) -> list[int]:
+    """The cycle that following parents from `start` runs into (start is not connected to the root)."""
+    seen: dict[int, int] = {}
+    path: list[int] = []
+    node = start
+    while node not in seen:
+        seen[node] = len(path)
+        path.append(node)
+        node = parents[node]
+    return path[seen[node] :] + [node]
+
+
+def _top_down(parents: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Children lists, and every node in parents-before-children order from the one root."""
+    children: list[list[int]] = [[] for _ in parents]
+    roots = []
+    for i, parent in enumerate(parents):
+        if parent == -1:
+            roots.append(i)
+        else:
+            children[parent].append(i)
+    if not roots:
+        raise RequestError(INVALID_INPUT, "tree has no root; give the root parent -1")
+    if len(roots) > 1:
+        raise RequestError(
+            INVALID_INPUT, f"tree has {len(roots)} roots (nodes {roots[0]} and {roots[1]} have parent -1); it needs one"
+        )
+    # Every node has one parent, so a walk down from the root meets each node at most once;
+    # a node it misses leads up into a cycle instead of to the root.
+    reached = [roots[0]]
+    for node in reached:
+        reached.extend(children[node])
+    if len(reached) < len(parents):
+        missed = min(set(range(len(parents))) - set(reached))
+        cycle = " -> ".join(map(str, _cycle_through(parents, missed)))
+        raise RequestError(
+            INVALID_INPUT, f"tree is not a tree: tree.parents form a cycle ({cycle}) that does not reach the root"
+        )
+    return children, reached
+
+
+def _check_nodes(tokens: list[int], children: list[list[int]], binary: bool) -> None:
+    for i, kids in enumerate(children):
+        if not kids and tokens[i] == NO_WORD:
+            raise RequestError(INVALID_INPUT, f"node {i} is a leaf without a word (tree.tokens[{i}] = -1)")
+        if binary and kids and len(kids) != 2:
+            raise RequestError(
+                INVALID_INPUT, f"node {i} has {len(kids)} child(ren); a binary tree needs exactly 2 per internal node"
+            )
+        if binary and kids and tokens[i] != NO_WORD:
+            raise RequestError(
+                INVALID_INPUT,
+                f"node {i} is internal but has word {tokens[i]}; the binary TreeLSTM reads words at leaves only "
+                f"(send -1)",
+            )
+
+
+def parse_tree(inputs: Any, vocab_size: int, max_nodes: int, binary: bool) -> Tree:
+    """Validate a request's `tree` and return its structure.
+
+    `binary` asks for the binary TreeLSTM's trees: exactly two children per internal
+    node, and words at the leaves only (its internal cell has no word input, so a word
+    there would be silently ignored).
+    """
+    tokens, parents = _read(inputs, vocab_size, max_nodes)
+    children, top_down = _top_down(parents)
+    _check_nodes(tokens, children, binary)
+    height = [0] * len(tokens)
+    for node in reversed(top_down):
+        if children[node]:
+            height[node] = 1 + max(height[child] for child in children[node])
+    root = top_down[0]
+    levels: list[list[int]] = [[] for _ in range(height[root] + 1)]
+    for node, node_height in enumerate(height):
+        levels[node_height].append(node)
+    return Tree(tokens, parents, children, levels, root)
+
+
+# -- SST trees ---------------------------------------------------------------------------------
+
+
+def load_vocabulary(path: Path) -> dict[str, int]:
+    """A vocabulary file (one word a line, line number = id) as word -> id."""
+    with Path(path).open(encoding="utf-8", newline="\n") as file:
+        return {line.rstrip("\n"): index for index, line in enumerate(file)}
+
+
+def ptb_to_tree(line: str, vocabulary: Mapping[str, int]) -> tuple[list[int], list[int], list[int]]:
+    """Convert one PTB bracketed line, e.g. `(3 (2 It) (4 (2 's) (3 lovely)))`, to (tokens, parents, labels).
+
+    Nodes are numbered in pre-order (the root is 0, a left subtree comes before the
+    right one), so children are in index order. A `(label word)` node is a leaf with the
+    word's id (UNK_ID for a word the vocabulary lacks); other nodes get NO_WORD. `labels`
+    holds each node's label; the root's is the sentence's. Raises ValueError for a line
+    that is not one well-formed tree.
+    """
+    pieces = PTB_PIECE.findall(line)
+    tokens: list[int] = []
+    parents: list[int] = []
+    labels: list[int] = []
+    has_children: list[bool] = []
+    open_nodes: list[int] = []
+    position = 0
+    while position < len(pieces):
+        piece = pieces[position]
+        if piece == "(":
+            if tokens and not open_nodes:
+                raise ValueError(f"more than one tree on the line: {line!r}")
+            if position + 1 >= len(pieces) or not pieces[position + 1].isdigit():
+                raise ValueError(f"a node without a numeric label at piece {position}: {line!r}")
+            parent = open_nodes[-1] if open_nodes else -1
+            if parent != -1:
+                if tokens[parent] != NO_WORD:
+                    raise ValueError(f"node {parent} has both a word and children: {line!r}")
+                has_children[parent] = True
+            open_nodes.append(len(tokens))
+            tokens.append(NO_WORD)
+            parents.append(parent)
+            labels.append(int(pieces[position + 1]))
+            has_children.append(False)
+            position += 2
+            continue
+        if not open_nodes:
+            raise ValueError(f"unbalanced brackets or a word outside any node at piece {position}: {line!r}")
+        node = open_nodes[-1]
+        if piece == ")":
+            if tokens[node] == NO_WORD and not has_children[node]:
+                raise ValueError(f"node {node} has neither a word nor children: {line!r}")
+            open_nodes.pop()
+        elif tokens[node] != NO_WORD or has_children[node]:
+            raise ValueError(f"node {node} holds {piece!r} besides other content: {line!r}")
+        else:
+            tokens[node] = vocabulary.get(piece, UNK_ID)
+        position += 1
+    if open_nodes or not tokens:
+        raise ValueError(f"unbalanced brackets or no tree: {line!r}")
+    return tokens, parents, labels
+
+
+# -- the model skeleton --------------------------------------------------------------------------
+
+
+def lstm_state(
+    i: torch.Tensor, o: torch.Tensor, u: torch.Tensor, carried: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of every TreeLSTM node: c = σ(i)⊙tanh(u) + what the forget gates carried over from
+    the children, and h = σ(o)⊙tanh(c). The gates come in as pre-activations."""
+    c = torch.sigmoid(i) * torch.tanh(u) + carried
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+CellPorts = tuple[str, tuple[ValueKind, ...], tuple[ValueKind, ...], frozenset[int]]
+
+
+class TreeModel(Model):
+    """A TreeLSTM: the tree cells a subclass defines, over one embedding, and an optional root classifier.
+
+    Params: vocab_size, hidden_size, embedding_size (default hidden_size), num_classes
+    (default 0: no classifier; else `logits` float32[num_classes] of the root is returned
+    too), max_nodes (default 1000).
+    """
+
+    binary = False  # parse_tree's `binary`
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        params = config.params
+        allowed = {"vocab_size", "embedding_size", "hidden_size", "num_classes", "max_nodes"}
+        check_params(params, allowed, self.name)
+        self.vocab_size = int_param(params, "vocab_size", self.name)
+        self.hidden_size = int_param(params, "hidden_size", self.name)
+        self.embedding_size = int_param(params, "embedding_size", self.name, default=self.hidden_size)
+        self.num_classes = int_param(params, "num_classes", self.name, default=0, minimum=0)
+        self.max_nodes = int_param(params, "max_nodes", self.name, default=1000)
+        self.state_kind = ValueKind("float32", (self.hidden_size,))
+        cells = self.tree_cells()
+        if self.num_classes:
+            cells.append((CLASSIFIER, (self.state_kind,), (ValueKind("float32", (self.num_classes,)),), frozenset()))
+        self.keys: dict[str, str] = {}
+        self._cell_types: dict[str, CellTypeSpec] = {}
+        for rank, (cell, inputs, outputs, ragged) in enumerate(cells):
+            spec = self._cell_type(cell, inputs, outputs, ragged)
+            if cell not in config.cells:
+                spec = dataclasses.replace(spec, priority=spec.priority + rank)
+            self.keys[cell] = spec.key
+            self._cell_types[spec.key] = spec
+
+    # -- what a subclass defines -------------------------------------------------------------
+    @abstractmethod
+    def tree_cells(self) -> list[CellPorts]:
+        """(cell name, inputs, outputs, ragged input ports) of each tree cell, in the order they run."""
+
+    @abstractmethod
+    def tree_weights(self) -> nn.Module:
+        """A module holding the tree cells' weights under their documented state_dict keys."""
+
+    @abstractmethod
+    def tree_cell_modules(self, weights: nn.Module) -> dict[str, nn.Module]:
+        """The tree cells by name, sharing the parameters of `weights`."""
+
+    @abstractmethod
+    def add_tree_node(self, graph: CellGraph, token: int, children: list[int]) -> int:
+        """Add one tree node whose children are the graph nodes `children`; return its graph node."""
+
+    @abstractmethod
+    def reference_node(
+        self, weights: dict[str, torch.Tensor], token: int, children: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, c) of one node from its word and its children's (h, c), written from the equations."""
+
+    # -- the Model interface -----------------------------------------------------------------
+    @property
+    def cell_types(self) -> dict[str, CellTypeSpec]:
+        return self._cell_types
+
+    def describe(self) -> dict[str, Any]:
+        state = {"dtype": "float32", "shape": [self.hidden_size]}
+        outputs = {"h": state, "c": state}
+        if self.num_classes:
+            outputs["logits"] = {"dtype": "float32", "shape": [self.num_classes]}
+        ids = {"dtype": "int64", "shape": [-1]}
+        return {
+            "kind": self.kind,
+            "inputs": {"tree": {"tokens": ids, "parents": ids, "max_nodes": self.max_nodes}},
+            "outputs": outputs,
+            "vocab_size": self.vocab_size,
+        }
+
+    def parse(self, inputs: Any) -> Tree:
+        return parse_tree(inputs, self.vocab_size, self.max_nodes, self.binary)
+
+    def unfold(self, inputs: Any) -> CellGraph:
+        """One graph node per tree node, level by level, then the classifier on the root."""
+        tree = self.parse(inputs)
+        graph = CellGraph()
+        node_of = [0] * len(tree.tokens)
+        for i in tree.order:
+            node_of[i] = self.add_tree_node(graph, tree.tokens[i], [node_of[k] for k in tree.children[i]])
+        root = node_of[tree.root]
+        graph.results = {"h": NodeOutput(root, 0), "c": NodeOutput(root, 1)}
+        if self.num_classes:
+            graph.results["logits"] = NodeOutput(graph.add_node(self.keys[CLASSIFIER], NodeOutput(root, 0)), 0)
+        return graph
+
+    def weights_module(self) -> nn.Module:
+        """All weights in one module: its state_dict is the weights file, in the documented layout."""
+        weights = self.tree_weights()
+        if self.num_classes:
+            weights.classifier = nn.Linear(self.hidden_size, self.num_classes)
+        return weights
+
+    def weights_from(self, state: dict[str, torch.Tensor]) -> nn.Module:
+        """`weights_module` holding `state`'s tensors themselves (no copy; unknown or missing keys raise)."""
+        with torch.device("meta"):
+            weights = self.weights_module()
+        weights.load_state_dict(state, assign=True)
+        return weights
+
+    def cell_modules(self, weights: nn.Module) -> dict[str, nn.Module]:
+        """Every cell by name, sharing the parameters of `weights` (a training script trains these)."""
+        cells = self.tree_cell_modules(weights)
+        if self.num_classes:
+            cells[CLASSIFIER] = weights.classifier
+        return cells
+
+    def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+        return {self.keys[name]: cell for name, cell in self.cell_modules(self.weights_from(state)).items()}
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):
+            return {key: tuple(value.shape) for key, value in self.weights_module().state_dict().items()}
+
+    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
+        """N(0, 1) embeddings and U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the rest, as torch initializes them."""
+        generator = torch.Generator().manual_seed(seed)
+        shapes = self.weight_shapes()
+        state = {}
+        for key, shape in shapes.items():
+            if key == EMBEDDING_KEY:
+                state[key] = torch.randn(shape, generator=generator)
+            else:
+                fan_in = shapes[key.rpartition(".")[0] + ".weight"][1]
+                state[key] = (torch.rand(shape, generator=generator) * 2 - 1) * fan_in**-0.5
+        return state
+
+    def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
+        """One node at a time in float64, children before parents, from the equations (never the cells).
+
+        The recursion h_j, c_j = f(x_j, children's h and c) is evaluated bottom-up rather
+        than by recursive calls, so trees deeper than Python's recursion limit work too.
+        """
+        tree = self.parse(inputs)
+        weights = {key: value.double() for key, value in state.items()}
+        h: dict[int, torch.Tensor] = {}
+        c: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for i in tree.order:
+                kids = [(h[k], c[k]) for k in tree.children[i]]
+                h[i], c[i] = self.reference_node(weights, tree.tokens[i], kids)
+            result = {"h": h[tree.root], "c": c[tree.root]}
+            if self.num_classes:
+                result["logits"] = weights["classifier.weight"] @ h[tree.root] + weights["classifier.bias"]
+        return {name: value.numpy().astype(np.float32) for name, value in result.items()}
+
+
+def gate_blocks(matrix: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Split a stacked gate weight (or bias) into its named blocks of rows, for the references."""
+    return dict(zip(names, matrix.chunk(len(names), dim=0)))

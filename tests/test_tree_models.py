@@ -1,0 +1,432 @@
+"""Binary and Child-Sum TreeLSTM: SST trees, request validation, unfolding, batched cells against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import CellTypeConfig, ModelConfig
+from common.graph import CellGraph, External, NodeOutput, Ragged, Zero
+from common.models.base import save_weights
+from common.models.childsum import ChildSumTreeLSTMModel
+from common.models.tree import NO_WORD, UNK_ID, TreeModel, load_vocabulary, parse_tree, ptb_to_tree
+from common.models.treelstm import TreeLSTMModel
+from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, tensor_to_map
+from conftest import ROOT, write_config
+from harness import Harness
+
+SST = ROOT / "data" / "sst"
+TOLERANCE = 1e-5
+VOCAB = 50
+
+
+def model_config(**params) -> ModelConfig:
+    params = {"vocab_size": VOCAB, "embedding_size": 6, "hidden_size": 8, **params}
+    return ModelConfig("m", "unused:build", Path("unused.pt"), params, CellTypeConfig((1, 2, 4), 3), {})
+
+
+def random_tree(rng: np.random.Generator, nodes: int, vocab_size: int, max_children: int = 9) -> dict:
+    """A random tree with 0..max_children children per node, numbered in a shuffled order.
+
+    Internal nodes carry a word or none (-1) at random: Child-Sum reads words anywhere.
+    """
+    children: list[list[int]] = [[]]
+    frontier = [0]
+    while len(children) < nodes and frontier:
+        parent = frontier.pop(int(rng.integers(len(frontier))))
+        for _ in range(min(int(rng.integers(1, max_children + 1)), nodes - len(children))):
+            children[parent].append(len(children))
+            frontier.append(len(children))
+            children.append([])
+    label = rng.permutation(len(children))  # node k is sent as label[k]
+    tokens = [0] * len(children)
+    parents = [-1] * len(children)
+    for node, kids in enumerate(children):
+        word = int(rng.integers(vocab_size))
+        tokens[label[node]] = word if not kids or rng.random() < 0.5 else NO_WORD
+        for kid in kids:
+            parents[label[kid]] = int(label[node])
+    return {"tokens": tokens, "parents": parents}
+
+
+# -- SST trees -------------------------------------------------------------------------------------
+
+
+def test_ptb_to_tree_numbers_nodes_in_preorder():
+    vocabulary = {"<unk>": UNK_ID, "It": 1, "'s": 2, "lovely": 3}
+    tokens, parents, labels = ptb_to_tree("(3 (2 It) (4 (2 's) (3 lovely)))", vocabulary)
+    assert tokens == [NO_WORD, 1, NO_WORD, 2, 3]
+    assert parents == [-1, 0, 0, 2, 2]
+    assert labels == [3, 2, 4, 2, 3]
+    assert ptb_to_tree("(1 gloomy)", vocabulary) == ([UNK_ID], [-1], [1])
+
+
+def test_ptb_to_tree_keeps_words_with_non_ascii_spaces_whole():
+    tokens, _, _ = ptb_to_tree("(2 (2 its) (2 2\xa01\\/2))", {"2\xa01\\/2": 7, "its": 3})
+    assert tokens == [NO_WORD, 3, 7]
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["(3 (2 a)", "(2 a))", "(3 a (2 b))", "(3 (2 b) a)", "(x a)", "(2 a) (3 b)", "(2 )", "a", ""],
+)
+def test_ptb_to_tree_rejects_malformed_lines(line: str):
+    with pytest.raises(ValueError):
+        ptb_to_tree(line, {})
+
+
+def test_sst_dev_trees_are_binary_trees_with_labels():
+    vocabulary = load_vocabulary(SST / "vocab.txt")
+    assert vocabulary["<unk>"] == UNK_ID
+    model = TreeLSTMModel(model_config(vocab_size=len(vocabulary), max_nodes=1000))
+    lines = (SST / "dev.txt").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 1101
+    for line in lines:
+        tokens, parents, labels = ptb_to_tree(line, vocabulary)
+        tree = model.parse({"tree": {"tokens": tokens, "parents": parents}})
+        assert tree.root == 0 and labels[0] == int(line[1])
+        assert all(0 <= label <= 4 for label in labels)
+
+
+# -- validation --------------------------------------------------------------------------------------
+
+
+def tree(tokens, parents) -> dict:
+    return {"tree": {"tokens": tokens, "parents": parents}}
+
+
+INVALID_TREES = [
+    ({"tree": [1, 2]}, "must be a map"),
+    ({"tree": {"tokens": [1]}}, "lacks 'parents'"),
+    ({"tree": {"parents": [-1]}}, "lacks 'tokens'"),
+    (tree([1, 2], [-1]), "tree.tokens has 2 entries but tree.parents has 1"),
+    (tree([], []), "tree is empty"),
+    (tree([1, "2", 3], [-1, 0, 0]), "tree.tokens must be a list of integers"),
+    (tree([1, 2, 3], [-1, 0.0, 0]), "tree.parents must be a list of integers"),
+    (tree([-1, 2, True], [-1, 0, 0]), "tree.tokens must be a list of integers"),
+    (tree("123", [-1, 0, 0]), "tree.tokens must be a list of integers"),
+    (tree([-1, 2, 3], [-1, 0, 3]), "tree.parents[2] = 3 is not a node"),
+    (tree([-1, 2, 3], [-1, 0, -2]), "tree.parents[2] = -2 is not a node"),
+    (tree([-1, 2, 3], [1, 2, 0]), "tree has no root"),
+    (tree([-1, 2, 3], [-1, 0, -1]), "tree has 2 roots (nodes 0 and 2"),
+    (tree([-1, 2, -1, 4, 5], [-1, 0, 3, 2, 0]), "cycle (2 -> 3 -> 2)"),
+    (tree([-1, 2, 3], [-1, 0, 2]), "cycle (2 -> 2)"),
+    (tree([-1, VOCAB, 3], [-1, 0, 0]), "tree.tokens[1] = 50 is outside the vocabulary; valid ids are 0..49"),
+    (tree([-1, 2, -2], [-1, 0, 0]), "tree.tokens[2] = -2 is outside the vocabulary"),
+    (tree([-1, 2, 2**70], [-1, 0, 0]), "is outside the vocabulary"),
+    (tree([-1, -1, 3], [-1, 0, 0]), "node 1 is a leaf without a word"),
+    (tree([-1] + [1] * 8, [-1] + [0] * 8), "tree has 9 nodes; this model accepts at most 8"),
+]
+BINARY_ONLY = [
+    (tree([-1, 2, 3, 4], [-1, 0, 0, 0]), "node 0 has 3 child(ren); a binary tree needs exactly 2"),
+    (tree([-1, 2], [-1, 0]), "node 0 has 1 child(ren)"),
+    (tree([1, 2, 3], [-1, 0, 0]), "node 0 is internal but has word 1"),
+]
+
+
+@pytest.mark.parametrize("model_class", [TreeLSTMModel, ChildSumTreeLSTMModel])
+@pytest.mark.parametrize("inputs, message", INVALID_TREES)
+def test_invalid_trees_are_refused_with_a_useful_message(model_class, inputs, message):
+    model = model_class(model_config(max_nodes=8))
+    with pytest.raises(RequestError) as error:
+        model.unfold(inputs)
+    assert error.value.code == INVALID_INPUT
+    assert message in error.value.message
+
+
+@pytest.mark.parametrize("inputs, message", BINARY_ONLY)
+def test_binary_model_refuses_non_binary_trees(inputs, message):
+    with pytest.raises(RequestError) as error:
+        TreeLSTMModel(model_config()).unfold(inputs)
+    assert error.value.code == INVALID_INPUT
+    assert message in error.value.message
+    ChildSumTreeLSTMModel(model_config()).unfold(inputs)  # any arity, words anywhere
+
+
+@pytest.mark.parametrize("inputs", [[1, 2], {"tokens": [1], "parents": [-1]}])
+def test_inputs_without_a_tree_are_bad_requests(inputs):
+    with pytest.raises(RequestError) as error:
+        parse_tree(inputs, VOCAB, 10, binary=False)
+    assert error.value.code == BAD_REQUEST
+
+
+def test_integer_tensor_maps_are_accepted():
+    inputs = tree(tensor_to_map(np.array([-1, 4, 5], dtype=np.int32)), tensor_to_map(np.array([-1, 0, 0])))
+    assert parse_tree(inputs, VOCAB, 10, binary=True).children == [[1, 2], [], []]
+    inputs["tree"]["tokens"] = tensor_to_map(np.array([-1.0, 4.0, 5.0], dtype=np.float32))
+    with pytest.raises(RequestError, match="1-D integer tensor"):
+        parse_tree(inputs, VOCAB, 10, binary=True)
+
+
+def test_parse_orders_children_by_index_and_levels_by_height():
+    parsed = parse_tree(tree([-1, 5, -1, 6, 7], [-1, 2, 0, 2, 0]), VOCAB, 10, binary=True)
+    assert parsed.root == 0
+    assert parsed.children == [[2, 4], [], [1, 3], [], []]
+    assert parsed.levels == [[1, 3, 4], [2], [0]]
+    assert parsed.order == [1, 3, 4, 2, 0]
+
+
+# -- unfolding ---------------------------------------------------------------------------------------
+
+
+def check_topological(graph: CellGraph) -> None:
+    for index, node in enumerate(graph.nodes):
+        for ref in node.inputs:
+            for source in ref.refs if isinstance(ref, Ragged) else (ref,):
+                if isinstance(source, NodeOutput):
+                    assert source.node < index
+
+
+def test_binary_unfold_splits_leaves_from_internal_nodes():
+    model = TreeLSTMModel(model_config(num_classes=5))
+    tokens, parents, _ = ptb_to_tree("(3 (2 It) (4 (2 's) (3 lovely)))", {"It": 1, "'s": 2, "lovely": 3})
+    graph = model.unfold(tree(tokens, parents))
+    check_topological(graph)
+    cell_types = [node.cell_type for node in graph.nodes]
+    assert cell_types == ["m/leaf"] * 3 + ["m/internal"] * 2 + ["m/classifier"]
+    assert [int(x) for x in graph.externals] == [1, 2, 3]  # leaves in index order
+    assert all(node.inputs == (External(i),) for i, node in enumerate(graph.nodes[:3]))
+    # node 2 ('s lovely) reads leaves 3 then 4 as left then right; the root reads leaf 1 then node 2
+    assert graph.nodes[3].inputs == (NodeOutput(1, 0), NodeOutput(1, 1), NodeOutput(2, 0), NodeOutput(2, 1))
+    assert graph.nodes[4].inputs == (NodeOutput(0, 0), NodeOutput(0, 1), NodeOutput(3, 0), NodeOutput(3, 1))
+    assert graph.nodes[5].inputs == (NodeOutput(4, 0),)
+    assert graph.results == {"h": NodeOutput(4, 0), "c": NodeOutput(4, 1), "logits": NodeOutput(5, 0)}
+
+
+def test_childsum_unfold_gives_every_node_its_children_on_both_ragged_ports():
+    model = ChildSumTreeLSTMModel(model_config(max_nodes=100))
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        inputs = random_tree(rng, int(rng.integers(1, 60)), VOCAB)
+        parsed = model.parse({"tree": inputs})
+        graph = model.unfold({"tree": inputs})
+        check_topological(graph)
+        assert {node.cell_type for node in graph.nodes} == {"m/node"}
+        graph_node = {tree_node: index for index, tree_node in enumerate(parsed.order)}
+        for tree_node, index in graph_node.items():
+            token, h, c = graph.nodes[index].inputs
+            assert graph.externals[token.index] == inputs["tokens"][tree_node]
+            assert h.refs == tuple(NodeOutput(graph_node[k], 0) for k in parsed.children[tree_node])
+            assert c.refs == tuple(NodeOutput(graph_node[k], 1) for k in parsed.children[tree_node])
+        root = graph_node[parsed.root]
+        assert graph.results == {"h": NodeOutput(root, 0), "c": NodeOutput(root, 1)}
+
+
+TREE_MODELS = """
+[models.bin]
+builder = "common.models.treelstm:build"
+weights = "bin.pt"
+vocab_size = 50
+hidden_size = 8
+num_classes = 3
+batch_sizes = [1, 2, 4]
+
+[models.cs]
+builder = "common.models.childsum:build"
+weights = "cs.pt"
+vocab_size = 50
+hidden_size = 8
+batch_sizes = [1, 2, 4]
+"""
+
+
+def test_subgraphs_of_a_complete_binary_tree_follow_the_paper(tmp_path: Path):
+    """Section 4.4: 16 leaves are 16 single-node subgraphs, the internal nodes are one more."""
+    h = Harness(write_config(tmp_path, TREE_MODELS))
+    try:
+        parents = [-1] + [(i - 1) // 2 for i in range(1, 31)]  # heap order: nodes 15..30 are the leaves
+        tokens = [-1] * 15 + list(range(16))
+        request = h.admit("bin", tree(tokens, parents))
+        sizes = sorted((s.cell_key, s.remaining) for s in request.subgraphs)
+        assert sizes == [("bin/classifier", 1), ("bin/internal", 15)] + [("bin/leaf", 1)] * 16
+        request = h.admit("cs", tree(tokens, parents))
+        assert [(s.cell_key, s.remaining) for s in request.subgraphs] == [("cs/node", 31)]
+    finally:
+        h.close()
+
+
+def test_later_cells_rank_higher_unless_a_config_sets_their_priority():
+    model = TreeLSTMModel(model_config(num_classes=2))
+    assert {k: s.priority for k, s in model.cell_types.items()} == {"m/leaf": 3, "m/internal": 4, "m/classifier": 5}
+    config = dataclasses.replace(model_config(), cells={"internal": CellTypeConfig((1, 8), 1)})
+    model = TreeLSTMModel(config)
+    assert {k: (s.priority, s.batch_sizes) for k, s in model.cell_types.items()} == {
+        "m/leaf": (3, (1, 2, 4)),
+        "m/internal": (1, (1, 8)),
+    }
+    assert model.describe()["outputs"].keys() == {"h", "c"}
+    assert ChildSumTreeLSTMModel(model_config(num_classes=4)).describe()["outputs"]["logits"] == {
+        "dtype": "float32",
+        "shape": [4],
+    }
+
+
+# -- cells against the reference ---------------------------------------------------------------------
+
+
+def float64_weights(model: TreeModel, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    state = model.init_weights(seed)
+    return state, {key: value.double() for key, value in state.items()}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert float((actual.double() - expected).abs().max()) <= TOLERANCE
+
+
+PADDING = 2  # rows reading the zero row, as a padded batch has
+
+
+def test_binary_cells_on_a_padded_batch_equal_the_reference():
+    model = TreeLSTMModel(model_config(num_classes=3))
+    state, weights = float64_weights(model, 1)
+    cells = model.make_cells(state)
+    tokens = torch.tensor([4, 0, VOCAB - 1, 4, 17])
+    with torch.no_grad():
+        h, c = cells["m/leaf"](torch.cat((tokens, torch.zeros(PADDING, dtype=torch.int64))))
+        for row, token in enumerate(tokens.tolist()):
+            expected_h, expected_c = model.reference_node(weights, token, [])
+            assert_close(h[row], expected_h)
+            assert_close(c[row], expected_c)
+        generator = torch.Generator().manual_seed(2)
+        children = torch.randn(4, 6, 8, generator=generator)  # (h_l, c_l, h_r, c_r) for 6 nodes
+        padded = torch.cat((children, torch.zeros(4, PADDING, 8)), dim=1)
+        h, c = cells["m/internal"](*padded)
+        for row in range(6):
+            h_l, c_l, h_r, c_r = children[:, row].double()
+            expected_h, expected_c = model.reference_node(weights, NO_WORD, [(h_l, c_l), (h_r, c_r)])
+            assert_close(h[row], expected_h)
+            assert_close(c[row], expected_c)
+        logits = cells["m/classifier"](h)
+        assert_close(logits[0], weights["classifier.weight"] @ h[0].double() + weights["classifier.bias"])
+
+
+def test_childsum_cell_batches_nodes_of_any_arity_together():
+    """One batch: nodes with 0, 1, 3 and 9 children, with and without a word, then padding rows."""
+    model = ChildSumTreeLSTMModel(model_config())
+    state, weights = float64_weights(model, 3)
+    cell = model.make_cells(state)["m/node"]
+    arities = [0, 1, 3, 9, 0, 9, 3]
+    tokens = [5, NO_WORD, 7, 12, VOCAB - 1, 0, NO_WORD]
+    generator = torch.Generator().manual_seed(4)
+    children = [torch.randn(2, k, 8, generator=generator) for k in arities]  # per node: its children's (h, c)
+    flat_h = torch.cat([kids[0] for kids in children])
+    flat_c = torch.cat([kids[1] for kids in children])
+    segments = torch.cat([torch.full((k,), row, dtype=torch.int64) for row, k in enumerate(arities)])
+    batch_tokens = torch.tensor(tokens + [0] * PADDING)
+    with torch.no_grad():
+        h, c = cell(batch_tokens, flat_h, segments, flat_c, segments)
+    assert h.shape == c.shape == (len(arities) + PADDING, 8)
+    for row, token in enumerate(tokens):
+        kids = [(children[row][0, k].double(), children[row][1, k].double()) for k in range(arities[row])]
+        expected_h, expected_c = model.reference_node(weights, token, kids)
+        assert_close(h[row], expected_h)
+        assert_close(c[row], expected_c)
+
+
+def test_childsum_cell_runs_a_batch_of_leaves_only():
+    model = ChildSumTreeLSTMModel(model_config())
+    state, weights = float64_weights(model, 6)
+    empty = torch.zeros(0, 8)
+    none = torch.zeros(0, dtype=torch.int64)
+    with torch.no_grad():
+        h, c = model.make_cells(state)["m/node"](torch.tensor([3, 0]), empty, none, empty, none)
+    expected_h, expected_c = model.reference_node(weights, 3, [])
+    assert_close(h[0], expected_h)
+    assert_close(c[0], expected_c)
+
+
+def run_graphs(model: TreeModel, cells: dict[str, torch.nn.Module], graphs: list[CellGraph]) -> list[dict]:
+    """Execute graphs the way the server does: every ready node of a cell type, across graphs, in one padded batch."""
+    outputs: list[dict[int, tuple[torch.Tensor, ...]]] = [{} for _ in graphs]
+
+    def value(g: int, ref, kind) -> torch.Tensor:
+        if isinstance(ref, External):
+            return torch.as_tensor(graphs[g].externals[ref.index])
+        if isinstance(ref, Zero):
+            return torch.zeros(kind.shape, dtype=getattr(torch, kind.dtype))
+        return outputs[g][ref.node][ref.port]
+
+    while any(len(out) < len(graph.nodes) for out, graph in zip(outputs, graphs)):
+        ready: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for g, graph in enumerate(graphs):
+            for index, node in enumerate(graph.nodes):
+                refs = [r for ref in node.inputs for r in (ref.refs if isinstance(ref, Ragged) else (ref,))]
+                if index not in outputs[g] and all(r.node in outputs[g] for r in refs if isinstance(r, NodeOutput)):
+                    ready[node.cell_type].append((g, index))
+        for key, batch in ready.items():
+            spec = model.cell_types[key]
+            args = []
+            for port, kind in enumerate(spec.inputs):
+                if port in spec.ragged_inputs:
+                    node_inputs = [graphs[g].nodes[i].inputs[port] for g, i in batch]
+                    rows = [(row, ref) for row, ragged in enumerate(node_inputs) for ref in ragged.refs]
+                    flat = [value(batch[row][0], ref, kind) for row, ref in rows]
+                    args.append(torch.stack(flat) if flat else torch.zeros(0, *kind.shape))
+                    args.append(torch.tensor([row for row, _ in rows], dtype=torch.int64))
+                else:
+                    column = [value(g, graphs[g].nodes[i].inputs[port], kind) for g, i in batch]
+                    args.append(torch.stack(column + [value(0, Zero(), kind)] * PADDING))
+            with torch.no_grad():
+                result = cells[key](*args)
+            result = (result,) if isinstance(result, torch.Tensor) else result
+            for row, (g, i) in enumerate(batch):
+                outputs[g][i] = tuple(out[row] for out in result)
+    return [
+        {name: outputs[g][ref.node][ref.port].numpy() for name, ref in graph.results.items()}
+        for g, graph in enumerate(graphs)
+    ]
+
+
+def test_binary_model_on_sst_trees_equals_the_reference():
+    vocabulary = load_vocabulary(SST / "vocab.txt")
+    model = TreeLSTMModel(model_config(vocab_size=len(vocabulary), num_classes=5))
+    state = model.init_weights(7)
+    lines = (SST / "dev.txt").read_text(encoding="utf-8").splitlines()[:40]
+    inputs = []
+    for line in lines:
+        tokens, parents, _ = ptb_to_tree(line, vocabulary)
+        inputs.append(tree(tokens, parents))
+    served = run_graphs(model, model.make_cells(state), [model.unfold(i) for i in inputs])
+    for got, request in zip(served, inputs):
+        expected = model.reference(state, request)
+        assert got.keys() == expected.keys() == {"h", "c", "logits"}
+        for name in expected:
+            assert np.abs(got[name] - expected[name]).max() <= TOLERANCE
+
+
+def test_childsum_model_on_random_trees_equals_the_reference():
+    model = ChildSumTreeLSTMModel(model_config(num_classes=3, max_nodes=200))
+    state = model.init_weights(8)
+    rng = np.random.default_rng(9)
+    inputs = [tree(**random_tree(rng, int(n), VOCAB)) for n in [1, 2, 10, 40, 120, 200, *rng.integers(1, 60, 20)]]
+    served = run_graphs(model, model.make_cells(state), [model.unfold(i) for i in inputs])
+    for got, request in zip(served, inputs):
+        expected = model.reference(state, request)
+        assert got.keys() == expected.keys() == {"h", "c", "logits"}
+        for name in expected:
+            assert np.abs(got[name] - expected[name]).max() <= TOLERANCE
+
+
+def test_reference_handles_trees_deeper_than_the_recursion_limit():
+    model = ChildSumTreeLSTMModel(model_config(max_nodes=3000))
+    chain = tree([i % VOCAB for i in range(3000)], [-1, *range(2999)])  # node i hangs below node i - 1
+    assert model.reference(model.init_weights(1), chain)["h"].shape == (8,)
+
+
+def test_weights_round_trip_through_a_file(tmp_path: Path):
+    for model_class in (TreeLSTMModel, ChildSumTreeLSTMModel):
+        config = dataclasses.replace(model_config(num_classes=2), weights=tmp_path / "w.pt")
+        model = model_class(config)
+        state = model.init_weights(11)
+        assert {k: tuple(v.shape) for k, v in state.items()} == model.weight_shapes()
+        save_weights(state, config.weights)
+        loaded = model.load_weights()
+        assert all(torch.equal(loaded[k], state[k]) for k in state)
+        trained = model.weights_from(loaded)
+        assert all(p.requires_grad for p in trained.parameters())
+        assert trained.state_dict().keys() == state.keys()
