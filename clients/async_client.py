@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from common.auth import apply_curve_client
 from common.protocol import encode
 
-from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, Reply, check, infer_message, read_reply, to_infer_reply
+from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, CurveKeys, Reply, check, infer_message, read_reply, to_infer_reply
 
 
 class AsyncClient:
@@ -27,7 +29,9 @@ class AsyncClient:
     Use it from a single event loop (the one that first calls it) and close it there.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None
+    ):
         self.address = address
         self.timeout = timeout
         self._ids = itertools.count(1)
@@ -39,6 +43,8 @@ class AsyncClient:
         # Replies are bounded by the requests in flight; an unbounded receive queue keeps
         # a burst of them from filling the server's ROUTER pipe, which would drop replies.
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            apply_curve_client(self._socket, Path(curve[0]), Path(curve[1]))
         self._socket.connect(address)
 
     async def infer(

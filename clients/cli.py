@@ -31,6 +31,12 @@ def add_client_commands(subparsers: Any) -> None:
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--address", default=DEFAULT_ADDRESS, help="manager address (default: %(default)s)")
     connection.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for the reply")
+    connection.add_argument(
+        "--curve",
+        nargs=2,
+        metavar=("CLIENT_SECRET_KEY", "SERVER_PUBLIC_KEY"),
+        help="key files for a server with CurveZMQ on (see batchmaker keygen)",
+    )
 
     infer = subparsers.add_parser("infer", parents=[connection], help="run one request and print its outputs")
     infer.add_argument("--model", required=True, help="name of a served model (see the models command)")
@@ -61,7 +67,7 @@ def run_client_command(args: argparse.Namespace) -> int:
     """Run a parsed client subcommand; returns the process exit status."""
     try:
         inputs = _infer_inputs(args) if args.client_command == "infer" else {}
-        with Client(args.address, args.timeout) as client:
+        with Client(args.address, args.timeout, curve=args.curve) as client:
             if args.client_command == "infer":
                 print(_format_infer_reply(client.infer(args.model, inputs, args.deadline_ms, args.priority)))
             else:

@@ -7,6 +7,7 @@ nothing but pyzmq, msgpack, numpy and common.protocol, so any service can embed 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 import logging
 import time
 from dataclasses import dataclass
@@ -15,12 +16,15 @@ from typing import Any
 
 import zmq
 
+from common.auth import apply_curve_client
+
 from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode
 
 from .errors import ServerError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT = 30.0
+CurveKeys = tuple[str | Path, str | Path]  # (client secret key file, server public key file)
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +86,17 @@ class Client:
     AsyncClient to keep many requests in flight.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None
+    ):
+        """`curve`: (this client's secret key file, the server's public key file) for a server with CurveZMQ on."""
         self.address = address
         self.timeout = timeout
         self._ids = itertools.count(1)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            apply_curve_client(self._socket, Path(curve[0]), Path(curve[1]))
         self._socket.connect(address)
 
     def infer(

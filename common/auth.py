@@ -54,6 +54,7 @@ def _create_exclusive(path: Path, text: str, mode: int) -> None:
 def generate_keypair(directory: Path, name: str) -> tuple[Path, Path]:
     """Write a new keypair as DIRECTORY/NAME.key (public) and NAME.key_secret (mode 0600); never overwrite."""
     directory = Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     public_file = directory / f"{name}.key"
     secret_file = directory / f"{name}.key_secret"
     existing = [str(p) for p in (public_file, secret_file) if p.exists()]
@@ -145,7 +146,6 @@ def keygen_main(argv: list[str] | None = None) -> int:
     if not args.name or args.name != Path(args.name).name or args.name.startswith("."):
         parser.error(f"--name must be a plain file name, got {args.name!r}")
     try:
-        args.directory.mkdir(parents=True, exist_ok=True)
         public_file, secret_file = generate_keypair(args.directory, args.name)
     except OSError as exc:
         print(f"batchmaker keygen: {exc}", file=sys.stderr)

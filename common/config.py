@@ -41,6 +41,14 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CurveConfig:
+    """CurveZMQ on the client socket: the server's key pair and the directory of allowed client public keys."""
+
+    secret_key: Path
+    allowed_clients: Path
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     address: str = "tcp://127.0.0.1:5555"
     worker_address: str = "auto"
@@ -55,6 +63,10 @@ class ServerConfig:
     hang_timeout_ms: int = 10000  # a worker whose stream does not advance this long, with tasks in flight, is hung
     drain_timeout_ms: int = 30000  # on SIGTERM, how long in-flight requests may take to finish
     restart_budget: int = 10  # worker restarts allowed per 10 minutes before the supervisor gives up
+    max_queued_requests: int = 10000  # admission bound: requests in flight; beyond it new ones get OVERLOADED
+    max_queued_nodes: int = 1_000_000  # admission bound: cells admitted and not yet submitted to a worker
+    metrics_address: str = ""  # "host:port" for the Prometheus /metrics endpoint; empty: off
+    curve: CurveConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,9 @@ def _string(table: dict[str, Any], key: str, default: str | None, where: str, pa
 def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     defaults = ServerConfig()
     _check_keys(table, set(ServerConfig.__dataclass_fields__), "server", path)
+    metrics_address = table.get("metrics_address", defaults.metrics_address)
+    if not isinstance(metrics_address, str) or (metrics_address and ":" not in metrics_address):
+        raise ConfigError(f'{path}: [server] metrics_address must look like "127.0.0.1:9100" (or "" for none)')
     devices = table.get("devices", defaults.devices)
     if isinstance(devices, list):
         if not devices or not all(isinstance(d, str) and (d == "cpu" or d.startswith("cuda:")) for d in devices):
@@ -151,7 +166,20 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         hang_timeout_ms=_positive_int(table, "hang_timeout_ms", defaults.hang_timeout_ms, "server", path, 100),
         drain_timeout_ms=_positive_int(table, "drain_timeout_ms", defaults.drain_timeout_ms, "server", path, minimum=0),
         restart_budget=_positive_int(table, "restart_budget", defaults.restart_budget, "server", path, minimum=0),
+        max_queued_requests=_positive_int(table, "max_queued_requests", defaults.max_queued_requests, "server", path),
+        max_queued_nodes=_positive_int(table, "max_queued_nodes", defaults.max_queued_nodes, "server", path),
+        metrics_address=metrics_address,
+        curve=_parse_curve(_table(table, "curve", path, "server.curve"), path) if "curve" in table else None,
     )
+
+
+def _parse_curve(table: dict[str, Any], path: Path) -> CurveConfig:
+    _check_keys(table, {"secret_key", "allowed_clients"}, "server.curve", path)
+    paths = []
+    for key in ("secret_key", "allowed_clients"):
+        value = Path(_string(table, key, None, "server.curve", path))
+        paths.append(value if value.is_absolute() else (path.parent / value).resolve())
+    return CurveConfig(secret_key=paths[0], allowed_clients=paths[1])
 
 
 def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:

@@ -57,12 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--index", type=int, default=0)
     worker.set_defaults(handler=_worker)
 
+    commands.add_parser("keygen", help="create a CurveZMQ key pair: keygen DIRECTORY [--name NAME]", add_help=False)
+
     add_client_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        from common.auth import keygen_main
+
+        return keygen_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "client_command", None):
         return run_client_command(args)

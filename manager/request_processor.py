@@ -59,6 +59,7 @@ class RequestProcessor:
         self._dispatcher = dispatcher
         self._finish = finish
         self.active: dict[int, Request] = {}  # by id(request), in arrival order
+        self.unsubmitted_nodes = 0  # admitted and not yet submitted to a worker (admission control)
 
     def admit(
         self, client: bytes, request_id: Any, model: Any, inputs: Any, graph: CellGraph, arrival: float
@@ -67,6 +68,7 @@ class RequestProcessor:
         request = Request(client, request_id, model, inputs, graph, arrival)
         self._build_nodes(request)
         self.active[id(request)] = request
+        self.unsubmitted_nodes += len(request.nodes)
         for node in request.nodes:
             if node.pending == 0:
                 self._scheduler.node_ready(node)
@@ -186,6 +188,7 @@ class RequestProcessor:
         self._scheduler.discard(request.subgraphs)
         for node in request.nodes:
             if node.worker is None:
+                self.unsubmitted_nodes -= 1
                 for producer in node.producers:
                     if producer.worker is not None:
                         self._dispatcher.release_consumer(producer)

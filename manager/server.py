@@ -36,7 +36,9 @@ from common.protocol import (
     encode,
     error_reply,
 )
+from common.auth import CurveServer
 from manager.dispatch import Dispatcher
+from manager.metrics import Metrics
 from manager.request_processor import RequestProcessor
 from manager.scheduler import Scheduler
 from manager.state import NodeState, Request, Task
@@ -91,6 +93,9 @@ class Manager:
         self._in_flight: dict[tuple[bytes, Any], Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, tie-breaker, request)
         self._default_deadline_ms = config.server.default_deadline_ms
+        self._max_queued_requests = config.server.max_queued_requests
+        self._max_queued_nodes = config.server.max_queued_nodes
+        self._seen_worker_indices: set[Any] = set()
         self._stopping = False
         self._draining_until: float | None = None
         self._parent_pid = parent_pid
@@ -112,8 +117,20 @@ class Manager:
             {spec.key: spec for spec in self.specs}, self.scheduler, self.dispatcher, self._finish
         )
 
+        self.metrics: Metrics | None = None
+        if server.metrics_address:
+            self.metrics = Metrics(list(self.models), [spec.key for spec in self.specs])
+            host, _, port = server.metrics_address.rpartition(":")
+            bound = self.metrics.serve(host, int(port))
+            log.info("metrics on http://%s:%d/metrics", host, bound)
         self._context = zmq.Context()
+        self._curve: CurveServer | None = None
         self.frontend = self._context.socket(zmq.ROUTER)
+        if server.curve is not None:
+            self._curve = CurveServer(self._context, server.curve.secret_key, server.curve.allowed_clients)
+            self._curve.apply(self.frontend)
+        elif not _is_loopback(client_address):
+            log.warning("serving %s without authentication: configure [server.curve]", client_address)
         # Frames over max_message_bytes get a BAD_REQUEST from the decoder; the socket itself drops the
         # connection only past a hard ceiling well above it, to bound what a peer can make us buffer.
         self.frontend.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT_FACTOR * self.max_message_bytes)
@@ -193,6 +210,12 @@ class Manager:
                 self._worker_lost(worker, f"hung: its stream did not advance for {now - worker.progress_at:.1f} s")
             else:
                 self.worker_socket.send_multipart([worker.identity, b"ping", b""])
+        if self.metrics is not None:
+            for key, ready in self.scheduler.ready_nodes().items():
+                self.metrics.set_queue_depth(key, ready)
+            for worker in self.workers.values():
+                capacity = sum(a.capacity for a in worker.slots.values())
+                self.metrics.set_worker(str(worker.worker_id), worker.in_flight, worker.slots_in_use(), capacity)
 
     def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
         """Forget a dead worker and replay, on the others, every request that had values there."""
@@ -201,6 +224,8 @@ class Manager:
         self._worker_by_identity.pop(worker.identity, None)
         self.scheduler.several_workers = len(self.workers) > 1
         self.stats.worker_losses += 1
+        if self.metrics is not None:
+            self.metrics.remove_worker(str(worker.worker_id))
         affected = self.processor.worker_lost(worker)
         for other in self.workers.values():
             self.worker_socket.send_multipart([other.identity, b"forget-peer", encode({"worker_id": worker.worker_id})])
@@ -228,7 +253,11 @@ class Manager:
             worker.close()
         for socket in (self.frontend, self.worker_socket, self.completions):
             socket.close()
+        if self._curve is not None:
+            self._curve.stop()
         self._context.term()
+        if self.metrics is not None:
+            self.metrics.close()
 
     # -- workers -------------------------------------------------------------------------------
     def _send_task(self, worker: WorkerHandle, payload: bytes) -> None:
@@ -241,6 +270,9 @@ class Manager:
                 worker.first_task_delay = worker.progress_at - worker.registered_at
         task = self.dispatcher.submit(spec, nodes, worker)
         self.stats.task_submitted(task)
+        self.processor.unsubmitted_nodes -= len(nodes)
+        if self.metrics is not None:
+            self.metrics.task_submitted(spec.key, len(nodes))
         return task
 
     def _drain_completions(self) -> None:
@@ -271,6 +303,9 @@ class Manager:
             try:
                 message = decode(frame)
             except RequestError:
+                continue
+            if message.get("op") == "health":  # the supervisor's readiness check, on the private socket
+                self.worker_socket.send_multipart([identity, b"health", encode(self._health())])
                 continue
             if message.get("op") == "worker_exited":  # from the supervisor, which saw the process end
                 for worker in list(self.workers.values()):
@@ -308,6 +343,9 @@ class Manager:
         self.workers[worker.worker_id] = worker
         self._worker_by_identity[identity] = worker
         self.scheduler.several_workers = len(self.workers) > 1
+        if worker.index in self._seen_worker_indices and self.metrics is not None:
+            self.metrics.worker_restarted()
+        self._seen_worker_indices.add(worker.index)
         log.info("worker %s (pid %s, %s) registered as %d", worker.index, worker.pid, worker.device, worker.worker_id)
         return worker
 
@@ -341,6 +379,8 @@ class Manager:
 
     def _refuse(self, client: bytes, request_id: Any, error: RequestError) -> None:
         self.stats.request_answered(error.code, None, False)
+        if self.metrics is not None:
+            self.metrics.request_refused(error.code)
         self._reply(client, error_reply(_echo_id(request_id), error.code, error.message))
 
     def _handle(self, client: bytes, message: dict[str, Any], arrival: float) -> None:
@@ -379,7 +419,13 @@ class Manager:
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
         _optional_int(message, "priority")
+        if len(self._in_flight) >= self._max_queued_requests:
+            raise RequestError(
+                OVERLOADED, f"{len(self._in_flight)} requests in flight (limit {self._max_queued_requests}); retry later"
+            )
         graph = model.unfold(message["inputs"])
+        if self.processor.unsubmitted_nodes + len(graph.nodes) > self._max_queued_nodes:
+            raise RequestError(OVERLOADED, f"{self.processor.unsubmitted_nodes} cells queued (limit {self._max_queued_nodes}); retry later")
         request = self.processor.admit(client, request_id, model, message["inputs"], graph, arrival)
         self._in_flight[key] = request
         deadline_ms = deadline_ms if deadline_ms is not None else self._default_deadline_ms or None
@@ -403,10 +449,16 @@ class Manager:
         left_early = earliest is not None and earliest < request.arrival
         if error is not None:
             self.stats.request_answered(error.code, None, False)
+            if self.metrics is not None:
+                self.metrics.request_finished(request.model.name, error.code, None, None)
+            log.info("request %r (%s) ended: %s %s", request.request_id, request.model.name, error.code, error.message,
+                     extra={"request_id": request.request_id, "model": request.model.name, "outcome": error.code})
             self._reply(request.client, error_reply(request.request_id, error.code, error.message))
             return
         timing = request_timing(request, end)
         self.stats.request_answered("ok", timing, left_early)
+        if self.metrics is not None:
+            self.metrics.request_finished(request.model.name, "ok", timing["total_us"] / 1e6, timing["queue_us"] / 1e6)
         outputs = request.model.outputs(request.graph, request.results)
         self._reply(request.client, {"id": request.request_id, "ok": True, "outputs": outputs, "timing": timing})
 
@@ -454,6 +506,11 @@ class Manager:
                 for w in self.workers.values()
             },
         }
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return not address.startswith("tcp://") or host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _kill(pid: int | None) -> None:

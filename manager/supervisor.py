@@ -129,7 +129,8 @@ class Supervisor:
         return [p for p in [self.manager, *self.workers] if p is not None]
 
     def wait_ready(self, timeout: float = 120.0) -> bool:
-        """Poll the manager's `health` op until every worker has registered."""
+        """Ask the manager (on its private worker socket, so client authentication does not apply)
+        for its health until every worker has registered."""
         context = zmq.Context.instance()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self._stopping:
@@ -137,11 +138,13 @@ class Supervisor:
                 return False
             socket = context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(self.address)
+            socket.connect(self.worker_address)
             try:
-                socket.send(encode({"id": "supervisor", "op": "health"}))
-                if socket.poll(500) and decode(socket.recv()).get("status") == "ready":
-                    return True
+                socket.send(encode({"op": "health"}))
+                if socket.poll(500):
+                    _, reply = socket.recv_multipart()
+                    if decode(reply).get("status") == "ready":
+                        return True
             finally:
                 socket.close()
             time.sleep(0.2)
