@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
 from clients.cli import add_client_commands, run_client_command
 from common.config import ConfigError, load_config
+from common.logs import setup_logging
 
 DEFAULT_CONFIG = "configs/default.toml"
 
@@ -15,6 +16,9 @@ DEFAULT_CONFIG = "configs/default.toml"
 def _serve(args: argparse.Namespace) -> int:
     from manager.supervisor import serve
 
+    if args.log_format == "json":
+        os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
+        setup_logging("supervisor")
     return serve(load_config(args.config), args.address, args.workers)
 
 
@@ -44,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="TOML config (default: %(default)s)")
     serve.add_argument("--address", help="client address, overriding the config")
     serve.add_argument("--workers", type=int, help="number of CPU workers, overriding the config")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
     serve.set_defaults(handler=_serve)
 
     weights = commands.add_parser("init-weights", help="create missing weights files deterministically")
@@ -64,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging("supervisor")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
         from common.auth import keygen_main

@@ -10,6 +10,7 @@ import signal
 import zmq
 
 from common.config import ConfigError, load_config
+from common.logs import setup_logging
 from manager.server import Manager
 
 log = logging.getLogger("batchmaker.manager")
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expected-workers", type=int, default=1, help="workers configured (for health)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s manager %(levelname)s %(message)s")
+    setup_logging("manager")
     try:
         config = load_config(args.config)
         manager = Manager(

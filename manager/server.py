@@ -37,6 +37,7 @@ from common.protocol import (
     error_reply,
 )
 from common.auth import CurveServer
+from manager.connections import ClientConnections
 from manager.dispatch import Dispatcher
 from manager.metrics import Metrics
 from manager.request_processor import RequestProcessor
@@ -136,6 +137,7 @@ class Manager:
         self.frontend.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT_FACTOR * self.max_message_bytes)
         self.frontend.setsockopt(zmq.LINGER, 0)
         self.frontend.bind(client_address)
+        self.connections = ClientConnections(self.frontend)
         self.worker_socket = self._context.socket(zmq.ROUTER)
         self.worker_socket.setsockopt(zmq.LINGER, 0)
         self.worker_socket.bind(worker_address)
@@ -160,7 +162,7 @@ class Manager:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for socket in (self.completions, self.worker_socket, self.frontend):
+        for socket in (self.completions, self.worker_socket, self.connections.monitor, self.frontend):
             poller.register(socket, zmq.POLLIN)
         try:
             while not self._stopping:
@@ -169,6 +171,8 @@ class Manager:
                     self._drain_completions()
                 if self.worker_socket in events:
                     self._drain_worker_control()
+                if self.connections.monitor in events:
+                    self._cancel_disconnected()
                 if self.frontend in events:
                     self._drain_clients()
                 self._expire_deadlines()
@@ -251,6 +255,7 @@ class Manager:
         for worker in self.workers.values():
             self.worker_socket.send_multipart([worker.identity, b"stop", b""])
             worker.close()
+        self.connections.close()
         for socket in (self.frontend, self.worker_socket, self.completions):
             socket.close()
         if self._curve is not None:
@@ -353,15 +358,25 @@ class Manager:
     def _reply(self, client: bytes, message: dict[str, Any]) -> None:
         self.frontend.send_multipart([client, encode(message)])
 
+    def _cancel_disconnected(self) -> None:
+        """A client that went away will read no reply: stop its work and free its slots."""
+        gone = set(self.connections.closed())
+        if not gone:
+            return
+        for (client, _), request in list(self._in_flight.items()):
+            if client in gone:
+                self.processor.fail(request, RequestError(CANCELLED, "the client disconnected"))
+
     def _drain_clients(self) -> None:
         for _ in range(CLIENT_BURST):
             try:
-                frames = self.frontend.recv_multipart(zmq.NOBLOCK)
+                frames = self.frontend.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             arrival = time.perf_counter()
             self.stats.request_received()
-            client, body = frames[0], frames[-1]
+            self.connections.seen(frames[0].bytes, frames[-1])
+            client, body = frames[0].bytes, frames[-1].bytes
             request_id = None
             try:
                 if len(frames) != 2:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -63,3 +64,22 @@ def test_cancel_a_long_request_mid_flight_is_idempotent(lstm_server):
         stats = wait_idle(client)
     assert stats["requests"].get(CANCELLED) == 1
     assert stats["workers"]["0"]["slots_in_use"] == 0
+
+
+def test_requests_of_a_client_that_disconnects_are_cancelled(lstm_server):
+    import zmq
+    import msgpack
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(lstm_server.address)
+    for i in range(20):
+        socket.send(msgpack.packb(infer_message(i, LONG)))
+    time.sleep(0.05)
+    socket.close()  # gone without reading a reply
+    with lstm_server.client() as client:
+        stats = wait_idle(client)
+        assert stats["requests"].get(CANCELLED, 0) >= 1  # the long requests still running were cancelled
+        assert stats["requests"].get("ok", 0) + stats["requests"].get(CANCELLED, 0) == 20
+        assert stats["workers"]["0"]["slots_in_use"] == 0
+        assert client.infer("lstm", {"tokens": [1, 2]}).outputs["h"].shape == (64,)
