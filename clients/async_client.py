@@ -20,7 +20,16 @@ import zmq.asyncio
 from common.auth import apply_curve_client
 from common.protocol import encode
 
-from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, CurveKeys, Reply, check, infer_message, read_reply, to_infer_reply
+from .sync_client import (
+    DEFAULT_ADDRESS,
+    DEFAULT_TIMEOUT,
+    CurveKeys,
+    Reply,
+    check,
+    infer_message,
+    read_reply,
+    to_infer_reply,
+)
 
 
 class AsyncClient:

@@ -7,17 +7,16 @@ nothing but pyzmq, msgpack, numpy and common.protocol, so any service can embed 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import zmq
 
 from common.auth import apply_curve_client
-
 from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode
 
 from .errors import ServerError

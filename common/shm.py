@@ -10,7 +10,6 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-
 _created_here: set[str] = set()
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from common.auth import CurveServer
 from common.config import Config, ConfigError
 from common.graph import CellTypeSpec, ValueKind
 from common.models.base import Model, build_model
@@ -36,7 +37,6 @@ from common.protocol import (
     encode,
     error_reply,
 )
-from common.auth import CurveServer
 from manager.connections import ClientConnections
 from manager.dispatch import Dispatcher
 from manager.metrics import Metrics

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import socket
 import sys
-import threading
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -97,6 +98,17 @@ def stop_server(server: RunningServer) -> None:
     server.supervisor.stop()
     leftovers = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not leftovers, f"processes left after stop: {leftovers}"
+
+
+def wait_idle(client: Client, timeout: float = 10.0) -> dict:
+    """Stats once no request is in flight (completion notices may trail the last reply)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        idle = stats["requests_in_flight"] == 0 and all(w["tasks_in_flight"] == 0 for w in stats["workers"].values())
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_idle
 
 from clients import AsyncClient, ServerError
 from common.protocol import CANCELLED, DEADLINE_EXCEEDED
-from test_integration_lstm import wait_idle
 
 LONG = list(range(1, 201))  # the longest request the small test model accepts
 
@@ -67,8 +67,8 @@ def test_cancel_a_long_request_mid_flight_is_idempotent(lstm_server):
 
 
 def test_requests_of_a_client_that_disconnects_are_cancelled(lstm_server):
-    import zmq
     import msgpack
+    import zmq
 
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)

@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from conftest import SMALL_LSTM, start_server, stop_server, wait_idle, write_config
 
 from clients import AsyncClient, Client, ServerError
 from common.models import build_model
-from conftest import SMALL_LSTM, start_server, stop_server, write_config
-from test_integration_lstm import wait_idle
 
 TOLERANCE = 1e-5
 
@@ -203,7 +202,7 @@ def test_cuda_arenas_open_in_a_peer_process():
 
     if torch.cuda.device_count() < 1:
         pytest.skip("no CUDA device")
-    from worker.cuda import export_ipc_handle, open_ipc_handle
+    from worker.cuda import export_ipc_handle
 
     arena = torch.arange(12, dtype=torch.float32, device="cuda:0").reshape(4, 3)
     handle = export_ipc_handle(arena)

@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from conftest import SMALL_LSTM, free_port, start_server, stop_server, wait_idle, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,8 +20,6 @@ from clients import AsyncClient, Client, ServerError
 from common.auth import generate_keypair
 from common.models import build_model
 from common.protocol import ERROR_CODES
-from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
-from test_integration_lstm import wait_idle
 
 # -- fuzzing -------------------------------------------------------------------------------------
 

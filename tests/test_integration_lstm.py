@@ -12,23 +12,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from conftest import SMALL_LSTM, start_server, stop_server, wait_idle, write_config
 
 from clients import AsyncClient, Client
 from common.models import build_model
-from conftest import SMALL_LSTM, start_server, stop_server, write_config
 
 TOLERANCE = 1e-5
-
-
-def wait_idle(client: Client, timeout: float = 10.0) -> dict:
-    """Stats once no request is in flight (completion notices may trail the last reply)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        idle = stats["requests_in_flight"] == 0 and all(w["tasks_in_flight"] == 0 for w in stats["workers"].values())
-        if idle or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 async def send_staggered(address: str, requests: list[list[int]], seed: int) -> list[tuple[int, object]]:

@@ -6,11 +6,10 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+from conftest import SMALL_GRU, SMALL_SEQ2SEQ, start_server, stop_server, wait_idle, write_config
 
 from clients import AsyncClient
 from common.models import build_model
-from conftest import SMALL_GRU, SMALL_SEQ2SEQ, start_server, stop_server, write_config
-from test_integration_lstm import wait_idle
 
 NEAR_TIE = 1e-4
 

@@ -4,19 +4,18 @@ on random trees, served together to concurrent clients and checked against the r
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from typing import Iterator
 
 import numpy as np
 import pytest
+from conftest import ROOT, RunningServer, start_server, stop_server, wait_idle, write_config
+from test_tree_models import random_tree
 
-from clients import AsyncClient, Client, ServerError
+from clients import AsyncClient, ServerError
 from common.models import build_model
 from common.models.tree import load_vocabulary, ptb_to_tree
 from common.protocol import INVALID_INPUT
-from conftest import ROOT, RunningServer, start_server, stop_server, write_config
-from test_tree_models import random_tree
 
 SST = ROOT / "data" / "sst"
 TOLERANCE = 1e-5
@@ -55,17 +54,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     running = start_server(write_config(tmp_path_factory.mktemp("trees"), MODELS), workers=2)
     yield running
     stop_server(running)
-
-
-def wait_idle(client: Client, timeout: float = 10.0) -> dict:
-    """Stats once no request is in flight (completion notices may trail the last reply)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        idle = stats["requests_in_flight"] == 0 and all(w["tasks_in_flight"] == 0 for w in stats["workers"].values())
-        if idle or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 def assert_slots_free(stats: dict) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import write_config
+from harness import Harness
 
 from common.protocol import CANCELLED, RequestError
-from harness import Harness
-from conftest import write_config
 
 
 def lstm_models(batch_sizes: str = "[1, 2, 3, 4]", layers: int = 1, cells: str = "") -> str:

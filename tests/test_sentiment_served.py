@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import ROOT, SMALL_SEQ2SEQ, start_server, stop_server, wait_idle, write_config
+from test_integration_seq2seq import assert_same_decoding
 
 from clients import AsyncClient
 from common.models import build_model
 from common.models.tree import load_vocabulary, ptb_to_tree
-from conftest import ROOT, SMALL_SEQ2SEQ, start_server, stop_server, write_config
-from test_integration_lstm import wait_idle
-from test_integration_seq2seq import assert_same_decoding
 
 SST = ROOT / "data" / "sst"
 

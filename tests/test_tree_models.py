@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, write_config
+from harness import Harness
 
 from common.config import CellTypeConfig, ModelConfig
 from common.graph import CellGraph, External, NodeOutput, Ragged, Zero
@@ -17,8 +19,6 @@ from common.models.childsum import ChildSumTreeLSTMModel
 from common.models.tree import NO_WORD, UNK_ID, TreeModel, load_vocabulary, parse_tree, ptb_to_tree
 from common.models.treelstm import TreeLSTMModel
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, tensor_to_map
-from conftest import ROOT, write_config
-from harness import Harness
 
 SST = ROOT / "data" / "sst"
 TOLERANCE = 1e-5
@@ -391,6 +391,10 @@ def test_binary_model_on_sst_trees_equals_the_reference():
     for line in lines:
         tokens, parents, _ = ptb_to_tree(line, vocabulary)
         inputs.append(tree(tokens, parents))
+    assert_batched_equals_reference(model, state, inputs)
+
+
+def assert_batched_equals_reference(model, state, inputs) -> None:
     served = run_graphs(model, model.make_cells(state), [model.unfold(i) for i in inputs])
     for got, request in zip(served, inputs):
         expected = model.reference(state, request)
@@ -404,12 +408,7 @@ def test_childsum_model_on_random_trees_equals_the_reference():
     state = model.init_weights(8)
     rng = np.random.default_rng(9)
     inputs = [tree(**random_tree(rng, int(n), VOCAB)) for n in [1, 2, 10, 40, 120, 200, *rng.integers(1, 60, 20)]]
-    served = run_graphs(model, model.make_cells(state), [model.unfold(i) for i in inputs])
-    for got, request in zip(served, inputs):
-        expected = model.reference(state, request)
-        assert got.keys() == expected.keys() == {"h", "c", "logits"}
-        for name in expected:
-            assert np.abs(got[name] - expected[name]).max() <= TOLERANCE
+    assert_batched_equals_reference(model, state, inputs)
 
 
 def test_reference_handles_trees_deeper_than_the_recursion_limit():

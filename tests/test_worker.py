@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import SMALL_LSTM, write_config
 
 from common.models import build_model
 from common.slots import FIRST_FREE_SLOT, SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage, decode_task, encode_task
-from conftest import SMALL_LSTM, write_config
 from worker.backend import arena_ids
 from worker.main import InProgressFIFO, Poller, load_cells
 

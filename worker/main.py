@@ -25,6 +25,7 @@ import zmq
 
 from common.config import Config, ConfigError, load_config
 from common.graph import CellTypeSpec, ValueKind
+from common.logs import setup_logging
 from common.models.base import build_model
 from common.protocol import decode, encode
 from common.task import decode_task
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: from the config)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{args.index}] %(levelname)s %(message)s")
+    setup_logging(f"worker[{args.index}]")
     try:
         config = load_config(args.config)
         torch.set_num_threads(args.threads or config.server.threads_per_worker)
