@@ -19,9 +19,9 @@ import msgpack
 import zmq
 
 from common.auth import CurveServer
-from common.config import Config, ConfigError
+from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
-from common.models.base import Model, build_model
+from common.models.base import Model, build_model, cell_layout
 from common.protocol import (
     BAD_REQUEST,
     CANCELLED,
@@ -66,8 +66,7 @@ def completion_address(worker_address: str) -> str:
 def load_models(config: Config) -> tuple[dict[str, Model], list[CellTypeSpec], list[ValueKind]]:
     """Models by name, every cell type sorted by key (the order workers use) and every value kind."""
     models = {name: build_model(model_config) for name, model_config in config.models.items()}
-    specs = sorted((spec for model in models.values() for spec in model.cell_types.values()), key=lambda s: s.key)
-    kinds = sorted({kind for spec in specs for kind in (*spec.inputs, *spec.outputs)}, key=lambda k: k.key)
+    specs, kinds = cell_layout(list(models.values()))
     return models, specs, kinds
 
 
@@ -80,8 +79,6 @@ class Manager:
         expected_workers: int,
         parent_pid: int | None = None,
     ):
-        if config.scheduler.policy != "cellular":
-            raise ConfigError(f"scheduler policy {config.scheduler.policy!r} is not available in this build")
         self.config = config
         self.models, self.specs, self.kinds = load_models(config)
         self.expected_workers = expected_workers
@@ -89,7 +86,6 @@ class Manager:
         self.idle_tasks = config.scheduler.idle_tasks
         self.stats = Stats()
         self.workers: dict[int, WorkerHandle] = {}
-        self._worker_by_identity: dict[bytes, WorkerHandle] = {}
         self._next_worker_id = 0
         self._in_flight: dict[tuple[bytes, Any], Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, tie-breaker, request)
@@ -225,7 +221,6 @@ class Manager:
         """Forget a dead worker and replay, on the others, every request that had values there."""
         log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
         del self.workers[worker.worker_id]
-        self._worker_by_identity.pop(worker.identity, None)
         self.scheduler.several_workers = len(self.workers) > 1
         self.stats.worker_losses += 1
         if self.metrics is not None:
@@ -346,7 +341,6 @@ class Manager:
         worker = WorkerHandle(self._next_worker_id, identity, message, self.kinds)
         self._next_worker_id += 1
         self.workers[worker.worker_id] = worker
-        self._worker_by_identity[identity] = worker
         self.scheduler.several_workers = len(self.workers) > 1
         if worker.index in self._seen_worker_indices and self.metrics is not None:
             self.metrics.worker_restarted()

@@ -26,7 +26,7 @@ import zmq
 from common.config import Config, ConfigError, load_config
 from common.graph import CellTypeSpec, ValueKind
 from common.logs import setup_logging
-from common.models.base import build_model
+from common.models.base import build_model, cell_layout
 from common.protocol import decode, encode
 from common.task import decode_task
 from worker.backend import Backend
@@ -107,17 +107,14 @@ class Poller(threading.Thread):
 
 
 def load_cells(config: Config) -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
-    """Every configured model's cell types in a stable order (the manager uses the same), with their modules."""
-    specs: list[CellTypeSpec] = []
+    """Every configured model's cell types in the manager's order, with their modules (weights loaded)."""
+    models = [build_model(model_config) for model_config in config.models.values()]
+    specs, kinds = cell_layout(models)
     modules: dict[str, torch.nn.Module] = {}
-    for model_config in config.models.values():
-        model = build_model(model_config)
+    for model in models:
         modules.update(model.make_cells(model.load_weights()))
-        specs.extend(model.cell_types.values())
-    specs.sort(key=lambda spec: spec.key)
     for module in modules.values():
         module.eval()
-    kinds = sorted({kind for spec in specs for kind in (*spec.inputs, *spec.outputs)}, key=lambda k: k.key)
     return specs, [modules[spec.key] for spec in specs], kinds
 
 

@@ -127,6 +127,14 @@ def build_model(config: ModelConfig) -> Model:
     return model
 
 
+def cell_layout(models: list[Model]) -> tuple[list[CellTypeSpec], list[ValueKind]]:
+    """Every cell type sorted by key and every value kind sorted by key: the order the manager
+    and the workers both use to name cell types and arenas by index."""
+    specs = sorted((spec for model in models for spec in model.cell_types.values()), key=lambda s: s.key)
+    kinds = sorted({kind for spec in specs for kind in (*spec.inputs, *spec.outputs)}, key=lambda k: k.key)
+    return specs, kinds
+
+
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
