@@ -22,13 +22,16 @@ from common.models import build_model
 TOLERANCE = 1e-5
 
 
-async def open_loop(address: str, rate: float, duration: float, seed: int) -> list[tuple[list[int], object]]:
-    """Poisson arrivals of random sequences; returns (tokens, reply or exception) per request."""
+async def open_loop(
+    address: str, rate: float, duration: float, seed: int, stop: threading.Event | None = None
+) -> list[tuple[list[int], object]]:
+    """Poisson arrivals of random sequences for `duration` s (or until `stop` is set);
+    returns (tokens, reply or exception) per request."""
     rng = np.random.default_rng(seed)
     async with AsyncClient(address, timeout=120) as client:
         sent = []
         start = time.monotonic()
-        while time.monotonic() - start < duration:
+        while time.monotonic() - start < duration and not (stop and stop.is_set()):
             tokens = rng.integers(0, 1000, size=int(rng.integers(1, 60))).tolist()
             sent.append((tokens, asyncio.create_task(client.infer("lstm", {"tokens": tokens}))))
             await asyncio.sleep(float(rng.exponential(1 / rate)))
@@ -128,9 +131,10 @@ def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
     joined = None
     try:
         outcome: dict = {}
+        stop = threading.Event()
 
         def load() -> None:
-            outcome["results"] = asyncio.run(open_loop(server.address, rate=150, duration=5.0, seed=4))
+            outcome["results"] = asyncio.run(open_loop(server.address, rate=150, duration=120.0, seed=4, stop=stop))
 
         thread = threading.Thread(target=load)
         thread.start()
@@ -138,8 +142,11 @@ def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
         joined = subprocess.Popen(
             [sys.executable, "-m", "manager.cli", "worker", "--config", str(config.path), "--manager", address, "--index", "1"]
         )
-        assert wait_for(lambda: healthy_workers(server) == 2, timeout=30), "the new worker did not register"
+        registered = wait_for(lambda: healthy_workers(server) == 2, timeout=60)
+        time.sleep(2.0)  # the load goes on for a while after the new worker registers
+        stop.set()
         thread.join()
+        assert registered, "the new worker did not register"
         with server.client() as client:
             workers = client.stats()["workers"]
         new = next(w for w in workers.values() if w["pid"] == joined.pid)
