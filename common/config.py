@@ -6,12 +6,13 @@ so that a typo fails at start-up instead of being silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-POLICIES = ("cellular",)
+POLICIES = ("cellular", "padded", "graph")
 AFFINITIES = ("subgraph", "request")
 
 
@@ -75,6 +76,8 @@ class SchedulerConfig:
     affinity: str = "subgraph"
     max_tasks_to_submit: int = 5
     idle_tasks: int = 1
+    bucket_width: int = 10  # padded policy: requests whose lengths fall in one bucket of this width batch together
+    max_group_requests: int = 0  # padded and graph policies: requests per batch; 0: the model's largest batch size
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,10 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
         affinity=affinity,
         max_tasks_to_submit=_positive_int(table, "max_tasks_to_submit", defaults.max_tasks_to_submit, "scheduler", path),
         idle_tasks=_positive_int(table, "idle_tasks", defaults.idle_tasks, "scheduler", path, minimum=0),
+        bucket_width=_positive_int(table, "bucket_width", defaults.bucket_width, "scheduler", path),
+        max_group_requests=_positive_int(
+            table, "max_group_requests", defaults.max_group_requests, "scheduler", path, minimum=0
+        ),
     )
 
 
@@ -234,3 +241,10 @@ def _parse_model(name: str, table: dict[str, Any], path: Path) -> ModelConfig:
     return ModelConfig(
         name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells
     )
+
+
+def with_policy(config: Config, policy: str) -> Config:
+    """The config with its scheduler policy replaced (`batchmaker serve --policy`)."""
+    if policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))

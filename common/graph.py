@@ -90,6 +90,7 @@ ValueRef = NodeOutput | External | Zero | Ragged
 class NodeSpec(NamedTuple):
     cell_type: str
     inputs: tuple[ValueRef, ...]
+    after: tuple[int, ...] = ()  # earlier nodes this one must run after without reading them
 
 
 @dataclass
@@ -101,7 +102,9 @@ class CellGraph:
     are copied back to the host and form the reply. `watch` lists node outputs
     the model observes as they complete (Model.observe), to end a request whose
     length is only known at run time, such as a decoder emitting EOS; `state`
-    is the model's own record of what it observed.
+    is the model's own record of what it observed. Graphs padded for the padded
+    policy set `padded_length` (the request's bucket) and `last_padding`, the node
+    that ends the padding, which the request's answer waits for.
     """
 
     nodes: list[NodeSpec] = field(default_factory=list)
@@ -109,9 +112,11 @@ class CellGraph:
     results: dict[str, NodeOutput] = field(default_factory=dict)
     watch: list[NodeOutput] = field(default_factory=list)
     state: Any = None
+    padded_length: int | None = None
+    last_padding: int | None = None
 
-    def add_node(self, cell_type: str, *inputs: ValueRef) -> int:
-        self.nodes.append(NodeSpec(cell_type, tuple(inputs)))
+    def add_node(self, cell_type: str, *inputs: ValueRef, after: tuple[int, ...] = ()) -> int:
+        self.nodes.append(NodeSpec(cell_type, tuple(inputs), after))
         return len(self.nodes) - 1
 
     def add_external(self, value: np.ndarray) -> External:

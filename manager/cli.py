@@ -7,7 +7,7 @@ import os
 import sys
 
 from clients.cli import add_client_commands, run_client_command
-from common.config import ConfigError, load_config
+from common.config import POLICIES, ConfigError, load_config
 from common.logs import setup_logging
 
 DEFAULT_CONFIG = "configs/default.toml"
@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_format == "json":
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
         setup_logging("supervisor")
-    return serve(load_config(args.config), args.address, args.workers)
+    return serve(load_config(args.config), args.address, args.workers, args.policy)
 
 
 def _init_weights(args: argparse.Namespace) -> int:
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="TOML config (default: %(default)s)")
     serve.add_argument("--address", help="client address, overriding the config")
     serve.add_argument("--workers", type=int, help="number of CPU workers, overriding the config")
+    serve.add_argument("--policy", choices=POLICIES, help="batching policy, overriding the config")
     serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
     serve.set_defaults(handler=_serve)
 

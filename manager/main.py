@@ -9,7 +9,7 @@ import signal
 
 import zmq
 
-from common.config import ConfigError, load_config
+from common.config import POLICIES, ConfigError, load_config, with_policy
 from common.logs import setup_logging
 from manager.server import Manager
 
@@ -22,11 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", help="client address (default: from the config)")
     parser.add_argument("--worker-address", required=True, help="address workers register at")
     parser.add_argument("--expected-workers", type=int, default=1, help="workers configured (for health)")
+    parser.add_argument("--policy", choices=POLICIES, help="batching policy (default: from the config)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)
     setup_logging("manager")
     try:
         config = load_config(args.config)
+        if args.policy is not None:
+            config = with_policy(config, args.policy)
         manager = Manager(
             config, args.address or config.server.address, args.worker_address, args.expected_workers, args.parent_pid
         )

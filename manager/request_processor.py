@@ -14,8 +14,9 @@ from typing import Any, Callable
 from common.graph import CellGraph, CellTypeSpec, External, NodeOutput, Ragged
 from common.protocol import INTERNAL, RequestError
 from manager.dispatch import Dispatcher
+from manager.policies import CellularPolicy
 from manager.scheduler import Scheduler
-from manager.state import NodeState, Request, Subgraph, Task
+from manager.state import Group, NodeState, Request, Subgraph, Task
 from manager.workers import WorkerHandle
 
 FinishFn = Callable[[Request, RequestError | None], None]
@@ -48,13 +49,26 @@ def split_subgraphs(request: Request) -> list[Subgraph]:
     return list(members)
 
 
+def _ends_padding(node: NodeState) -> bool:
+    last = node.request.graph.last_padding
+    return last is not None and node.request.nodes[last] is node
+
+
 def _invalid(request: Request, problem: str) -> RequestError:
     return RequestError(INTERNAL, f"model {request.model.name!r} produced an invalid cell graph: {problem}")
 
 
 class RequestProcessor:
-    def __init__(self, cell_types: dict[str, CellTypeSpec], scheduler: Scheduler, dispatcher: Dispatcher, finish: FinishFn):
+    def __init__(
+        self,
+        cell_types: dict[str, CellTypeSpec],
+        scheduler: Scheduler,
+        dispatcher: Dispatcher,
+        finish: FinishFn,
+        policy: CellularPolicy | None = None,
+    ):
         self._cell_types = cell_types
+        self._policy = policy or CellularPolicy(scheduler)
         self._scheduler = scheduler
         self._dispatcher = dispatcher
         self._finish = finish
@@ -69,9 +83,7 @@ class RequestProcessor:
         self._build_nodes(request)
         self.active[id(request)] = request
         self.unsubmitted_nodes += len(request.nodes)
-        for node in request.nodes:
-            if node.pending == 0:
-                self._scheduler.node_ready(node)
+        self._policy.admit(request)
         return request
 
     def _build_nodes(self, request: Request) -> None:
@@ -100,6 +112,11 @@ class RequestProcessor:
                         producers.append(producer)
                 if type(ref) is External and not 0 <= ref.index < len(graph.externals):
                     raise _invalid(request, f"node {index} reads external value {ref.index}, which does not exist")
+            for source in spec.after:
+                if not 0 <= source < index:
+                    raise _invalid(request, f"node {index} runs after node {source}, not an earlier node")
+                if nodes[source] not in producers:
+                    producers.append(nodes[source])
             node.pending = len(producers)
             for producer in producers:
                 producer.consumers.append(node)
@@ -112,6 +129,8 @@ class RequestProcessor:
             nodes[ref.node].copies.append((key, ref.port))
         if not graph.results and not graph.watch:
             raise _invalid(request, "it has neither results nor watched outputs")
+        if graph.last_padding is not None and not 0 <= graph.last_padding < len(nodes):
+            raise _invalid(request, f"its padding ends at node {graph.last_padding}, which does not exist")
         request.results_pending = len(graph.results)
         request.subgraphs = split_subgraphs(request)
 
@@ -121,7 +140,7 @@ class RequestProcessor:
         self._scheduler.task_completed(task)
         for node, watch_index, value in observed:
             request = node.request
-            if request.done or error is not None:
+            if request.done or request.answer_held or error is not None:
                 continue
             try:
                 finished = request.model.observe(request.graph, watch_index, value)
@@ -139,12 +158,41 @@ class RequestProcessor:
                 self.fail(request, RequestError(INTERNAL, f"a worker failed to run {task.spec.key}: {error}"))
             elif node.copies and not request.graph.watch and len(request.results) == request.results_pending:
                 self._complete(request)
+            elif request.group is not None and request.group.unanswered == 0 and _ends_padding(node):
+                self._end_group(request.group)
 
     def _complete(self, request: Request) -> None:
+        """The request's answer is known: reply now, or hold it until the rest of its group ends."""
+        group = request.group
+        if group is None:
+            self._answer(request)
+            return
+        if request.answer_held:
+            return
+        request.answer_held = True
+        group.unanswered -= 1
+        if not self._policy.pads:
+            self._drop_unsubmitted(request)
+        self._end_group(group)
+
+    def _answer(self, request: Request) -> None:
         request.done = True
         self._drop_unsubmitted(request)
         self._finish(request, None)
         self._forget_if_drained(request)
+
+    def _end_group(self, group: Group) -> None:
+        """Answer a group's held members once none is left running and its padding has run."""
+        if group.unanswered == 0 and group.padding_done():
+            for member in group.members:
+                if member.answer_held and not member.done:
+                    self._answer(member)
+
+    def _leave_group(self, request: Request) -> None:
+        group = request.group
+        if group is not None and not request.answer_held:
+            group.unanswered -= 1
+            self._end_group(group)
 
     def fail(self, request: Request, error: RequestError) -> None:
         if request.done:
@@ -153,6 +201,7 @@ class RequestProcessor:
         self._drop_unsubmitted(request)
         self._finish(request, error)
         self._forget_if_drained(request)
+        self._leave_group(request)
 
     def worker_lost(self, worker: WorkerHandle) -> list[Request]:
         """Write off a dead worker's tasks; return the unanswered requests that had values there.
@@ -178,7 +227,8 @@ class RequestProcessor:
         request.done = True
         self._drop_unsubmitted(request)
         self._forget_if_drained(request)
-        graph = request.model.unfold(request.inputs)
+        self._leave_group(request)
+        graph = self._policy.unfold(request.model, request.inputs)
         replayed = self.admit(request.client, request.request_id, request.model, request.inputs, graph, request.arrival)
         replayed.deadline = request.deadline
         return replayed

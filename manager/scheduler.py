@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 from common.graph import CellTypeSpec
-from manager.state import NodeState, Subgraph, Task
+from manager.state import NodeState, Request, Subgraph, Task
 from manager.workers import WorkerHandle
 
 SubmitFn = Callable[[CellTypeSpec, list[NodeState], WorkerHandle], Task]
@@ -56,6 +56,12 @@ class Scheduler:
         self.several_workers = False  # set by the manager: placement only needs checking then
 
     # -- readiness ---------------------------------------------------------------------------
+    def release(self, request: Request) -> None:
+        """Queue a request's nodes that wait for no other node."""
+        for node in request.nodes:
+            if node.pending == 0:
+                self.node_ready(node)
+
     def node_ready(self, node: NodeState) -> None:
         subgraph = node.subgraph
         subgraph.ready.append(node)
@@ -78,15 +84,19 @@ class Scheduler:
     # -- Algorithm 1 ---------------------------------------------------------------------------
     def schedule(self, worker: WorkerHandle) -> int:
         """Schedule(worker): pick a cell type and Batch it; returns the number of tasks submitted."""
+        chosen = self.choose_cell_type()
+        if chosen is None:
+            return 0
+        return self.batch(chosen, worker)
+
+    def choose_cell_type(self) -> CellTypeQueue | None:
         queues = self._ordered  # highest priority first, so the first match wins ties
         chosen = next((q for q in queues if q.num_ready >= q.spec.max_batch), None)
         if chosen is None:
             chosen = next((q for q in queues if q.running_tasks == 0 and q.num_ready > 0), None)
         if chosen is None:
             chosen = next((q for q in queues if q.num_ready > 0), None)
-        if chosen is None:
-            return 0
-        return self.batch(chosen, worker)
+        return chosen
 
     def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> int:
         num_tasks = 0

@@ -37,9 +37,11 @@ from common.protocol import (
     encode,
     error_reply,
 )
+from manager.agenda import AgendaScheduler
 from manager.connections import ClientConnections
 from manager.dispatch import Dispatcher
 from manager.metrics import Metrics
+from manager.policies import make_policy
 from manager.request_processor import RequestProcessor
 from manager.scheduler import Scheduler
 from manager.state import NodeState, Request, Task
@@ -103,15 +105,17 @@ class Manager:
         self._next_watch = 0.0
 
         self.dispatcher = Dispatcher(self.specs, self._send_task)
-        self.scheduler = Scheduler(
+        policy = config.scheduler.policy
+        self.scheduler = (AgendaScheduler if policy == "graph" else Scheduler)(
             self.specs,
             config.scheduler.max_tasks_to_submit,
             self._submit,
             self.dispatcher.capacity,
-            config.scheduler.affinity,
+            config.scheduler.affinity if policy == "cellular" else "request",  # a baseline batch runs on one worker
         )
+        self.policy = make_policy(config, self.models, self.scheduler)
         self.processor = RequestProcessor(
-            {spec.key: spec for spec in self.specs}, self.scheduler, self.dispatcher, self._finish
+            {spec.key: spec for spec in self.specs}, self.scheduler, self.dispatcher, self._finish, self.policy
         )
 
         self.metrics: Metrics | None = None
@@ -241,7 +245,7 @@ class Manager:
 
     def _schedule_idle_workers(self) -> None:
         for worker in self.workers.values():
-            while worker.in_flight <= self.idle_tasks and self.scheduler.schedule(worker):
+            while worker.in_flight <= self.idle_tasks and self.policy.schedule(worker):
                 pass
 
     def _shutdown(self) -> None:
@@ -432,7 +436,7 @@ class Manager:
             raise RequestError(
                 OVERLOADED, f"{len(self._in_flight)} requests in flight (limit {self._max_queued_requests}); retry later"
             )
-        graph = model.unfold(message["inputs"])
+        graph = self.policy.unfold(model, message["inputs"])
         if self.processor.unsubmitted_nodes + len(graph.nodes) > self._max_queued_nodes:
             raise RequestError(OVERLOADED, f"{self.processor.unsubmitted_nodes} cells queued (limit {self._max_queued_nodes}); retry later")
         request = self.processor.admit(client, request_id, model, message["inputs"], graph, arrival)
@@ -501,7 +505,9 @@ class Manager:
     def _stats(self) -> dict[str, Any]:
         return {
             **self.stats.snapshot(),
+            "policy": self.config.scheduler.policy,
             "requests_in_flight": len(self._in_flight),
+            "requests_waiting_for_a_batch": self.policy.queued_requests(),
             "ready_nodes": self.scheduler.ready_nodes(),
             "workers": {
                 str(w.worker_id): {

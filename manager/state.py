@@ -50,6 +50,7 @@ class NodeState:
         "out_slots",
         "uploads",
         "completed",
+        "depth",
     )
 
     def __init__(self, spec: NodeSpec, cell: CellTypeSpec, request: Request):
@@ -67,6 +68,7 @@ class NodeState:
         self.out_slots: tuple[int, ...] = ()
         self.uploads: list[tuple[Any, int, int]] = []  # (kind, device slot, io slot) of external inputs
         self.completed = False
+        self.depth = 0  # longest path from a node without producers (agenda-based batching only)
 
 
 class Request:
@@ -86,6 +88,8 @@ class Request:
         "results_pending",
         "in_flight",
         "done",
+        "group",
+        "answer_held",
     )
 
     def __init__(self, client: bytes, request_id: Any, model: Model, inputs: Any, graph: CellGraph, arrival: float):
@@ -104,6 +108,23 @@ class Request:
         self.results_pending = 0
         self.in_flight = 0  # submitted nodes not yet completed
         self.done = False  # replied to (answer or error); remaining nodes are dropped
+        self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
+        self.answer_held = False  # answer known, held until the rest of its group ends
+
+
+class Group:
+    """Requests a baseline policy (padded or graph) runs as one batch and answers together."""
+
+    __slots__ = ("members", "unanswered")
+
+    def __init__(self, members: list[Request]):
+        self.members = members
+        self.unanswered = len(members)  # members whose answer is neither known nor replaced by an error
+
+    def padding_done(self) -> bool:
+        return all(
+            m.done or m.graph.last_padding is None or m.nodes[m.graph.last_padding].completed for m in self.members
+        )
 
 
 class Task:

@@ -24,8 +24,10 @@ import time
 import psutil
 import zmq
 
-from common.config import Config
+from common.config import Config, with_policy
+from common.models import build_model
 from common.protocol import decode, encode
+from manager.policies import check_policy
 
 log = logging.getLogger("batchmaker.supervisor")
 
@@ -116,6 +118,8 @@ class Supervisor:
             self.worker_address,
             "--expected-workers",
             str(len(self.devices)),
+            "--policy",
+            self.config.scheduler.policy,
         )
         for slot in self.slots:
             self._spawn_worker(slot)
@@ -261,8 +265,11 @@ def _signal(process: psutil.Process, signum: int) -> None:
         pass
 
 
-def serve(config: Config, address: str | None, workers: int | None) -> int:
+def serve(config: Config, address: str | None, workers: int | None, policy: str | None = None) -> int:
     """Run the server in the foreground until SIGINT/SIGTERM."""
+    if policy is not None:
+        config = with_policy(config, policy)
+    check_policy(config.scheduler.policy, {name: build_model(model) for name, model in config.models.items()})
     supervisor = Supervisor(config, address, workers)
     signal.signal(signal.SIGINT, supervisor.request_stop)
     signal.signal(signal.SIGTERM, supervisor.request_stop)
@@ -274,7 +281,10 @@ def serve(config: Config, address: str | None, workers: int | None) -> int:
             log.error("the server did not become ready; see the messages above")
             return 1
         devices = ", ".join(supervisor.devices)
-        log.info("ready: serving %s on %s with workers on %s", ", ".join(config.models), supervisor.address, devices)
+        log.info(
+            "ready: serving %s on %s with workers on %s (%s batching)",
+            ", ".join(config.models), supervisor.address, devices, config.scheduler.policy,
+        )
         print(f"batchmaker serving on {supervisor.address} (Ctrl-C to stop)", flush=True)
         return supervisor.watch()
     finally:

@@ -10,6 +10,8 @@ from common.config import Config
 from common.shm import SharedArray
 from common.task import decode_task
 from manager.dispatch import Dispatcher
+from manager.agenda import AgendaScheduler
+from manager.policies import make_policy
 from manager.request_processor import RequestProcessor
 from manager.scheduler import Scheduler
 from manager.server import load_models
@@ -31,13 +33,23 @@ class Harness:
         self.workers = [self._worker(i, rows) for i in range(workers)]
         self.sent: list[tuple[WorkerHandle, Any]] = []
         self.dispatcher = Dispatcher(self.specs, lambda w, payload: self.sent.append((w, decode_task(payload))))
-        self.scheduler = Scheduler(
-            self.specs, max_tasks_to_submit, self.dispatcher.submit, self.dispatcher.capacity, affinity
+        policy = config.scheduler.policy
+        self.scheduler = (AgendaScheduler if policy == "graph" else Scheduler)(
+            self.specs,
+            max_tasks_to_submit,
+            self.dispatcher.submit,
+            self.dispatcher.capacity,
+            affinity if policy == "cellular" else "request",
         )
         self.scheduler.several_workers = workers > 1
+        self.policy = make_policy(config, self.models, self.scheduler)
         self.finished: list[tuple[Request, Any]] = []
         self.processor = RequestProcessor(
-            {s.key: s for s in self.specs}, self.scheduler, self.dispatcher, lambda r, e: self.finished.append((r, e))
+            {s.key: s for s in self.specs},
+            self.scheduler,
+            self.dispatcher,
+            lambda r, e: self.finished.append((r, e)),
+            self.policy,
         )
         self._next_id = 0
 
@@ -54,7 +66,7 @@ class Harness:
         self._next_id += 1
         m = self.models[model]
         request_id = name if name is not None else self._next_id
-        return self.processor.admit(b"client", request_id, m, inputs, m.unfold(inputs), arrival)
+        return self.processor.admit(b"client", request_id, m, inputs, self.policy.unfold(m, inputs), arrival)
 
     def in_flight(self, worker: WorkerHandle | None = None) -> list[Task]:
         workers = [worker] if worker else self.workers

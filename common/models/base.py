@@ -58,6 +58,18 @@ class Model(ABC):
         Raises RequestError (INVALID_INPUT or BAD_REQUEST) for inputs the model cannot serve.
         """
 
+    can_pad = False  # sequence models that implement unfold_padded (the padded policy needs it)
+
+    def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
+        """Unfold with the sequence padded up to the next multiple of `bucket_width`, which the
+        graph records as its `padded_length` (the request's bucket).
+
+        Padding cells compute on a padding token and feed nothing the answer reads, so the
+        answer is the unpadded one: this reproduces the wasted work of padding-based batching
+        for the `padded` policy, which benchmarks compare against.
+        """
+        raise NotImplementedError(f"model {self.name!r} cannot be padded")
+
     def observe(self, graph: CellGraph, watch_index: int, value: np.ndarray) -> bool:
         """See the host copy of `graph.watch[watch_index]`; return True when the request is complete.
 

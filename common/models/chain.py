@@ -75,20 +75,37 @@ class ChainModel(Model):
             "vocab_size": self.vocab_size,
         }
 
+    can_pad = True
+
     def unfold(self, inputs: Any) -> CellGraph:
+        return self._unfold(token_ids(inputs, "tokens", self.vocab_size, self.max_length), None)
+
+    def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
+        return self._unfold(tokens, -(-len(tokens) // bucket_width) * bucket_width)
+
+    def _unfold(self, tokens: np.ndarray, padded_length: int | None) -> CellGraph:
+        """Layers of steps over the tokens, then padding steps (token 0) up to `padded_length`."""
         graph = CellGraph()
         below: list[Any] = [graph.add_external(token) for token in tokens]
+        if padded_length is not None:
+            below += [graph.add_external(np.int64(0))] * (padded_length - len(tokens))
+        last = len(tokens) - 1
         ports = range(len(self.state_names))
         for key in self.layer_keys:
             state: tuple[Any, ...] = (ZERO,) * len(self.state_names)
             outputs = []
-            for x in below:
+            for step, x in enumerate(below):
                 node = graph.add_node(key, x, *state)
                 state = tuple(NodeOutput(node, port) for port in ports)
                 outputs.append(state[0])
+                if step == last:
+                    final = state
             below = outputs
-        graph.results = dict(zip(self.state_names, state))
+        graph.results = dict(zip(self.state_names, final))
+        if padded_length is not None:
+            graph.padded_length = padded_length
+            graph.last_padding = len(graph.nodes) - 1
         return graph
 
     @abstractmethod

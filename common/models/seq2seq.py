@@ -127,7 +127,18 @@ class Seq2SeqModel(Model):
             raise RequestError(INVALID_INPUT, f"max_len must be an integer from 1 to {self.max_decode_length}")
         return max_len
 
+    can_pad = True
+
     def unfold(self, inputs: Any) -> CellGraph:
+        return self._unfold(inputs, None)
+
+    def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
+        return self._unfold(inputs, bucket_width)
+
+    def _unfold(self, inputs: Any, bucket_width: int | None) -> CellGraph:
+        """Encoder steps, then decoder steps up to max_len. Padded, the encoder runs on to the
+        next multiple of `bucket_width` and the decoder starts after the padding ends, from the
+        state at the true end of the source."""
         source = token_ids(inputs, "tokens", self.src_vocab_size, self.max_length)
         max_len = self._max_len(inputs, len(source))
         graph = CellGraph(state=Decoded(max_len))
@@ -136,11 +147,21 @@ class Seq2SeqModel(Model):
         for token in source:
             node = graph.add_node(self.encoder_key, graph.add_external(token), h, c)
             h, c = NodeOutput(node, 0), NodeOutput(node, 1)
+        after: tuple[int, ...] = ()
+        if bucket_width is not None:
+            graph.padded_length = -(-len(source) // bucket_width) * bucket_width
+            pad_h, pad_c, pad = h, c, graph.add_external(np.int64(0))
+            for _ in range(graph.padded_length - len(source)):
+                node = graph.add_node(self.encoder_key, pad, pad_h, pad_c)
+                pad_h, pad_c = NodeOutput(node, 0), NodeOutput(node, 1)
+            graph.last_padding = len(graph.nodes) - 1
+            after = (graph.last_padding,)
         previous: Any = graph.add_external(np.int64(self.go_id))
         for _ in range(max_len):
-            node = graph.add_node(self.decoder_key, previous, h, c)
+            node = graph.add_node(self.decoder_key, previous, h, c, after=after)
             h, c, previous = NodeOutput(node, 0), NodeOutput(node, 1), NodeOutput(node, 2)
             graph.watch.append(previous)
+            after = ()
         return graph
 
     def observe(self, graph: CellGraph, watch_index: int, value: np.ndarray) -> bool:

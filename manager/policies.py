@@ -1,0 +1,154 @@
+"""Batching policies: cellular batching, and the two baselines benchmarks compare it with.
+
+All three run on the same scheduler, workers and cells, so a comparison measures the
+policy and nothing else:
+
+* `cellular` (the product): every request's cells join the running batches at once and
+  each request is answered as soon as its own last cell has run.
+* `padded` (TensorFlow / MXNet bucketing): requests wait in buckets by padded length
+  (multiples of `bucket_width`); whenever a worker has nothing left to run, the next
+  non-empty bucket in round-robin order releases up to `max_group_requests` of them as
+  one batch, padded to the bucket's length, and the batch is answered when its last
+  cell, padding included, has run. No timeout: a batch starts as soon as a worker is free.
+* `graph` (DyNet / TensorFlow Fold): whenever a worker has nothing left to run, up to
+  `max_group_requests` queued requests of one model are merged into one graph, run with
+  agenda-based batching (see manager.agenda) and answered together.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable
+
+from common.config import Config, ConfigError
+from common.graph import CellGraph
+from common.models.base import Model
+from manager.scheduler import Scheduler
+from manager.state import Group, Request
+from manager.workers import WorkerHandle
+
+
+class CellularPolicy:
+    """Cells of every admitted request are ready for the scheduler at once."""
+
+    pads = False
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def unfold(self, model: Model, inputs: object) -> CellGraph:
+        return model.unfold(inputs)
+
+    def admit(self, request: Request) -> None:
+        self.scheduler.release(request)
+
+    def schedule(self, worker: WorkerHandle) -> int:
+        return self.scheduler.schedule(worker)
+
+    def queued_requests(self) -> int:
+        return 0
+
+
+class GroupPolicy(CellularPolicy):
+    """Requests wait in queues by key until a worker runs out of work; then the next queue in
+    round-robin order releases a group of them to the scheduler, pinned to that worker."""
+
+    def __init__(self, scheduler: Scheduler, group_sizes: dict[str, int]):
+        super().__init__(scheduler)
+        self._group_sizes = group_sizes  # by model name
+        self._queues: dict[Hashable, collections.deque[Request]] = {}
+        self._turns: collections.deque[Hashable] = collections.deque()  # non-empty queues, next first
+
+    def queue_key(self, request: Request) -> Hashable:
+        return request.model.name
+
+    def admit(self, request: Request) -> None:
+        key = self.queue_key(request)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = collections.deque()
+            self._turns.append(key)
+        queue.append(request)
+
+    def schedule(self, worker: WorkerHandle) -> int:
+        submitted = self.scheduler.schedule(worker)
+        while not submitted and self._release_group(worker):
+            submitted = self.scheduler.schedule(worker)
+        return submitted
+
+    def _release_group(self, worker: WorkerHandle) -> bool:
+        """Release the next queue's oldest requests (those not already ended) as one group."""
+        while self._turns:
+            key = self._turns.popleft()
+            queue = self._queues[key]
+            members: list[Request] = []
+            size = self._group_sizes[queue[0].model.name]
+            while queue and len(members) < size:
+                request = queue.popleft()
+                if not request.done:
+                    members.append(request)
+            if queue:
+                self._turns.append(key)
+            else:
+                del self._queues[key]
+            if members:
+                self._start(Group(members), worker)
+                return True
+        return False
+
+    def _start(self, group: Group, worker: WorkerHandle) -> None:
+        for request in group.members:
+            request.group = group
+            request.worker = worker
+            self.scheduler.release(request)
+
+    def queued_requests(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+
+class PaddedPolicy(GroupPolicy):
+    pads = True
+
+    def __init__(self, scheduler: Scheduler, group_sizes: dict[str, int], bucket_width: int):
+        super().__init__(scheduler, group_sizes)
+        self.bucket_width = bucket_width
+
+    def unfold(self, model: Model, inputs: object) -> CellGraph:
+        return model.unfold_padded(inputs, self.bucket_width)
+
+    def queue_key(self, request: Request) -> Hashable:
+        return request.model.name, request.graph.padded_length
+
+
+class GraphPolicy(GroupPolicy):
+    def _start(self, group: Group, worker: WorkerHandle) -> None:
+        for request in group.members:
+            for node in request.nodes:  # depth for the agenda: producers come first
+                node.depth = max((p.depth + 1 for p in node.producers), default=0)
+        super()._start(group, worker)
+
+
+def make_policy(config: Config, models: dict[str, Model], scheduler: Scheduler) -> CellularPolicy:
+    """The configured policy; a baseline's group size defaults to each model's smallest largest
+    batch size, so that one step of a group fits one task of every cell type."""
+    settings = config.scheduler
+    if settings.policy == "cellular":
+        return CellularPolicy(scheduler)
+    sizes = {
+        name: settings.max_group_requests or min(spec.max_batch for spec in model.cell_types.values())
+        for name, model in models.items()
+    }
+    if settings.policy == "graph":
+        return GraphPolicy(scheduler, sizes)
+    check_policy(settings.policy, models)
+    return PaddedPolicy(scheduler, sizes, settings.bucket_width)
+
+
+def check_policy(policy: str, models: dict[str, Model]) -> None:
+    """Refuse a policy that cannot serve every model: padding needs sequence models."""
+    unpaddable = [name for name, model in models.items() if not model.can_pad]
+    if policy == "padded" and unpaddable:
+        raise ConfigError(
+            f"[scheduler] policy 'padded' needs sequence models; {', '.join(unpaddable)} cannot be padded "
+            f"(serve them with policy 'graph' or 'cellular')"
+        )
