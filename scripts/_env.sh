@@ -14,7 +14,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     echo "installing batchmaker and its dependencies into $VENV" >&2
     # shellcheck disable=SC2086
     "$PY" -m pip install --quiet --disable-pip-version-check ${BATCHMAKER_TORCH:-torch==2.13.0}
-    "$PY" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test]"
+    "$PY" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test,bench]"
     touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

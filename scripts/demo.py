@@ -12,15 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,38 +26,9 @@ from clients.loadgen import run_open_loop, summarize  # noqa: E402
 from clients.text import Vocabulary, load_sentences  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.models import build_model  # noqa: E402
+from manager.launcher import launch, stop_server, wait_until_ready  # noqa: E402
 
 TOLERANCE = 1e-5
-
-
-def wait_until_ready(address: str, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    with Client(address, timeout=1.0) as client:
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited with status {server.returncode} before becoming ready")
-            try:
-                if client.health()["status"] == "ready":
-                    return
-            except TimeoutError:
-                pass
-            time.sleep(0.3)
-    raise SystemExit(f"the server did not become ready within {timeout:.0f} s")
-
-
-def stop_server(server: subprocess.Popen) -> list[int]:
-    """SIGINT the server (like Ctrl-C) and return the pids of its processes still alive afterwards."""
-    try:
-        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    server.send_signal(signal.SIGINT)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    _, alive = psutil.wait_procs(tree, timeout=10)
-    return [p.pid for p in alive]
 
 
 def verify(samples, inputs, config_path: Path, count: int, seed: int) -> tuple[int, float]:
@@ -97,9 +64,7 @@ def main() -> int:
 
     log = tempfile.NamedTemporaryFile(prefix="batchmaker-demo-", suffix=".log", delete=False)
     print(f"starting the server on {address} (log: {log.name})")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "manager.cli", "serve", str(args.config)], stdout=log, stderr=subprocess.STDOUT
-    )
+    server = launch(args.config, log)
     try:
         wait_until_ready(address, server, timeout=120)
         print(f"sending {args.rate:.0f} requests/s (Poisson) for {args.duration:.0f} s ...")

@@ -1,0 +1,67 @@
+"""./scripts/bench PRESET [--quick]: run benchmark presets and write results/PRESET.json and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from bench import plots, report
+from bench.presets import FULL, PRESETS, QUICK
+from bench.progress import Progress
+from bench.run import MODERATE, ROOT, run_preset
+
+
+def _finite(value):
+    """JSON has no NaN: missing measurements are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench", description=__doc__)
+    parser.add_argument("preset", choices=[*PRESETS, "all"])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
+    args = parser.parse_args(argv)
+    sweep = QUICK if args.quick else FULL
+    names = list(PRESETS) if args.preset == "all" else [args.preset]
+    steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
+    progress = Progress(steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    wrong = []
+    outputs = []
+    for name in names:
+        result = run_preset(PRESETS[name], sweep, progress)
+        result["summary"] = report.summarize(result)
+        result["targets"] = report.targets(result, result["summary"])
+        path = args.out / f"{name}.json"
+        path.write_text(json.dumps(_finite(result), indent=1))
+        outputs.append((result, path, plots.draw(result, args.out)))
+        wrong += [f"{name}/{policy}" for policy, runs in result["policies"].items() if not runs["verify"]["ok"]]
+    progress.close()
+    for result, path, figures in outputs:
+        print(f"\n## {result['preset']}: {result['description']}  ({result['seconds']:.0f} s)\n")
+        print(report.table(result))
+        for line in report.target_lines(result):
+            print(line)
+        for policy, runs in result["policies"].items():
+            check = runs["verify"]
+            print(f"answers {policy}: {check['checked']} checked, max abs error {check['max_abs_error']:.1e}"
+                  f"{'' if check['ok'] else ' WRONG: ' + '; '.join(check['wrong'])}")
+        print(f"wrote {path}" + "".join(f", {figure}" for figure in figures))
+    if wrong:
+        print(f"answers differ from the reference model: {', '.join(wrong)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The benchmark presets: which model, which dataset, which policies, and the load sweep.
+
+CPU sizing (DESIGN.md section 9): hidden 256 and b_max 64 for every cell, one worker with
+one intra-op thread, so the manager, the worker and the load generator share two cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+B_MAX = 64
+BATCH_SIZES = "[1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]"
+
+LSTM = f"""
+[models.lstm]
+builder = "common.models.lstm:build"
+weights = "{{weights}}/bench-lstm-h256.pt"
+vocab_size = 8192
+embedding_size = 256
+hidden_size = 256
+max_length = 400
+batch_sizes = {BATCH_SIZES}
+"""
+
+SEQ2SEQ = f"""
+[models.seq2seq]
+builder = "common.models.seq2seq:build"
+weights = "{{weights}}/bench-seq2seq-h256.pt"
+src_vocab_size = 8192
+tgt_vocab_size = 4096
+embedding_size = 256
+hidden_size = 256
+max_length = 400
+max_decode_length = 200
+batch_sizes = {BATCH_SIZES}
+
+[models.seq2seq.cells.decoder]
+priority = 1
+"""
+
+TREELSTM = f"""
+[models.treelstm]
+builder = "common.models.treelstm:build"
+weights = "{{weights}}/bench-treelstm-h256.pt"
+vocab_size = 8737
+embedding_size = 256
+hidden_size = 256
+num_classes = 5
+batch_sizes = {BATCH_SIZES}
+"""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    model: str  # the served model's name
+    model_toml: str  # its [models.NAME] table; {weights} is the weights directory
+    dataset: str  # a key of bench.datasets.DATASETS
+    policies: tuple[str, ...]
+    reference: str  # moderate loads are fractions of this policy's peak throughput
+
+
+PRESETS = {
+    preset.name: preset
+    for preset in (
+        Preset("lstm", "LSTM on WMT sentence lengths (paper Fig. 7, 9)", "lstm", LSTM, "wmt",
+               ("padded", "cellular", "graph"), "padded"),
+        Preset("fixed", "LSTM on a fixed length of 24 (paper Fig. 11, top)", "lstm", LSTM, "fixed",
+               ("padded", "cellular"), "padded"),
+        Preset("longtail", "LSTM on lengths up to 330, shaped like WMT-15 (paper Fig. 10, 11)", "lstm", LSTM,
+               "longtail", ("padded", "cellular"), "padded"),
+        Preset("seq2seq", "Seq2Seq on WMT sentences, decoding to EOS (paper Fig. 13)", "seq2seq", SEQ2SEQ, "wmt",
+               ("padded", "cellular"), "padded"),
+        Preset("treelstm", "TreeLSTM on SST trees (paper Fig. 14)", "treelstm", TREELSTM, "sst",
+               ("graph", "cellular"), "graph"),
+        Preset("tree16", "TreeLSTM on identical complete binary trees of 16 leaves (paper Fig. 15)", "treelstm",
+               TREELSTM, "tree16", ("graph", "cellular"), "graph"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Offered loads as fractions of the raw kernel's ideal request rate, and seconds per load."""
+
+    fractions: tuple[float, ...]
+    seconds: float
+    saturated_points: int  # stop a policy's sweep after this many loads beyond its capacity
+    verify_requests: int  # replies checked against the reference model, per policy
+
+
+FULL = Sweep((0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2), seconds=10.0, saturated_points=2,
+             verify_requests=60)
+QUICK = Sweep((0.1, 0.3, 0.6), seconds=2.5, saturated_points=1, verify_requests=12)

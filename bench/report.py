@@ -1,0 +1,96 @@
+"""The summary of a preset's run, its targets, and the table BENCHMARKS.md shows."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+CHAIN_PRESETS = ("lstm", "fixed", "longtail")  # one cell per step, so a request's steps are its cells
+
+
+def summarize(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per policy: peak throughput, p90 at 25% / 50% of the reference policy's peak, batch sizes,
+    queueing p99 at 50%, and the fraction of the raw kernel's throughput reached at the peak."""
+    ideal = result["kernel"]["ideal"]["requests_per_s"]
+    summary = {}
+    for policy, runs in result["policies"].items():
+        everything = runs["points"] + list(runs["moderate"].values())
+        peak = max(everything, key=lambda p: p["achieved_rps"])
+        moderate = runs["moderate"]
+        half = moderate.get("0.5")
+        summary[policy] = {
+            "peak_throughput": peak["achieved_rps"],
+            "p90_ms_at_25pct_padded_peak": moderate["0.25"]["latency_ms"]["p90"] if "0.25" in moderate else math.nan,
+            "p90_ms_at_50pct_padded_peak": half["latency_ms"]["p90"] if half else math.nan,
+            "queue_p99_ms_at_50pct_padded_peak": half["queue_ms"]["p99"] if half else math.nan,
+            "mean_batch_size": peak["mean_batch_size"],
+            "mean_batch_size_at_50pct_padded_peak": half["mean_batch_size"] if half else math.nan,
+            "kernel_fraction": peak["achieved_rps"] / ideal,
+        }
+    return summary
+
+
+def _target(what: str, measured: float, goal: float, at_most: bool = False) -> dict[str, Any]:
+    met = measured <= goal if at_most else measured >= goal
+    return {"what": what, "measured": measured, "target": goal, "at_most": at_most, "met": bool(met)}
+
+
+def targets(result: dict[str, Any], summary: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """The goals this preset is measured against (ratios of policies measured side by side)."""
+    name = result["preset"]
+    cellular = summary.get("cellular")
+    if cellular is None:
+        return []
+    found = []
+    padded, graph = summary.get("padded"), summary.get("graph")
+    if name == "fixed":
+        found.append(_target("cellular peak / raw kernel", cellular["kernel_fraction"], 0.9))
+    if name == "lstm" and padded:
+        found.append(_target("cellular p90 / padded p90 at 50% of padded peak",
+                             cellular["p90_ms_at_50pct_padded_peak"] / padded["p90_ms_at_50pct_padded_peak"], 0.5,
+                             at_most=True))
+        found.append(_target("cellular peak / padded peak", cellular["peak_throughput"] / padded["peak_throughput"], 1.25))
+    if name == "seq2seq" and padded:
+        found.append(_target("cellular peak / padded peak", cellular["peak_throughput"] / padded["peak_throughput"], 1.5))
+    if name == "treelstm" and graph:
+        found.append(_target("cellular peak / graph peak", cellular["peak_throughput"] / graph["peak_throughput"], 1.8))
+        found.append(_target("cellular p90 / graph p90 at 50% of graph peak",
+                             cellular["p90_ms_at_50pct_padded_peak"] / graph["p90_ms_at_50pct_padded_peak"], 0.75,
+                             at_most=True))
+    if name in CHAIN_PRESETS:
+        half = result["policies"]["cellular"]["moderate"].get("0.5")
+        if half:
+            cells = sum(result["dataset"]["cells_per_request"].values())
+            step_ms = half["compute_ms"]["p50"] / cells
+            bound = result["max_tasks_to_submit"] * step_ms * 1.5
+            found.append(_target(f"cellular queueing p99 at 50% load, ms (bound: 5 x {step_ms:.3f} ms step x 1.5)",
+                                 half["queue_ms"]["p99"], bound, at_most=True))
+    return found
+
+
+def table(result: dict[str, Any]) -> str:
+    """Markdown: one row per policy."""
+    reference = result["reference_policy"]
+    lines = [
+        f"| policy | peak req/s | p90 ms at 25% of {reference} peak | p90 ms at 50% | queueing p99 ms at 50% "
+        f"| mean batch at peak | of raw kernel |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for policy, s in result["summary"].items():
+        lines.append(
+            f"| {policy} | {s['peak_throughput']:.0f} | {s['p90_ms_at_25pct_padded_peak']:.1f} "
+            f"| {s['p90_ms_at_50pct_padded_peak']:.1f} | {s['queue_p99_ms_at_50pct_padded_peak']:.1f} "
+            f"| {s['mean_batch_size']:.1f} | {s['kernel_fraction']:.2f} |"
+        )
+    ideal = result["kernel"]["ideal"]
+    batch = max(cell["batch"] for cell in result["kernel"]["cells"].values())
+    lines.append(f"| raw kernel | {ideal['requests_per_s']:.0f} | | | | {batch} | 1.00 |")
+    return "\n".join(lines)
+
+
+def target_lines(result: dict[str, Any]) -> list[str]:
+    return [
+        f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['measured']:.3g} "
+        f"({'<=' if t['at_most'] else '>='} {t['target']:.3g})"
+        for t in result["targets"]
+    ]

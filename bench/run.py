@@ -1,0 +1,145 @@
+"""Run one preset: the raw kernel, then every policy swept from light load to beyond saturation,
+the moderate loads (25% and 50% of the reference policy's peak), and a check of the answers."""
+
+from __future__ import annotations
+
+import collections
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from bench import kernel
+from bench.datasets import DATASETS
+from bench.presets import Preset, Sweep
+from bench.progress import Progress
+from bench.sweep import ServedPolicy, saturated
+from bench.verify import verify
+from common.config import load_config
+from common.models import build_model, init_missing_weights
+from common.models.base import Model
+
+ROOT = Path(__file__).resolve().parents[1]
+MODERATE = (0.25, 0.5)  # fractions of the reference policy's peak
+COUNTED_REQUESTS = 500  # requests unfolded to count cells per request
+DECODED_REQUESTS = 60  # requests decoded by the reference to count the steps of models that observe outputs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(preset: Preset, directory: Path) -> Path:
+    """A one-worker CPU config serving the preset's model, with weights made once in weights/."""
+    path = directory / "bench.toml"
+    path.write_text(
+        f"""
+[server]
+address = "tcp://127.0.0.1:{_free_port()}"
+cpu_workers = 1
+threads_per_worker = 1
+max_queued_requests = 4000
+
+[scheduler]
+max_tasks_to_submit = 5
+"""
+        + preset.model_toml.replace("{weights}", str(ROOT / "weights"))
+    )
+    init_missing_weights(load_config(path))
+    return path
+
+
+def cells_per_request(model: Model, state: dict, inputs: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean cells of each type one request needs (no padding, no speculative steps). For a model that
+    observes outputs (a decoder stopping at EOS), its watched steps are counted by running the reference."""
+    counts: collections.Counter[str] = collections.Counter()
+    sample = inputs[:COUNTED_REQUESTS]
+    for request in sample:
+        graph = model.unfold(request)
+        watched = {ref.node for ref in graph.watch}
+        counts.update(node.cell_type for i, node in enumerate(graph.nodes) if i not in watched)
+    mean = {key: n / len(sample) for key, n in counts.items()}
+    first = model.unfold(sample[0])
+    if first.watch:
+        steps = 0
+        for request in sample[:DECODED_REQUESTS]:
+            graph = model.unfold(request)
+            decoded = len(model.reference(state, request)["tokens"])
+            steps += min(decoded + 1, len(graph.watch))  # the step that emitted EOS ran too
+        mean[first.nodes[first.watch[0].node].cell_type] = steps / min(len(sample), DECODED_REQUESTS)
+    return mean
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": psutil.cpu_count(logical=True),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, Any]:
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="batchmaker-bench-") as tmp:
+        config_path = write_config(preset, Path(tmp))
+        config = load_config(config_path)
+        model = build_model(config.models[preset.model])
+        state = model.load_weights()
+        inputs = DATASETS[preset.dataset]()
+        progress.note(f"{preset.name}: raw kernel")
+        per_request = cells_per_request(model, state, inputs)
+        measured = kernel.measure(model, config.server.threads_per_worker, min_seconds=0.3 if sweep.seconds < 5 else 1.0)
+        ideal = kernel.ideal(measured, per_request)
+        rates = [fraction * ideal["requests_per_s"] for fraction in sweep.fractions]
+        policies: dict[str, Any] = {}
+        moderate_rates: list[float] = []
+        for policy in preset.policies:  # the reference policy comes first: it sets the moderate loads
+            with ServedPolicy(config_path, config.server.address, policy, preset.model) as served:
+                points = []
+                beyond = 0
+                for index, rate in enumerate(rates):
+                    progress.note(f"{preset.name}: {policy} at {rate:.0f} req/s")
+                    result = served.measure(inputs, rate, sweep.seconds, seed=index)
+                    points.append(result)
+                    progress.advance()
+                    beyond += saturated(result)
+                    if beyond >= sweep.saturated_points:
+                        progress.advance(len(rates) - index - 1)
+                        break
+                if policy == preset.reference:
+                    peak = max(p["achieved_rps"] for p in points)
+                    moderate_rates = [fraction * peak for fraction in MODERATE]
+                moderate = {}
+                for fraction, rate in zip(MODERATE, moderate_rates):
+                    progress.note(f"{preset.name}: {policy} at {rate:.0f} req/s ({fraction:.0%} of {preset.reference})")
+                    moderate[str(fraction)] = served.measure(inputs, rate, sweep.seconds, seed=100)
+                    progress.advance()
+                progress.note(f"{preset.name}: {policy}: checking answers")
+                check = verify(served.address, model, state, inputs[: sweep.verify_requests])
+                progress.advance()
+            policies[policy] = {"points": points, "moderate": moderate, "verify": check}
+    return {
+        "preset": preset.name,
+        "description": preset.description,
+        "quick": sweep.seconds < 5,
+        "machine": machine(),
+        "model": {"name": preset.model, "toml": preset.model_toml.strip()},
+        "dataset": {"name": preset.dataset, "requests": len(inputs), "cells_per_request": per_request},
+        "sweep": {"fractions_of_ideal": list(sweep.fractions), "seconds_per_load": sweep.seconds},
+        "reference_policy": preset.reference,
+        "max_tasks_to_submit": config.scheduler.max_tasks_to_submit,
+        "kernel": {"cells": measured, "ideal": ideal},
+        "policies": policies,
+        "seconds": time.time() - started,
+    }

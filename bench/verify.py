@@ -1,0 +1,58 @@
+"""Served answers against the unbatched reference: every policy must return what the model computes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from clients import AsyncClient
+from common.models.base import Model
+
+TOLERANCE = 1e-4  # float32, hidden 256: batched and unbatched sums differ in the last bits
+NEAR_TIE = 1e-4  # a decoded token may differ only where the reference's top-two logits are this close
+
+
+def mismatch(model: Model, state: dict, inputs: dict[str, Any], outputs: dict[str, Any]) -> tuple[float, str | None]:
+    """(max abs error over float outputs, description of a wrong decoded sequence or None)."""
+    expected = model.reference(state, inputs)
+    worst = 0.0
+    for name, value in outputs.items():
+        want = expected[name]
+        if np.asarray(want).dtype.kind in "iu":
+            problem = _token_mismatch(np.asarray(value), expected)
+            if problem:
+                return worst, problem
+        else:
+            worst = max(worst, float(np.abs(np.asarray(value) - want).max()))
+    return worst, None
+
+
+def _token_mismatch(got: np.ndarray, expected: dict[str, Any]) -> str | None:
+    want = np.asarray(expected["tokens"])
+    n = min(len(got), len(want))
+    diverged = next((i for i in range(n) if got[i] != want[i]), None)
+    if diverged is None and len(got) == len(want):
+        return None
+    step = diverged if diverged is not None else n
+    if expected["margins"][step] < NEAR_TIE:
+        return None
+    return f"decoded {got.tolist()} but the reference gives {want.tolist()}"
+
+
+async def _ask(address: str, model: str, requests: list[dict[str, Any]]) -> list[Any]:
+    async with AsyncClient(address, timeout=120) as client:
+        return await asyncio.gather(*(client.infer(model, inputs) for inputs in requests))
+
+
+def verify(address: str, model: Model, state: dict, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Send the requests at once (so they batch together) and compare every reply with the reference."""
+    replies = asyncio.run(_ask(address, model.name, requests))
+    worst, problems = 0.0, []
+    for inputs, reply in zip(requests, replies):
+        error, problem = mismatch(model, state, inputs, reply.outputs)
+        worst = max(worst, error)
+        if problem:
+            problems.append(problem)
+    return {"checked": len(requests), "max_abs_error": worst, "wrong": problems[:3], "ok": worst <= TOLERANCE and not problems}
