@@ -1,20 +1,22 @@
-"""The batched-task message the manager sends a worker: just integers, no tensor data.
+"""The batched-task message the manager sends a worker: slot lists, plus the requests' own inputs.
 
-    [task_id, cell_index, batch_size, uploads, inputs, outputs, downloads]
+    [task_id, cell_index, batch_size, inputs, outputs, downloads]
 
-* uploads:   [[io_arena, io_slots, arena, slots], ...] external inputs copied from the
-             host io arena into device rows before compute
-* inputs:    [[arena, slots, segments, remote], ...] one per cell input: `batch_size` slots
-             each (padding rows read the zero slot) and segments nil; for a ragged input, any
-             number of slots and, per slot, the batch row it belongs to. `remote` (or nil)
+* inputs:    [[arena, slots, segments, remote, values], ...] one per cell input: `batch_size`
+             slots each (padding rows read the zero slot) and segments nil; for a ragged input,
+             any number of slots and, per slot, the batch row it belongs to. `remote` (or nil)
              lists values produced on other workers by tasks that have completed:
              [[peer_worker, peer_arena, peer_slots, positions], ...], read from the peer's
-             arena into those positions of the gathered input
+             arena into those positions of the gathered input. `values` (or nil) carries
+             external inputs (a request's tokens, say) inline: [positions, data], the rows
+             for those positions in the input's dtype and shape, written over the gathered rows
 * outputs:   [[arena, slots], ...] one per cell output (padding rows write the scratch slot)
 * downloads: [[arena, slots, io_arena, io_slots], ...] rows the host must see (results,
              stop decisions), copied to the io arena after compute
 
 Slot lists travel as little-endian int64 bytes so both sides can view them without copying.
+External values travel inline rather than through arena rows: they are small (a token per
+row), and inline they need no slots to allocate and free.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ SLOT_DTYPE = np.dtype("<i8")
 SlotCopy = tuple[int, np.ndarray, int, np.ndarray]
 RemoteRows = tuple[int, int, np.ndarray, np.ndarray]  # (peer worker, peer arena, peer slots, positions)
 SlotList = tuple[int, np.ndarray]
-InputSlots = tuple[int, np.ndarray, np.ndarray | None, list[RemoteRows] | None]
+InlineValues = tuple[np.ndarray, bytes]  # (positions in the batch, raw rows)
+InputSlots = tuple[int, np.ndarray, np.ndarray | None, list[RemoteRows] | None, InlineValues | None]
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,6 @@ class TaskMessage:
     task_id: int
     cell_index: int
     batch_size: int
-    uploads: list[SlotCopy]
     inputs: list[InputSlots]
     outputs: list[SlotList]
     downloads: list[SlotCopy]
@@ -53,8 +55,7 @@ def encode_task(message: TaskMessage) -> bytes:
             message.task_id,
             message.cell_index,
             message.batch_size,
-            [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.uploads],
-            [[a, _slots(s), _optional(g), _remote(r)] for a, s, g, r in message.inputs],
+            [[a, _slots(s), _optional(g), _remote(r), _inline(v)] for a, s, g, r, v in message.inputs],
             [[a, _slots(s)] for a, s in message.outputs],
             [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.downloads],
         ],
@@ -66,6 +67,10 @@ def _optional(values: list[int] | np.ndarray | None) -> bytes | None:
     return None if values is None else _slots(values)
 
 
+def _inline(values: InlineValues | None) -> list | None:
+    return None if values is None else [_slots(values[0]), values[1]]
+
+
 def _remote(rows: list[RemoteRows] | None) -> list | None:
     return None if rows is None else [[w, a, _slots(s), _slots(p)] for w, a, s, p in rows]
 
@@ -75,15 +80,20 @@ def _view(data: bytes) -> np.ndarray:
 
 
 def decode_task(frame: bytes) -> TaskMessage:
-    task_id, cell_index, batch_size, uploads, inputs, outputs, downloads = msgpack.unpackb(frame, raw=False)
+    task_id, cell_index, batch_size, inputs, outputs, downloads = msgpack.unpackb(frame, raw=False)
     return TaskMessage(
         task_id,
         cell_index,
         batch_size,
-        [(a, _view(s), b, _view(t)) for a, s, b, t in uploads],
         [
-            (a, _view(s), None if g is None else _view(g), None if r is None else [(w, b, _view(t), _view(p)) for w, b, t, p in r])
-            for a, s, g, r in inputs
+            (
+                a,
+                _view(s),
+                None if g is None else _view(g),
+                None if r is None else [(w, b, _view(t), _view(p)) for w, b, t, p in r],
+                None if v is None else (_view(v[0]), v[1]),
+            )
+            for a, s, g, r, v in inputs
         ],
         [(a, _view(s)) for a, s in outputs],
         [(a, _view(s), b, _view(t)) for a, s, b, t in downloads],

@@ -1,7 +1,7 @@
 """SubmitBatchedTask and its counterpart at completion: slots, io rows and the task message.
 
 At submission the dispatcher allocates each node's output slots on the chosen
-worker, writes external inputs into that worker's io arena, and sends the task.
+worker, puts external inputs into the task message, and sends the task.
 At completion it reads result rows back and frees every slot whose consumers
 have all completed.
 """
@@ -22,16 +22,16 @@ from manager.workers import WorkerHandle
 
 
 class _Needs:
-    """Rows one node of a cell type may need, per kind: device rows and io rows (worst case)."""
+    """Rows one node of a cell type may need, per kind: io rows for the host copies of its results
+    (worst case), and device rows for its outputs counted twice. The second share stays free for the
+    nodes that will read those outputs: a node's outputs are held until its consumers have run, so
+    if a batch could fill the arena, nothing could take its next step and a full arena would deadlock.
+    External inputs take no rows: they travel inline, in the task."""
 
     def __init__(self, spec: CellTypeSpec):
-        device: collections.Counter[ValueKind] = collections.Counter(spec.outputs)
-        io: collections.Counter[ValueKind] = collections.Counter(spec.outputs)  # results
-        for kind in spec.inputs:
-            device[kind] += 1  # an external input is uploaded to a device row
-            io[kind] += 1
-        self.device = list(device.items())
-        self.io = list(io.items())
+        outputs = collections.Counter(spec.outputs)
+        self.device = [(kind, 2 * count) for kind, count in outputs.items()]
+        self.io = list(outputs.items())
 
 
 def _read_remote(
@@ -73,8 +73,8 @@ class Dispatcher:
         in_slots = [[] if port in ragged else [ZERO_SLOT] * size for port in range(len(in_kinds))]
         segments: list[list[int] | None] = [[] if port in ragged else None for port in range(len(in_kinds))]
         remote: list[dict[tuple[int, int], tuple[list[int], list[int]]]] = [{} for _ in in_kinds]
+        inline: list[tuple[list[int], list[np.ndarray]] | None] = [None] * len(in_kinds)
         out_slots = [[SCRATCH_SLOT] * size for _ in out_kinds]
-        uploads: dict[ValueKind, tuple[list[int], list[int]]] = {}
         downloads: dict[ValueKind, tuple[list[int], list[int]]] = {}
         out_allocators = [worker.slots[kind] for kind in out_kinds]
         for row, node in enumerate(nodes):
@@ -89,14 +89,11 @@ class Dispatcher:
                     else:
                         _read_remote(remote[port], producer, ref.port, row, in_kinds[port])
                 elif kind_of_ref is External:
-                    kind = in_kinds[port]
-                    device_slot, io_slot = worker.slots[kind].take(), worker.io_slots[kind].take()
-                    worker.io[kind][io_slot] = request.graph.externals[ref.index]
-                    io_rows, device_rows = uploads.setdefault(kind, ([], []))
-                    io_rows.append(io_slot)
-                    device_rows.append(device_slot)
-                    node.uploads.append((kind, device_slot, io_slot))
-                    in_slots[port][row] = device_slot
+                    values = inline[port]
+                    if values is None:
+                        values = inline[port] = ([], [])
+                    values[0].append(row)
+                    values[1].append(request.graph.externals[ref.index])
                 elif kind_of_ref is Ragged:
                     flat, rows = in_slots[port], segments[port]
                     for child in ref.refs:
@@ -122,10 +119,15 @@ class Dispatcher:
             task.task_id,
             self._cell_index[spec.key],
             size,
-            [(worker.io_arena_id[k], io, worker.arena_id[k], dev) for k, (io, dev) in uploads.items()],
             [
-                (worker.arena_id[k], slots, rows, [(w, a, peer, at) for (w, a), (peer, at) in far.items()] or None)
-                for k, slots, rows, far in zip(in_kinds, in_slots, segments, remote)
+                (
+                    worker.arena_id[k],
+                    slots,
+                    rows,
+                    [(w, a, peer, at) for (w, a), (peer, at) in far.items()] or None,
+                    None if values is None else (values[0], np.asarray(values[1], dtype=k.dtype).tobytes()),
+                )
+                for k, slots, rows, far, values in zip(in_kinds, in_slots, segments, remote, inline)
             ],
             [(worker.arena_id[k], slots) for k, slots in zip(out_kinds, out_slots)],
             [(worker.arena_id[k], dev, worker.io_arena_id[k], io) for k, (dev, io) in downloads.items()],
@@ -152,10 +154,6 @@ class Dispatcher:
                 observed.append((node, key, value))
         for node in task.nodes:
             node.completed = True
-            for kind, device_slot, io_slot in node.uploads:
-                worker.slots[kind].give(device_slot)
-                worker.io_slots[kind].give(io_slot)
-            node.uploads.clear()
             for producer in node.producers:
                 self.release_consumer(producer)
             if node.live_consumers == 0:

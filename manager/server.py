@@ -169,6 +169,7 @@ class Manager:
                 events = dict(poller.poll(self._poll_timeout_ms()))
                 if self.completions in events:
                     self._drain_completions()
+                    self._schedule_idle_workers()  # keep the workers fed before admitting new requests
                 if self.worker_socket in events:
                     self._drain_worker_control()
                 if self.connections.monitor in events:

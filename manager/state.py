@@ -48,7 +48,6 @@ class NodeState:
         "copies",
         "worker",
         "out_slots",
-        "uploads",
         "completed",
         "depth",
     )
@@ -66,7 +65,6 @@ class NodeState:
         self.copies: list[tuple[str | int, int]] = []
         self.worker: WorkerHandle | None = None
         self.out_slots: tuple[int, ...] = ()
-        self.uploads: list[tuple[Any, int, int]] = []  # (kind, device slot, io slot) of external inputs
         self.completed = False
         self.depth = 0  # longest path from a node without producers (agenda-based batching only)
 

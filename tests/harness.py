@@ -9,8 +9,8 @@ from typing import Any
 from common.config import Config
 from common.shm import SharedArray
 from common.task import decode_task
-from manager.dispatch import Dispatcher
 from manager.agenda import AgendaScheduler
+from manager.dispatch import Dispatcher
 from manager.policies import make_policy
 from manager.request_processor import RequestProcessor
 from manager.scheduler import Scheduler

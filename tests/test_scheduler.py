@@ -184,7 +184,7 @@ def test_task_size_is_padded_to_a_supported_batch_size(harness):
     h.scheduler.schedule(worker)
     sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
-    inputs = [slots.tolist() for _, slots, _, _ in message.inputs]
+    inputs = [slots.tolist() for _, slots, _, _, _ in message.inputs]
     outputs = [slots.tolist() for _, slots in message.outputs]
     assert all(row[3] == 0 for row in inputs)  # padding reads the zero slot
     assert all(row[3] == 1 for row in outputs)  # and writes the scratch slot
@@ -220,7 +220,7 @@ def test_unpinned_subgraph_moves_and_reads_the_first_workers_arena(harness):
     assert h.scheduler.schedule(second) == 2
     _, message = h.sent[-2]
     step1 = request.nodes[1]
-    remote_inputs = [r for _, _, _, r in message.inputs if r]
+    remote_inputs = [r for _, _, _, r, _ in message.inputs if r]
     assert len(remote_inputs) == 2  # h and c of step 1 live on `first`
     for (peer, arena, slots, positions), port in zip([r[0] for r in remote_inputs], (0, 1)):
         assert peer == first.worker_id

@@ -13,7 +13,7 @@ import zmq
 from conftest import SMALL_LSTM, write_config
 
 from common.models import build_model
-from common.slots import FIRST_FREE_SLOT, SCRATCH_SLOT, ZERO_SLOT
+from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage, decode_task, encode_task
 from worker.backend import arena_ids
 from worker.main import InProgressFIFO, Poller, load_cells
@@ -48,24 +48,23 @@ def io_array(backend, kind_key: str):
     return SharedArray(info.kind.dtype, (info.rows, *info.kind.shape), name=info.shm_name)
 
 
-def lstm_step_task(task_id: int, kinds, tokens_io: list[int], h_in: list[int], h_out: list[int], results_io):
-    """One LSTM step for len(h_out) rows: tokens uploaded from io rows, (h, c) read and written in pairs."""
+def lstm_step_task(task_id: int, kinds, tokens: list[int], h_in: list[int], h_out: list[int], results_io):
+    """One LSTM step for len(h_out) rows: tokens sent inline, (h, c) read and written in pairs."""
     ids = arena_ids(kinds)
     tok_kind = next(k for k in kinds if k.dtype == "int64")
     state_kind = next(k for k in kinds if k.dtype == "float32")
-    tok_dev, tok_io = ids[tok_kind]
+    tok_dev, _ = ids[tok_kind]
     state_dev, state_io = ids[state_kind]
     n = len(h_out)
-    upload_rows = list(range(FIRST_FREE_SLOT + 40, FIRST_FREE_SLOT + 40 + n))
+    inline = (np.arange(n), np.array(tokens, dtype=np.int64).tobytes())
     return TaskMessage(
         task_id,
         0,
         n,
-        [(tok_io, np.array(tokens_io), tok_dev, np.array(upload_rows))],
         [
-            (tok_dev, np.array(upload_rows), None, None),
-            (state_dev, np.array(h_in), None, None),
-            (state_dev, np.array([s + 1 if s not in (ZERO_SLOT,) else ZERO_SLOT for s in h_in]), None, None),
+            (tok_dev, np.full(n, ZERO_SLOT), None, None, inline),
+            (state_dev, np.array(h_in), None, None, None),
+            (state_dev, np.array([s + 1 if s not in (ZERO_SLOT,) else ZERO_SLOT for s in h_in]), None, None, None),
         ],
         [(state_dev, np.array(h_out)), (state_dev, np.array([s + 1 for s in h_out]))],
         [(state_dev, np.array(h_out), state_io, np.array(results_io))] if results_io else [],
@@ -84,18 +83,16 @@ def run_two_steps(device: str, cells) -> np.ndarray:
     specs, modules, kinds, _ = cells
     backend = make_backend(device, cells)
     try:
-        tokens = io_array(backend, "int64[]")
         results = io_array(backend, "float32[64]")
-        tokens.array[2:6] = [5, 9, 7, 3]  # sequence A = 5, 7; sequence B = 9, 3
-        first = lstm_step_task(1, kinds, [2, 3], [ZERO_SLOT, ZERO_SLOT], [10, 12], None)
-        second = lstm_step_task(2, kinds, [4, 5], [10, 12], [20, 22], [2, 3])
+        # sequence A = 5, 7; sequence B = 9, 3
+        first = lstm_step_task(1, kinds, [5, 9], [ZERO_SLOT, ZERO_SLOT], [10, 12], None)
+        second = lstm_step_task(2, kinds, [7, 3], [10, 12], [20, 22], [2, 3])
         # The second task depends on the first: issued at once, the stream's FIFO order makes it correct.
         backend.issue(decode_task(encode_task(first)))
         backend.issue(decode_task(encode_task(second)))
         wait_signal(backend, 2)
         assert backend.finish(1) is None and backend.finish(2) is None
         out = results.array[2:4].copy()
-        tokens.close()
         results.close()
         return out
     finally:

@@ -28,9 +28,10 @@ _STOP = object()
 _STALL = object()  # test hook: the stream blocks forever, like a hung device
 
 SlotCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-Upload = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 RemoteInput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (peer arena, peer slots, positions in the batch)
-InputRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[RemoteInput]]  # arena, slots, segments, remote
+Inline = tuple[torch.Tensor, torch.Tensor]  # (positions in the batch, rows)
+# arena, slots, segments, remote, inline
+InputRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[RemoteInput], Inline | None]
 
 
 @dataclass
@@ -39,7 +40,6 @@ class IssuedTask:
 
     task_id: int
     cell: nn.Module
-    uploads: list[Upload]  # (rows gathered from the io arena at issue time, arena, slots)
     inputs: list[InputRows]
     outputs: list[tuple[torch.Tensor, torch.Tensor]]
     downloads: list[SlotCopy]
@@ -57,25 +57,36 @@ def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Modul
     return IssuedTask(
         task.task_id,
         cells[task.cell_index],
-        [(tensors[a].index_select(0, index(s)), tensors[b], index(t)) for a, s, b, t in task.uploads],
         [
-            (tensors[a], index(s), None if g is None else index(g), [(peers[(w, b)], index(t), index(p)) for w, b, t, p in r or ()])
-            for a, s, g, r in task.inputs
+            (
+                tensors[a],
+                index(s),
+                None if g is None else index(g),
+                [(peers[(w, b)], index(t), index(p)) for w, b, t, p in r or ()],
+                None if v is None else (index(v[0]), inline_rows(v[1], tensors[a])),
+            )
+            for a, s, g, r, v in task.inputs
         ],
         [(tensors[a], index(s)) for a, s in task.outputs],
         [(tensors[a], index(s), tensors[b], index(t)) for a, s, b, t in task.downloads],
     )
 
 
+def inline_rows(data: bytes, arena: torch.Tensor) -> torch.Tensor:
+    """External values sent in the task, as rows shaped like the arena's (on the host)."""
+    return torch.frombuffer(bytearray(data), dtype=arena.dtype).view(-1, *arena.shape[1:])
+
+
 def run_task(task: IssuedTask) -> None:
     """Gather, compute, scatter: the body of every task on every backend."""
-    for rows, dst, dst_slots in task.uploads:
-        dst.index_copy_(0, dst_slots, rows.to(dst.device, non_blocking=True))
     batch = []
-    for arena, slots, segments, remote in task.inputs:
+    for arena, slots, segments, remote, inline in task.inputs:
         rows = arena.index_select(0, slots)
         for peer, peer_slots, positions in remote:  # values another worker produced (its task has completed)
             rows.index_copy_(0, positions.to(rows.device), peer.index_select(0, peer_slots).to(rows.device))
+        if inline is not None:  # the requests' own inputs
+            positions, values = inline
+            rows.index_copy_(0, positions.to(rows.device), values.to(rows.device, non_blocking=True))
         batch.append(rows)
         if segments is not None:
             batch.append(segments)
@@ -96,9 +107,9 @@ def warm_up_cells(cells: list[nn.Module], specs: list[CellTypeSpec], tensors: li
             for port, kind in enumerate(spec.inputs):
                 slots = torch.full((size,), ZERO_SLOT, dtype=torch.int64)
                 segments = torch.arange(size) if port in spec.ragged_inputs else None  # one zero child per node
-                inputs.append((tensors[ids[kind][0]], slots, segments, []))
+                inputs.append((tensors[ids[kind][0]], slots, segments, [], None))
             outputs = [(tensors[ids[k][0]], torch.full((size,), SCRATCH_SLOT, dtype=torch.int64)) for k in spec.outputs]
-            run_task(IssuedTask(-1, cell, [], inputs, outputs, []))
+            run_task(IssuedTask(-1, cell, inputs, outputs, []))
 
 
 class CpuBackend(Backend):

@@ -18,7 +18,7 @@ from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
 from worker.backend import ArenaInfo, Backend, arena_ids
-from worker.cpu import IssuedTask, PeerArenas, run_task, warm_up_cells
+from worker.cpu import IssuedTask, PeerArenas, inline_rows, run_task, warm_up_cells
 
 SPIN_ROUNDS = 50  # polls without sleeping before backing off
 MAX_BACKOFF_S = 0.0005
@@ -100,18 +100,19 @@ class CudaBackend(Backend):
     def issue(self, task: TaskMessage) -> None:
         tensors, index = self._tensors, self._device_index
         with torch.inference_mode(), torch.cuda.stream(self._stream):
-            uploads = []
-            for a, s, b, t in task.uploads:
-                rows = tensors[a].index_select(0, torch.from_numpy(s.copy())).pin_memory()
-                uploads.append((rows, tensors[b], index(t)))
             run_task(
                 IssuedTask(
                     task.task_id,
                     self._cells[task.cell_index],
-                    uploads,
                     [
-                        (tensors[a], index(s), None if g is None else index(g), self._remote(r))
-                        for a, s, g, r in task.inputs
+                        (
+                            tensors[a],
+                            index(s),
+                            None if g is None else index(g),
+                            self._remote(r),
+                            None if v is None else (index(v[0]), inline_rows(v[1], tensors[a]).pin_memory()),
+                        )
+                        for a, s, g, r, v in task.inputs
                     ],
                     [(tensors[a], index(s)) for a, s in task.outputs],
                     [],
