@@ -108,7 +108,7 @@ class CellGraph:
     """
 
     nodes: list[NodeSpec] = field(default_factory=list)
-    externals: list[np.ndarray] = field(default_factory=list)
+    externals: list[Any] = field(default_factory=list)  # arrays, or numbers for scalar kinds
     results: dict[str, NodeOutput] = field(default_factory=dict)
     watch: list[NodeOutput] = field(default_factory=list)
     state: Any = None

@@ -104,7 +104,7 @@ class Dispatcher:
                             _read_remote(remote[port], producer, child.port, len(flat), in_kinds[port])
                             flat.append(ZERO_SLOT)
                         rows.append(row)
-            outs = tuple(allocator.take() for allocator in out_allocators)
+            outs = tuple([allocator.take() for allocator in out_allocators])
             node.out_slots = outs
             for port, slot in enumerate(outs):
                 out_slots[port][row] = slot

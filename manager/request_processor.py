@@ -35,7 +35,7 @@ def split_subgraphs(request: Request) -> list[Subgraph]:
             subgraph = Subgraph(node.cell.key, request)
             members[subgraph] = [node]
         else:
-            subgraph = max(joined, key=lambda s: len(members[s]))
+            subgraph = joined[0] if len(joined) == 1 else max(joined, key=lambda s: len(members[s]))
             group = members[subgraph]
             for other in joined:
                 if other is not subgraph:
@@ -87,31 +87,43 @@ class RequestProcessor:
         return request
 
     def _build_nodes(self, request: Request) -> None:
-        """Node records with producer/consumer links, checking the graph a model's unfold produced."""
+        """Node records with producer/consumer links, checking the graph a model's unfold produced.
+
+        Runs for every cell of every request: the common cases come first."""
         graph = request.graph
+        externals = len(graph.externals)
         nodes: list[NodeState] = []
         for index, spec in enumerate(graph.nodes):
             cell = self._cell_types.get(spec.cell_type)
             if cell is None:
                 raise _invalid(request, f"node {index} has unknown cell type {spec.cell_type!r}")
-            if len(spec.inputs) != len(cell.inputs):
+            kinds = cell.inputs
+            if len(spec.inputs) != len(kinds):
                 raise _invalid(request, f"node {index} gives {len(spec.inputs)} inputs to {cell.key}")
             node = NodeState(spec, cell, request)
             producers = node.producers
             for port, ref in enumerate(spec.inputs):
-                refs = ref.refs if type(ref) is Ragged else (ref,) if type(ref) is NodeOutput else ()
-                if (type(ref) is Ragged) != (port in cell.ragged_inputs):
+                ref_type = type(ref)
+                if ref_type is NodeOutput:
+                    refs: tuple[NodeOutput, ...] = (ref,)
+                elif ref_type is External:
+                    if not 0 <= ref.index < externals:
+                        raise _invalid(request, f"node {index} reads external value {ref.index}, which does not exist")
+                    refs = ()
+                elif ref_type is Ragged:
+                    refs = ref.refs
+                else:
+                    refs = ()
+                if (ref_type is Ragged) != (port in cell.ragged_inputs):
                     raise _invalid(request, f"node {index} input {port}: ragged values go to ragged inputs only")
                 for source in refs:
                     if not 0 <= source.node < index:
                         raise _invalid(request, f"node {index} reads node {source.node}, not an earlier node")
                     producer = nodes[source.node]
-                    if producer.cell.outputs[source.port] != cell.inputs[port]:
+                    if producer.cell.outputs[source.port] != kinds[port]:
                         raise _invalid(request, f"node {index} input {port} has the wrong kind")
                     if producer not in producers:
                         producers.append(producer)
-                if type(ref) is External and not 0 <= ref.index < len(graph.externals):
-                    raise _invalid(request, f"node {index} reads external value {ref.index}, which does not exist")
             for source in spec.after:
                 if not 0 <= source < index:
                     raise _invalid(request, f"node {index} runs after node {source}, not an earlier node")
@@ -126,7 +138,8 @@ class RequestProcessor:
         for key, ref in (*graph.results.items(), *enumerate(graph.watch)):
             if not 0 <= ref.node < len(nodes) or not 0 <= ref.port < len(nodes[ref.node].cell.outputs):
                 raise _invalid(request, f"{key!r} names output {ref.port} of node {ref.node}, which does not exist")
-            nodes[ref.node].copies.append((key, ref.port))
+            node = nodes[ref.node]
+            node.copies = [*node.copies, (key, ref.port)]
         if not graph.results and not graph.watch:
             raise _invalid(request, "it has neither results nor watched outputs")
         if graph.last_padding is not None and not 0 <= graph.last_padding < len(nodes):

@@ -33,6 +33,9 @@ class Subgraph:
         self.queued = False
 
 
+NO_COPIES: list = []  # shared and never appended to
+
+
 class NodeState:
     """One cell invocation of one request, from unfold to the freeing of its output slots."""
 
@@ -62,7 +65,7 @@ class NodeState:
         self.producers: list[NodeState] = []  # distinct producer nodes
         self.live_consumers = 0  # consumers that have not completed (or been dropped)
         # Outputs copied back to the host: (result name, port) for results, (index in graph.watch, port) for watched
-        self.copies: list[tuple[str | int, int]] = []
+        self.copies: list[tuple[str | int, int]] = NO_COPIES  # replaced by a list for the few nodes read back
         self.worker: WorkerHandle | None = None
         self.out_slots: tuple[int, ...] = ()
         self.completed = False

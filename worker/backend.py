@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from common.graph import ValueKind
@@ -80,6 +81,11 @@ class Backend(ABC):
     @abstractmethod
     def wait_for_signal(self, seen: int, timeout: float) -> None:
         """Return once the signal exceeds `seen` or after `timeout` seconds, without burning a core."""
+
+    def report_from_stream(self, report: Callable[[int], None]) -> bool:
+        """Have the stream itself call `report(signal)` after each task, in place of a poller
+        watching the signal; returns False where the stream cannot run host code (a device)."""
+        return False
 
     @abstractmethod
     def finish(self, task_id: int) -> str | None:

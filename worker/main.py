@@ -67,19 +67,51 @@ class Poller(threading.Thread):
 
     Every message carries the counter, and one is sent at least every HEARTBEAT_S, so the
     manager sees both that this process is alive and whether its stream makes progress.
+    Where the stream is a thread of this process (CPU), the stream sends the completion
+    notices itself and this thread only sends heartbeats.
     """
 
     def __init__(self, context: zmq.Context, address: str, worker_id: int, backend: Backend, fifo: InProgressFIFO):
         super().__init__(name="poller", daemon=True)
-        self._socket = context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.connect(address)
+        self._context = context
+        self._address = address
+        self._socket = self._connect()
+        self._stream_socket: zmq.Socket | None = None  # created on the stream thread, used only there
         self._worker_id = worker_id
         self._backend = backend
         self._fifo = fifo
         self.stopping = threading.Event()
 
+    def _connect(self) -> zmq.Socket:
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.connect(self._address)
+        return socket
+
     def run(self) -> None:
+        if self._backend.report_from_stream(self._report_completion):
+            self._heartbeats()
+        else:
+            self._watch_signal()
+        self._socket.close()
+
+    def _report_completion(self, finished: int) -> None:
+        """Called on the stream thread after each task (CPU): one notice per task, on its own socket."""
+        if self._stream_socket is None:
+            self._stream_socket = self._connect()
+        task_id = self._fifo.pop()
+        error = self._backend.finish(task_id)
+        self._stream_socket.send(msgpack.packb([self._worker_id, [task_id], {task_id: error} if error else {}, finished]))
+
+    def close_stream_socket(self) -> None:
+        if self._stream_socket is not None:
+            self._stream_socket.close()
+
+    def _heartbeats(self) -> None:
+        while not self.stopping.wait(HEARTBEAT_S):
+            self._socket.send(msgpack.packb([self._worker_id, [], {}, self._backend.signal()]))
+
+    def _watch_signal(self) -> None:
         done = 0
         last_sent = 0.0
         while not self.stopping.is_set():
@@ -103,7 +135,6 @@ class Poller(threading.Thread):
                 self._fifo.wait_for_work(IDLE_WAIT_S)
             else:
                 self._backend.wait_for_signal(done, IDLE_WAIT_S)
-        self._socket.close()
 
 
 def load_cells(config: Config) -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
@@ -201,9 +232,10 @@ class Worker:
         finally:
             poller.stopping.set()
             poller.join(timeout=2)
+            self._backend.close()  # the stream has stopped: its socket can be closed from here
+            poller.close_stream_socket()
             self._socket.close()
             self._context.term()
-            self._backend.close()
 
     def _issue_loop(self) -> None:
         socket = self._socket

@@ -179,7 +179,7 @@ def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.nda
         if array.dtype.kind not in "iu" or array.ndim != 1:
             raise RequestError(INVALID_INPUT, f"{key} must be a 1-D integer tensor, got {array.dtype}{list(array.shape)}")
     elif isinstance(raw, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        if not set(map(type, raw)) <= {int}:  # bool is not an int here, nor are int subclasses
             raise RequestError(INVALID_INPUT, f"{key} must be a list of integer token ids")
         try:
             array = np.array(raw, dtype=np.int64)

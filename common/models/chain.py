@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from common.config import ModelConfig
-from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
 from common.models.base import Model, check_params, int_param, token_ids
 
 TOKEN = ValueKind("int64", ())
@@ -85,19 +85,25 @@ class ChainModel(Model):
         return self._unfold(tokens, -(-len(tokens) // bucket_width) * bucket_width)
 
     def _unfold(self, tokens: np.ndarray, padded_length: int | None) -> CellGraph:
-        """Layers of steps over the tokens, then padding steps (token 0) up to `padded_length`."""
+        """Layers of steps over the tokens, then padding steps (token 0) up to `padded_length`.
+
+        Written for speed: the manager runs this for every request, on its critical path."""
         graph = CellGraph()
-        below: list[Any] = [graph.add_external(token) for token in tokens]
+        graph.externals = tokens.tolist()
+        below: list[Any] = [External(i) for i in range(len(tokens))]
         if padded_length is not None:
-            below += [graph.add_external(np.int64(0))] * (padded_length - len(tokens))
+            graph.externals.append(0)
+            below += [External(len(tokens))] * (padded_length - len(tokens))
         last = len(tokens) - 1
         ports = range(len(self.state_names))
+        nodes = graph.nodes
         for key in self.layer_keys:
             state: tuple[Any, ...] = (ZERO,) * len(self.state_names)
             outputs = []
             for step, x in enumerate(below):
-                node = graph.add_node(key, x, *state)
-                state = tuple(NodeOutput(node, port) for port in ports)
+                node = len(nodes)
+                nodes.append(NodeSpec(key, (x, *state)))
+                state = tuple([NodeOutput(node, port) for port in ports])
                 outputs.append(state[0])
                 if step == last:
                     final = state
