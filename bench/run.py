@@ -123,7 +123,7 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
                 moderate = {}
                 for fraction, rate in zip(MODERATE, moderate_rates):
                     progress.note(f"{preset.name}: {policy} at {rate:.0f} req/s ({fraction:.0%} of {preset.reference})")
-                    moderate[str(fraction)] = served.measure(inputs, rate, sweep.seconds, seed=100)
+                    moderate[str(fraction)] = served.measure(inputs, rate, sweep.seconds, seed=100, keep_cdf=True)
                     progress.advance()
                 progress.note(f"{preset.name}: {policy}: checking answers")
                 check = verify(served.address, model, state, inputs[: sweep.verify_requests])

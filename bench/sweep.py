@@ -14,7 +14,7 @@ from clients import Client
 from clients.loadgen import Sample, percentiles, run_open_loop
 from manager.launcher import launch, stop_server, wait_until_ready
 
-CDF_POINTS = 200  # quantiles kept of the queueing and computation times at the moderate load
+CDF_POINTS = 101  # quantiles kept of the queueing and computation times (at moderate loads only)
 IDLE_TIMEOUT_S = 120.0
 
 
@@ -65,15 +65,21 @@ class ServedPolicy:
             time.sleep(0.2)
         raise SystemExit(f"the {self.policy} server still had requests in flight {IDLE_TIMEOUT_S:.0f} s after a load")
 
-    def measure(self, inputs: list[dict[str, Any]], rate: float, seconds: float, seed: int) -> dict[str, Any]:
-        """Poisson arrivals at `rate` for `seconds`; throughput, latency, queueing, compute and batch size."""
+    def measure(
+        self, inputs: list[dict[str, Any]], rate: float, seconds: float, seed: int, keep_cdf: bool = False
+    ) -> dict[str, Any]:
+        """Poisson arrivals at `rate` for `seconds`; throughput, latency, queueing, compute and batch size
+        (and the CDFs of queueing and compute time, if asked)."""
         before = self.stats()
         samples = asyncio.run(
             run_open_loop(self.address, self.model, inputs, rate, seconds, seed=seed, timeout=60, keep_outputs=False)
         )
         self.wait_idle()
         after = self.stats()
-        return point(samples, rate, before, after)
+        result = point(samples, rate, before, after)
+        if not keep_cdf:
+            del result["cdf"]
+        return result
 
 
 def point(samples: list[Sample], rate: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -247,7 +247,10 @@ class RequestProcessor:
         return replayed
 
     def _drop_unsubmitted(self, request: Request) -> None:
-        """Nodes that will never run release their claim on their producers' outputs."""
+        """Nodes that will never run release their claim on their producers' outputs (once)."""
+        if request.dropped:
+            return
+        request.dropped = True
         self._scheduler.discard(request.subgraphs)
         for node in request.nodes:
             if node.worker is None:

@@ -91,6 +91,7 @@ class Request:
         "done",
         "group",
         "answer_held",
+        "dropped",
     )
 
     def __init__(self, client: bytes, request_id: Any, model: Model, inputs: Any, graph: CellGraph, arrival: float):
@@ -111,6 +112,7 @@ class Request:
         self.done = False  # replied to (answer or error); remaining nodes are dropped
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.answer_held = False  # answer known, held until the rest of its group ends
+        self.dropped = False  # its unsubmitted nodes were dropped: they will never run
 
 
 class Group:

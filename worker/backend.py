@@ -8,8 +8,8 @@ stream advances after each task, in stream order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from common.graph import ValueKind

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
