@@ -99,7 +99,8 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
         inputs = DATASETS[preset.dataset]()
         progress.note(f"{preset.name}: raw kernel")
         per_request = cells_per_request(model, state, inputs)
-        measured = kernel.measure(model, config.server.threads_per_worker, min_seconds=0.3 if sweep.seconds < 5 else 1.0)
+        kernel_seconds = 0.3 if sweep.seconds < 5 else 1.0
+        measured = kernel.measure(model, config.server.threads_per_worker, kernel_seconds)
         ideal = kernel.ideal(measured, per_request)
         rates = [fraction * ideal["requests_per_s"] for fraction in sweep.fractions]
         policies: dict[str, Any] = {}
@@ -129,6 +130,11 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
                 check = verify(served.address, model, state, inputs[: sweep.verify_requests])
                 progress.advance()
             policies[policy] = {"points": points, "moderate": moderate, "verify": check}
+        # Measured again after the sweeps, on a machine that has warmed up; the faster run is the ideal.
+        progress.note(f"{preset.name}: raw kernel again")
+        again = kernel.measure(model, config.server.threads_per_worker, kernel_seconds)
+        measured = {key: max(cell, again[key], key=lambda c: c["cells_per_s"]) for key, cell in measured.items()}
+        ideal = kernel.ideal(measured, per_request)
     return {
         "preset": preset.name,
         "description": preset.description,

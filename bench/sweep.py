@@ -88,7 +88,10 @@ def point(samples: list[Sample], rate: float, before: dict[str, Any], after: dic
     for s in samples:
         if s.error is not None:
             errors[s.error] = errors.get(s.error, 0) + 1
-    span = max((s.received for s in samples), default=0.0)
+    # Requests answered per second of the run; the run's span is measured from the first send plus
+    # the quickest answer (the pipeline's own delay) to the last answer, so that a server keeping up
+    # scores the offered rate and an overloaded one scores the rate at which it drains its backlog.
+    span = max((s.received for s in samples), default=0.0) - min((s.latency for s in ok), default=0.0)
     tasks = after["tasks"] - before["tasks"]
     cells = after["nodes"] - before["nodes"]
     queue_ms = [s.timing["queue_us"] / 1e3 for s in ok]
