@@ -9,6 +9,7 @@ import numpy as np
 
 from clients import AsyncClient
 from common.models.base import Model
+from common.models.seq2seq import decoding_mismatch
 
 TOLERANCE = 1e-4  # float32, hidden 256: batched and unbatched sums differ in the last bits
 NEAR_TIE = 1e-4  # a decoded token may differ only where the reference's top-two logits are this close
@@ -20,25 +21,16 @@ def mismatch(model: Model, state: dict, inputs: dict[str, Any], outputs: dict[st
     worst = 0.0
     for name, value in outputs.items():
         want = expected[name]
-        if np.asarray(want).dtype.kind in "iu":
-            problem = _token_mismatch(np.asarray(value), expected)
+        if np.asarray(want).dtype.kind in "iu":  # decoded tokens: equal, but for argmax near-ties
+            if "margins" in expected:
+                problem = decoding_mismatch(np.asarray(value), expected, NEAR_TIE)
+            else:
+                problem = None if np.array_equal(value, want) else f"{name} is {value}, expected {want}"
             if problem:
                 return worst, problem
         else:
             worst = max(worst, float(np.abs(np.asarray(value) - want).max()))
     return worst, None
-
-
-def _token_mismatch(got: np.ndarray, expected: dict[str, Any]) -> str | None:
-    want = np.asarray(expected["tokens"])
-    n = min(len(got), len(want))
-    diverged = next((i for i in range(n) if got[i] != want[i]), None)
-    if diverged is None and len(got) == len(want):
-        return None
-    step = diverged if diverged is not None else n
-    if expected["margins"][step] < NEAR_TIE:
-        return None
-    return f"decoded {got.tolist()} but the reference gives {want.tolist()}"
 
 
 async def _ask(address: str, model: str, requests: list[dict[str, Any]]) -> list[Any]:

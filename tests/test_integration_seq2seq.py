@@ -10,19 +10,14 @@ from conftest import SMALL_GRU, SMALL_SEQ2SEQ, start_server, stop_server, wait_i
 
 from clients import AsyncClient
 from common.models import build_model
+from common.models.seq2seq import decoding_mismatch
 
 NEAR_TIE = 1e-4
 
 
 def assert_same_decoding(got: np.ndarray, expected: dict) -> None:
-    """Equal token sequences; a divergence is only excused at a float near-tie of the argmax."""
-    want = expected["tokens"]
-    n = min(len(got), len(want))
-    diverged = next((i for i in range(n) if got[i] != want[i]), None)
-    if diverged is None and len(got) == len(want):
-        return
-    step = diverged if diverged is not None else n
-    assert expected["margins"][step] < NEAR_TIE, f"decoded {got.tolist()} but the reference gives {want.tolist()}"
+    problem = decoding_mismatch(got, expected, NEAR_TIE)
+    assert problem is None, problem
 
 
 async def load(address: str, per_client: list[list[dict]]) -> list[list]:

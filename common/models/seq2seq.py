@@ -262,5 +262,22 @@ class Seq2SeqModel(Model):
         return {"tokens": np.array(decoded, dtype=np.int64), "margins": np.array(margins, dtype=np.float32)}
 
 
+def decoding_mismatch(got: np.ndarray, expected: dict[str, Any], near_tie: float = 1e-4) -> str | None:
+    """Why served tokens differ from the reference's decoding, or None if they do not.
+
+    Batched and unbatched float32 differ in the last bits, so an argmax at a near-tie can
+    flip: a divergence is excused at a step where the reference's top-two logits are
+    closer than `near_tie` (its `margins`)."""
+    want = np.asarray(expected["tokens"])
+    n = min(len(got), len(want))
+    diverged = next((i for i in range(n) if got[i] != want[i]), None)
+    if diverged is None and len(got) == len(want):
+        return None
+    step = diverged if diverged is not None else n
+    if expected["margins"][step] < near_tie:
+        return None
+    return f"decoded {np.asarray(got).tolist()} but the reference gives {want.tolist()}"
+
+
 def build(config: ModelConfig) -> Seq2SeqModel:
     return Seq2SeqModel(config)

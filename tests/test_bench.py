@@ -1,0 +1,105 @@
+"""The benchmark suite's parts, offline: datasets, the ideal from the raw kernel, load points,
+saturation, the summary and targets, and the plots. (`./scripts/bench all --quick` runs it whole.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import plots, report
+from bench.__main__ import _finite
+from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
+from bench.kernel import ideal
+from bench.sweep import point, saturated
+from clients.loadgen import Sample
+
+
+def lengths(name: str) -> np.ndarray:
+    return np.array([len(request["tokens"]) for request in DATASETS[name]()])
+
+
+def test_sequence_datasets_have_the_documented_shapes():
+    wmt = lengths("wmt")
+    assert len(wmt) > 1000 and wmt.min() >= 1 and 20 < wmt.mean() < 25
+    assert set(lengths("fixed")) == {FIXED_LENGTH}
+    tail = lengths("longtail")
+    assert tail.max() == LONGEST and 0.97 < (tail < 100).mean() < 0.995 and 22 < tail.mean() < 30
+
+
+def test_tree_datasets_are_valid_trees():
+    sst = DATASETS["sst"]()
+    assert len(sst) > 9000
+    (tree16,) = DATASETS["tree16"]()
+    parents = tree16["tree"]["parents"]
+    leaves = [node for node in range(len(parents)) if node not in parents]
+    assert len(parents) == 31 and len(leaves) == 16
+
+
+def test_ideal_runs_every_cell_in_full_batches():
+    kernel = {"m/enc": {"cells_per_s": 1000.0}, "m/dec": {"cells_per_s": 500.0}}
+    result = ideal(kernel, {"m/enc": 10, "m/dec": 5})
+    assert result["requests_per_s"] == pytest.approx(1 / (10 / 1000 + 5 / 500))
+    assert result["cells_per_s"] == pytest.approx(15 * result["requests_per_s"])
+
+
+def samples(rate: float, seconds: float, latency: float, refused: int = 0) -> list[Sample]:
+    made = []
+    for i in range(int(rate * seconds)):
+        sample = Sample(i, scheduled=i / rate, sent=i / rate, received=i / rate + latency)
+        sample.timing = {"queue_us": 1000, "compute_us": int(latency * 1e6) - 1000, "total_us": int(latency * 1e6)}
+        sample.error = "OVERLOADED" if i < refused else None
+        made.append(sample)
+    return made
+
+
+def test_a_point_scores_the_offered_rate_when_the_server_keeps_up():
+    result = point(samples(100, 10, 0.05), 100, {"tasks": 0, "nodes": 0}, {"tasks": 50, "nodes": 400})
+    assert result["achieved_rps"] == pytest.approx(100, rel=0.02)
+    assert result["mean_batch_size"] == 8 and result["latency_ms"]["p50"] == pytest.approx(50)
+    assert not saturated(result)
+    assert saturated(point(samples(100, 10, 0.05, refused=50), 100, {"tasks": 0, "nodes": 0}, {"tasks": 1, "nodes": 1}))
+
+
+def synthetic_result() -> dict:
+    def run(peak: float, p90: float) -> dict:
+        def at(rate: float, latency: float) -> dict:
+            cdf = {"queue_ms": list(np.linspace(0.1, latency / 4, 101)), "compute_ms": list(np.linspace(1, latency, 101))}
+            pct = {"p50": latency / 2, "p90": latency, "p99": latency * 2}
+            return {"offered_rps": rate, "achieved_rps": min(rate, peak), "latency_ms": pct,
+                    "queue_ms": {k: v / 4 for k, v in pct.items()}, "compute_ms": pct, "mean_batch_size": 32.0,
+                    "errors": {}, "sent": 100, "cdf": cdf}
+
+        return {"points": [at(100, p90), at(peak, p90 * 3), at(peak * 2, p90 * 50)],
+                "moderate": {"0.25": at(peak / 4, p90), "0.5": at(peak / 2, p90)}, "verify": {"ok": True}}
+
+    return {
+        "preset": "lstm", "description": "test", "reference_policy": "padded", "max_tasks_to_submit": 5,
+        "kernel": {"cells": {"lstm/layer0": {"batch": 64}}, "ideal": {"requests_per_s": 1000.0}},
+        "dataset": {"cells_per_request": {"lstm/layer0": 20.0}},
+        "policies": {"padded": run(400, 100.0), "cellular": run(600, 30.0)},
+    }
+
+
+def test_summary_and_targets_compare_policies_side_by_side():
+    result = synthetic_result()
+    summary = report.summarize(result)
+    assert summary["cellular"]["peak_throughput"] == 600 and summary["cellular"]["kernel_fraction"] == 0.6
+    assert summary["padded"]["p90_ms_at_50pct_padded_peak"] == 100
+    result["summary"], result["targets"] = summary, report.targets(result, summary)
+    met = {t["what"].split(" at ")[0].split(",")[0]: t["met"] for t in result["targets"]}
+    assert met["cellular peak / padded peak"] is True  # 1.5 >= 1.25
+    assert met["cellular p90 / padded p90"] is True  # 0.3 <= 0.5
+    assert "| cellular | 600 |" in report.table(result)
+    assert all(line.startswith(("met", "MISSED")) for line in report.target_lines(result))
+
+
+def test_plots_and_json_are_written(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    result = synthetic_result()
+    paths = plots.draw(result, tmp_path)
+    assert [p.name for p in paths] == ["lstm-latency.png", "lstm-cdf.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+    assert json.loads(json.dumps(_finite({"x": float("nan"), "y": [1.0, float("inf")]}))) == {"x": None, "y": [1.0, None]}
