@@ -21,9 +21,10 @@ import collections
 from collections.abc import Hashable
 
 from common.config import Config, ConfigError
-from common.graph import CellGraph
+from common.graph import CellGraph, CellTypeSpec
 from common.models.base import Model
-from manager.scheduler import Scheduler
+from manager.agenda import AgendaScheduler
+from manager.scheduler import CapacityFn, Scheduler, SubmitFn
 from manager.state import Group, Request
 from manager.workers import WorkerHandle
 
@@ -126,6 +127,16 @@ class GraphPolicy(GroupPolicy):
             for node in request.nodes:  # depth for the agenda: producers come first
                 node.depth = max((p.depth + 1 for p in node.producers), default=0)
         super()._start(group, worker)
+
+
+def make_scheduler(config: Config, specs: list[CellTypeSpec], submit: SubmitFn, capacity: CapacityFn) -> Scheduler:
+    """The scheduler the configured policy runs on: the graph policy chooses cell types by its
+    agenda, and a baseline's batch runs on one worker (request affinity)."""
+    settings = config.scheduler
+    cellular = settings.policy == "cellular"
+    return (AgendaScheduler if settings.policy == "graph" else Scheduler)(
+        specs, settings.max_tasks_to_submit, submit, capacity, settings.affinity if cellular else "request"
+    )
 
 
 def make_policy(config: Config, models: dict[str, Model], scheduler: Scheduler) -> CellularPolicy:

@@ -37,13 +37,11 @@ from common.protocol import (
     encode,
     error_reply,
 )
-from manager.agenda import AgendaScheduler
 from manager.connections import ClientConnections
 from manager.dispatch import Dispatcher
 from manager.metrics import Metrics
-from manager.policies import make_policy
+from manager.policies import make_policy, make_scheduler
 from manager.request_processor import RequestProcessor
-from manager.scheduler import Scheduler
 from manager.state import NodeState, Request, Task
 from manager.stats import Stats, request_timing
 from manager.workers import WorkerHandle
@@ -105,14 +103,7 @@ class Manager:
         self._next_watch = 0.0
 
         self.dispatcher = Dispatcher(self.specs, self._send_task)
-        policy = config.scheduler.policy
-        self.scheduler = (AgendaScheduler if policy == "graph" else Scheduler)(
-            self.specs,
-            config.scheduler.max_tasks_to_submit,
-            self._submit,
-            self.dispatcher.capacity,
-            config.scheduler.affinity if policy == "cellular" else "request",  # a baseline batch runs on one worker
-        )
+        self.scheduler = make_scheduler(config, self.specs, self._submit, self.dispatcher.capacity)
         self.policy = make_policy(config, self.models, self.scheduler)
         self.processor = RequestProcessor(
             {spec.key: spec for spec in self.specs}, self.scheduler, self.dispatcher, self._finish, self.policy

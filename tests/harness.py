@@ -4,16 +4,15 @@ test says so. Used to check scheduling decisions step by step."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from common.config import Config
 from common.shm import SharedArray
 from common.task import decode_task
-from manager.agenda import AgendaScheduler
 from manager.dispatch import Dispatcher
-from manager.policies import make_policy
+from manager.policies import make_policy, make_scheduler
 from manager.request_processor import RequestProcessor
-from manager.scheduler import Scheduler
 from manager.server import load_models
 from manager.state import Request, Task
 from manager.workers import WorkerHandle
@@ -33,14 +32,9 @@ class Harness:
         self.workers = [self._worker(i, rows) for i in range(workers)]
         self.sent: list[tuple[WorkerHandle, Any]] = []
         self.dispatcher = Dispatcher(self.specs, lambda w, payload: self.sent.append((w, decode_task(payload))))
-        policy = config.scheduler.policy
-        self.scheduler = (AgendaScheduler if policy == "graph" else Scheduler)(
-            self.specs,
-            max_tasks_to_submit,
-            self.dispatcher.submit,
-            self.dispatcher.capacity,
-            affinity if policy == "cellular" else "request",
-        )
+        scheduling = dataclasses.replace(config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity)
+        config = dataclasses.replace(config, scheduler=scheduling)
+        self.scheduler = make_scheduler(config, self.specs, self.dispatcher.submit, self.dispatcher.capacity)
         self.scheduler.several_workers = workers > 1
         self.policy = make_policy(config, self.models, self.scheduler)
         self.finished: list[tuple[Request, Any]] = []

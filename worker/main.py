@@ -99,9 +99,18 @@ class Poller(threading.Thread):
         """Called on the stream thread after each task (CPU): one notice per task, on its own socket."""
         if self._stream_socket is None:
             self._stream_socket = self._connect()
-        task_id = self._fifo.pop()
-        error = self._backend.finish(task_id)
-        self._stream_socket.send(msgpack.packb([self._worker_id, [task_id], {task_id: error} if error else {}, finished]))
+        self._stream_socket.send(self._notice(1, finished))
+
+    def _notice(self, count: int, signal: int) -> bytes:
+        """The completion notice for the next `count` tasks of the in-progress FIFO."""
+        task_ids, errors = [], {}
+        for _ in range(count):
+            task_id = self._fifo.pop()
+            error = self._backend.finish(task_id)
+            task_ids.append(task_id)
+            if error is not None:
+                errors[task_id] = error
+        return msgpack.packb([self._worker_id, task_ids, errors, signal])
 
     def close_stream_socket(self) -> None:
         if self._stream_socket is not None:
@@ -117,15 +126,8 @@ class Poller(threading.Thread):
         while not self.stopping.is_set():
             finished = self._backend.signal()
             if finished > done:
-                task_ids, errors = [], {}
-                for _ in range(finished - done):
-                    task_id = self._fifo.pop()
-                    error = self._backend.finish(task_id)
-                    task_ids.append(task_id)
-                    if error is not None:
-                        errors[task_id] = error
+                self._socket.send(self._notice(finished - done, finished))
                 done = finished
-                self._socket.send(msgpack.packb([self._worker_id, task_ids, errors, done]))
                 last_sent = time.monotonic()
                 continue
             if time.monotonic() - last_sent >= HEARTBEAT_S:

@@ -147,6 +147,11 @@ def cell_layout(models: list[Model]) -> tuple[list[CellTypeSpec], list[ValueKind
     return specs, kinds
 
 
+def padded_length(length: int, bucket_width: int) -> int:
+    """The length a sequence is padded to: the end of its bucket, the next multiple of the width."""
+    return -(-length // bucket_width) * bucket_width
+
+
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -20,7 +20,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
-from common.models.base import Model, check_params, int_param, token_ids
+from common.models.base import Model, check_params, int_param, padded_length, token_ids
 
 TOKEN = ValueKind("int64", ())
 
@@ -82,7 +82,7 @@ class ChainModel(Model):
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
-        return self._unfold(tokens, -(-len(tokens) // bucket_width) * bucket_width)
+        return self._unfold(tokens, padded_length(len(tokens), bucket_width))
 
     def _unfold(self, tokens: np.ndarray, padded_length: int | None) -> CellGraph:
         """Layers of steps over the tokens, then padding steps (token 0) up to `padded_length`.

@@ -28,7 +28,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.models.base import Model, check_params, int_param, token_ids
+from common.models.base import Model, check_params, int_param, padded_length, token_ids
 from common.protocol import INVALID_INPUT, RequestError
 
 TOKEN = ValueKind("int64", ())
@@ -149,7 +149,7 @@ class Seq2SeqModel(Model):
             h, c = NodeOutput(node, 0), NodeOutput(node, 1)
         after: tuple[int, ...] = ()
         if bucket_width is not None:
-            graph.padded_length = -(-len(source) // bucket_width) * bucket_width
+            graph.padded_length = padded_length(len(source), bucket_width)
             pad_h, pad_c, pad = h, c, graph.add_external(np.int64(0))
             for _ in range(graph.padded_length - len(source)):
                 node = graph.add_node(self.encoder_key, pad, pad_h, pad_c)
