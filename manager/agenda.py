@@ -10,35 +10,19 @@ they batch together later.
 from __future__ import annotations
 
 from manager.scheduler import CellTypeQueue, Scheduler
-from manager.state import NodeState, Subgraph
-from manager.workers import WorkerHandle
 
 
 class AgendaScheduler(Scheduler):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._depth_sums = {key: 0 for key in self.queues}  # total depth of each type's ready nodes
-
     def choose_cell_type(self) -> CellTypeQueue | None:
-        ready = [queue for queue in self._ordered if queue.num_ready > 0]
-        if not ready:
-            return None
-        return min(ready, key=lambda q: self._depth_sums[q.spec.key] / q.num_ready)
-
-    def node_ready(self, node: NodeState) -> None:
-        super().node_ready(node)
-        self._depth_sums[node.subgraph.cell_key] += node.depth
-
-    def discard(self, subgraphs: list[Subgraph]) -> None:
-        for subgraph in subgraphs:
-            self._depth_sums[subgraph.cell_key] -= sum(node.depth for node in subgraph.ready)
-        super().discard(subgraphs)
-
-    def form_batched_task(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[NodeState]:
-        batch = super().form_batched_task(queue, worker)
-        self._depth_sums[queue.spec.key] -= sum(node.depth for node in batch)
-        return batch
-
-    def _put_back(self, queue: CellTypeQueue, batch: list[NodeState]) -> None:
-        super()._put_back(queue, batch)
-        self._depth_sums[queue.spec.key] += sum(node.depth for node in batch)
+        best, lowest = None, 0.0
+        depth = self._store.nodes.arrays["depth"]
+        for queue in self._ordered:
+            if not queue.size:
+                continue
+            ready = self.ready(queue)
+            if not len(ready.lanes):
+                continue
+            mean = float((depth[ready.first] * ready.sizes).sum()) / ready.nodes
+            if best is None or mean < lowest:
+                best, lowest = queue, mean
+        return best

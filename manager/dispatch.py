@@ -1,174 +1,183 @@
-"""SubmitBatchedTask and its counterpart at completion: slots, io rows and the task message.
+"""SubmitBatchedTask and its counterpart at completion: slots, host copies and the task message.
 
-At submission the dispatcher allocates each node's output slots on the chosen
-worker, puts external inputs into the task message, and sends the task.
-At completion it reads result rows back and frees every slot whose consumers
-have all completed.
+At submission the dispatcher gives requests new on the worker their rows there, resolves every
+input of the task's nodes to a slot (a register's latest value, the zero row, or a value read
+from another worker's arena) or to an inline external value, points every output at its
+register's row on the worker, and encodes the task. All of it is numpy over the task's nodes;
+only the few nodes whose outputs the host reads (results, watched values) take Python each.
+At completion it reads those host copies back and frees their io rows.
 """
 
 from __future__ import annotations
 
-import collections
 import time
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.graph import CellTypeSpec, External, NodeOutput, Ragged, ValueKind
+from common.graph import CellTypeSpec, ValueKind
+from common.plan import ZERO_REF
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage, encode_task
-from manager.state import NodeState, Task
+from manager.state import Request, Task
+from manager.store import PlanStore, RequestTable
 from manager.workers import WorkerHandle
 
-
-class _Needs:
-    """Rows one node of a cell type may need, per kind: io rows for the host copies of its results
-    (worst case), and device rows for its outputs counted twice. The second share stays free for the
-    nodes that will read those outputs: a node's outputs are held until its consumers have run, so
-    if a batch could fill the arena, nothing could take its next step and a full arena would deadlock.
-    External inputs take no rows: they travel inline, in the task."""
-
-    def __init__(self, spec: CellTypeSpec):
-        outputs = collections.Counter(spec.outputs)
-        self.device = [(kind, 2 * count) for kind, count in outputs.items()]
-        self.io = list(outputs.items())
+if TYPE_CHECKING:
+    from manager.scheduler import Ready
 
 
-def _read_remote(
-    remote: dict[tuple[int, int], tuple[list[int], list[int]]],
-    producer: NodeState,
-    port: int,
-    position: int,
-    kind: ValueKind,
-) -> None:
-    """Have the worker read this input from the producer's worker's arena (its task has completed)."""
-    peer = producer.worker
-    slots, positions = remote.setdefault((peer.worker_id, peer.arena_id[kind]), ([], []))
-    slots.append(producer.out_slots[port])
-    positions.append(position)
+def _expand(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """first[i], first[i] + 1, ..., first[i] + counts[i] - 1 for every i, concatenated."""
+    if len(counts) == len(first) and (counts == 1).all():
+        return first
+    total = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    return np.repeat(first - starts, counts) + np.arange(total)
 
 
 class Dispatcher:
-    def __init__(self, specs: list[CellTypeSpec], send: Callable[[WorkerHandle, bytes], None]):
-        self._cell_index = {spec.key: i for i, spec in enumerate(specs)}
-        self._needs = {spec.key: _Needs(spec) for spec in specs}
-        self._send = send
+    def __init__(self, table: RequestTable, store: PlanStore, workers: dict[int, WorkerHandle]):
+        self._table = table
+        self._store = store
+        self._workers = workers
         self._next_task_id = 1
 
-    def capacity(self, spec: CellTypeSpec, worker: WorkerHandle) -> int:
-        """How many nodes of this cell type fit in the worker's free rows (at most one full batch)."""
-        needs = self._needs[spec.key]
+    @staticmethod
+    def capacity(spec: CellTypeSpec, worker: WorkerHandle) -> int:
+        """How many nodes of this cell type the worker's io rows can take copies of (at most a full batch)."""
         limit = spec.max_batch
-        for kind, count in needs.device:
-            limit = min(limit, worker.slots[kind].available // count)
-        for kind, count in needs.io:
-            limit = min(limit, worker.io_slots[kind].available // count)
+        for kind in set(spec.outputs):
+            limit = min(limit, worker.io_slots[kind].available // spec.outputs.count(kind))
         return limit
 
-    def submit(self, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle) -> Task:
-        size = spec.padded_size(len(nodes))
-        task = Task(self._next_task_id, spec, nodes, worker, size)
+    def submit(self, spec: CellTypeSpec, cell_index: int, taken: Ready, worker: WorkerHandle) -> Task:
+        table, store = self._table, self._store
+        rows, counts = taken.rows, taken.sizes
+        count = int(counts.sum())
+        size = spec.padded_size(count)
+        task = Task(self._next_task_id, spec, worker, size, rows, counts)
         self._next_task_id += 1
-        in_kinds, out_kinds, ragged = spec.inputs, spec.outputs, spec.ragged_inputs
-        in_slots = [[] if port in ragged else [ZERO_SLOT] * size for port in range(len(in_kinds))]
-        segments: list[list[int] | None] = [[] if port in ragged else None for port in range(len(in_kinds))]
-        remote: list[dict[tuple[int, int], tuple[list[int], list[int]]]] = [{} for _ in in_kinds]
-        inline: list[tuple[list[int], list[np.ndarray]] | None] = [None] * len(in_kinds)
-        out_slots = [[SCRATCH_SLOT] * size for _ in out_kinds]
-        downloads: dict[ValueKind, tuple[list[int], list[int]]] = {}
-        out_allocators = [worker.slots[kind] for kind in out_kinds]
-        for row, node in enumerate(nodes):
-            node.worker = worker
-            request = node.request
-            for port, ref in enumerate(node.spec.inputs):
-                kind_of_ref = type(ref)
-                if kind_of_ref is NodeOutput:
-                    producer = request.nodes[ref.node]
-                    if producer.worker is worker:
-                        in_slots[port][row] = producer.out_slots[ref.port]
-                    else:
-                        _read_remote(remote[port], producer, ref.port, row, in_kinds[port])
-                elif kind_of_ref is External:
-                    values = inline[port]
-                    if values is None:
-                        values = inline[port] = ([], [])
-                    values[0].append(row)
-                    values[1].append(request.graph.externals[ref.index])
-                elif kind_of_ref is Ragged:
-                    flat, rows = in_slots[port], segments[port]
-                    for child in ref.refs:
-                        producer = request.nodes[child.node]
-                        if producer.worker is worker:
-                            flat.append(producer.out_slots[child.port])
-                        else:
-                            _read_remote(remote[port], producer, child.port, len(flat), in_kinds[port])
-                            flat.append(ZERO_SLOT)
-                        rows.append(row)
-            outs = tuple([allocator.take() for allocator in out_allocators])
-            node.out_slots = outs
-            for port, slot in enumerate(outs):
-                out_slots[port][row] = slot
-            for key, port in node.copies:
-                kind = out_kinds[port]
-                io_slot = worker.io_slots[kind].take()
-                device_rows, io_rows = downloads.setdefault(kind, ([], []))
-                device_rows.append(outs[port])
-                io_rows.append(io_slot)
-                task.results.append((node, key, kind, io_slot))
-        message = TaskMessage(
-            task.task_id,
-            self._cell_index[spec.key],
-            size,
-            [
-                (
-                    worker.arena_id[k],
-                    slots,
-                    rows,
-                    [(w, a, peer, at) for (w, a), (peer, at) in far.items()] or None,
-                    None if values is None else (values[0], np.asarray(values[1], dtype=k.dtype).tobytes()),
-                )
-                for k, slots, rows, far, values in zip(in_kinds, in_slots, segments, remote, inline)
-            ],
-            [(worker.arena_id[k], slots) for k, slots in zip(out_kinds, out_slots)],
-            [(worker.arena_id[k], dev, worker.io_arena_id[k], io) for k, (dev, io) in downloads.items()],
-        )
+        for row in rows[table.home[rows] != worker.worker_id]:
+            self._place(table.requests[row], worker)
+        nodes = _expand(taken.first, counts)
+        node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows
+        reg_base = table.reg_base[node_rows]
+        node_data = store.nodes.arrays
+        registers = store.registers.arrays
+        inputs = []
+        for port, kind in enumerate(spec.inputs):
+            arena = worker.arena_id[kind]
+            if port in spec.ragged_inputs:
+                inputs.append(self._ragged(port, kind, nodes, node_rows, worker))
+                continue
+            refs = node_data["inputs"][nodes, port]
+            slots = np.full(size, ZERO_SLOT, np.int64)
+            remote = inline = None
+            held = refs >= 0
+            if held.any():
+                where = reg_base[held] + refs[held]
+                slots[:count][held] = registers["slot"][where]
+                remote = self._remote(np.flatnonzero(held), registers["worker"][where], slots, worker, kind)
+            external = refs <= -2
+            if external.any():
+                at = table.ext_base[node_rows[external], table.kinds[kind]] + (-2 - refs[external])
+                inline = (np.flatnonzero(external), store.externals[kind].arrays["values"][at].tobytes())
+            inputs.append((arena, slots, None, remote, inline))
+        outputs = []
+        for port, kind in enumerate(spec.outputs):
+            where = reg_base + node_data["outputs"][nodes, port]
+            slots = np.full(size, SCRATCH_SLOT, np.int64)
+            slots[:count] = written = registers["write"][where]
+            registers["slot"][where] = written
+            registers["worker"][where] = worker.worker_id
+            outputs.append((worker.arena_id[kind], slots))
+        downloads = self._downloads(task, nodes, node_rows, outputs, worker)
+        message = TaskMessage(task.task_id, cell_index, size, inputs, outputs, downloads)
         worker.tasks[task.task_id] = task
-        task.submitted = time.perf_counter()
-        self._send(worker, encode_task(message))
+        task.submitted = now = time.perf_counter()
+        starting = table.started[rows] == 0
+        if starting.any():
+            table.started[rows[starting]] = now
+            task.joining = not starting.all()
+        task.message = encode_task(message)
         return task
 
-    def complete(self, task: Task) -> list[tuple[NodeState, int, np.ndarray]]:
-        """Read the task's host copies and free the slots no one will read again.
+    def _place(self, request: Request, worker: WorkerHandle) -> None:
+        """The request's next values go to its rows on `worker` (taken now, unless it has been there)."""
+        held = request.rows.get(worker)
+        groups = request.unfolded.plan.register_groups
+        if held is None:
+            held = request.rows[worker] = {kind: worker.slots[kind].take(len(regs)) for kind, regs in groups.items()}
+        write = self._store.registers.arrays["write"]
+        base = self._table.reg_base[request.row]
+        for kind, regs in groups.items():
+            write[base + regs] = held[kind]
+
+    def _remote(self, positions: np.ndarray, owners: np.ndarray, slots: np.ndarray, worker: WorkerHandle, kind: ValueKind):
+        """Inputs whose value lives on another worker (whose task has completed): read from its arena."""
+        elsewhere = owners != worker.worker_id
+        if not elsewhere.any():
+            return None
+        reads = []
+        for peer in np.unique(owners[elsewhere]):
+            mine = np.flatnonzero(owners == peer)
+            at = positions[mine]
+            reads.append((int(peer), self._workers[int(peer)].arena_id[kind], slots[at].copy(), at))
+            slots[at] = ZERO_SLOT
+        return reads
+
+    def _ragged(self, port: int, kind: ValueKind, nodes: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle):
+        """A ragged input: every node's values flattened, with the batch row each belongs to."""
+        store, table = self._store, self._table
+        counts = store.nodes.arrays["ragged_count"][nodes]
+        starts = store.nodes.arrays["ragged_start"][nodes] + table.ragged_base[node_rows]
+        flat = _expand(starts, counts)
+        arena = worker.arena_id[kind]
+        if len(flat) == 0:
+            return (arena, np.zeros(0, np.int64), np.zeros(0, np.int64), None, None)
+        refs = store.ragged.arrays["refs"][flat, port]
+        where = np.repeat(table.reg_base[node_rows], counts) + refs
+        slots = store.registers.arrays["slot"][where].copy()
+        slots[refs == ZERO_REF] = ZERO_SLOT
+        owners = store.registers.arrays["worker"][where]
+        remote = self._remote(np.arange(len(flat)), owners, slots, worker, kind)
+        segments = np.repeat(np.arange(len(nodes)), counts)
+        return (arena, slots, segments, remote, None)
+
+    def _downloads(self, task: Task, nodes, node_rows, outputs, worker: WorkerHandle) -> list:
+        """Rows the host reads at completion (results, watched values): an io row each."""
+        copied = np.flatnonzero(self._store.nodes.arrays["has_copies"][nodes])
+        if not len(copied):
+            return []
+        table, spec = self._table, task.spec
+        copies: dict = {}
+        for position in copied:
+            request = table.requests[node_rows[position]]
+            local = int(nodes[position] - table.node_base[request.row])
+            for key, port in request.unfolded.plan.copies[local]:
+                kind = spec.outputs[port]
+                io_slot = worker.io_slots[kind].take_one()
+                device, io = copies.setdefault(kind, ([], []))
+                device.append(int(outputs[port][1][position]))
+                io.append(io_slot)
+                task.reads.append((request, key, kind, io_slot))
+        return [(worker.arena_id[k], device, worker.io_arena_id[k], io) for k, (device, io) in copies.items()]
+
+    def complete(self, task: Task) -> list[tuple[Request, int, np.ndarray]]:
+        """Read the task's host copies and free their io rows.
 
         Results are stored on their requests; watched values are returned, in order,
-        as (node, watch index, value) for the model to observe.
+        as (request, watch index, value) for the model to observe.
         """
         worker = task.worker
         observed = []
-        for node, key, kind, io_slot in task.results:
+        for request, key, kind, io_slot in task.reads:
             value = worker.io[kind][io_slot].copy()
             worker.io_slots[kind].give(io_slot)
             if type(key) is str:
-                node.request.results[key] = value
+                request.results[key] = value
             else:
-                observed.append((node, key, value))
-        for node in task.nodes:
-            node.completed = True
-            for producer in node.producers:
-                self.release_consumer(producer)
-            if node.live_consumers == 0:
-                self._free_outputs(node)
+                observed.append((request, key, value))
         return observed
 
-    def release_consumer(self, producer: NodeState) -> None:
-        """One consumer of `producer` completed or was dropped; free its outputs after the last one."""
-        producer.live_consumers -= 1
-        if producer.live_consumers == 0 and producer.completed:
-            self._free_outputs(producer)
-
-    @staticmethod
-    def _free_outputs(node: NodeState) -> None:
-        allocators = node.worker.slots
-        for kind, slot in zip(node.cell.outputs, node.out_slots):
-            allocators[kind].give(slot)
-        node.out_slots = ()

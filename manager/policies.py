@@ -21,11 +21,14 @@ import collections
 from collections.abc import Hashable
 
 from common.config import Config, ConfigError
-from common.graph import CellGraph, CellTypeSpec
+from common.graph import CellTypeSpec
 from common.models.base import Model
+from common.plan import Unfolded
 from manager.agenda import AgendaScheduler
-from manager.scheduler import CapacityFn, Scheduler, SubmitFn
-from manager.state import Group, Request
+from manager.dispatch import Dispatcher
+from manager.scheduler import Scheduler
+from manager.state import Group, Lifecycle, Request, Task
+from manager.store import PlanStore, RequestTable
 from manager.workers import WorkerHandle
 
 
@@ -33,17 +36,19 @@ class CellularPolicy:
     """Cells of every admitted request are ready for the scheduler at once."""
 
     pads = False
+    groups = False
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
 
-    def unfold(self, model: Model, inputs: object) -> CellGraph:
-        return model.unfold(inputs)
+    def unfold(self, model: Model, inputs: object) -> Unfolded:
+        return model.plan(inputs)
 
     def admit(self, request: Request) -> None:
+        request.state = Lifecycle.RUNNING
         self.scheduler.release(request)
 
-    def schedule(self, worker: WorkerHandle) -> int:
+    def schedule(self, worker: WorkerHandle) -> list[Task]:
         return self.scheduler.schedule(worker)
 
     def queued_requests(self) -> int:
@@ -52,10 +57,13 @@ class CellularPolicy:
 
 class GroupPolicy(CellularPolicy):
     """Requests wait in queues by key until a worker runs out of work; then the next queue in
-    round-robin order releases a group of them to the scheduler, pinned to that worker."""
+    round-robin order releases a group of them to the scheduler, bound to that worker."""
 
-    def __init__(self, scheduler: Scheduler, group_sizes: dict[str, int]):
+    groups = True
+
+    def __init__(self, scheduler: Scheduler, table: RequestTable, group_sizes: dict[str, int]):
         super().__init__(scheduler)
+        self._table = table
         self._group_sizes = group_sizes  # by model name
         self._queues: dict[Hashable, collections.deque[Request]] = {}
         self._turns: collections.deque[Hashable] = collections.deque()  # non-empty queues, next first
@@ -71,11 +79,11 @@ class GroupPolicy(CellularPolicy):
             self._turns.append(key)
         queue.append(request)
 
-    def schedule(self, worker: WorkerHandle) -> int:
-        submitted = self.scheduler.schedule(worker)
-        while not submitted and self._release_group(worker):
-            submitted = self.scheduler.schedule(worker)
-        return submitted
+    def schedule(self, worker: WorkerHandle) -> list[Task]:
+        tasks = self.scheduler.schedule(worker)
+        while not tasks and self._release_group(worker):
+            tasks = self.scheduler.schedule(worker)
+        return tasks
 
     def _release_group(self, worker: WorkerHandle) -> bool:
         """Release the next queue's oldest requests (those not already ended) as one group."""
@@ -93,15 +101,14 @@ class GroupPolicy(CellularPolicy):
             else:
                 del self._queues[key]
             if members:
-                self._start(Group(members), worker)
+                group = Group(members)
+                for request in members:
+                    request.group = group
+                    request.state = Lifecycle.RUNNING
+                    self._table.bound[request.row] = worker.worker_id
+                    self.scheduler.release(request)
                 return True
         return False
-
-    def _start(self, group: Group, worker: WorkerHandle) -> None:
-        for request in group.members:
-            request.group = group
-            request.worker = worker
-            self.scheduler.release(request)
 
     def queued_requests(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
@@ -110,36 +117,30 @@ class GroupPolicy(CellularPolicy):
 class PaddedPolicy(GroupPolicy):
     pads = True
 
-    def __init__(self, scheduler: Scheduler, group_sizes: dict[str, int], bucket_width: int):
-        super().__init__(scheduler, group_sizes)
+    def __init__(self, scheduler: Scheduler, table: RequestTable, group_sizes: dict[str, int], bucket_width: int):
+        super().__init__(scheduler, table, group_sizes)
         self.bucket_width = bucket_width
 
-    def unfold(self, model: Model, inputs: object) -> CellGraph:
-        return model.unfold_padded(inputs, self.bucket_width)
+    def unfold(self, model: Model, inputs: object) -> Unfolded:
+        return model.plan_padded(inputs, self.bucket_width)
 
     def queue_key(self, request: Request) -> Hashable:
-        return request.model.name, request.graph.padded_length
+        return request.model.name, request.unfolded.plan.padded_length
 
 
-class GraphPolicy(GroupPolicy):
-    def _start(self, group: Group, worker: WorkerHandle) -> None:
-        for request in group.members:
-            for node in request.nodes:  # depth for the agenda: producers come first
-                node.depth = max((p.depth + 1 for p in node.producers), default=0)
-        super()._start(group, worker)
-
-
-def make_scheduler(config: Config, specs: list[CellTypeSpec], submit: SubmitFn, capacity: CapacityFn) -> Scheduler:
+def make_scheduler(
+    config: Config, specs: list[CellTypeSpec], table: RequestTable, store: PlanStore, dispatcher: Dispatcher
+) -> Scheduler:
     """The scheduler the configured policy runs on: the graph policy chooses cell types by its
     agenda, and a baseline's batch runs on one worker (request affinity)."""
     settings = config.scheduler
     cellular = settings.policy == "cellular"
     return (AgendaScheduler if settings.policy == "graph" else Scheduler)(
-        specs, settings.max_tasks_to_submit, submit, capacity, settings.affinity if cellular else "request"
+        specs, settings.max_tasks_to_submit, table, store, dispatcher, settings.affinity if cellular else "request"
     )
 
 
-def make_policy(config: Config, models: dict[str, Model], scheduler: Scheduler) -> CellularPolicy:
+def make_policy(config: Config, models: dict[str, Model], scheduler: Scheduler, table: RequestTable) -> CellularPolicy:
     """The configured policy; a baseline's group size defaults to each model's smallest largest
     batch size, so that one step of a group fits one task of every cell type."""
     settings = config.scheduler
@@ -150,9 +151,9 @@ def make_policy(config: Config, models: dict[str, Model], scheduler: Scheduler) 
         for name, model in models.items()
     }
     if settings.policy == "graph":
-        return GraphPolicy(scheduler, sizes)
+        return GroupPolicy(scheduler, table, sizes)
     check_policy(settings.policy, models)
-    return PaddedPolicy(scheduler, sizes, settings.bucket_width)
+    return PaddedPolicy(scheduler, table, sizes, settings.bucket_width)
 
 
 def check_policy(policy: str, models: dict[str, Model]) -> None:

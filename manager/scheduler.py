@@ -1,41 +1,76 @@
-"""Cellular batching: Algorithm 1 of the paper (Schedule, Batch, FormBatchedTask).
+"""Cellular batching: Algorithm 1 of the paper (Schedule, Batch, FormBatchedTask), on arrays.
 
-One queue of subgraphs per cell type. Schedule(worker) runs whenever a worker is
-idle and picks a cell type: one with a full batch of ready nodes, else one with
-ready nodes and no running task, else any with ready nodes; ties go to the higher
-priority. Batch then submits up to `max_tasks_to_submit` tasks of that type to the
-worker. A dependency between nodes submitted to the same worker counts as met at
-submission (the worker's stream is FIFO), which lets a worker run several steps of
-a subgraph ahead; subgraphs are pinned to the worker while they have tasks in flight.
+One queue per cell type holds the lanes (the paper's subgraphs: a request's nodes of that cell
+type) that still have nodes to issue, oldest first, as columns: request row, generation, cursor
+and end. Schedule(worker) runs whenever a worker has few tasks in flight and picks a cell type:
+one with a full batch of ready nodes, else one with ready nodes and no running task, else any
+with ready nodes; ties go to the higher priority. Batch then forms up to `max_tasks_to_submit`
+tasks of that type for the worker and returns them; the caller sends them.
 
-With several workers, a subgraph that is not pinned may move: its next nodes can run on
-another worker, which reads their inputs from the producing worker's arena once the
-producing tasks have completed (affinity "subgraph", the paper's). With affinity
-"request", every node of a request runs on the worker of its first node.
+A lane's next wave is ready once every node of smaller depth of its request has been issued
+(common.plan): on one worker the stream is FIFO, so a worker runs several steps of a request
+ahead. A request is pinned to the worker its values are written on while it has tasks in
+flight; with several workers, a request with nothing in flight may move (affinity "subgraph",
+the paper's), and reads the values it needs from the first worker's arena. With affinity
+"request" it stays on the worker of its first task. Readiness, placement, the arena's room and
+the batch size are checked for all lanes of a queue at once; nothing here loops over cells.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+
+import numpy as np
 
 from common.graph import CellTypeSpec
-from manager.state import NodeState, Request, Subgraph, Task
+from manager.dispatch import Dispatcher
+from manager.state import Request, Task
+from manager.store import NO_WORKER, PlanStore, RequestTable
 from manager.workers import WorkerHandle
-
-SubmitFn = Callable[[CellTypeSpec, list[NodeState], WorkerHandle], Task]
-CapacityFn = Callable[[CellTypeSpec, WorkerHandle], int]
 
 
 class CellTypeQueue:
-    """Subgraphs of one cell type that have ready nodes or nodes still to submit, oldest first."""
+    """Lanes of one cell type with nodes left to issue, oldest first."""
 
-    __slots__ = ("spec", "subgraphs", "num_ready", "running_tasks")
-
-    def __init__(self, spec: CellTypeSpec):
+    def __init__(self, spec: CellTypeSpec, index: int):
         self.spec = spec
-        self.subgraphs: dict[Subgraph, None] = {}  # insertion-ordered set
-        self.num_ready = 0
-        self.running_tasks = 0
+        self.index = index  # in the manager's cell layout
+        self.size = 0
+        self.row = np.zeros(64, np.int64)
+        self.generation = np.zeros(64, np.int64)
+        self.cursor = np.zeros(64, np.int64)  # next node, as an index into the request's plan
+        self.end = np.zeros(64, np.int64)
+        self.running_tasks = 0  # tasks of this type in flight on any worker
+
+    def add(self, row: int, generation: int, start: int, end: int) -> None:
+        if self.size == len(self.row):
+            for name in ("row", "generation", "cursor", "end"):
+                column = getattr(self, name)
+                setattr(self, name, np.concatenate((column, np.zeros_like(column))))
+        at = self.size
+        self.row[at], self.generation[at], self.cursor[at], self.end[at] = row, generation, start, end
+        self.size += 1
+
+    def keep(self, mask: np.ndarray) -> None:
+        kept = int(mask.sum())
+        for name in ("row", "generation", "cursor", "end"):
+            column = getattr(self, name)
+            column[:kept] = column[: self.size][mask]
+        self.size = kept
+
+
+@dataclass
+class Ready:
+    """The lanes of a queue whose next wave may be issued, in queue order."""
+
+    lanes: np.ndarray  # indices into the queue's columns
+    rows: np.ndarray  # their requests' rows
+    sizes: np.ndarray  # nodes in each lane's next wave
+    first: np.ndarray  # the wave's first node, as an index into the plan store
+
+    @property
+    def nodes(self) -> int:
+        return int(self.sizes.sum())
 
 
 class Scheduler:
@@ -43,152 +78,132 @@ class Scheduler:
         self,
         specs: list[CellTypeSpec],
         max_tasks_to_submit: int,
-        submit: SubmitFn,
-        capacity: CapacityFn,
+        table: RequestTable,
+        store: PlanStore,
+        dispatcher: Dispatcher,
         affinity: str = "subgraph",
     ):
-        self.queues = {spec.key: CellTypeQueue(spec) for spec in specs}
+        self.queues = {spec.key: CellTypeQueue(spec, i) for i, spec in enumerate(specs)}
         self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
         self.max_tasks_to_submit = max_tasks_to_submit
-        self._submit = submit
-        self._capacity = capacity
+        self._table = table
+        self._store = store
+        self._dispatcher = dispatcher
         self._request_affinity = affinity == "request"
         self.several_workers = False  # set by the manager: placement only needs checking then
 
     # -- readiness ---------------------------------------------------------------------------
     def release(self, request: Request) -> None:
-        """Queue a request's nodes that wait for no other node."""
-        for node in request.nodes:
-            if node.pending == 0:
-                self.node_ready(node)
+        """Queue a request's lanes; its cells run from now on."""
+        plan = request.unfolded.plan
+        row = request.row
+        generation = int(self._table.generation[row])
+        self._table.runnable[row] = True
+        bounds = plan.lane_bounds
+        for lane, key in enumerate(plan.lane_cells):
+            self.queues[key].add(row, generation, int(bounds[lane]), int(bounds[lane + 1]))
 
-    def node_ready(self, node: NodeState) -> None:
-        subgraph = node.subgraph
-        subgraph.ready.append(node)
-        queue = self.queues[subgraph.cell_key]
-        queue.num_ready += 1
-        if not subgraph.queued:
-            subgraph.queued = True
-            queue.subgraphs[subgraph] = None
+    def ready(self, queue: CellTypeQueue) -> Ready:
+        """Lanes with a ready wave; lanes of ended requests and finished lanes leave the queue here."""
+        table = self._table
+        size = queue.size
+        rows = queue.row[:size]
+        cursor = queue.cursor[:size]
+        live = (table.generation[rows] == queue.generation[:size]) & table.runnable[rows] & (cursor < queue.end[:size])
+        if not live.all():
+            queue.keep(live)
+            size = queue.size
+            rows, cursor = queue.row[:size], queue.cursor[:size]
+        first = table.node_base[rows] + cursor
+        nodes = self._store.nodes.arrays
+        lanes = np.flatnonzero(table.issued[rows] >= nodes["need"][first])
+        first = first[lanes]
+        return Ready(lanes, rows[lanes], nodes["wave_end"][first] - cursor[lanes], first)
 
-    def discard(self, subgraphs: list[Subgraph]) -> None:
-        """Take a finished request's subgraphs out of the queues: their remaining nodes will not run."""
-        for subgraph in subgraphs:
-            queue = self.queues[subgraph.cell_key]
-            if subgraph.queued:
-                del queue.subgraphs[subgraph]
-                subgraph.queued = False
-            queue.num_ready -= len(subgraph.ready)
-            subgraph.ready.clear()
+    def ready_nodes(self) -> dict[str, int]:
+        return {key: self.ready(queue).nodes if queue.size else 0 for key, queue in self.queues.items()}
 
     # -- Algorithm 1 ---------------------------------------------------------------------------
-    def schedule(self, worker: WorkerHandle) -> int:
-        """Schedule(worker): pick a cell type and Batch it; returns the number of tasks submitted."""
+    def schedule(self, worker: WorkerHandle) -> list[Task]:
+        """Schedule(worker): pick a cell type and Batch it; returns the tasks formed, for the caller to send."""
         chosen = self.choose_cell_type()
         if chosen is None:
-            return 0
+            return []
         return self.batch(chosen, worker)
 
     def choose_cell_type(self) -> CellTypeQueue | None:
-        queues = self._ordered  # highest priority first, so the first match wins ties
-        chosen = next((q for q in queues if q.num_ready >= q.spec.max_batch), None)
+        ready = [(queue, self.ready(queue).nodes) for queue in self._ordered if queue.size]  # by priority
+        chosen = next((q for q, n in ready if n >= q.spec.max_batch), None)
         if chosen is None:
-            chosen = next((q for q in queues if q.running_tasks == 0 and q.num_ready > 0), None)
+            chosen = next((q for q, n in ready if q.running_tasks == 0 and n > 0), None)
         if chosen is None:
-            chosen = next((q for q in queues if q.num_ready > 0), None)
+            chosen = next((q for q, n in ready if n > 0), None)
         return chosen
 
-    def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> int:
-        num_tasks = 0
-        while num_tasks < self.max_tasks_to_submit:
-            batch = self.form_batched_task(queue, worker)
-            if not batch:
+    def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[Task]:
+        tasks: list[Task] = []
+        while len(tasks) < self.max_tasks_to_submit:
+            taken = self.form_batched_task(queue, worker)
+            if taken is None or (taken.nodes < queue.spec.min_batch and tasks):
                 break
-            if len(batch) < queue.spec.min_batch and num_tasks > 0:
-                self._put_back(queue, batch)
-                break
-            task = self._submit(queue.spec, batch, worker)
-            queue.running_tasks += 1
-            self.update_nodes_dependency(queue, task)
-            num_tasks += 1
-        return num_tasks
+            tasks.append(self._issue(queue, taken, worker))
+        return tasks
 
-    def form_batched_task(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[NodeState]:
-        limit = self._capacity(queue.spec, worker)
-        batch: list[NodeState] = []
-        if limit <= 0:
-            return batch
-        check_placement = self.several_workers and not self._request_affinity
-        for subgraph in queue.subgraphs:
-            if subgraph.pinned_worker not in (None, worker):
-                continue
-            if self._request_affinity and subgraph.request.worker not in (None, worker):
-                continue
-            ready = subgraph.ready
-            if check_placement:
-                self._take_placeable(ready, worker, batch, limit)
-            else:
-                while ready and len(batch) < limit:
-                    batch.append(ready.popleft())
-            if len(batch) == limit:
-                break
-        queue.num_ready -= len(batch)
-        return batch
+    def form_batched_task(self, queue: CellTypeQueue, worker: WorkerHandle) -> Ready | None:
+        """The waves the next task of this type on `worker` takes: ready lanes in queue order whose
+        request may run there and fits in its arena, up to a full batch (a wave may be split)."""
+        ready = self.ready(queue)
+        if not len(ready.lanes):
+            return None
+        table = self._table
+        rows = ready.rows
+        home = table.home[rows]
+        here = home == worker.worker_id
+        if self.several_workers or self._request_affinity:
+            bound = table.bound[rows]
+            allowed = (bound == NO_WORKER) | (bound == worker.worker_id)
+            movable = home == NO_WORKER
+            if self.several_workers and not self._request_affinity:
+                movable |= table.inflight[rows] == 0
+            keep = allowed & (here | movable)
+        else:
+            keep = np.ones(len(rows), bool)
+        # Requests new on this worker take their rows here: stop at the first that does not fit.
+        new = ~here & keep
+        if new.any():
+            room = np.ones(len(rows), bool)
+            for kind, column in table.kinds.items():
+                needed = np.cumsum(np.where(new, table.blocks[rows, column], 0))
+                room &= needed <= worker.slots[kind].available
+            cut = np.argmin(room) if not room.all() else len(rows)
+            keep[cut:] = False
+        if not keep.all():
+            ready = Ready(ready.lanes[keep], rows[keep], ready.sizes[keep], ready.first[keep])
+        limit = self._dispatcher.capacity(queue.spec, worker)
+        if not len(ready.lanes) or limit <= 0:
+            return None
+        total = np.cumsum(ready.sizes)
+        if total[-1] <= limit:
+            return ready
+        last = int(np.searchsorted(total, limit, side="left"))  # the lane that reaches the limit gives part of its wave
+        sizes = ready.sizes[: last + 1].copy()
+        sizes[last] = limit - (total[last] - sizes[last])
+        return Ready(ready.lanes[: last + 1], ready.rows[: last + 1], sizes, ready.first[: last + 1])
 
-    @staticmethod
-    def _take_placeable(ready, worker: WorkerHandle, batch: list[NodeState], limit: int) -> None:
-        """Take the ready nodes whose inputs `worker` can read: its own, or those of completed tasks."""
-        waiting = []
-        while ready and len(batch) < limit:
-            node = ready.popleft()
-            if all(p.worker is worker or p.completed for p in node.producers):
-                batch.append(node)
-            else:
-                waiting.append(node)
-        ready.extendleft(reversed(waiting))
-
-    def _put_back(self, queue: CellTypeQueue, batch: list[NodeState]) -> None:
-        for node in reversed(batch):
-            node.subgraph.ready.appendleft(node)
-        queue.num_ready += len(batch)
-
-    def update_nodes_dependency(self, queue: CellTypeQueue, task: Task) -> None:
-        """Nodes just submitted satisfy their consumers (same worker: FIFO stream); pin their subgraphs."""
-        worker = task.worker
-        pinned: set[Subgraph] = set()
-        for node in task.nodes:
-            request = node.request
-            if request.worker is None:
-                request.worker = worker
-            if request.started is None:
-                request.started = task.submitted
-            request.in_flight += 1
-            subgraph = node.subgraph
-            if subgraph not in pinned:
-                pinned.add(subgraph)
-                subgraph.pinned_worker = worker
-                subgraph.running_tasks += 1
-            subgraph.remaining -= 1
-            if subgraph.remaining == 0:
-                del queue.subgraphs[subgraph]
-                subgraph.queued = False
-            for consumer in node.consumers:
-                consumer.pending -= 1
-                if consumer.pending == 0:
-                    self.node_ready(consumer)
+    def _issue(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle) -> Task:
+        """UpdateNodesDependency: the lanes advance, their requests count the issued nodes and are
+        pinned to the worker; the dispatcher turns the waves into the task message."""
+        task = self._dispatcher.submit(queue.spec, queue.index, taken, worker)
+        queue.cursor[taken.lanes] += taken.sizes
+        queue.running_tasks += 1
+        table = self._table
+        rows = taken.rows
+        table.issued[rows] += taken.sizes
+        table.inflight[rows] += 1
+        table.home[rows] = worker.worker_id
+        if self._request_affinity:
+            table.bound[rows] = worker.worker_id
+        return task
 
     def task_completed(self, task: Task) -> None:
-        """Unpin subgraphs whose last running task this was."""
         self.queues[task.spec.key].running_tasks -= 1
-        seen: set[Subgraph] = set()
-        for node in task.nodes:
-            subgraph = node.subgraph
-            if subgraph in seen:
-                continue
-            seen.add(subgraph)
-            subgraph.running_tasks -= 1
-            if subgraph.running_tasks == 0:
-                subgraph.pinned_worker = None
-
-    def ready_nodes(self) -> dict[str, int]:
-        return {key: queue.num_ready for key, queue in self.queues.items()}

@@ -42,8 +42,9 @@ from manager.dispatch import Dispatcher
 from manager.metrics import Metrics
 from manager.policies import make_policy, make_scheduler
 from manager.request_processor import RequestProcessor
-from manager.state import NodeState, Request, Task
+from manager.state import Request, Task
 from manager.stats import Stats, request_timing
+from manager.store import make_tables
 from manager.workers import WorkerHandle
 
 log = logging.getLogger("batchmaker.manager")
@@ -102,11 +103,12 @@ class Manager:
         self._drain_timeout = server.drain_timeout_ms / 1e3
         self._next_watch = 0.0
 
-        self.dispatcher = Dispatcher(self.specs, self._send_task)
-        self.scheduler = make_scheduler(config, self.specs, self._submit, self.dispatcher.capacity)
-        self.policy = make_policy(config, self.models, self.scheduler)
+        self.table, self.store = make_tables(self.specs, self.kinds)
+        self.dispatcher = Dispatcher(self.table, self.store, self.workers)
+        self.scheduler = make_scheduler(config, self.specs, self.table, self.store, self.dispatcher)
+        self.policy = make_policy(config, self.models, self.scheduler, self.table)
         self.processor = RequestProcessor(
-            {spec.key: spec for spec in self.specs}, self.scheduler, self.dispatcher, self._finish, self.policy
+            self.table, self.store, self.scheduler, self.dispatcher, self._finish, self.policy
         )
 
         self.metrics: Metrics | None = None
@@ -237,8 +239,11 @@ class Manager:
 
     def _schedule_idle_workers(self) -> None:
         for worker in self.workers.values():
-            while worker.in_flight <= self.idle_tasks and self.policy.schedule(worker):
-                pass
+            while worker.in_flight <= self.idle_tasks:
+                tasks = self.policy.schedule(worker)
+                if not tasks:
+                    break
+                self._send_tasks(worker, tasks)
 
     def _shutdown(self) -> None:
         for request in list(self._in_flight.values()):
@@ -256,20 +261,17 @@ class Manager:
             self.metrics.close()
 
     # -- workers -------------------------------------------------------------------------------
-    def _send_task(self, worker: WorkerHandle, payload: bytes) -> None:
-        self.worker_socket.send_multipart([worker.identity, b"task", payload])
-
-    def _submit(self, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle) -> Task:
-        if not worker.tasks:
+    def _send_tasks(self, worker: WorkerHandle, tasks: list[Task]) -> None:
+        if worker.in_flight == len(tasks):
             worker.progress_at = time.monotonic()  # the hang watchdog counts from when work arrives
             if worker.first_task_delay is None:
                 worker.first_task_delay = worker.progress_at - worker.registered_at
-        task = self.dispatcher.submit(spec, nodes, worker)
-        self.stats.task_submitted(task)
-        self.processor.unsubmitted_nodes -= len(nodes)
-        if self.metrics is not None:
-            self.metrics.task_submitted(spec.key, len(nodes))
-        return task
+        for task in tasks:
+            self.worker_socket.send_multipart([worker.identity, b"task", task.message])
+            self.stats.task_submitted(task)
+            self.processor.task_submitted(task)
+            if self.metrics is not None:
+                self.metrics.task_submitted(task.spec.key, task.nodes)
 
     def _drain_completions(self) -> None:
         while True:
@@ -428,10 +430,10 @@ class Manager:
             raise RequestError(
                 OVERLOADED, f"{len(self._in_flight)} requests in flight (limit {self._max_queued_requests}); retry later"
             )
-        graph = self.policy.unfold(model, message["inputs"])
-        if self.processor.unsubmitted_nodes + len(graph.nodes) > self._max_queued_nodes:
+        unfolded = self.policy.unfold(model, message["inputs"])
+        if self.processor.unsubmitted_nodes + unfolded.plan.nodes > self._max_queued_nodes:
             raise RequestError(OVERLOADED, f"{self.processor.unsubmitted_nodes} cells queued (limit {self._max_queued_nodes}); retry later")
-        request = self.processor.admit(client, request_id, model, message["inputs"], graph, arrival)
+        request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival)
         self._in_flight[key] = request
         deadline_ms = deadline_ms if deadline_ms is not None else self._default_deadline_ms or None
         if deadline_ms is not None:
@@ -460,11 +462,11 @@ class Manager:
                      extra={"request_id": request.request_id, "model": request.model.name, "outcome": error.code})
             self._reply(request.client, error_reply(request.request_id, error.code, error.message))
             return
-        timing = request_timing(request, end)
+        timing = request_timing(request.arrival, float(self.table.started[request.row]), end)
         self.stats.request_answered("ok", timing, left_early)
         if self.metrics is not None:
             self.metrics.request_finished(request.model.name, "ok", timing["total_us"] / 1e6, timing["queue_us"] / 1e6)
-        outputs = request.model.outputs(request.graph, request.results)
+        outputs = request.model.outputs(request.unfolded, request.results)
         self._reply(request.client, {"id": request.request_id, "ok": True, "outputs": outputs, "timing": timing})
 
     # -- introspection ---------------------------------------------------------------------------

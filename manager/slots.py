@@ -2,28 +2,41 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from common.slots import FIRST_FREE_SLOT
 
 
 class SlotAllocator:
-    """A free list of arena rows; rows below FIRST_FREE_SLOT are reserved (zero and scratch)."""
+    """A stack of free arena rows, taken and given back a batch at a time; rows below
+    FIRST_FREE_SLOT are reserved (zero and scratch)."""
 
     def __init__(self, rows: int):
         self.capacity = rows - FIRST_FREE_SLOT
-        # Popping from the end hands out low rows first, which keeps the touched memory small.
-        self._free = list(range(rows - 1, FIRST_FREE_SLOT - 1, -1))
+        # Taking from the end hands out low rows first, which keeps the touched memory small.
+        self._free = np.arange(rows - 1, FIRST_FREE_SLOT - 1, -1, dtype=np.int64)
+        self._top = self.capacity
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        return self._top
 
     @property
     def in_use(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self._top
 
-    def take(self) -> int:
-        """One free row; callers check `available` first (the scheduler sizes tasks to fit)."""
-        return self._free.pop()
+    def take(self, count: int) -> np.ndarray:
+        """`count` free rows; callers check `available` first (the scheduler sizes tasks to fit)."""
+        if count > self._top:
+            raise RuntimeError(f"{count} rows asked of an arena with {self._top} free")
+        self._top -= count
+        return self._free[self._top : self._top + count][::-1].copy()
 
-    def give(self, slot: int) -> None:
-        self._free.append(slot)
+    def take_one(self) -> int:
+        self._top -= 1
+        return int(self._free[self._top])
+
+    def give(self, slots: np.ndarray | int) -> None:
+        slots = np.atleast_1d(slots)
+        self._free[self._top : self._top + len(slots)] = slots
+        self._top += len(slots)

@@ -1,75 +1,37 @@
-"""Run-time records of the manager: requests, nodes, subgraphs and batched tasks.
+"""Run-time records of the manager: requests and batched tasks.
 
-Plain classes with __slots__: the scheduler touches these tens of thousands of
-times a second, so attribute access must stay cheap.
+A request is one Python object for its whole life, whatever its number of cells: what the
+scheduler reads per batch lives in the RequestTable's columns (manager.store) at its `row`.
 """
 
 from __future__ import annotations
 
-import collections
+import enum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.graph import CellGraph, CellTypeSpec, NodeSpec
+from common.graph import CellTypeSpec, ValueKind
+from common.plan import Unfolded
 
 if TYPE_CHECKING:
     from common.models.base import Model
     from manager.workers import WorkerHandle
 
 
-class Subgraph:
-    """Connected nodes of one cell type in one request: the unit that is queued and pinned (paper section 4.3)."""
+class Lifecycle(enum.Enum):
+    """Where a request is between admission and being forgotten.
 
-    __slots__ = ("cell_key", "request", "ready", "remaining", "pinned_worker", "running_tasks", "queued")
+    WAITING: admitted, held by a baseline policy until its group starts. RUNNING: its cells are
+    being scheduled. HELD: its answer is known and waits for the rest of its group (baselines).
+    DONE: answered (or failed, or replaced by a replay); tasks still in flight finish and its rows
+    are freed when the last one completes, after which the request is forgotten.
+    """
 
-    def __init__(self, cell_key: str, request: Request):
-        self.cell_key = cell_key
-        self.request = request
-        self.ready: collections.deque[NodeState] = collections.deque()
-        self.remaining = 0  # nodes not yet submitted
-        self.pinned_worker: WorkerHandle | None = None
-        self.running_tasks = 0  # submitted tasks holding nodes of this subgraph, not yet completed
-        self.queued = False
-
-
-NO_COPIES: list = []  # shared and never appended to
-
-
-class NodeState:
-    """One cell invocation of one request, from unfold to the freeing of its output slots."""
-
-    __slots__ = (
-        "spec",
-        "cell",
-        "request",
-        "subgraph",
-        "pending",
-        "consumers",
-        "producers",
-        "live_consumers",
-        "copies",
-        "worker",
-        "out_slots",
-        "completed",
-        "depth",
-    )
-
-    def __init__(self, spec: NodeSpec, cell: CellTypeSpec, request: Request):
-        self.spec = spec
-        self.cell = cell
-        self.request = request
-        self.subgraph: Subgraph | None = None
-        self.pending = 0  # producers not yet submitted
-        self.consumers: list[NodeState] = []
-        self.producers: list[NodeState] = []  # distinct producer nodes
-        self.live_consumers = 0  # consumers that have not completed (or been dropped)
-        # Outputs copied back to the host: (result name, port) for results, (index in graph.watch, port) for watched
-        self.copies: list[tuple[str | int, int]] = NO_COPIES  # replaced by a list for the few nodes read back
-        self.worker: WorkerHandle | None = None
-        self.out_slots: tuple[int, ...] = ()
-        self.completed = False
-        self.depth = 0  # longest path from a node without producers (agenda-based batching only)
+    WAITING = "waiting"
+    RUNNING = "running"
+    HELD = "held"
+    DONE = "done"
 
 
 class Request:
@@ -78,41 +40,38 @@ class Request:
         "request_id",
         "model",
         "inputs",
-        "graph",
+        "unfolded",
         "deadline",
-        "nodes",
-        "subgraphs",
         "arrival",
-        "started",
-        "worker",
+        "row",
+        "state",
         "results",
         "results_pending",
-        "in_flight",
-        "done",
+        "rows",
         "group",
-        "answer_held",
-        "dropped",
+        "failures",
     )
 
-    def __init__(self, client: bytes, request_id: Any, model: Model, inputs: Any, graph: CellGraph, arrival: float):
+    def __init__(self, client: bytes, request_id: Any, model: Model, inputs: Any, unfolded: Unfolded, arrival: float):
         self.client = client
         self.request_id = request_id
         self.model = model
         self.inputs = inputs  # kept to replay the request from scratch if its worker dies
-        self.graph = graph
+        self.unfolded = unfolded
         self.deadline: float | None = None
-        self.nodes: list[NodeState] = []
-        self.subgraphs: list[Subgraph] = []
         self.arrival = arrival
-        self.started: float | None = None  # first submission
-        self.worker: WorkerHandle | None = None  # where its values live
+        self.row = -1  # in the RequestTable
+        self.state = Lifecycle.WAITING
         self.results: dict[str, np.ndarray] = {}
-        self.results_pending = 0
-        self.in_flight = 0  # submitted nodes not yet completed
-        self.done = False  # replied to (answer or error); remaining nodes are dropped
+        self.results_pending = len(unfolded.plan.results)
+        # Arena rows it holds, per worker and kind (its registers' rows there)
+        self.rows: dict[WorkerHandle, dict[ValueKind, np.ndarray]] = {}
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
-        self.answer_held = False  # answer known, held until the rest of its group ends
-        self.dropped = False  # its unsubmitted nodes were dropped: they will never run
+        self.failures = 0  # workers lost while it had values there (replays so far)
+
+    @property
+    def done(self) -> bool:
+        return self.state is Lifecycle.DONE
 
 
 class Group:
@@ -124,23 +83,36 @@ class Group:
         self.members = members
         self.unanswered = len(members)  # members whose answer is neither known nor replaced by an error
 
-    def padding_done(self) -> bool:
-        return all(
-            m.done or m.graph.last_padding is None or m.nodes[m.graph.last_padding].completed for m in self.members
-        )
-
 
 class Task:
-    """A batched task: nodes of one cell type sent together to one worker."""
+    """A batched task: waves of one cell type from several requests, sent together to one worker.
 
-    __slots__ = ("task_id", "spec", "nodes", "worker", "batch_size", "results", "submitted")
+    `rows` are the request rows it holds nodes of (each once) and `counts` how many nodes of each;
+    `reads` are the host copies to take at completion: (request, result name or watch index, kind, io slot).
+    """
 
-    def __init__(self, task_id: int, spec: CellTypeSpec, nodes: list[NodeState], worker: WorkerHandle, batch_size: int):
+    __slots__ = ("task_id", "spec", "worker", "batch_size", "rows", "counts", "reads", "submitted", "message", "joining")
+
+    def __init__(
+        self,
+        task_id: int,
+        spec: CellTypeSpec,
+        worker: WorkerHandle,
+        batch_size: int,
+        rows: np.ndarray,
+        counts: np.ndarray,
+    ):
         self.task_id = task_id
         self.spec = spec
-        self.nodes = nodes
         self.worker = worker
         self.batch_size = batch_size
-        # Host copies to read at completion: (node, result name or watch index, kind, io slot)
-        self.results: list[tuple[NodeState, str | int, Any, int]] = []
+        self.rows = rows
+        self.counts = counts
+        self.reads: list[tuple[Request, str | int, ValueKind, int]] = []
         self.submitted = 0.0
+        self.message = b""  # the encoded TaskMessage, for the caller to send
+        self.joining = False  # it mixes requests already running with requests starting (for stats)
+
+    @property
+    def nodes(self) -> int:
+        return int(self.counts.sum())

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from manager.state import Request, Task
+from manager.state import Task
 
 LATENCY_WINDOW = 20000
 
@@ -32,21 +32,12 @@ class Stats:
         self._latency: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=LATENCY_WINDOW)
 
     def task_submitted(self, task: Task) -> None:
-        """Called before the task's nodes are marked started, so new requests can be told apart."""
         self.tasks += 1
-        count = len(task.nodes)
+        count = task.nodes
         self.nodes += count
         self.padded_rows += task.batch_size - count
         self.batch_sizes[task.spec.key][count] += 1
-        starting = running = False
-        for node in task.nodes:
-            if node.request.started is None:
-                starting = True
-            else:
-                running = True
-            if starting and running:
-                self.joining_tasks += 1
-                return
+        self.joining_tasks += task.joining
 
     def request_received(self) -> None:
         self.requests["received"] += 1
@@ -81,10 +72,11 @@ class Stats:
         }
 
 
-def request_timing(request: Request, end: float) -> dict[str, int]:
-    started = request.started if request.started is not None else end
+def request_timing(arrival: float, started: float, end: float) -> dict[str, int]:
+    """Queueing (arrival to first issue), computation (first issue to answer) and total, in µs."""
+    started = started or end
     return {
-        "queue_us": int((started - request.arrival) * 1e6),
+        "queue_us": int((started - arrival) * 1e6),
         "compute_us": int((end - started) * 1e6),
-        "total_us": int((end - request.arrival) * 1e6),
+        "total_us": int((end - arrival) * 1e6),
     }

@@ -15,6 +15,7 @@ from manager.policies import make_policy, make_scheduler
 from manager.request_processor import RequestProcessor
 from manager.server import load_models
 from manager.state import Request, Task
+from manager.store import make_tables
 from manager.workers import WorkerHandle
 
 
@@ -31,21 +32,24 @@ class Harness:
         self._shared: list[SharedArray] = []
         self.workers = [self._worker(i, rows) for i in range(workers)]
         self.sent: list[tuple[WorkerHandle, Any]] = []
-        self.dispatcher = Dispatcher(self.specs, lambda w, payload: self.sent.append((w, decode_task(payload))))
+        self.table, self.store = make_tables(self.specs, self.kinds)
+        self.dispatcher = Dispatcher(self.table, self.store, {w.worker_id: w for w in self.workers})
         scheduling = dataclasses.replace(config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity)
         config = dataclasses.replace(config, scheduler=scheduling)
-        self.scheduler = make_scheduler(config, self.specs, self.dispatcher.submit, self.dispatcher.capacity)
+        self.scheduler = make_scheduler(config, self.specs, self.table, self.store, self.dispatcher)
         self.scheduler.several_workers = workers > 1
-        self.policy = make_policy(config, self.models, self.scheduler)
+        self.policy = make_policy(config, self.models, self.scheduler, self.table)
         self.finished: list[tuple[Request, Any]] = []
         self.processor = RequestProcessor(
-            {s.key: s for s in self.specs},
+            self.table,
+            self.store,
             self.scheduler,
             self.dispatcher,
             lambda r, e: self.finished.append((r, e)),
             self.policy,
         )
         self._next_id = 0
+        self.task_requests: dict[int, list[Request]] = {}
 
     def _worker(self, index: int, rows: int) -> WorkerHandle:
         arenas = []
@@ -61,6 +65,19 @@ class Harness:
         m = self.models[model]
         request_id = name if name is not None else self._next_id
         return self.processor.admit(b"client", request_id, m, inputs, self.policy.unfold(m, inputs), arrival)
+
+    def schedule(self, worker: WorkerHandle) -> int:
+        """Schedule(worker) as the manager runs it: the tasks formed are sent (here: recorded)."""
+        tasks = self.policy.schedule(worker)
+        for task in tasks:
+            self.processor.task_submitted(task)
+            self.sent.append((worker, decode_task(task.message)))
+            self.task_requests[task.task_id] = self.processor.requests_of(task)
+        return len(tasks)
+
+    def requests_in(self, task: Task) -> list[Any]:
+        """Ids of the requests the task holds nodes of, as they were when it was sent."""
+        return [request.request_id for request in self.task_requests[task.task_id]]
 
     def in_flight(self, worker: WorkerHandle | None = None) -> list[Task]:
         workers = [worker] if worker else self.workers

@@ -28,12 +28,12 @@ def run_all(h: Harness) -> list[list[tuple[int, set]]]:
     worker = h.workers[0]
     rounds = []
     while True:
-        while worker.in_flight <= 1 and h.policy.schedule(worker):
+        while worker.in_flight <= 1 and h.schedule(worker):
             pass
         if not worker.tasks:
             return rounds
         task = h.complete_oldest(worker)
-        rounds.append((len(task.nodes), {n.request.request_id for n in task.nodes}, [r.request_id for r, _ in h.finished]))
+        rounds.append((task.nodes, set(h.requests_in(task)), [r.request_id for r, _ in h.finished]))
 
 
 def test_padded_batches_a_bucket_pads_it_and_answers_it_whole(tmp_path: Path):
@@ -117,7 +117,7 @@ def test_a_failed_member_does_not_hold_its_group(tmp_path: Path):
         h.admit("lstm", tokens(2), "short")
         doomed = h.admit("lstm", tokens(30), "long")
         worker = h.workers[0]
-        h.policy.schedule(worker)
+        h.schedule(worker)
         h.complete_oldest(worker)
         h.complete_oldest(worker)  # "short" has its answer, held for the group
         assert h.finished == []

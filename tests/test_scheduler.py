@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_config
 from harness import Harness
@@ -39,10 +40,6 @@ def harness(tmp_path: Path):
         h.close()
 
 
-def requests_in(task) -> list:
-    return [node.request.request_id for node in task.nodes]
-
-
 def test_figure5_requests_join_and_leave(harness):
     """The paper's Figure 5: 8 requests, batch size 4, one cell step per time unit.
 
@@ -63,8 +60,8 @@ def test_figure5_requests_join_and_leave(harness):
         while arrivals and arrivals[0][0] <= t:
             arrival, name, length = arrivals.pop(0)
             h.admit("lstm", {"tokens": list(range(1, length + 1))}, name=name, arrival=arrival)
-        assert h.scheduler.schedule(worker) == 1
-        timeline.append(sorted(requests_in(h.in_flight(worker)[0])))
+        assert h.schedule(worker) == 1
+        timeline.append(sorted(h.requests_in(h.in_flight(worker)[0])))
         h.complete_oldest(worker)
         t += 1
         for request, error in h.finished:
@@ -92,16 +89,20 @@ def test_batch_issues_successive_steps_ahead_on_one_worker(harness):
     h = harness()
     worker = h.workers[0]
     request = h.admit("lstm", {"tokens": list(range(1, 9))})
-    assert h.scheduler.schedule(worker) == 5
+    assert h.schedule(worker) == 5
     tasks = h.in_flight(worker)
-    assert [len(t.nodes) for t in tasks] == [1] * 5
-    assert [request.nodes.index(t.nodes[0]) for t in tasks] == [0, 1, 2, 3, 4]
-    # Each step reads the slots the previous step writes.
-    for previous, task in zip(tasks, tasks[1:]):
-        assert task.nodes[0].producers == previous.nodes
+    assert [t.nodes for t in tasks] == [1] * 5
+    assert h.table.issued[request.row] == 5
+    # Each step reads the rows the previous step writes (h and c, overwritten in place), and step 0 reads zeros.
+    messages = [message for _, message in h.sent]
+    assert [slots.tolist()[0] for _, slots, _, _, _ in messages[0].inputs[1:]] == [0, 0]
+    for previous, message in zip(messages, messages[1:]):
+        written = sorted(slots.tolist()[0] for _, slots in previous.outputs)
+        assert sorted(slots.tolist()[0] for _, slots, _, _, _ in message.inputs[1:]) == written
+    assert [m.inputs[0][4][1] for m in messages] == [np.int64(t).tobytes() for t in range(1, 6)]  # tokens inline
     while worker.tasks:
         h.complete_oldest(worker)
-        h.scheduler.schedule(worker)
+        h.schedule(worker)
     assert h.finished and h.finished[0][1] is None
     assert h.slots_in_use() == 0
 
@@ -111,16 +112,16 @@ def test_subgraph_stays_pinned_to_its_worker(harness, affinity):
     h = harness(workers=2, affinity=affinity)
     first, second = h.workers
     request = h.admit("lstm", {"tokens": [1, 2, 3, 4, 5, 6, 7]})
-    h.scheduler.schedule(first)
-    assert request.subgraphs[0].pinned_worker is first
-    assert h.scheduler.schedule(second) == 0  # its remaining nodes wait for `first`
+    h.schedule(first)
+    assert h.table.home[request.row] == first.worker_id and h.table.inflight[request.row] == 5
+    assert h.schedule(second) == 0  # its remaining nodes wait for `first`
     other = h.admit("lstm", {"tokens": [1, 2]})
-    assert h.scheduler.schedule(second) == 2
-    assert all(t.nodes[0].request is other for t in h.in_flight(second))
+    assert h.schedule(second) == 2
+    assert all(h.processor.requests_of(t) == [other] for t in h.in_flight(second))
     while first.tasks:
         h.complete_oldest(first)
-    assert request.subgraphs[0].pinned_worker is None  # unpinned once nothing runs
-    assert request.subgraphs[0].remaining == 2
+    assert h.table.inflight[request.row] == 0  # unpinned once nothing runs
+    assert request.unfolded.plan.nodes - h.table.issued[request.row] == 2
 
 
 def test_cell_type_choice_full_batch_then_idle_type_then_priority(harness):
@@ -137,23 +138,23 @@ priority = 5
     h.admit("lstm", {"tokens": [1]})
     h.admit("lstm", {"tokens": [2]})
     # Only layer0 has ready nodes (a full batch of 2).
-    h.scheduler.schedule(a)
+    h.schedule(a)
     assert h.in_flight(a)[0].spec.key == layer0
     # Both layer-1 nodes became ready at submission: layer1 has a full batch and wins.
     h.admit("lstm", {"tokens": [3]})
     h.admit("lstm", {"tokens": [4]})
-    h.scheduler.schedule(a)
+    h.schedule(a)
     assert [t.spec.key for t in h.in_flight(a)] == [layer0, layer1]
     # Worker b: layer0 has a full batch (requests 3, 4) and no running task -> it is chosen.
-    h.scheduler.schedule(b)
+    h.schedule(b)
     assert h.in_flight(b)[0].spec.key == layer0
     while a.tasks:
         h.complete_oldest(a)
     # a: layer1 has 2 ready nodes (full batch) on b's requests? They are pinned to b, so a gets nothing.
-    assert h.scheduler.schedule(a) == 0
+    assert h.schedule(a) == 0
     h.complete_oldest(b)
     # Now layer1 (priority 5) and nothing else is ready: it goes to b, where the values live.
-    assert h.scheduler.schedule(b) == 1
+    assert h.schedule(b) == 1
     assert h.in_flight(b)[0].spec.key == layer1
     h.complete_oldest(b)
     assert len(h.finished) == 4 and h.slots_in_use() == 0
@@ -164,14 +165,14 @@ def test_failed_request_drops_unsubmitted_nodes_and_frees_slots(harness):
     worker = h.workers[0]
     doomed = h.admit("lstm", {"tokens": list(range(1, 20))})
     kept = h.admit("lstm", {"tokens": [1, 2, 3]})
-    h.scheduler.schedule(worker)
+    h.schedule(worker)
     h.processor.fail(doomed, RequestError(CANCELLED, "test"))
     assert h.finished[0][0] is doomed and h.finished[0][1].code == CANCELLED
     while worker.tasks:
         h.complete_oldest(worker)
-        h.scheduler.schedule(worker)
+        h.schedule(worker)
     assert [r for r, e in h.finished if e is None] == [kept]
-    assert all(not sg.queued for sg in doomed.subgraphs)
+    assert h.scheduler.queues["lstm/layer0"].size == 0
     assert h.scheduler.ready_nodes() == {"lstm/layer0": 0}
     assert h.slots_in_use() == 0
 
@@ -181,7 +182,7 @@ def test_task_size_is_padded_to_a_supported_batch_size(harness):
     worker = h.workers[0]
     for _ in range(3):
         h.admit("lstm", {"tokens": [1]})
-    h.scheduler.schedule(worker)
+    h.schedule(worker)
     sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
     inputs = [slots.tolist() for _, slots, _, _, _ in message.inputs]
@@ -196,13 +197,14 @@ def test_full_arena_limits_the_batch_instead_of_failing(harness):
     worker = h.workers[0]
     for _ in range(6):
         h.admit("lstm", {"tokens": [1, 2]})
-    h.scheduler.schedule(worker)
-    # A node needs 2 state rows (h, c) of the state arena: at most 4 nodes fit at once.
-    assert sum(len(t.nodes) for t in h.in_flight(worker)) <= 4
+    h.schedule(worker)
+    # A request holds 2 state rows (h, c) of the state arena while it runs: at most 4 run at once.
+    running = {request.request_id for task in h.in_flight(worker) for request in h.processor.requests_of(task)}
+    assert len(running) == 4 and sum(arena.in_use for arena in worker.slots.values()) == 8
     while worker.tasks or any(h.scheduler.ready_nodes().values()):
         if worker.tasks:
             h.complete_oldest(worker)
-        h.scheduler.schedule(worker)
+        h.schedule(worker)
     assert len(h.finished) == 6 and all(e is None for _, e in h.finished)
     assert h.slots_in_use() == 0
 
@@ -213,18 +215,18 @@ def test_unpinned_subgraph_moves_and_reads_the_first_workers_arena(harness):
     h = harness(workers=2, max_tasks_to_submit=2)
     first, second = h.workers
     request = h.admit("lstm", {"tokens": [1, 2, 3, 4]})
-    assert h.scheduler.schedule(first) == 2
-    assert h.scheduler.schedule(second) == 0  # pinned to `first` while its tasks run
+    assert h.schedule(first) == 2
+    step1_rows = sorted(slots.tolist()[0] for _, slots in h.sent[-1][1].outputs)
+    assert h.schedule(second) == 0  # pinned to `first` while its tasks run
     while first.tasks:
         h.complete_oldest(first)
-    assert h.scheduler.schedule(second) == 2
+    assert h.schedule(second) == 2
     _, message = h.sent[-2]
-    step1 = request.nodes[1]
     remote_inputs = [r for _, _, _, r, _ in message.inputs if r]
     assert len(remote_inputs) == 2  # h and c of step 1 live on `first`
-    for (peer, arena, slots, positions), port in zip([r[0] for r in remote_inputs], (0, 1)):
-        assert peer == first.worker_id
-        assert slots.tolist() == [step1.out_slots[port]] and positions.tolist() == [0]
+    assert all(peer == first.worker_id and positions.tolist() == [0] for (peer, _, _, positions), in remote_inputs)
+    assert sorted(r[0][2].tolist()[0] for r in remote_inputs) == step1_rows
+    assert request.rows.keys() == {first, second}  # its next values are written on `second`
     while second.tasks:
         h.complete_oldest(second)
     assert h.finished and h.finished[0][1] is None
@@ -235,8 +237,8 @@ def test_request_affinity_keeps_a_request_on_one_worker(harness):
     h = harness(workers=2, max_tasks_to_submit=2, affinity="request")
     first, second = h.workers
     h.admit("lstm", {"tokens": [1, 2, 3, 4]})
-    h.scheduler.schedule(first)
+    h.schedule(first)
     while first.tasks:
         h.complete_oldest(first)
-    assert h.scheduler.schedule(second) == 0
-    assert h.scheduler.schedule(first) == 2
+    assert h.schedule(second) == 0
+    assert h.schedule(first) == 2

@@ -235,17 +235,28 @@ batch_sizes = [1, 2, 4]
 """
 
 
-def test_subgraphs_of_a_complete_binary_tree_follow_the_paper(tmp_path: Path):
-    """Section 4.4: 16 leaves are 16 single-node subgraphs, the internal nodes are one more."""
+def waves(plan) -> list[tuple[str, list[int]]]:
+    """Each lane's cell type with the sizes of its waves (nodes of one depth), in order."""
+    lanes = []
+    for lane, key in enumerate(plan.lane_cells):
+        depths = plan.depth[plan.lane_bounds[lane] : plan.lane_bounds[lane + 1]]
+        lanes.append((key, np.unique(depths, return_counts=True)[1].tolist()))
+    return lanes
+
+
+def test_lanes_of_a_complete_binary_tree_run_level_by_level(tmp_path: Path):
+    """Section 4.4: the 16 leaves run as one batch, then each level of internal nodes, then the classifier."""
     h = Harness(write_config(tmp_path, TREE_MODELS))
     try:
         parents = [-1] + [(i - 1) // 2 for i in range(1, 31)]  # heap order: nodes 15..30 are the leaves
         tokens = [-1] * 15 + list(range(16))
         request = h.admit("bin", tree(tokens, parents))
-        sizes = sorted((s.cell_key, s.remaining) for s in request.subgraphs)
-        assert sizes == [("bin/classifier", 1), ("bin/internal", 15)] + [("bin/leaf", 1)] * 16
+        assert waves(request.unfolded.plan) == [("bin/leaf", [16]), ("bin/internal", [8, 4, 2, 1]), ("bin/classifier", [1])]
         request = h.admit("cs", tree(tokens, parents))
-        assert [(s.cell_key, s.remaining) for s in request.subgraphs] == [("cs/node", 31)]
+        assert waves(request.unfolded.plan) == [("cs/node", [16, 8, 4, 2, 1])]
+        worker = h.workers[0]
+        h.schedule(worker)
+        assert [task.nodes for task in h.in_flight(worker)][:1] == [4]  # a full batch of leaves, then more
     finally:
         h.close()
 

@@ -16,6 +16,7 @@ import torch
 
 from common.config import ConfigError, ModelConfig
 from common.graph import CellGraph, CellTypeSpec, ValueKind
+from common.plan import Unfolded, compile_graph
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 
@@ -70,15 +71,28 @@ class Model(ABC):
         """
         raise NotImplementedError(f"model {self.name!r} cannot be padded")
 
-    def observe(self, graph: CellGraph, watch_index: int, value: np.ndarray) -> bool:
+    def plan(self, inputs: Any) -> Unfolded:
+        """The request's compiled plan with its external values (common.plan).
+
+        By default its unfold, compiled: a model whose requests come in a few shapes overrides
+        this to reuse one plan per shape, so that admission does no Python work per cell."""
+        return compile_graph(self.unfold(inputs), self.cell_types, self.name)
+
+    def plan_padded(self, inputs: Any, bucket_width: int) -> Unfolded:
+        """`plan` of `unfold_padded`, for the padded policy."""
+        return compile_graph(self.unfold_padded(inputs, bucket_width), self.cell_types, self.name)
+
+    def observe(self, graph: CellGraph | Unfolded, watch_index: int, value: np.ndarray) -> bool:
         """See the host copy of `graph.watch[watch_index]`; return True when the request is complete.
+
+        `graph.state` is the state the unfold put in the graph (the same object in the plan).
 
         Called in the order the watched nodes complete. Models without watched outputs
         never see this: their requests complete when every result has been read.
         """
         raise NotImplementedError(f"model {self.name!r} watches outputs but does not observe them")
 
-    def outputs(self, graph: CellGraph, results: dict[str, np.ndarray]) -> dict[str, Any]:
+    def outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray]) -> dict[str, Any]:
         """Turn the host copies of the result values (and what was observed) into the reply's outputs."""
         return results
 

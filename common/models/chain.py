@@ -11,6 +11,7 @@ its state_dict.
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
 from common.models.base import Model, check_params, int_param, padded_length, token_ids
+from common.plan import Plan, Unfolded, compile_graph
 
 TOKEN = ValueKind("int64", ())
 
@@ -79,6 +81,21 @@ class ChainModel(Model):
 
     def unfold(self, inputs: Any) -> CellGraph:
         return self._unfold(token_ids(inputs, "tokens", self.vocab_size, self.max_length), None)
+
+    def plan(self, inputs: Any) -> Unfolded:
+        tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
+        return Unfolded(self._plan(len(tokens), None), {TOKEN: tokens})
+
+    def plan_padded(self, inputs: Any, bucket_width: int) -> Unfolded:
+        tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
+        padded = padded_length(len(tokens), bucket_width)
+        externals = tokens if padded == len(tokens) else np.append(tokens, 0)  # the padding token
+        return Unfolded(self._plan(len(tokens), padded), {TOKEN: externals})
+
+    @functools.lru_cache(maxsize=4096)
+    def _plan(self, length: int, padded: int | None) -> Plan:
+        """One plan per length: requests differ only in their tokens, the plan's externals."""
+        return compile_graph(self._unfold(np.zeros(length, np.int64), padded), self.cell_types, self.name).plan
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)

@@ -20,6 +20,7 @@ bias_hh_l0), `decoder.embedding.weight` [tgt_vocab, emb], `decoder.projection.we
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
 from common.models.base import Model, check_params, int_param, padded_length, token_ids
+from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import INVALID_INPUT, RequestError
 
 TOKEN = ValueKind("int64", ())
@@ -131,6 +133,27 @@ class Seq2SeqModel(Model):
 
     def unfold(self, inputs: Any) -> CellGraph:
         return self._unfold(inputs, None)
+
+    def plan(self, inputs: Any) -> Unfolded:
+        return self._planned(inputs, None)
+
+    def plan_padded(self, inputs: Any, bucket_width: int) -> Unfolded:
+        return self._planned(inputs, bucket_width)
+
+    def _planned(self, inputs: Any, bucket_width: int | None) -> Unfolded:
+        """A plan per (source length, decoding length, bucket): requests differ in their tokens only.
+        Externals in plan order: the source, the padding token (if padding steps run), GO."""
+        source = token_ids(inputs, "tokens", self.src_vocab_size, self.max_length)
+        max_len = self._max_len(inputs, len(source))
+        plan = self._plan(len(source), max_len, bucket_width)
+        padding = [0] if bucket_width is not None and padded_length(len(source), bucket_width) > len(source) else []
+        externals = np.concatenate((source, np.array([*padding, self.go_id], np.int64)))
+        return Unfolded(plan, {TOKEN: externals}, Decoded(max_len))
+
+    @functools.lru_cache(maxsize=4096)
+    def _plan(self, length: int, max_len: int, bucket_width: int | None) -> Plan:
+        inputs = {"tokens": [0] * length, "max_len": max_len}
+        return compile_graph(self._unfold(inputs, bucket_width), self.cell_types, self.name).plan
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         return self._unfold(inputs, bucket_width)

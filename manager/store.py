@@ -1,0 +1,228 @@
+"""Where the manager keeps admitted requests: one row per request, their plans concatenated.
+
+Per-request state that the scheduler reads for whole batches lives in numpy columns of the
+RequestTable (indexed by a request's row); per-node and per-register data lives in the
+PlanStore, where each request's plan arrays are copied next to the others at admission, so a
+task gathers the data of all its nodes with one fancy index, whatever requests they belong to.
+Both grow by doubling; the store compacts when its tail is full, moving live requests down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from common.graph import CellTypeSpec, ValueKind
+from common.plan import Unfolded
+from common.slots import ZERO_SLOT
+
+if TYPE_CHECKING:
+    from manager.state import Request
+
+NO_WORKER = -1
+
+
+def _grow(array: np.ndarray, size: int, fill: int | float = 0) -> np.ndarray:
+    """`array` with room for at least `size` rows (doubling), new rows set to `fill`."""
+    if len(array) >= size:
+        return array
+    grown = np.full((max(size, 2 * len(array)), *array.shape[1:]), fill, dtype=array.dtype)
+    grown[: len(array)] = array
+    return grown
+
+
+class RequestTable:
+    """Columns over request rows; a row is reused once its request is forgotten (its generation changes)."""
+
+    COLUMNS = {
+        "node_base": (np.int64, 0),
+        "reg_base": (np.int64, 0),
+        "ragged_base": (np.int64, 0),
+        "issued": (np.int64, 0),  # nodes issued to a worker
+        "completed": (np.int64, 0),  # nodes whose task completed
+        "inflight": (np.int64, 0),  # tasks in flight holding its nodes
+        "home": (np.int64, NO_WORKER),  # worker whose rows its next values are written to
+        "bound": (np.int64, NO_WORKER),  # the only worker it may run on (request affinity, baseline groups)
+        "runnable": (np.bool_, False),  # its lanes may be scheduled
+        "generation": (np.int64, 0),
+        "started": (np.float64, 0.0),  # first issue (perf_counter), 0 before
+    }
+
+    def __init__(self, kinds: list[ValueKind], capacity: int = 1024):
+        self.kinds = {kind: i for i, kind in enumerate(kinds)}  # column of each kind in ext_base and blocks
+        for name, (dtype, fill) in self.COLUMNS.items():
+            setattr(self, name, np.full(capacity, fill, dtype=dtype))
+        self.ext_base = np.zeros((capacity, len(kinds)), np.int64)  # where its external values start, per kind
+        self.blocks = np.zeros((capacity, len(kinds)), np.int64)  # arena rows it takes on a worker, per kind
+        self.requests: list[Request | None] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def add(self, request: Request) -> int:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.requests[row] = request
+        for name, (_, fill) in self.COLUMNS.items():
+            if name != "generation":
+                getattr(self, name)[row] = fill
+        self.generation[row] += 1
+        self.blocks[row] = 0
+        for kind, registers in request.unfolded.plan.register_groups.items():
+            self.blocks[row, self.kinds[kind]] = len(registers)
+        request.row = row
+        return row
+
+    def remove(self, row: int) -> None:
+        self.requests[row] = None
+        self.runnable[row] = False
+        self.generation[row] += 1
+        self._free.append(row)
+
+    def _grow(self) -> None:
+        old = len(self.requests)
+        for name, (_, fill) in self.COLUMNS.items():
+            setattr(self, name, _grow(getattr(self, name), 2 * old, fill))
+        self.ext_base = _grow(self.ext_base, 2 * old)
+        self.blocks = _grow(self.blocks, 2 * old)
+        self.requests.extend([None] * old)
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+class _Log:
+    """An append-only region of one or more arrays, shared by requests as contiguous ranges."""
+
+    def __init__(self, columns: dict[str, tuple[np.dtype, tuple[int, ...], int]], capacity: int = 4096):
+        self.columns = columns
+        self.arrays = {name: np.full((capacity, *shape), fill, dtype) for name, (dtype, shape, fill) in columns.items()}
+        self.tail = 0
+        self.live = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def fits(self, count: int) -> bool:
+        return self.tail + count <= self.capacity
+
+    def reserve(self, count: int, live: int) -> None:
+        """Make room for `count` more entries: compaction is done by the caller when worthwhile."""
+        size = max(self.tail + count, 2 * (live + count))
+        for name, (_, _, fill) in self.columns.items():
+            self.arrays[name] = _grow(self.arrays[name], size, fill)
+
+    def take(self, count: int) -> int:
+        base = self.tail
+        self.tail += count
+        self.live += count
+        return base
+
+
+class PlanStore:
+    """Plans of admitted requests, concatenated: nodes, ragged inputs, registers and external values."""
+
+    def __init__(self, table: RequestTable, ports: int, outputs: int):
+        self.table = table
+        self.nodes = _Log(
+            {
+                "need": (np.int64, (), 0),
+                "wave_end": (np.int64, (), 0),
+                "depth": (np.int64, (), 0),
+                "inputs": (np.int32, (ports,), -1),
+                "outputs": (np.int32, (outputs,), 0),
+                "ragged_start": (np.int64, (), 0),
+                "ragged_count": (np.int64, (), 0),
+                "has_copies": (np.bool_, (), False),
+            }
+        )
+        self.ragged = _Log({"refs": (np.int32, (ports,), -1)})
+        # Where each register's latest value is (worker, slot), and the slot its next value goes to.
+        self.registers = _Log(
+            {"slot": (np.int64, (), ZERO_SLOT), "worker": (np.int64, (), NO_WORKER), "write": (np.int64, (), 0)}
+        )
+        self.externals = {
+            kind: _Log({"values": (np.dtype(kind.dtype), kind.shape, 0)}) for kind in table.kinds
+        }
+
+    def add(self, request: Request, live: Iterable[Request]) -> None:
+        """Copy a request's plan in; compacts first if a region's tail is full."""
+        unfolded: Unfolded = request.unfolded
+        plan = unfolded.plan
+        needs = [
+            (self.nodes, plan.nodes),
+            (self.ragged, len(plan.ragged_refs)),
+            (self.registers, len(plan.register_kinds)),
+            *((self.externals[kind], len(values)) for kind, values in unfolded.externals.items()),
+        ]
+        if not all(log.fits(count) for log, count in needs):
+            self._compact(list(live))
+            for log, count in needs:
+                if 2 * (log.tail + count) > log.capacity:  # mostly live: grow, or compaction would repeat soon
+                    log.reserve(count, log.live)
+        table, row = self.table, request.row
+        base = table.node_base[row] = self.nodes.take(plan.nodes)
+        end = base + plan.nodes
+        nodes = self.nodes.arrays
+        nodes["need"][base:end] = plan.need
+        nodes["wave_end"][base:end] = plan.wave_end
+        nodes["depth"][base:end] = plan.depth
+        nodes["inputs"][base:end, : plan.inputs.shape[1]] = plan.inputs
+        nodes["outputs"][base:end, : plan.outputs.shape[1]] = plan.outputs
+        nodes["ragged_start"][base:end] = plan.ragged_start
+        nodes["ragged_count"][base:end] = plan.ragged_count
+        nodes["has_copies"][base:end] = plan.has_copies
+        if len(plan.ragged_refs):
+            start = table.ragged_base[row] = self.ragged.take(len(plan.ragged_refs))
+            self.ragged.arrays["refs"][start : start + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = plan.ragged_refs
+        start = table.reg_base[row] = self.registers.take(len(plan.register_kinds))
+        self.registers.arrays["worker"][start : start + len(plan.register_kinds)] = NO_WORKER
+        for kind, values in unfolded.externals.items():
+            log = self.externals[kind]
+            start = table.ext_base[row, table.kinds[kind]] = log.take(len(values))
+            log.arrays["values"][start : start + len(values)] = values
+
+    def release(self, request: Request) -> None:
+        plan = request.unfolded.plan
+        self.nodes.live -= plan.nodes
+        self.ragged.live -= len(plan.ragged_refs)
+        self.registers.live -= len(plan.register_kinds)
+        for kind, values in request.unfolded.externals.items():
+            self.externals[kind].live -= len(values)
+
+    def _compact(self, live: list[Request]) -> None:
+        """Move every live request's ranges to the bottom of each region, in row order."""
+        table = self.table
+        rows = np.array([request.row for request in live], np.int64)
+        plans = [request.unfolded for request in live]
+        self._compact_log(self.nodes, table.node_base, rows, [u.plan.nodes for u in plans])
+        self._compact_log(self.ragged, table.ragged_base, rows, [len(u.plan.ragged_refs) for u in plans])
+        self._compact_log(self.registers, table.reg_base, rows, [len(u.plan.register_kinds) for u in plans])
+        for kind, log in self.externals.items():
+            column = table.kinds[kind]
+            sizes = [len(u.externals.get(kind, ())) for u in plans]
+            self._compact_log(log, table.ext_base[:, column], rows, sizes)
+
+    @staticmethod
+    def _compact_log(log: _Log, bases: np.ndarray, rows: np.ndarray, sizes: list[int]) -> None:
+        counts = np.array(sizes, np.int64)
+        keep = counts > 0
+        rows, counts = rows[keep], counts[keep]
+        old = bases[rows]
+        order = np.argsort(old, kind="stable")
+        rows, counts, old = rows[order], counts[order], old[order]
+        new = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+        if len(counts):
+            source = np.repeat(old - new, counts) + np.arange(counts.sum())
+            for name, array in log.arrays.items():
+                array[: counts.sum()] = array[source]
+        bases[rows] = new
+        log.tail = log.live = int(counts.sum())
+
+
+def make_tables(specs: list[CellTypeSpec], kinds: list[ValueKind]) -> tuple[RequestTable, PlanStore]:
+    """The request table and plan store for these cell types: ports sized for the widest cell."""
+    table = RequestTable(kinds)
+    ports = max((len(spec.inputs) for spec in specs), default=1)
+    outputs = max((len(spec.outputs) for spec in specs), default=1)
+    return table, PlanStore(table, ports, outputs)
