@@ -321,3 +321,50 @@ def _sources(inputs) -> list[NodeOutput]:
         elif type(ref) is Ragged:
             found.extend(ref.refs)
     return found
+
+
+def tree_plan(
+    lanes: list[tuple[str, int]],
+    depth: np.ndarray,
+    inputs: np.ndarray,
+    outputs: np.ndarray,
+    ragged_start: np.ndarray | None,
+    ragged_count: np.ndarray | None,
+    ragged_refs: np.ndarray | None,
+    register_groups: dict[ValueKind, np.ndarray],
+    copies: dict[int, tuple[tuple[str | int, int], ...]],
+    results: tuple[str, ...],
+) -> Plan:
+    """A plan whose nodes, in plan order, already sit by lane and by depth within each lane, with
+    registers given: what a model that builds its plans with numpy (the TreeLSTMs) hands over."""
+    count = len(depth)
+    bounds = np.array([0, *(end for _, end in lanes)], np.int32)
+    wave_end = np.empty(count, np.int32)
+    for lane in range(len(lanes)):
+        start, end = bounds[lane], bounds[lane + 1]
+        wave_end[start:end] = start + np.searchsorted(depth[start:end], depth[start:end], side="right")
+    has_copies = np.zeros(count, bool)
+    has_copies[list(copies)] = True
+    kinds: list[ValueKind] = [None] * sum(len(registers) for registers in register_groups.values())  # type: ignore
+    for kind, registers in register_groups.items():
+        for register in registers.tolist():
+            kinds[register] = kind
+    return Plan(
+        lane_cells=tuple(key for key, _ in lanes),
+        lane_bounds=bounds,
+        depth=depth.astype(np.int32),
+        need=np.searchsorted(np.sort(depth), depth, side="left").astype(np.int32),
+        wave_end=wave_end,
+        inputs=inputs,
+        outputs=outputs,
+        ragged_start=np.zeros(count, np.int32) if ragged_start is None else ragged_start,
+        ragged_count=np.zeros(count, np.int32) if ragged_count is None else ragged_count,
+        ragged_refs=np.zeros((0, inputs.shape[1]), np.int32) if ragged_refs is None else ragged_refs,
+        register_kinds=tuple(kinds),
+        external_kinds=(),
+        copies=copies,
+        has_copies=has_copies,
+        results=results,
+        watched=0,
+        register_groups=register_groups,
+    )

@@ -31,7 +31,8 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, NodeOutput, Ragged
-from common.models.tree import NO_WORD, TOKEN, CellPorts, TreeModel, gate_blocks, lstm_state
+from common.models.tree import NO_WORD, TOKEN, CellPorts, Tree, TreeModel, gate_blocks, lstm_state
+from common.plan import ZERO_REF, external_ref
 
 GATES = ("i", "o", "u", "f")
 
@@ -96,6 +97,19 @@ class ChildSumTreeLSTMModel(TreeModel):
         h = Ragged(tuple(NodeOutput(child, 0) for child in children))
         c = Ragged(tuple(NodeOutput(child, 1) for child in children))
         return graph.add_node(self.keys["node"], graph.add_external(np.int64(token)), h, c)
+
+    def plan_inputs(self, tree: Tree, order: np.ndarray, position: np.ndarray):
+        count = len(order)
+        inputs = np.full((count, 3), ZERO_REF, np.int32)
+        inputs[:, 0] = external_ref(np.arange(count))
+        kids = [tree.children[node] for node in order.tolist()]
+        ragged_count = np.array([len(k) for k in kids], np.int32)
+        ragged_start = (np.cumsum(ragged_count) - ragged_count).astype(np.int32)
+        flat = 2 * position[np.array([child for k in kids for child in k], np.int64)]
+        refs = np.full((len(flat), 3), ZERO_REF, np.int32)
+        refs[:, 1], refs[:, 2] = flat, flat + 1
+        lanes = [(self.keys["node"], count)]
+        return lanes, inputs, (ragged_start, ragged_count, refs), np.array(tree.tokens, np.int64)[order]
 
     def reference_node(
         self, weights: dict[str, torch.Tensor], token: int, children: list[tuple[torch.Tensor, torch.Tensor]]

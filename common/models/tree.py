@@ -33,6 +33,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.graph import CellGraph, CellTypeSpec, NodeOutput, ValueKind
 from common.models.base import Model, check_params, int_param
+from common.plan import ZERO_REF, Unfolded, tree_plan
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 TOKEN = ValueKind("int64", ())
@@ -80,7 +81,7 @@ def _int_list(tree: dict[str, Any], key: str) -> list[int]:
             got = f"{array.dtype}{list(array.shape)}"
             raise RequestError(INVALID_INPUT, f"tree.{key} must be a 1-D integer tensor, got {got}")
         return array.tolist()
-    if not isinstance(raw, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw):
+    if not isinstance(raw, list) or not set(map(type, raw)) <= {int}:  # bool is not an int here
         raise RequestError(INVALID_INPUT, f"tree.{key} must be a list of integers")
     return raw
 
@@ -104,18 +105,19 @@ def _read(inputs: Any, vocab_size: int, max_nodes: int) -> tuple[list[int], list
         )
     if n > max_nodes:
         raise RequestError(INVALID_INPUT, f"tree has {n} nodes; this model accepts at most {max_nodes}")
-    for i, token in enumerate(tokens):
-        if not NO_WORD <= token < vocab_size:
-            raise RequestError(
-                INVALID_INPUT,
-                f"tree.tokens[{i}] = {token} is outside the vocabulary; valid ids are 0..{vocab_size - 1}, "
-                f"or -1 for an internal node without a word",
-            )
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < n:
-            raise RequestError(
-                INVALID_INPUT, f"tree.parents[{i}] = {parent} is not a node; use 0..{n - 1}, or -1 for the root"
-            )
+    if min(tokens) < NO_WORD or max(tokens) >= vocab_size:  # find the culprit only when there is one
+        i = next(i for i, token in enumerate(tokens) if not NO_WORD <= token < vocab_size)
+        token = tokens[i]
+        raise RequestError(
+            INVALID_INPUT,
+            f"tree.tokens[{i}] = {token} is outside the vocabulary; valid ids are 0..{vocab_size - 1}, "
+            f"or -1 for an internal node without a word",
+        )
+    if min(parents) < -1 or max(parents) >= n:
+        i = next(i for i, parent in enumerate(parents) if not -1 <= parent < n)
+        raise RequestError(
+            INVALID_INPUT, f"tree.parents[{i}] = {parents[i]} is not a node; use 0..{n - 1}, or -1 for the root"
+        )
     return tokens, parents
 
 
@@ -362,6 +364,55 @@ class TreeModel(Model):
         if self.num_classes:
             graph.results["logits"] = NodeOutput(graph.add_node(self.keys[CLASSIFIER], NodeOutput(root, 0)), 0)
         return graph
+
+    def plan(self, inputs: Any) -> Unfolded:
+        """The plan `unfold` compiles to, built with numpy: trees differ in shape, so plans are not
+        reused, and building one must cost little more than reading the tree.
+
+        Nodes run level by level (plan order is `tree.order`, then the classifier); a node's h and
+        c take registers 2i and 2i+1 of its position i, the classifier's logits the one after."""
+        tree = self.parse(inputs)
+        order = np.array(tree.order, np.int64)
+        count = len(order)
+        position = np.empty(count, np.int64)
+        position[order] = np.arange(count)
+        heights = np.repeat(np.arange(len(tree.levels)), [len(level) for level in tree.levels])
+        lanes, inputs_of, ragged, externals = self.plan_inputs(tree, order, position)
+        classes = bool(self.num_classes)
+        total = count + classes
+        depth = np.append(heights, heights[-1] + 1) if classes else heights
+        ports = max(len(spec.inputs) for spec in self._cell_types.values())
+        node_inputs = np.full((total, ports), ZERO_REF, np.int32)
+        node_inputs[:count, : inputs_of.shape[1]] = inputs_of
+        outputs = np.zeros((total, 2), np.int32)
+        outputs[:count, 0] = 2 * np.arange(count)
+        outputs[:count, 1] = outputs[:count, 0] + 1
+        root = count - 1  # the root is the one node of the top level
+        copies: dict[int, tuple[tuple[str | int, int], ...]] = {root: (("h", 0), ("c", 1))}
+        registers = {self.state_kind: np.arange(2 * count)}
+        if classes:
+            node_inputs[count, 0] = 2 * root
+            outputs[count, 0] = 2 * count
+            copies[count] = (("logits", 0),)
+            registers[self._cell_types[self.keys[CLASSIFIER]].outputs[0]] = np.array([2 * count])
+            lanes.append((self.keys[CLASSIFIER], total))
+        ragged_start, ragged_count, ragged_refs = ragged if ragged is not None else (None, None, None)
+        return Unfolded(
+            tree_plan(
+                lanes, depth, node_inputs, outputs, ragged_start, ragged_count, ragged_refs, registers, copies,
+                results=("h", "c", "logits") if classes else ("h", "c"),
+            ),
+            {TOKEN: externals},
+        )
+
+    @abstractmethod
+    def plan_inputs(
+        self, tree: Tree, order: np.ndarray, position: np.ndarray
+    ) -> tuple[list[tuple[str, int]], np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None, np.ndarray]:
+        """For `plan`: the tree cells' lanes as (cell key, end position), every node's inputs in plan
+        order (registers of children as 2 * position and 2 * position + 1, external token ids as
+        external references numbered in plan order), ragged inputs (start, count, refs) if any, and
+        the external token ids."""
 
     def weights_module(self) -> nn.Module:
         """All weights in one module: its state_dict is the weights file, in the documented layout."""

@@ -34,7 +34,8 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, NodeOutput
-from common.models.tree import TOKEN, CellPorts, TreeModel, gate_blocks, lstm_state
+from common.models.tree import TOKEN, CellPorts, Tree, TreeModel, gate_blocks, lstm_state
+from common.plan import ZERO_REF, external_ref
 
 LEAF_GATES = ("i", "o", "u")
 INTERNAL_GATES = ("i", "f_l", "f_r", "o", "u")
@@ -99,6 +100,16 @@ class TreeLSTMModel(TreeModel):
         return graph.add_node(
             self.keys["internal"], NodeOutput(left, 0), NodeOutput(left, 1), NodeOutput(right, 0), NodeOutput(right, 1)
         )
+
+    def plan_inputs(self, tree: Tree, order: np.ndarray, position: np.ndarray):
+        leaves = len(tree.levels[0])
+        inputs = np.full((len(order), 4), ZERO_REF, np.int32)
+        inputs[:leaves, 0] = external_ref(np.arange(leaves))
+        children = np.array([tree.children[node] for node in order[leaves:]], np.int64).reshape(-1, 2)
+        left, right = 2 * position[children[:, 0]], 2 * position[children[:, 1]]
+        inputs[leaves:] = np.stack((left, left + 1, right, right + 1), axis=1)
+        lanes = [(self.keys["leaf"], leaves), (self.keys["internal"], len(order))]
+        return lanes, inputs, None, np.array(tree.tokens, np.int64)[order[:leaves]]
 
     def reference_node(
         self, weights: dict[str, torch.Tensor], token: int, children: list[tuple[torch.Tensor, torch.Tensor]]
