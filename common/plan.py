@@ -67,6 +67,7 @@ class Plan:
     padded_length: int | None = None
     node_of_graph: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # plan index of graph node i
     register_groups: dict[ValueKind, np.ndarray] = field(default_factory=dict)  # the registers of each kind
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False)  # forms of the plan the manager derives once
 
     @property
     def nodes(self) -> int:

@@ -1,4 +1,6 @@
-"""The batched-task message the manager sends a worker: slot lists, plus the requests' own inputs.
+"""The messages between the manager and a worker's stream: batched tasks, and completion notices.
+
+A task: slot lists, plus the requests' own inputs.
 
     [task_id, cell_index, batch_size, inputs, outputs, downloads]
 
@@ -98,3 +100,23 @@ def decode_task(frame: bytes) -> TaskMessage:
         [(a, _view(s)) for a, s in outputs],
         [(a, _view(s), b, _view(t)) for a, s, b, t in downloads],
     )
+
+
+@dataclass(frozen=True)
+class CompletionNotice:
+    """What a worker reports: tasks its stream finished (in stream order), the errors of those that
+    failed, and its signal counter; a notice without tasks is a heartbeat."""
+
+    worker_id: int
+    task_ids: list[int]
+    errors: dict[int, str]
+    signal: int
+
+
+def encode_notice(notice: CompletionNotice) -> bytes:
+    return msgpack.packb([notice.worker_id, notice.task_ids, notice.errors, notice.signal])
+
+
+def decode_notice(frame: bytes) -> CompletionNotice:
+    worker_id, task_ids, errors, signal = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    return CompletionNotice(worker_id, task_ids, errors, signal)

@@ -10,12 +10,13 @@ they batch together later.
 from __future__ import annotations
 
 from manager.scheduler import CellTypeQueue, Scheduler
+from manager.store import NodeColumns
 
 
 class AgendaScheduler(Scheduler):
     def choose_cell_type(self) -> CellTypeQueue | None:
         best, lowest = None, 0.0
-        depth = self._store.nodes.arrays["depth"]
+        depth = self._store.nodes.arrays["data"][:, NodeColumns.DEPTH]
         for queue in self._ordered:
             if not queue.size:
                 continue

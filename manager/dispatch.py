@@ -20,7 +20,7 @@ from common.plan import ZERO_REF
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage, encode_task
 from manager.state import Request, Task
-from manager.store import PlanStore, RequestTable
+from manager.store import NodeColumns, PlanStore, RequestTable
 from manager.workers import WorkerHandle
 
 if TYPE_CHECKING:
@@ -63,15 +63,15 @@ class Dispatcher:
         nodes = _expand(taken.first, counts)
         node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows
         reg_base = table.reg_base[node_rows]
-        node_data = store.nodes.arrays
+        node_data = store.nodes.arrays["data"][nodes]  # the task's rows of the node matrix
         registers = store.registers.arrays
         inputs = []
         for port, kind in enumerate(spec.inputs):
             arena = worker.arena_id[kind]
             if port in spec.ragged_inputs:
-                inputs.append(self._ragged(port, kind, nodes, node_rows, worker))
+                inputs.append(self._ragged(port, kind, node_data, node_rows, worker))
                 continue
-            refs = node_data["inputs"][nodes, port]
+            refs = node_data[:, NodeColumns.INPUTS + port]
             slots = np.full(size, ZERO_SLOT, np.int64)
             remote = inline = None
             held = refs >= 0
@@ -86,13 +86,13 @@ class Dispatcher:
             inputs.append((arena, slots, None, remote, inline))
         outputs = []
         for port, kind in enumerate(spec.outputs):
-            where = reg_base + node_data["outputs"][nodes, port]
+            where = reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port]
             slots = np.full(size, SCRATCH_SLOT, np.int64)
             slots[:count] = written = registers["write"][where]
             registers["slot"][where] = written
             registers["worker"][where] = worker.worker_id
             outputs.append((worker.arena_id[kind], slots))
-        downloads = self._downloads(task, nodes, node_rows, outputs, worker)
+        downloads = self._downloads(task, nodes, node_data, node_rows, outputs, worker)
         message = TaskMessage(task.task_id, cell_index, size, inputs, outputs, downloads)
         worker.tasks[task.task_id] = task
         task.submitted = now = time.perf_counter()
@@ -127,11 +127,11 @@ class Dispatcher:
             slots[at] = ZERO_SLOT
         return reads
 
-    def _ragged(self, port: int, kind: ValueKind, nodes: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle):
+    def _ragged(self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle):
         """A ragged input: every node's values flattened, with the batch row each belongs to."""
         store, table = self._store, self._table
-        counts = store.nodes.arrays["ragged_count"][nodes]
-        starts = store.nodes.arrays["ragged_start"][nodes] + table.ragged_base[node_rows]
+        counts = node_data[:, NodeColumns.RAGGED_COUNT]
+        starts = node_data[:, NodeColumns.RAGGED_START] + table.ragged_base[node_rows]
         flat = _expand(starts, counts)
         arena = worker.arena_id[kind]
         if len(flat) == 0:
@@ -142,12 +142,12 @@ class Dispatcher:
         slots[refs == ZERO_REF] = ZERO_SLOT
         owners = store.registers.arrays["worker"][where]
         remote = self._remote(np.arange(len(flat)), owners, slots, worker, kind)
-        segments = np.repeat(np.arange(len(nodes)), counts)
+        segments = np.repeat(np.arange(len(node_data)), counts)
         return (arena, slots, segments, remote, None)
 
-    def _downloads(self, task: Task, nodes, node_rows, outputs, worker: WorkerHandle) -> list:
+    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, worker: WorkerHandle) -> list:
         """Rows the host reads at completion (results, watched values): an io row each."""
-        copied = np.flatnonzero(self._store.nodes.arrays["has_copies"][nodes])
+        copied = np.flatnonzero(node_data[:, NodeColumns.HAS_COPIES])
         if not len(copied):
             return []
         table, spec = self._table, task.spec
@@ -174,7 +174,7 @@ class Dispatcher:
         observed = []
         for request, key, kind, io_slot in task.reads:
             value = worker.io[kind][io_slot].copy()
-            worker.io_slots[kind].give(io_slot)
+            worker.io_slots[kind].give_one(io_slot)
             if type(key) is str:
                 request.results[key] = value
             else:

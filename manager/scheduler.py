@@ -25,7 +25,7 @@ import numpy as np
 from common.graph import CellTypeSpec
 from manager.dispatch import Dispatcher
 from manager.state import Request, Task
-from manager.store import NO_WORKER, PlanStore, RequestTable
+from manager.store import NO_WORKER, NodeColumns, PlanStore, RequestTable
 from manager.workers import WorkerHandle
 
 
@@ -115,10 +115,10 @@ class Scheduler:
             size = queue.size
             rows, cursor = queue.row[:size], queue.cursor[:size]
         first = table.node_base[rows] + cursor
-        nodes = self._store.nodes.arrays
-        lanes = np.flatnonzero(table.issued[rows] >= nodes["need"][first])
+        nodes = self._store.nodes.arrays["data"]
+        lanes = np.flatnonzero(table.issued[rows] >= nodes[first, NodeColumns.NEED])
         first = first[lanes]
-        return Ready(lanes, rows[lanes], nodes["wave_end"][first] - cursor[lanes], first)
+        return Ready(lanes, rows[lanes], nodes[first, NodeColumns.WAVE_END] - cursor[lanes], first)
 
     def ready_nodes(self) -> dict[str, int]:
         return {key: self.ready(queue).nodes if queue.size else 0 for key, queue in self.queues.items()}

@@ -15,10 +15,10 @@ import signal
 import time
 from typing import Any
 
-import msgpack
 import zmq
 
 from common.auth import CurveServer
+from common.task import decode_notice
 from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
 from common.models.base import Model, build_model, cell_layout
@@ -93,6 +93,7 @@ class Manager:
         self._default_deadline_ms = config.server.default_deadline_ms
         self._max_queued_requests = config.server.max_queued_requests
         self._max_queued_nodes = config.server.max_queued_nodes
+        self._max_replays = config.server.max_replays
         self._seen_worker_indices: set[Any] = set()
         self._stopping = False
         self._draining_until: float | None = None
@@ -228,6 +229,11 @@ class Manager:
             self.worker_socket.send_multipart([other.identity, b"forget-peer", encode({"worker_id": worker.worker_id})])
         worker.close()
         for request in affected:
+            request.failures += 1
+            if request.failures > self._max_replays:
+                message = f"it lost its worker {request.failures} times (last: {reason}); it is not replayed again"
+                self.processor.fail(request, RequestError(INTERNAL, message))
+                continue
             if not self.workers:
                 self.processor.fail(request, RequestError(WORKER_LOST, f"its worker was lost ({reason}) and none remains"))
                 continue
@@ -279,16 +285,16 @@ class Manager:
                 frame = self.completions.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            worker_id, task_ids, errors, counter = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-            worker = self.workers.get(worker_id)
+            notice = decode_notice(frame)
+            worker = self.workers.get(notice.worker_id)
             if worker is None:
                 continue  # from a worker already written off
-            worker.heard_from(counter, time.monotonic())
-            for task_id in task_ids:
+            worker.heard_from(notice.signal, time.monotonic())
+            for task_id in notice.task_ids:
                 task = worker.tasks.pop(task_id, None)
                 if task is not None:
                     worker.tasks_completed += 1
-                    self.processor.task_completed(task, errors.get(task_id))
+                    self.processor.task_completed(task, notice.errors.get(task_id))
 
     def _drain_worker_control(self) -> None:
         while True:

@@ -36,7 +36,11 @@ class SlotAllocator:
         self._top -= 1
         return int(self._free[self._top])
 
-    def give(self, slots: np.ndarray | int) -> None:
-        slots = np.atleast_1d(slots)
-        self._free[self._top : self._top + len(slots)] = slots
-        self._top += len(slots)
+    def give(self, slots: np.ndarray) -> None:
+        count = len(slots)
+        self._free[self._top : self._top + count] = slots
+        self._top += count
+
+    def give_one(self, slot: int) -> None:
+        self._free[self._top] = slot
+        self._top += 1

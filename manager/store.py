@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from common.graph import CellTypeSpec, ValueKind
-from common.plan import Unfolded
+from common.plan import ZERO_REF, Plan, Unfolded
 from common.slots import ZERO_SLOT
 
 if TYPE_CHECKING:
@@ -50,6 +50,8 @@ class RequestTable:
         "started": (np.float64, 0.0),  # first issue (perf_counter), 0 before
     }
 
+    RESET = ("issued", "completed", "inflight", "home", "bound", "started")  # the rest is set on admission
+
     def __init__(self, kinds: list[ValueKind], capacity: int = 1024):
         self.kinds = {kind: i for i, kind in enumerate(kinds)}  # column of each kind in ext_base and blocks
         for name, (dtype, fill) in self.COLUMNS.items():
@@ -64,9 +66,9 @@ class RequestTable:
             self._grow()
         row = self._free.pop()
         self.requests[row] = request
-        for name, (_, fill) in self.COLUMNS.items():
-            if name != "generation":
-                getattr(self, name)[row] = fill
+        for name in self.RESET:
+            column = getattr(self, name)
+            column[row] = self.COLUMNS[name][1]
         self.generation[row] += 1
         self.blocks[row] = 0
         for kind, registers in request.unfolded.plan.register_groups.items():
@@ -96,12 +98,9 @@ class _Log:
     def __init__(self, columns: dict[str, tuple[np.dtype, tuple[int, ...], int]], capacity: int = 4096):
         self.columns = columns
         self.arrays = {name: np.full((capacity, *shape), fill, dtype) for name, (dtype, shape, fill) in columns.items()}
+        self.capacity = capacity
         self.tail = 0
         self.live = 0
-
-    @property
-    def capacity(self) -> int:
-        return len(next(iter(self.arrays.values())))
 
     def fits(self, count: int) -> bool:
         return self.tail + count <= self.capacity
@@ -111,6 +110,7 @@ class _Log:
         size = max(self.tail + count, 2 * (live + count))
         for name, (_, _, fill) in self.columns.items():
             self.arrays[name] = _grow(self.arrays[name], size, fill)
+        self.capacity = len(self.arrays[name])
 
     def take(self, count: int) -> int:
         base = self.tail
@@ -119,23 +119,38 @@ class _Log:
         return base
 
 
+class NodeColumns:
+    """Columns of the plan store's node matrix: a request's nodes are copied in with one assignment."""
+
+    NEED, WAVE_END, DEPTH, RAGGED_START, RAGGED_COUNT, HAS_COPIES = range(6)
+    INPUTS = 6  # then one column per input port, then one per output
+
+
+def packed(plan: Plan, ports: int, outputs: int) -> np.ndarray:
+    """The plan's node arrays as the store's node matrix rows (made once per plan and kept on it)."""
+    key = (ports, outputs)
+    matrix = plan.cache.get(key)
+    if matrix is None:
+        matrix = np.zeros((plan.nodes, NodeColumns.INPUTS + ports + outputs), np.int64)
+        for column, values in enumerate(
+            (plan.need, plan.wave_end, plan.depth, plan.ragged_start, plan.ragged_count, plan.has_copies)
+        ):
+            matrix[:, column] = values
+        matrix[:, NodeColumns.INPUTS : NodeColumns.INPUTS + ports] = ZERO_REF
+        matrix[:, NodeColumns.INPUTS : NodeColumns.INPUTS + plan.inputs.shape[1]] = plan.inputs
+        first_output = NodeColumns.INPUTS + ports
+        matrix[:, first_output : first_output + plan.outputs.shape[1]] = plan.outputs
+        plan.cache[key] = matrix
+    return matrix
+
+
 class PlanStore:
     """Plans of admitted requests, concatenated: nodes, ragged inputs, registers and external values."""
 
     def __init__(self, table: RequestTable, ports: int, outputs: int):
         self.table = table
-        self.nodes = _Log(
-            {
-                "need": (np.int64, (), 0),
-                "wave_end": (np.int64, (), 0),
-                "depth": (np.int64, (), 0),
-                "inputs": (np.int32, (ports,), -1),
-                "outputs": (np.int32, (outputs,), 0),
-                "ragged_start": (np.int64, (), 0),
-                "ragged_count": (np.int64, (), 0),
-                "has_copies": (np.bool_, (), False),
-            }
-        )
+        self.ports, self.outputs = ports, outputs
+        self.nodes = _Log({"data": (np.int64, (NodeColumns.INPUTS + ports + outputs,), 0)})
         self.ragged = _Log({"refs": (np.int32, (ports,), -1)})
         # Where each register's latest value is (worker, slot), and the slot its next value goes to.
         self.registers = _Log(
@@ -162,16 +177,7 @@ class PlanStore:
                     log.reserve(count, log.live)
         table, row = self.table, request.row
         base = table.node_base[row] = self.nodes.take(plan.nodes)
-        end = base + plan.nodes
-        nodes = self.nodes.arrays
-        nodes["need"][base:end] = plan.need
-        nodes["wave_end"][base:end] = plan.wave_end
-        nodes["depth"][base:end] = plan.depth
-        nodes["inputs"][base:end, : plan.inputs.shape[1]] = plan.inputs
-        nodes["outputs"][base:end, : plan.outputs.shape[1]] = plan.outputs
-        nodes["ragged_start"][base:end] = plan.ragged_start
-        nodes["ragged_count"][base:end] = plan.ragged_count
-        nodes["has_copies"][base:end] = plan.has_copies
+        self.nodes.arrays["data"][base : base + plan.nodes] = packed(plan, self.ports, self.outputs)
         if len(plan.ragged_refs):
             start = table.ragged_base[row] = self.ragged.take(len(plan.ragged_refs))
             self.ragged.arrays["refs"][start : start + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = plan.ragged_refs

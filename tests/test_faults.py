@@ -124,6 +124,34 @@ def test_hung_worker_is_killed_replaced_and_its_requests_replayed(tmp_path: Path
         stop_server(server)
 
 
+def test_a_request_that_keeps_killing_workers_fails_after_max_replays(tmp_path: Path, monkeypatch):
+    """A request replayed `max_replays` times that loses its worker again fails with INTERNAL, and
+    the server goes on serving once its workers are back."""
+    monkeypatch.setenv("BATCHMAKER_TEST_HOOKS", "1")
+    monkeypatch.setenv("BATCHMAKER_TEST_CRASH_TOKEN", "666")
+    config = write_config(tmp_path, SMALL_LSTM, server="max_replays = 1")
+    server = start_server(config, workers=2)
+    try:
+        with server.client(timeout=60) as client:
+            with pytest.raises(ServerError) as failed:
+                client.infer("lstm", {"tokens": [1, 666, 2]})
+        assert failed.value.code == "INTERNAL" and "lost its worker 2 times" in failed.value.message
+        assert wait_for(lambda: healthy_workers(server) == 2, timeout=30)
+        sequences = [[t for t in range(i, i + 9) if t != 666] for i in range(0, 1000, 50)]
+
+        async def send() -> list:
+            async with AsyncClient(server.address, timeout=60) as client:
+                replies = [client.infer("lstm", {"tokens": tokens}) for tokens in sequences]
+                return await asyncio.gather(*replies, return_exceptions=True)
+
+        check_replies(config, list(zip(sequences, asyncio.run(send()))))
+        with server.client() as client:
+            stats = wait_idle(client)
+        assert stats["worker_losses"] == 2 and stats["replayed_requests"] >= 1
+    finally:
+        stop_server(server)
+
+
 def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
     address = f"ipc://{tmp_path}/workers"
     config = write_config(tmp_path, SMALL_LSTM, server=f'worker_address = "{address}"')

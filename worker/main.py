@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-import msgpack
+import numpy as np
 import torch
 import zmq
 
@@ -28,7 +28,7 @@ from common.graph import CellTypeSpec, ValueKind
 from common.logs import setup_logging
 from common.models.base import build_model, cell_layout
 from common.protocol import decode, encode
-from common.task import decode_task
+from common.task import CompletionNotice, TaskMessage, decode_task, encode_notice
 from worker.backend import Backend
 
 log = logging.getLogger("batchmaker.worker")
@@ -37,6 +37,8 @@ REGISTER_TIMEOUT_S = 60.0
 IDLE_WAIT_S = 0.05
 HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
 TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
+# Fault tests: with test hooks on, a task carrying this token id inline kills the worker, as a poisonous request would.
+CRASH_TOKEN = int(os.environ.get("BATCHMAKER_TEST_CRASH_TOKEN", "-1")) if TEST_HOOKS else None
 
 
 class InProgressFIFO:
@@ -110,7 +112,10 @@ class Poller(threading.Thread):
             task_ids.append(task_id)
             if error is not None:
                 errors[task_id] = error
-        return msgpack.packb([self._worker_id, task_ids, errors, signal])
+        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal))
+
+    def _heartbeat(self, signal: int) -> bytes:
+        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal))
 
     def close_stream_socket(self) -> None:
         if self._stream_socket is not None:
@@ -118,7 +123,7 @@ class Poller(threading.Thread):
 
     def _heartbeats(self) -> None:
         while not self.stopping.wait(HEARTBEAT_S):
-            self._socket.send(msgpack.packb([self._worker_id, [], {}, self._backend.signal()]))
+            self._socket.send(self._heartbeat(self._backend.signal()))
 
     def _watch_signal(self) -> None:
         done = 0
@@ -131,7 +136,7 @@ class Poller(threading.Thread):
                 last_sent = time.monotonic()
                 continue
             if time.monotonic() - last_sent >= HEARTBEAT_S:
-                self._socket.send(msgpack.packb([self._worker_id, [], {}, done]))
+                self._socket.send(self._heartbeat(done))
                 last_sent = time.monotonic()
             if not self._fifo:
                 self._fifo.wait_for_work(IDLE_WAIT_S)
@@ -255,6 +260,8 @@ class Worker:
                 return
             if kind == b"task":
                 task = decode_task(payload)
+                if CRASH_TOKEN is not None:
+                    _crash_on(task, CRASH_TOKEN)
                 self._fifo.push(task.task_id)
                 self._backend.issue(task)
             elif kind == b"peers":
@@ -263,6 +270,13 @@ class Worker:
                 self._backend.detach_peer(decode(payload)["worker_id"])
             elif kind == b"stop":
                 self._stop = True
+
+
+def _crash_on(task: TaskMessage, token: int) -> None:
+    """Test hook: exit at once, without a word, when the task reads `token` inline."""
+    for *_, inline in task.inputs:
+        if inline is not None and len(inline[1]) % 8 == 0 and token in np.frombuffer(inline[1], dtype=np.int64):
+            os._exit(70)
 
 
 def main(argv: list[str] | None = None) -> int:
