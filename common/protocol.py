@@ -85,9 +85,15 @@ def decode(frame: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
         raise RequestError(BAD_REQUEST, f"message is not valid msgpack: {exc}") from None
 
 
+_LITTLE_ENDIAN_NAMES = {np.dtype(name).newbyteorder("<"): name for name in WIRE_DTYPES}
+
+
 def tensor_to_map(array: np.ndarray) -> dict[str, Any]:
     """Encode an array as a tensor map: dtype, shape and C-order little-endian bytes."""
     array = np.asarray(array)
+    name = _LITTLE_ENDIAN_NAMES.get(array.dtype)  # every reply takes this path: no dtype name lookups
+    if name is not None:
+        return {"dtype": name, "shape": list(array.shape), "data": array.tobytes()}
     if array.dtype.name not in WIRE_DTYPES:
         raise TypeError(f"dtype {array.dtype.name} cannot be sent on the wire")
     little = array.astype(array.dtype.newbyteorder("<"), copy=False)

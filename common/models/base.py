@@ -210,9 +210,8 @@ def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.nda
         raise RequestError(INVALID_INPUT, f"{key} is empty; send at least one token")
     if array.size > max_length:
         raise RequestError(INVALID_INPUT, f"{key} has {array.size} tokens; this model accepts at most {max_length}")
-    bad = (array < 0) | (array >= vocab_size)
-    if bad.any():
-        position = int(np.argmax(bad))
+    if array.min() < 0 or array.max() >= vocab_size:
+        position = int(np.argmax((array < 0) | (array >= vocab_size)))
         raise RequestError(
             INVALID_INPUT,
             f"{key}[{position}] = {int(array[position])} is outside the vocabulary; valid ids are 0..{vocab_size - 1}",
