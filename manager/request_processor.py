@@ -150,6 +150,7 @@ class RequestProcessor:
         table, row = self._table, request.row
         if table.runnable[row] or request.state is Lifecycle.WAITING:
             self.unsubmitted_nodes -= request.unfolded.plan.nodes - int(table.issued[row])
+            table.generation[row] += 1  # its lanes in the scheduler's queues are stale from now on
         table.runnable[row] = False
 
     def _forget_if_drained(self, request: Request) -> None:

@@ -29,31 +29,37 @@ from manager.store import NO_WORKER, NodeColumns, PlanStore, RequestTable
 from manager.workers import WorkerHandle
 
 
+FINISHED = np.iinfo(np.int64).max  # the `need` of a lane with nothing left to issue
+
+
 class CellTypeQueue:
-    """Lanes of one cell type with nodes left to issue, oldest first."""
+    """Lanes of one cell type with nodes left to issue, oldest first, as columns: the request's row
+    and generation (a lane whose request ended is stale), the cursor (next node, an index into the
+    request's plan), the lane's end, and the `need` and size of the wave at the cursor."""
+
+    COLUMNS = ("row", "generation", "cursor", "end", "need", "wave")
 
     def __init__(self, spec: CellTypeSpec, index: int):
         self.spec = spec
         self.index = index  # in the manager's cell layout
         self.size = 0
-        self.row = np.zeros(64, np.int64)
-        self.generation = np.zeros(64, np.int64)
-        self.cursor = np.zeros(64, np.int64)  # next node, as an index into the request's plan
-        self.end = np.zeros(64, np.int64)
+        for name in self.COLUMNS:
+            setattr(self, name, np.zeros(64, np.int64))
         self.running_tasks = 0  # tasks of this type in flight on any worker
 
-    def add(self, row: int, generation: int, start: int, end: int) -> None:
+    def add(self, row: int, generation: int, start: int, end: int, need: int, wave: int) -> None:
         if self.size == len(self.row):
-            for name in ("row", "generation", "cursor", "end"):
+            for name in self.COLUMNS:
                 column = getattr(self, name)
                 setattr(self, name, np.concatenate((column, np.zeros_like(column))))
         at = self.size
         self.row[at], self.generation[at], self.cursor[at], self.end[at] = row, generation, start, end
+        self.need[at], self.wave[at] = need, wave
         self.size += 1
 
     def keep(self, mask: np.ndarray) -> None:
         kept = int(mask.sum())
-        for name in ("row", "generation", "cursor", "end"):
+        for name in self.COLUMNS:
             column = getattr(self, name)
             column[:kept] = column[: self.size][mask]
         self.size = kept
@@ -101,24 +107,23 @@ class Scheduler:
         self._table.runnable[row] = True
         bounds = plan.lane_bounds
         for lane, key in enumerate(plan.lane_cells):
-            self.queues[key].add(row, generation, int(bounds[lane]), int(bounds[lane + 1]))
+            start = int(bounds[lane])
+            wave = int(plan.wave_end[start]) - start
+            self.queues[key].add(row, generation, start, int(bounds[lane + 1]), int(plan.need[start]), wave)
 
     def ready(self, queue: CellTypeQueue) -> Ready:
         """Lanes with a ready wave; lanes of ended requests and finished lanes leave the queue here."""
         table = self._table
         size = queue.size
         rows = queue.row[:size]
-        cursor = queue.cursor[:size]
-        live = (table.generation[rows] == queue.generation[:size]) & table.runnable[rows] & (cursor < queue.end[:size])
+        live = (table.generation[rows] == queue.generation[:size]) & (queue.need[:size] != FINISHED)
         if not live.all():
             queue.keep(live)
             size = queue.size
-            rows, cursor = queue.row[:size], queue.cursor[:size]
-        first = table.node_base[rows] + cursor
-        nodes = self._store.nodes.arrays["data"]
-        lanes = np.flatnonzero(table.issued[rows] >= nodes[first, NodeColumns.NEED])
-        first = first[lanes]
-        return Ready(lanes, rows[lanes], nodes[first, NodeColumns.WAVE_END] - cursor[lanes], first)
+            rows = queue.row[:size]
+        lanes = np.flatnonzero(table.issued[rows] >= queue.need[:size])
+        rows = rows[lanes]
+        return Ready(lanes, rows, queue.wave[lanes], table.node_base[rows] + queue.cursor[lanes])
 
     def ready_nodes(self) -> dict[str, int]:
         return {key: self.ready(queue).nodes if queue.size else 0 for key, queue in self.queues.items()}
@@ -194,7 +199,7 @@ class Scheduler:
         """UpdateNodesDependency: the lanes advance, their requests count the issued nodes and are
         pinned to the worker; the dispatcher turns the waves into the task message."""
         task = self._dispatcher.submit(queue.spec, queue.index, taken, worker)
-        queue.cursor[taken.lanes] += taken.sizes
+        self._advance(queue, taken)
         queue.running_tasks += 1
         table = self._table
         rows = taken.rows
@@ -204,6 +209,19 @@ class Scheduler:
         if self._request_affinity:
             table.bound[rows] = worker.worker_id
         return task
+
+    def _advance(self, queue: CellTypeQueue, taken: Ready) -> None:
+        """Move the lanes' cursors past the nodes taken, to their next wave (or mark them finished)."""
+        lanes = taken.lanes
+        cursor = queue.cursor[lanes] + taken.sizes
+        queue.cursor[lanes] = cursor
+        going = cursor < queue.end[lanes]
+        queue.need[lanes[~going]] = FINISHED
+        if going.any():
+            lanes, cursor = lanes[going], cursor[going]
+            nodes = self._store.nodes.arrays["data"][taken.first[going] + taken.sizes[going]]
+            queue.need[lanes] = nodes[:, NodeColumns.NEED]
+            queue.wave[lanes] = nodes[:, NodeColumns.WAVE_END] - cursor
 
     def task_completed(self, task: Task) -> None:
         self.queues[task.spec.key].running_tasks -= 1
