@@ -59,13 +59,16 @@ def binary_tree(rng: np.random.Generator, leaves: int, vocab_size: int) -> dict:
 
 def requests_for(name: str, model, rng: np.random.Generator) -> list[dict]:
     params = model.config.params
-    if name in ("lstm", "gru"):
-        return [{"tokens": rng.integers(0, params["vocab_size"], int(rng.integers(1, 60))).tolist()} for _ in range(REQUESTS_PER_MODEL)]
-    if name == "seq2seq":
-        return [{"tokens": rng.integers(0, params["src_vocab_size"], int(rng.integers(1, 30))).tolist()} for _ in range(REQUESTS_PER_MODEL)]
+
+    def length(top: int) -> int:
+        return int(rng.integers(1, top))
+
+    if name in ("lstm", "gru", "seq2seq"):
+        vocab, top = params.get("vocab_size", params.get("src_vocab_size")), 60 if name != "seq2seq" else 30
+        return [{"tokens": rng.integers(0, vocab, length(top)).tolist()} for _ in range(REQUESTS_PER_MODEL)]
     if name == "treelstm":
-        return [{"tree": binary_tree(rng, int(rng.integers(1, 40)), params["vocab_size"])} for _ in range(REQUESTS_PER_MODEL)]
-    return [{"tree": random_tree(rng, int(rng.integers(1, 60)), params["vocab_size"])} for _ in range(REQUESTS_PER_MODEL)]
+        return [{"tree": binary_tree(rng, length(40), params["vocab_size"])} for _ in range(REQUESTS_PER_MODEL)]
+    return [{"tree": random_tree(rng, length(60), params["vocab_size"])} for _ in range(REQUESTS_PER_MODEL)]
 
 
 def serving_config(directory: Path, gpus: int):

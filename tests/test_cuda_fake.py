@@ -57,7 +57,8 @@ class FakeCalls(DeviceCalls):
         return contextlib.nullcontext()
 
     def staging(self, nbytes: int) -> Staging:
-        return Staging(np.zeros(nbytes, dtype=np.uint8), torch.empty(nbytes, dtype=torch.uint8, device=DEVICE), self._send)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+        return Staging(np.zeros(nbytes, dtype=np.uint8), device, self._send)
 
     def _send(self) -> None:
         self.sent += 1
@@ -117,7 +118,10 @@ _FUSED_CELLS.impl(
 )
 _FUSED_CELLS.impl(
     "_thnn_fused_lstm_cell",
-    lambda gates, hidden_gates, cx, *biases: (cx.new_empty(cx.shape), cx.new_empty(cx.shape), gates.new_empty(gates.shape)),
+    lambda gates, hidden_gates, cx, *biases: (
+        cx.new_empty(cx.shape),
+        cx.new_empty(cx.shape), gates.new_empty(gates.shape),
+    ),
     "Meta",
 )
 
@@ -191,7 +195,9 @@ def serving_task(task_id: int, cell_index: int, spec: CellTypeSpec, ids, batch: 
             ]
         inputs.append(tuple(entry))
     outputs = [(ids[kind][0], slots(np.arange(batch) + 100 + 10 * i)) for i, kind in enumerate(spec.outputs)]
-    downloads = [(ids[kind][0], out, ids[kind][1], slots(np.arange(batch))) for kind, (_, out) in zip(spec.outputs, outputs)]
+    downloads = [
+        (ids[kind][0], out, ids[kind][1], slots(np.arange(batch))) for kind, (_, out) in zip(spec.outputs, outputs)
+    ]
     return TaskMessage(task_id, cell_index, batch, inputs, outputs, downloads)
 
 
@@ -246,8 +252,10 @@ def test_a_task_that_cannot_be_issued_completes_with_its_error(layout):
         short_inline = (arena, slots([2, 3, 4, 5]), None, None, (inline[0], inline[1][:8]))
         shape_error = TaskMessage(3, index, 4, [short_inline, *good.inputs[1:]], good.outputs, [])
         state = good.inputs[1]
-        unknown_peer = TaskMessage(4, index, 4, [good.inputs[0], (*state[:3], [(99, state[0], slots([5]), slots([0]))], None), *good.inputs[2:]], good.outputs, [])
-        bad_io = TaskMessage(5, index, 4, good.inputs, good.outputs, [(good.outputs[0][0], good.outputs[0][1], 1, slots([0, 1, 2, ROWS + 1]))])
+        from_unknown_peer = (*state[:3], [(99, state[0], slots([5]), slots([0]))], None)
+        unknown_peer = TaskMessage(4, index, 4, [good.inputs[0], from_unknown_peer, *good.inputs[2:]], good.outputs, [])
+        to_bad_io = [(good.outputs[0][0], good.outputs[0][1], 1, slots([0, 1, 2, ROWS + 1]))]
+        bad_io = TaskMessage(5, index, 4, good.inputs, good.outputs, to_bad_io)
         for task in (good, outside, shape_error, unknown_peer, bad_io, serving_task(6, index, spec, ids, 4)):
             tasks.issue(task)
         assert calls.signals == 6

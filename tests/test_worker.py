@@ -234,7 +234,8 @@ def test_worker_that_cannot_start_exits_with_its_own_status(tmp_path: Path):
         pytest.skip("this machine can start a CUDA worker")
     config = write_config(tmp_path, SMALL_LSTM)
     process = subprocess.run(
-        [sys.executable, "-m", "worker", "--config", str(config.path), "--manager", "tcp://127.0.0.1:9", "--device", "cuda:0"],
+        [sys.executable, "-m", "worker", "--config", str(config.path), "--manager", "tcp://127.0.0.1:9"]
+        + ["--device", "cuda:0"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -105,7 +105,8 @@ class CudaBackend(Backend):
                 device_id, io_id = ids[kind]
                 arena = torch.zeros((arena_rows, *kind.shape), dtype=TORCH_DTYPES[kind.dtype], device=self._dev)
                 arenas[device_id] = arena
-                self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None, export_ipc_handle(arena)))
+                handle = export_ipc_handle(arena)
+                self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None, handle))
                 shared = SharedArray(kind.dtype, (io_rows, *kind.shape))
                 self._shared.append(shared)
                 io[io_id] = shared.array
@@ -181,7 +182,7 @@ class CudaBackend(Backend):
     def close(self) -> None:
         try:
             if not self._calls.wait(CLOSE_TIMEOUT_S):
-                log.warning("the stream of %s did not finish within %.0f s; closing without it", self.device, CLOSE_TIMEOUT_S)
+                log.warning("the stream of %s did not finish in %.0f s; closing anyway", self.device, CLOSE_TIMEOUT_S)
         except RuntimeError as exc:  # a device fault surfaces at the first query after it
             log.error("the stream of %s failed: %s", self.device, exc)
         for shared in self._shared:
@@ -196,7 +197,9 @@ def export_ipc_handle(tensor: torch.Tensor) -> list[Any]:
     return list(tensor.untyped_storage()._share_cuda_())
 
 
-def open_ipc_handle(handle: list[Any], dtype: torch.dtype, shape: tuple[int, ...], device: int | None = None) -> torch.Tensor:
+def open_ipc_handle(
+    handle: list[Any], dtype: torch.dtype, shape: tuple[int, ...], device: int | None = None
+) -> torch.Tensor:
     """Map another process's arena. `device` is the GPU whose context maps it (default: the exporter's).
 
     torch maps the memory in the context of the device it is given, with lazy peer access, and

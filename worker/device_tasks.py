@@ -132,15 +132,19 @@ class DeviceTasks:
 
     def _run(self, task: TaskMessage) -> list[Download]:
         staging = self._calls.staging(staged_bytes(task))
-        rows = task.batch_size
-        inputs = [self._input(staging, rows, *entry) for entry in task.inputs]
-        outputs = [(self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs]
+        inputs = [self._input(staging, task.batch_size, *entry) for entry in task.inputs]
+        outputs = [
+            (self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs
+        ]
         sources = [
             (self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "download"), self._io_arena(b), t)
             for a, s, b, t in task.downloads
         ]
         staging.send()
-        inputs = [(arena, slots, segments, self._local(remote), inline) for arena, slots, segments, remote, inline in inputs]
+        inputs = [
+            (arena, slots, segments, self._local(remote), inline)
+            for arena, slots, segments, remote, inline in inputs
+        ]
         run_task(IssuedTask(task.task_id, self._cells[task.cell_index], inputs, outputs, []))
         downloads = []
         for arena, slots, io, io_slots in sources:
@@ -159,9 +163,8 @@ class DeviceTasks:
             peer = self.peers.get((worker_id, peer_arena))
             if peer is None:
                 raise KeyError(f"arena {peer_arena} of worker {worker_id} is not open here")
-            remote.append(
-                (peer, self._slots(staging, peer_slots, peer.shape[0], "peer slot"), self._slots(staging, positions, width, "position"))
-            )
+            peer_rows = self._slots(staging, peer_slots, peer.shape[0], "peer slot")
+            remote.append((peer, peer_rows, self._slots(staging, positions, width, "position")))
         inline = None
         if v is not None:
             positions, data = v
