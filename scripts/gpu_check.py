@@ -1,9 +1,9 @@
 """The checks only a real GPU can run (see README, "What is tested where").
 
 1. the `cuda`-marked tests (stream-ordered counter, per-task errors, CUDA IPC between processes);
-2. configs/all.toml served with one worker per GPU, every model's answers compared with its
-   reference; with two or more GPUs, one task at a time per submission, so subgraphs move between
-   workers and their inputs are read from peers' arenas.
+2. configs/all.toml served with one worker per GPU (two on a single GPU), every model's answers
+   compared with its reference, with one task per submission, so that subgraphs move between
+   workers and their inputs are read from peers' arenas through CUDA IPC.
 
 Exits 2 when no GPU is visible, 1 when a check fails.
 """
@@ -71,15 +71,20 @@ def requests_for(name: str, model, rng: np.random.Generator) -> list[dict]:
     return [{"tree": random_tree(rng, length(60), params["vocab_size"])} for _ in range(REQUESTS_PER_MODEL)]
 
 
-def serving_config(directory: Path, gpus: int):
-    """configs/all.toml on every GPU, on a free port; weights it lacks are created in `directory`."""
+def serving_devices(gpus: int) -> list[str]:
+    """A worker per GPU; two workers where there is one GPU, so that one still reads the other's arenas."""
+    return [f"cuda:{i}" for i in range(gpus)] if gpus > 1 else ["cuda:0", "cuda:0"]
+
+
+def serving_config(directory: Path, devices: list[str]):
+    """configs/all.toml on `devices`, on a free port; weights it lacks are created in `directory`."""
     source = load_config(ROOT / "configs" / "all.toml")
     text = (ROOT / "configs" / "all.toml").read_text()
-    devices = ", ".join(f'"cuda:{i}"' for i in range(gpus))
-    text = re.sub(r"(?m)^devices = .*$", f"devices = [{devices}]", text)
+    listed = ", ".join(f'"{device}"' for device in devices)
+    text = re.sub(r"(?m)^devices = .*$", f"devices = [{listed}]", text)
     text = re.sub(r"(?m)^address = .*$", f'address = "tcp://127.0.0.1:{free_port()}"', text)
-    if gpus > 1:  # one task per submission: subgraphs change workers often, so peers' arenas are read
-        text = re.sub(r"(?m)^max_tasks_to_submit = .*$", "max_tasks_to_submit = 1", text)
+    # One task per submission: subgraphs change workers often, so peers' arenas are read.
+    text = re.sub(r"(?m)^max_tasks_to_submit = .*$", "max_tasks_to_submit = 1", text)
     for model in source.models.values():
         weights = model.weights if model.weights.exists() else directory / model.weights.name
         text = text.replace(f'"../weights/{model.weights.name}"', f'"{weights}"')
@@ -95,7 +100,7 @@ async def ask(address: str, model: str, requests: list[dict]) -> list:
         return await asyncio.gather(*(client.infer(model, inputs) for inputs in requests))
 
 
-def check_served(config, gpus: int) -> list[str]:
+def check_served(config, workers: int) -> list[str]:
     supervisor = Supervisor(config)
     supervisor.start()
     watcher = threading.Thread(target=supervisor.watch, daemon=True)
@@ -127,8 +132,8 @@ def check_served(config, gpus: int) -> list[str]:
             stats = client.stats()
         tasks = {worker: w["tasks_completed"] for worker, w in stats["workers"].items()}
         print(f"gpu-check: tasks completed per worker: {tasks}; worker losses: {stats['worker_losses']}")
-        if len(tasks) != gpus:
-            problems.append(f"{len(tasks)} workers registered, expected one per GPU ({gpus})")
+        if len(tasks) != workers:
+            problems.append(f"{len(tasks)} workers registered, expected {workers}")
         if stats["worker_losses"]:
             problems.append(f"{stats['worker_losses']} worker(s) lost while serving")
     finally:
@@ -147,8 +152,10 @@ def main() -> None:
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], cwd=ROOT)
     if tests.returncode != 0:
         fail("the cuda tests failed")
+    devices = serving_devices(gpus)
+    print(f"gpu-check: serving configs/all.toml on {devices}")
     with tempfile.TemporaryDirectory() as directory:
-        problems = check_served(serving_config(Path(directory), gpus), gpus)
+        problems = check_served(serving_config(Path(directory), devices), len(devices))
     if problems:
         fail("served answers differ from the references: " + "; ".join(problems))
     print("gpu-check: all checks passed")

@@ -14,6 +14,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -280,3 +281,14 @@ def test_staging_holds_exactly_what_the_task_sends(layout):
             assert tasks.finish(cell_index) is None
             assert staging._used == staged_bytes(task), spec.key
             del calls.staging
+
+
+def test_peers_are_mapped_on_this_gpu_where_peer_access_allows(monkeypatch):
+    """Mapped here, a peer's arena is read by this stream's kernels and no context is made on its GPU."""
+    from worker.cuda import CudaBackend
+
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda device, peer: (device, peer) == (0, 1))
+    backend = SimpleNamespace(_dev=DEVICE)
+    assert CudaBackend._mapping_device(backend, 0) == DEVICE  # another worker on the same GPU
+    assert CudaBackend._mapping_device(backend, 1) == DEVICE  # peer access
+    assert CudaBackend._mapping_device(backend, 2) == torch.device("cuda", 2)  # read on its GPU, then copied
