@@ -112,19 +112,20 @@ def _basic_index(tensor: torch.Tensor, key) -> torch.Tensor:
 # torch's fused RNN cell kernels exist only for CUDA and have no shape function; these give them one,
 # so GRUCell and LSTMCell take the very path they take on a GPU. (FakeTensorMode checks the devices.)
 _FUSED_CELLS = torch.library.Library("aten", "IMPL")
-_FUSED_CELLS.impl(
-    "_thnn_fused_gru_cell",
-    lambda gates, hidden_gates, hx, *biases: (hx.new_empty(hx.shape), hx.new_empty((hx.shape[0], 5 * hx.shape[1]))),
-    "Meta",
-)
-_FUSED_CELLS.impl(
-    "_thnn_fused_lstm_cell",
-    lambda gates, hidden_gates, cx, *biases: (
-        cx.new_empty(cx.shape),
-        cx.new_empty(cx.shape), gates.new_empty(gates.shape),
+_FUSED_SHAPES = {
+    "_thnn_fused_gru_cell": lambda gates, hidden_gates, hx, *biases: (
+        hx.new_empty(hx.shape),
+        hx.new_empty((hx.shape[0], 5 * hx.shape[1])),
     ),
-    "Meta",
-)
+    "_thnn_fused_lstm_cell": lambda gates, hidden_gates, cx, *biases: (
+        cx.new_empty(cx.shape),
+        cx.new_empty(cx.shape),
+        gates.new_empty(gates.shape),
+    ),
+}
+for _name, _shapes in _FUSED_SHAPES.items():
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", "Meta"):
+        _FUSED_CELLS.impl(_name, _shapes, "Meta")
 
 
 @contextlib.contextmanager
