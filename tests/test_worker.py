@@ -131,6 +131,24 @@ def test_cpu_backend_reports_a_failed_task_and_keeps_going(cells):
         backend.close()
 
 
+def test_cpu_backend_reports_a_task_it_cannot_resolve_in_its_turn(cells):
+    """A task naming a peer this worker has not opened fails alone, after the tasks issued before it."""
+    specs, modules, kinds, _ = cells
+    backend = make_backend("cpu", cells)
+    try:
+        first = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [10], None)
+        state = first.inputs[1]
+        unknown_peer = (*state[:3], [(99, state[0], np.array([5]), np.array([0]))], None)
+        bad = TaskMessage(2, 0, 1, [first.inputs[0], unknown_peer, first.inputs[2]], first.outputs, [])
+        for task in (first, bad, lstm_step_task(3, kinds, [2], [ZERO_SLOT], [12], None)):
+            backend.issue(decode_task(encode_task(task)))
+        wait_signal(backend, 3)
+        assert [backend.finish(task_id) for task_id in (1, 3)] == [None, None]
+        assert "99" in (backend.finish(2) or "")
+    finally:
+        backend.close()
+
+
 def test_warm_up_writes_only_the_scratch_row(cells):
     backend = make_backend("cpu", cells)
     try:

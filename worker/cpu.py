@@ -46,6 +46,14 @@ class IssuedTask:
     downloads: list[SlotCopy]
 
 
+@dataclass
+class FailedTask:
+    """A task that could not be resolved: it completes in its turn, with its error."""
+
+    task_id: int
+    error: str
+
+
 PeerArenas = dict[tuple[int, int], torch.Tensor]  # (worker id, arena id) -> tensor
 
 
@@ -161,7 +169,12 @@ class CpuBackend(Backend):
             shared.close()
 
     def issue(self, task: TaskMessage) -> None:
-        self._queue.put(resolve(task, self._tensors, self._cells, self._peers))
+        try:
+            issued: IssuedTask | FailedTask = resolve(task, self._tensors, self._cells, self._peers)
+        except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed
+            log.exception("task %d failed", task.task_id)
+            issued = FailedTask(task.task_id, f"{type(exc).__name__}: {exc}")
+        self._queue.put(issued)
 
     def signal(self) -> int:
         return int(self._counter.array[0])
@@ -193,11 +206,10 @@ class CpuBackend(Backend):
                     return
                 if task is _STALL:
                     threading.Event().wait()
-                try:
-                    run_task(task)
-                except Exception as exc:  # a failed task must still advance the counter
-                    log.exception("task %d failed", task.task_id)
-                    self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
+                if isinstance(task, FailedTask):
+                    self._errors[task.task_id] = task.error
+                else:
+                    self._run(task)
                 if self._report is not None:
                     counter[0] += 1
                     self._report(int(counter[0]))
@@ -205,6 +217,13 @@ class CpuBackend(Backend):
                 with self._advanced:
                     counter[0] += 1
                     self._advanced.notify()
+
+    def _run(self, task: IssuedTask) -> None:
+        try:
+            run_task(task)
+        except Exception as exc:  # a failed task must still advance the counter
+            log.exception("task %d failed", task.task_id)
+            self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._queue.put(_STOP)
