@@ -150,7 +150,14 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     devices = table.get("devices", defaults.devices)
     if isinstance(devices, list):
         if not devices or not all(isinstance(d, str) and (d == "cpu" or d.startswith("cuda:")) for d in devices):
-            raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list like [\"cuda:0\", \"cpu\"]")
+            raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list like [\"cuda:0\", \"cuda:1\"]")
+        if "cpu" in devices and len(set(devices)) > 1:
+            # Peers read each other's arenas: GPUs through CUDA IPC, CPU workers through shared memory;
+            # a worker of one kind cannot open the other's, so the first migrated value would fail.
+            raise ConfigError(
+                f"{path}: [server] devices mixes cpu with GPUs {sorted(set(devices) - {'cpu'})}; "
+                "use GPUs only, or \"cpu\" with cpu_workers"
+            )
         devices = tuple(devices)
     elif devices not in ("auto", "cpu"):
         raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list of devices, got {devices!r}")

@@ -84,7 +84,7 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
 def test_config_accepts_every_policy_affinity_and_device_form(tmp_path: Path) -> None:
     for policy in POLICIES:
         for affinity in AFFINITIES:
-            for devices in ('"auto"', '"cpu"', '["cuda:0", "cpu"]'):
+            for devices in ('"auto"', '"cpu"', '["cuda:0", "cuda:1"]', '["cpu", "cpu"]'):
                 text = f'[server]\ndevices = {devices}\n[scheduler]\npolicy = "{policy}"\naffinity = "{affinity}"\n'
                 config = load_config(write(tmp_path, text + MODEL))
                 assert (config.scheduler.policy, config.scheduler.affinity) == (policy, affinity)
@@ -125,6 +125,11 @@ def test_unknown_server_key(tmp_path: Path) -> None:
 @pytest.mark.parametrize("devices", ['"gpu"', '"cuda:0"', '[]', '["gpu0"]', '["cpu", 3]', "3", "true"])
 def test_bad_devices(tmp_path: Path, devices: str) -> None:
     config_error(tmp_path, f"[server]\ndevices = {devices}\n" + MODEL, "devices")
+
+
+@pytest.mark.parametrize("devices", ['["cuda:0", "cpu"]', '["cpu", "cuda:1", "cuda:0"]'])
+def test_devices_mixing_cpu_and_gpus_are_refused(tmp_path: Path, devices: str) -> None:
+    config_error(tmp_path, f"[server]\ndevices = {devices}\n" + MODEL, "devices", "mixes cpu")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", '"2"', "1.5", "true"])

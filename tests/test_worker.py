@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from common.models import build_model
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage, decode_task, encode_task
 from worker.backend import arena_ids
-from worker.main import InProgressFIFO, Poller, load_cells
+from worker.main import EXIT_STARTUP_FAILED, InProgressFIFO, Poller, load_cells
 
 ROWS = 64
 
@@ -129,6 +131,24 @@ def test_cpu_backend_reports_a_failed_task_and_keeps_going(cells):
         backend.close()
 
 
+def test_cpu_backend_reports_a_task_it_cannot_resolve_in_its_turn(cells):
+    """A task naming a peer this worker has not opened fails alone, after the tasks issued before it."""
+    specs, modules, kinds, _ = cells
+    backend = make_backend("cpu", cells)
+    try:
+        first = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [10], None)
+        state = first.inputs[1]
+        unknown_peer = (*state[:3], [(99, state[0], np.array([5]), np.array([0]))], None)
+        bad = TaskMessage(2, 0, 1, [first.inputs[0], unknown_peer, first.inputs[2]], first.outputs, [])
+        for task in (first, bad, lstm_step_task(3, kinds, [2], [ZERO_SLOT], [12], None)):
+            backend.issue(decode_task(encode_task(task)))
+        wait_signal(backend, 3)
+        assert [backend.finish(task_id) for task_id in (1, 3)] == [None, None]
+        assert "99" in (backend.finish(2) or "")
+    finally:
+        backend.close()
+
+
 def test_warm_up_writes_only_the_scratch_row(cells):
     backend = make_backend("cpu", cells)
     try:
@@ -185,14 +205,59 @@ def test_cuda_backend_matches_cpu(cells):
 
 @pytest.mark.cuda
 def test_cuda_counter_is_written_in_stream_order(cells):
+    """A stalled stream holds the counter back; once it moves, the tasks' downloads are complete on the host."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    specs, modules, kinds, _ = cells
     backend = make_backend("cuda:0", cells)
     try:
-        for task_id in range(1, 11):
-            backend.issue(decode_task(encode_task(lstm_step_task(task_id, kinds, [2], [ZERO_SLOT], [10], None))))
-        wait_signal(backend, 10)
-        assert backend.signal() == 10
+        results = io_array(backend, "float32[64]")
+        with backend._calls.on_stream():
+            torch.cuda._sleep(5 * 10**9)  # a few seconds of device time ahead of the tasks
+        _, _, kinds, _ = cells
+        first = lstm_step_task(1, kinds, [5, 9], [ZERO_SLOT, ZERO_SLOT], [10, 12], None)
+        second = lstm_step_task(2, kinds, [7, 3], [10, 12], [20, 22], [2, 3])
+        backend.issue(decode_task(encode_task(first)))
+        backend.issue(decode_task(encode_task(second)))
+        assert backend.signal() == 0, "the counter moved while the stream was still asleep"
+        wait_signal(backend, 2, timeout=120)
+        assert backend.finish(1) is None and backend.finish(2) is None
+        np.testing.assert_allclose(results.array[2:4], expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
+        results.close()
     finally:
         backend.close()
+
+
+@pytest.mark.cuda
+def test_cuda_backend_reports_a_failed_task_and_keeps_going(cells):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _, _, kinds, _ = cells
+    backend = make_backend("cuda:0", cells)
+    try:
+        bad = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [ROWS + 5], None)  # output slot outside the arena
+        good = lstm_step_task(2, kinds, [2], [ZERO_SLOT], [10], None)
+        backend.issue(decode_task(encode_task(bad)))
+        backend.issue(decode_task(encode_task(good)))
+        wait_signal(backend, 2)
+        assert "out of range" in (backend.finish(1) or "")
+        assert backend.finish(2) is None
+    finally:
+        backend.close()
+
+
+def test_worker_that_cannot_start_exits_with_its_own_status(tmp_path: Path):
+    """A device that cannot run the cells (here: CUDA asked of a CPU-only torch) is a start-up failure:
+    one clear log line and status 3, not a crash the supervisor would mistake for a fault to retry at once."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine can start a CUDA worker")
+    config = write_config(tmp_path, SMALL_LSTM)
+    process = subprocess.run(
+        [sys.executable, "-m", "worker", "--config", str(config.path), "--manager", "tcp://127.0.0.1:9"]
+        + ["--device", "cuda:0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert process.returncode == EXIT_STARTUP_FAILED, process.stderr
+    assert "could not start on cuda:0" in process.stderr

@@ -8,12 +8,15 @@ stream advances after each task, in stream order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from common.graph import ValueKind
-from common.task import TaskMessage
+import numpy as np
+
+from common.graph import CellTypeSpec, ValueKind
+from common.slots import SCRATCH_SLOT, ZERO_SLOT
+from common.task import SLOT_DTYPE, TaskMessage
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,27 @@ class ArenaInfo:
 def arena_ids(kinds: list[ValueKind]) -> dict[ValueKind, tuple[int, int]]:
     """Arena ids of each kind: (device arena, io arena)."""
     return {kind: (2 * i, 2 * i + 1) for i, kind in enumerate(kinds)}
+
+
+def warm_up_tasks(specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int]]) -> Iterator[TaskMessage]:
+    """One task per (cell type, batch size) on zero rows, writing only the scratch slot.
+
+    Warm-up goes through each backend's own task path, so it runs exactly what serving will.
+    """
+    for cell_index, spec in enumerate(specs):
+        for size in spec.batch_sizes:
+            inputs = [
+                (
+                    ids[kind][0],
+                    np.full(size, ZERO_SLOT, dtype=SLOT_DTYPE),
+                    np.arange(size, dtype=SLOT_DTYPE) if port in spec.ragged_inputs else None,  # one zero child each
+                    None,
+                    None,
+                )
+                for port, kind in enumerate(spec.inputs)
+            ]
+            outputs = [(ids[kind][0], np.full(size, SCRATCH_SLOT, dtype=SLOT_DTYPE)) for kind in spec.outputs]
+            yield TaskMessage(-1, cell_index, size, inputs, outputs, [])
 
 
 class Backend(ABC):

@@ -19,9 +19,8 @@ from torch import nn
 
 from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
-from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage
-from worker.backend import ArenaInfo, Backend, arena_ids
+from worker.backend import ArenaInfo, Backend, arena_ids, warm_up_tasks
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +28,8 @@ _STOP = object()
 _STALL = object()  # test hook: the stream blocks forever, like a hung device
 
 SlotCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-RemoteInput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (peer arena, peer slots, positions in the batch)
+# (peer arena, its slots, positions in the batch); slots None: the source holds exactly the rows, gathered already
+RemoteInput = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 Inline = tuple[torch.Tensor, torch.Tensor]  # (positions in the batch, rows)
 # arena, slots, segments, remote, inline
 InputRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[RemoteInput], Inline | None]
@@ -44,6 +44,14 @@ class IssuedTask:
     inputs: list[InputRows]
     outputs: list[tuple[torch.Tensor, torch.Tensor]]
     downloads: list[SlotCopy]
+
+
+@dataclass
+class FailedTask:
+    """A task that could not be resolved: it completes in its turn, with its error."""
+
+    task_id: int
+    error: str
 
 
 PeerArenas = dict[tuple[int, int], torch.Tensor]  # (worker id, arena id) -> tensor
@@ -79,15 +87,19 @@ def inline_rows(data: bytes, arena: torch.Tensor) -> torch.Tensor:
 
 
 def run_task(task: IssuedTask) -> None:
-    """Gather, compute, scatter: the body of every task on every backend."""
+    """Gather, compute, scatter: the body of every task on every backend.
+
+    Every tensor must already be on the arenas' device: nothing here moves data between
+    devices, so a misplaced index fails loudly instead of costing a hidden copy.
+    """
     batch = []
     for arena, slots, segments, remote, inline in task.inputs:
         rows = arena.index_select(0, slots)
-        for peer, peer_slots, positions in remote:  # values another worker produced (its task has completed)
-            rows.index_copy_(0, positions.to(rows.device), peer.index_select(0, peer_slots).to(rows.device))
+        for source, source_slots, positions in remote:  # values another worker produced (its task has completed)
+            rows.index_copy_(0, positions, source if source_slots is None else source.index_select(0, source_slots))
         if inline is not None:  # the requests' own inputs
             positions, values = inline
-            rows.index_copy_(0, positions.to(rows.device), values.to(rows.device, non_blocking=True))
+            rows.index_copy_(0, positions, values)
         batch.append(rows)
         if segments is not None:
             batch.append(segments)
@@ -98,19 +110,6 @@ def run_task(task: IssuedTask) -> None:
         arena.index_copy_(0, slots, value)
     for src, src_slots, dst, dst_slots in task.downloads:
         dst.index_copy_(0, dst_slots, src.index_select(0, src_slots))
-
-
-def warm_up_cells(cells: list[nn.Module], specs: list[CellTypeSpec], tensors: list[torch.Tensor], ids) -> None:
-    """Run each cell once at each batch size on zero rows, writing only the scratch slot."""
-    for cell, spec in zip(cells, specs):
-        for size in spec.batch_sizes:
-            inputs = []
-            for port, kind in enumerate(spec.inputs):
-                slots = torch.full((size,), ZERO_SLOT, dtype=torch.int64)
-                segments = torch.arange(size) if port in spec.ragged_inputs else None  # one zero child per node
-                inputs.append((tensors[ids[kind][0]], slots, segments, [], None))
-            outputs = [(tensors[ids[k][0]], torch.full((size,), SCRATCH_SLOT, dtype=torch.int64)) for k in spec.outputs]
-            run_task(IssuedTask(-1, cell, inputs, outputs, []))
 
 
 class CpuBackend(Backend):
@@ -150,7 +149,8 @@ class CpuBackend(Backend):
 
     def warm_up(self) -> None:
         with torch.inference_mode():
-            warm_up_cells(self._cells, self._specs, self._tensors, self._ids)
+            for task in warm_up_tasks(self._specs, self._ids):
+                run_task(resolve(task, self._tensors, self._cells, self._peers))
 
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
         self.detach_peer(worker_id)
@@ -169,7 +169,12 @@ class CpuBackend(Backend):
             shared.close()
 
     def issue(self, task: TaskMessage) -> None:
-        self._queue.put(resolve(task, self._tensors, self._cells, self._peers))
+        try:
+            issued: IssuedTask | FailedTask = resolve(task, self._tensors, self._cells, self._peers)
+        except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed
+            log.exception("task %d failed", task.task_id)
+            issued = FailedTask(task.task_id, f"{type(exc).__name__}: {exc}")
+        self._queue.put(issued)
 
     def signal(self) -> int:
         return int(self._counter.array[0])
@@ -201,11 +206,10 @@ class CpuBackend(Backend):
                     return
                 if task is _STALL:
                     threading.Event().wait()
-                try:
-                    run_task(task)
-                except Exception as exc:  # a failed task must still advance the counter
-                    log.exception("task %d failed", task.task_id)
-                    self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
+                if isinstance(task, FailedTask):
+                    self._errors[task.task_id] = task.error
+                else:
+                    self._run(task)
                 if self._report is not None:
                     counter[0] += 1
                     self._report(int(counter[0]))
@@ -213,6 +217,13 @@ class CpuBackend(Backend):
                 with self._advanced:
                     counter[0] += 1
                     self._advanced.notify()
+
+    def _run(self, task: IssuedTask) -> None:
+        try:
+            run_task(task)
+        except Exception as exc:  # a failed task must still advance the counter
+            log.exception("task %d failed", task.task_id)
+            self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._queue.put(_STOP)

@@ -1,16 +1,21 @@
-"""CUDA backend: one stream per worker, device arenas, page-locked io arenas, pinned signal counter.
+"""CUDA backend: one stream per worker, device arenas, a pinned signal counter, peers through CUDA IPC.
 
 Every kernel of a task is enqueued on the worker's stream without waiting; the
 stream then copies the task's sequence number into a pinned host counter, so the
 poller learns of completion by reading host memory, with no synchronize and no
-host callback on the stream. Only imported when a worker is started on a GPU.
+host callback on the stream. The tensor work itself is in worker/device_tasks.py;
+this module holds only what needs a real device. Only imported when a worker is
+started on a GPU.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,12 +23,61 @@ from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
 from worker.backend import ArenaInfo, Backend, arena_ids
-from worker.cpu import IssuedTask, PeerArenas, inline_rows, run_task, warm_up_cells
+from worker.device_tasks import DeviceCalls, DeviceTasks, Staging
+
+log = logging.getLogger(__name__)
 
 SPIN_ROUNDS = 50  # polls without sleeping before backing off
 MAX_BACKOFF_S = 0.0005
+WARM_UP_TIMEOUT_S = 300.0  # the first run of every cell compiles and loads kernels
+CLOSE_TIMEOUT_S = 5.0
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
+
+
+class StreamCalls(DeviceCalls):
+    """The device calls of `DeviceTasks` on a real GPU: its stream, pinned staging, the pinned counter."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._peer_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.counter = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._sequence = torch.zeros(1, dtype=torch.int64, device=device)
+        self.issued = 0
+
+    def on_stream(self) -> AbstractContextManager:
+        return torch.cuda.stream(self.stream)
+
+    def on_peer_stream(self, device: torch.device) -> AbstractContextManager:
+        if device not in self._peer_streams:
+            self._peer_streams[device] = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._peer_streams[device])
+
+    def staging(self, nbytes: int) -> Staging:
+        # From torch's caching host allocator: a block is reused only after the copies that read it are done.
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return Staging(host.numpy(), device, lambda: device.copy_(host, non_blocking=True))
+
+    def signal(self) -> None:
+        self.issued += 1
+        self._sequence.fill_(self.issued)
+        self.counter.copy_(self._sequence, non_blocking=True)
+
+    def deliver(self, rows: torch.Tensor, io: np.ndarray, slots: np.ndarray) -> None:
+        io[slots] = rows.numpy()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether everything enqueued so far finished within `timeout` seconds; never blocks longer."""
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        deadline = time.monotonic() + timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 class CudaBackend(Backend):
@@ -38,30 +92,28 @@ class CudaBackend(Backend):
     ):
         self.device = device
         self._dev = torch.device(device)
+        torch.cuda.init()
         torch.cuda.set_device(self._dev)
-        self._stream = torch.cuda.Stream(self._dev)
-        self._cells = [cell.to(self._dev) for cell in cells]
-        self._specs = specs
-        self._ids = arena_ids(kinds)
+        self._calls = StreamCalls(self._dev)
+        ids = arena_ids(kinds)
         self._arena_info: list[ArenaInfo] = []
         self._shared: list[SharedArray] = []
-        self._tensors: list[torch.Tensor] = [torch.empty(0)] * (2 * len(kinds))
-        for kind in kinds:
-            device_id, io_id = self._ids[kind]
-            arena = torch.zeros((arena_rows, *kind.shape), dtype=_TORCH_DTYPES[kind.dtype], device=self._dev)
-            self._tensors[device_id] = arena
-            self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None, export_ipc_handle(arena)))
-            shared = SharedArray(kind.dtype, (io_rows, *kind.shape))
-            io = torch.from_numpy(shared.array)
-            _page_lock(io)
-            self._shared.append(shared)
-            self._tensors[io_id] = io
-            self._arena_info.append(ArenaInfo(io_id, kind, "io", io_rows, shared.name))
-        self._counter = torch.zeros(1, dtype=torch.int64).pin_memory()
-        self._sequence = torch.zeros(1, dtype=torch.int64, device=self._dev)
-        self._issued = 0
-        self._staged: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self._peers: PeerArenas = {}
+        arenas: dict[int, torch.Tensor] = {}
+        io: dict[int, np.ndarray] = {}
+        with self._calls.on_stream():  # zeroed on the stream that first reads them
+            for kind in kinds:
+                device_id, io_id = ids[kind]
+                arena = torch.zeros((arena_rows, *kind.shape), dtype=TORCH_DTYPES[kind.dtype], device=self._dev)
+                arenas[device_id] = arena
+                handle = export_ipc_handle(arena)
+                self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None, handle))
+                shared = SharedArray(kind.dtype, (io_rows, *kind.shape))
+                self._shared.append(shared)
+                io[io_id] = shared.array
+                self._arena_info.append(ArenaInfo(io_id, kind, "io", io_rows, shared.name))
+            moved = [cell.to(self._dev) for cell in cells]
+        self._tasks = DeviceTasks(self._calls, moved, specs, ids, arenas, io)
+        self._retired: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
 
     @property
     def arenas(self) -> list[ArenaInfo]:
@@ -72,85 +124,67 @@ class CudaBackend(Backend):
         return None  # the counter is pinned memory private to this process
 
     def warm_up(self) -> None:
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
-            warm_up_cells(self._cells, self._specs, self._tensors, self._ids)
-        self._stream.synchronize()
+        self._tasks.warm_up()
+        if not self._calls.wait(WARM_UP_TIMEOUT_S):
+            raise RuntimeError(f"warm-up on {self.device} did not finish within {WARM_UP_TIMEOUT_S:.0f} s")
 
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+        self.detach_peer(worker_id)
         for arena in arenas:
             if arena["space"] == "device" and arena.get("handle"):
+                handle = arena["handle"]
                 shape = (arena["rows"], *arena["shape"])
-                self._peers[(worker_id, arena["id"])] = open_ipc_handle(arena["handle"], _TORCH_DTYPES[arena["dtype"]], shape)
+                mapped_on = self._mapping_device(handle[0])
+                stream = self._calls.on_stream() if mapped_on == self._dev else self._calls.on_peer_stream(mapped_on)
+                with stream:  # the producer's sharing event is waited for on the stream that reads the arena
+                    tensor = open_ipc_handle(handle, TORCH_DTYPES[arena["dtype"]], shape, mapped_on.index)
+                self._tasks.peers[(worker_id, arena["id"])] = tensor
+
+    def _mapping_device(self, exporter: int) -> torch.device:
+        """Map a peer's arena into this worker's own context where the GPUs allow peer access: it is then
+        read by this stream's kernels, and no context is created on the peer's GPU. Otherwise it is
+        mapped on the peer's GPU and read there, then copied over (`DeviceTasks._local`)."""
+        own = self._dev.index
+        if exporter == own or torch.cuda.can_device_access_peer(own, exporter):
+            return self._dev
+        return torch.device("cuda", exporter)
 
     def detach_peer(self, worker_id: int) -> None:
-        for key in [key for key in self._peers if key[0] == worker_id]:
-            del self._peers[key]
-
-    def _remote(self, rows) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Peer arenas are read on their own device (their tasks have completed), then copied here."""
-        remote = []
-        for worker_id, arena_id, slots, positions in rows or ():
-            peer = self._peers[(worker_id, arena_id)]
-            remote.append((peer, torch.from_numpy(slots.copy()).to(peer.device), self._device_index(positions)))
-        return remote
-
-    def _device_index(self, slots) -> torch.Tensor:
-        return torch.from_numpy(slots.copy()).pin_memory().to(self._dev, non_blocking=True)
+        gone = [self._tasks.peers.pop(key) for key in [key for key in self._tasks.peers if key[0] == worker_id]]
+        if gone:  # issued reads of these arenas may still be queued: unmap them only after the stream passes here
+            event = torch.cuda.Event()
+            event.record(self._calls.stream)
+            self._retired.append((event, gone))
+        self._retired = [(event, tensors) for event, tensors in self._retired if not event.query()]
 
     def issue(self, task: TaskMessage) -> None:
-        tensors, index = self._tensors, self._device_index
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
-            run_task(
-                IssuedTask(
-                    task.task_id,
-                    self._cells[task.cell_index],
-                    [
-                        (
-                            tensors[a],
-                            index(s),
-                            None if g is None else index(g),
-                            self._remote(r),
-                            None if v is None else (index(v[0]), inline_rows(v[1], tensors[a]).pin_memory()),
-                        )
-                        for a, s, g, r, v in task.inputs
-                    ],
-                    [(tensors[a], index(s)) for a, s in task.outputs],
-                    [],
-                )
-            )
-            staged = []
-            for a, s, b, t in task.downloads:
-                rows = tensors[a].index_select(0, index(s))
-                host = torch.empty(rows.shape, dtype=rows.dtype).pin_memory()
-                host.copy_(rows, non_blocking=True)
-                staged.append((host, tensors[b], torch.from_numpy(t.copy())))
-            self._staged[task.task_id] = staged
-            self._issued += 1
-            self._sequence.fill_(self._issued)
-            self._counter.copy_(self._sequence, non_blocking=True)
+        self._tasks.issue(task)
 
     def signal(self) -> int:
-        return int(self._counter[0])
+        return int(self._calls.counter[0])
 
     def wait_for_signal(self, seen: int, timeout: float) -> None:
         """Spin briefly on the pinned counter, then back off: the device gives no wake-up without a callback."""
         deadline = time.monotonic() + timeout
         spins = 0
-        while int(self._counter[0]) <= seen and time.monotonic() < deadline:
+        counter = self._calls.counter
+        while int(counter[0]) <= seen and time.monotonic() < deadline:
             spins += 1
             time.sleep(0 if spins < SPIN_ROUNDS else min(MAX_BACKOFF_S, 1e-5 * (spins - SPIN_ROUNDS + 1)))
 
     def finish(self, task_id: int) -> str | None:
-        for host, io, slots in self._staged.pop(task_id, []):
-            io.index_copy_(0, slots, host)
-        return None
+        return self._tasks.finish(task_id)
 
     def stall(self) -> None:
-        with torch.cuda.stream(self._stream):
+        with self._calls.on_stream():
             torch.cuda._sleep(2**62)
 
     def close(self) -> None:
-        self._stream.synchronize()
+        try:
+            if not self._calls.wait(CLOSE_TIMEOUT_S):
+                log.warning("the stream of %s did not finish in %.0f s; closing anyway", self.device, CLOSE_TIMEOUT_S)
+        except RuntimeError as exc:  # a device fault surfaces at the first query after it
+            log.error("the stream of %s failed: %s", self.device, exc)
         for shared in self._shared:
             shared.close()
 
@@ -163,13 +197,16 @@ def export_ipc_handle(tensor: torch.Tensor) -> list[Any]:
     return list(tensor.untyped_storage()._share_cuda_())
 
 
-def open_ipc_handle(handle: list[Any], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    storage = torch.UntypedStorage._new_shared_cuda(*handle)
+def open_ipc_handle(
+    handle: list[Any], dtype: torch.dtype, shape: tuple[int, ...], device: int | None = None
+) -> torch.Tensor:
+    """Map another process's arena. `device` is the GPU whose context maps it (default: the exporter's).
+
+    torch maps the memory in the context of the device it is given, with lazy peer access, and
+    labels the storage with that device: mapped on the reader's own GPU, the arena is read by its
+    kernels directly, and no context is created on the exporter's GPU.
+    """
+    torch.cuda.init()  # a fresh process has no CUDA state yet; torch's own rebuild path does the same
+    exporter, *rest = handle
+    storage = torch.UntypedStorage._new_shared_cuda(exporter if device is None else device, *rest)
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape)
-
-
-def _page_lock(tensor: torch.Tensor) -> None:
-    """Page-lock memory we did not allocate (the shared io arena) so device copies are asynchronous."""
-    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    if int(result) != 0:
-        raise RuntimeError(f"cudaHostRegister failed with error {int(result)}")

@@ -36,6 +36,8 @@ log = logging.getLogger("batchmaker.worker")
 REGISTER_TIMEOUT_S = 60.0
 IDLE_WAIT_S = 0.05
 HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
+EXIT_CONFIG_ERROR = 2
+EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a device or model fault, not the config)
 TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
 # Fault tests: with test hooks on, a task carrying this token id inline kills the worker, as a poisonous request would.
 CRASH_TOKEN = int(os.environ.get("BATCHMAKER_TEST_CRASH_TOKEN", "-1")) if TEST_HOOKS else None
@@ -297,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         backend.warm_up()
     except ConfigError as exc:
         log.error("%s", exc)
-        return 2
+        return EXIT_CONFIG_ERROR
+    except Exception:  # a device that cannot run the cells: say so once, with the cause, and stop
+        log.exception("worker %d could not start on %s", args.index, args.device)
+        return EXIT_STARTUP_FAILED
     worker = Worker(backend, args.manager, args.index, [spec.key for spec in specs], args.parent_pid)
     signal.signal(signal.SIGTERM, worker.request_stop)
     if TEST_HOOKS:
