@@ -207,6 +207,8 @@ class Manager:
             else:
                 self.worker_socket.send_multipart([worker.identity, b"ping", b""])
         if self.metrics is not None:
+            self.metrics.set_liveness(now)
+            self.metrics.set_readiness(len(self.workers), self.expected_workers, self.draining)
             for key, ready in self.scheduler.ready_nodes().items():
                 self.metrics.set_queue_depth(key, ready)
             for worker in self.workers.values():
