@@ -92,6 +92,7 @@ class AsyncClient:
         self._parked: dict[RequestId, _Call] = {}  # requests waiting for a server to be up
         self._tasks: list[asyncio.Task[None]] = []
         self._closed_reason: str | None = None
+        self.resent = 0  # requests sent again because their server was lost or draining
         context = zmq.asyncio.Context.instance()
         # Replies are bounded by the requests in flight; an unbounded receive queue keeps
         # a burst of them from filling the server's ROUTER pipe, which would drop replies.
@@ -133,6 +134,10 @@ class AsyncClient:
         already be in flight on this client, or its reply could not be routed.
         """
         return await self._call(message, None)
+
+    def outstanding(self) -> dict[str, int]:
+        """How many requests each server owes an answer, by address."""
+        return {server.address: len(server.outstanding) for server in self._servers.servers}
 
     async def _call(self, message: dict[str, Any], server: Server | None) -> dict[str, Any]:
         if self._closed_reason is not None:
@@ -251,6 +256,7 @@ class AsyncClient:
             self._servers.draining(server)
             if self._servers.any_up:
                 server.outstanding.discard(request_id)
+                self.resent += 1
                 self._dispatch(request_id, call)
                 return
         call.future.set_result(reply)
@@ -280,6 +286,7 @@ class AsyncClient:
             if call is None or call.future.done():
                 continue
             if self.resend:
+                self.resent += 1
                 self._dispatch(request_id, call)
             else:
                 call.future.set_exception(ServerLost(server.address, request_id, reason))

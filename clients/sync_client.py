@@ -138,6 +138,7 @@ class Client:
         self.resend = resend
         self._servers = ServerSet(self.addresses, health_interval, health_timeout)
         self._ids = itertools.count(1)
+        self.resent = 0  # requests sent again because their server was lost or draining
         self._timed_out: dict[RequestId, Server] = {}  # where requests that timed out went, for cancel
         context = zmq.Context.instance()
         self._sockets = [connect_dealer(context, a, curve) for a in self.addresses]
@@ -218,6 +219,7 @@ class Client:
                     elif reply["id"] == request_id:
                         if self._refused_while_draining(owner, holder, reply):
                             owner.outstanding.discard(request_id)
+                            self.resent += 1
                             holder = self._send(frame, request_id, None, deadline)
                         else:
                             return check(reply)
@@ -255,6 +257,7 @@ class Client:
             return holder
         if not self.resend:
             raise ServerLost(server.address, request_id, reason)
+        self.resent += 1
         return self._send(frame, request_id, None, deadline)
 
     def _check_health(
