@@ -15,7 +15,6 @@ import contextlib
 import itertools
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 

@@ -66,7 +66,9 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class Metrics:
-    def __init__(self, models: list[str], cell_types: list[str], liveness_timeout_s: float = LIVENESS_TIMEOUT_S) -> None:
+    def __init__(
+        self, models: list[str], cell_types: list[str], liveness_timeout_s: float = LIVENESS_TIMEOUT_S
+    ) -> None:
         """Declare every series and create the children of the known labels, so they show up as 0 from the start."""
         self.registry = CollectorRegistry()
         self.liveness_timeout_s = liveness_timeout_s

@@ -140,7 +140,11 @@ def answered_by(results: list[Any], numbers: range) -> list[str]:
 
 @pytest.mark.parametrize(
     "address, message",
-    [([], "at least one"), (["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"], "twice"), (["tcp://127.0.0.1:1", ""], "non-empty")],
+    [
+        ([], "at least one"),
+        (["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"], "twice"),
+        (["tcp://127.0.0.1:1", ""], "non-empty"),
+    ],
 )
 def test_bad_address_lists_are_refused(address: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -163,7 +167,8 @@ def test_async_spreads_by_fewest_outstanding(servers: list[FakeServer]) -> None:
     async def run() -> list[Any]:
         async with AsyncClient([a.address, b.address, c.address], timeout=20, **FAST) as client:
             calls = asyncio.gather(infer_many(client, range(30)))
-            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) + len(b.infer_ids) + len(c.infer_ids) == 30, "30")
+            received = lambda: len(a.infer_ids) + len(b.infer_ids) + len(c.infer_ids)  # noqa: E731
+            await asyncio.to_thread(wait_for, lambda: received() == 30, "all 30 requests")
             assert (len(a.infer_ids), len(b.infer_ids), len(c.infer_ids)) == (10, 10, 10)
             for server in (a, b, c):
                 server.release()
@@ -183,7 +188,9 @@ def test_async_resends_the_requests_of_a_closed_server(servers: list[FakeServer]
             await asyncio.to_thread(wait_for, lambda: len(b.infer_ids) + len(c.infer_ids) == 30, "the resends")
             b.release()
             c.release()
-            return (await calls)[0]
+            results = (await calls)[0]
+            assert client.resent == 10
+            return results
 
     who = answered_by(asyncio.run(run()), range(30))
     assert "s0" not in who
@@ -199,6 +206,7 @@ def test_async_sets_aside_a_silent_server_drops_its_late_replies_and_takes_it_ba
             await asyncio.to_thread(wait_for, lambda: len(b.infer_ids) == 10, "a's requests resent to b")
             b.release()
             first = (await calls)[0]
+            assert client.resent == 5
             a.mode = "answer"  # a reads its backlog: the late replies must not be delivered again
             await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 5, "a reading its backlog")
             later: list[Any] = []
@@ -219,6 +227,7 @@ def test_async_sends_nothing_new_to_a_draining_server(servers: list[FakeServer])
         async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
             first = [await client.infer("m", {"n": n}) for n in range(10)]
             refused = len(a.infer_ids)
+            assert client.resent == refused
             second = [await client.infer("m", {"n": n}) for n in range(10, 20)]
             assert len(a.infer_ids) == refused  # nothing new reached the draining server
             a.mode = "answer"
@@ -305,7 +314,9 @@ def test_sync_takes_servers_in_turn_and_resends_when_one_closes(servers: list[Fa
     with Client([a.address, b.address], timeout=20, **FAST) as client:
         assert sorted(client.infer("m", {"n": n}).outputs["server"] for n in range(4)) == ["s0", "s0", "s1", "s1"]
         a.close()
-        assert [client.infer("m", {"n": n}).outputs for n in range(4)] == [{"server": "s1", "echo": n} for n in range(4)]
+        outputs = [client.infer("m", {"n": n}).outputs for n in range(4)]
+        assert outputs == [{"server": "s1", "echo": n} for n in range(4)]
+        assert client.resent <= 1  # only a request already sent to the closed server goes again
 
 
 def test_sync_sets_aside_a_silent_server(servers: list[FakeServer]) -> None:
