@@ -243,6 +243,25 @@ def test_async_sends_nothing_new_to_a_draining_server(servers: list[FakeServer])
     answered_by(third, range(20, 20 + len(third)))
 
 
+def test_async_resends_what_a_draining_server_accepted_when_it_dies(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "hold", "answer")
+
+    async def run() -> list[Any]:
+        async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
+            accepted = asyncio.gather(infer_many(client, range(0, 20, 2)))  # b answers its share at once
+            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 5, "a's share")
+            a.mode = "draining"  # quiet while it owes answers: a probe finds it draining
+            await asyncio.to_thread(wait_for, lambda: any(m.get("op") == "health" for m in a.messages), "a probe")
+            later = [await client.infer("m", {"n": n}) for n in range(100, 104)]
+            assert all(r.outputs["server"] == "s1" for r in later)
+            a.close()  # dies before answering what it accepted
+            results = (await accepted)[0]
+            assert client.resent == 5
+            return results
+
+    assert answered_by(asyncio.run(run()), range(0, 20, 2)) == ["s1"] * 10
+
+
 def test_async_draining_refusal_reaches_the_caller_when_no_other_server_is_up(servers: list[FakeServer]) -> None:
     a, b = start(servers, "draining", "draining")
 
