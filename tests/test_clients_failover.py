@@ -18,6 +18,7 @@ from conftest import free_port
 
 from clients import AsyncClient, Client, ServerError, ServerLost
 from clients.cli import main as cli_main
+from clients.servers import ASIDE, DRAINING, UP, ServerSet
 from common.protocol import OVERLOADED, decode, encode, error_reply
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3}
@@ -156,6 +157,30 @@ def test_bad_address_lists_are_refused(address: list[str], message: str) -> None
 def test_bad_health_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         Client(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], health_timeout=0)
+
+
+def test_server_states_follow_probes() -> None:
+    """A draining server that falls silent is set aside; probed later, it rejoins on a non-draining answer."""
+    servers = ServerSet(["tcp://a:1", "tcp://b:1"], health_interval=1.0, health_timeout=2.0)
+    a, b = servers.servers
+    servers.sent(a, 7, now=100.0)
+    servers.draining(a)
+    assert servers.pick() is b
+    (probed, first_probe), = servers.tick(100.0)[0]
+    assert probed is a and servers.tick(101.0) == ([], [])  # its probe is still awaited
+    assert servers.tick(102.5) == ([], [a])
+    assert servers.set_aside(a) == {7} and a.state == ASIDE and not a.outstanding
+    (_, probe), = servers.tick(103.5)[0]
+    assert servers.probe_answered(a, {"id": first_probe, "ok": True, "status": "ready"}) is False  # an old probe
+    assert servers.probe_answered(a, {"id": probe, "ok": True, "status": "draining"}) is False
+    assert a.state == ASIDE
+    (_, probe), = servers.tick(104.5)[0]
+    assert servers.probe_answered(a, {"id": probe, "ok": True, "status": "ready"}) is True and a.state == UP
+    servers.sent(b, 8, now=105.0)
+    assert servers.pick() is a  # fewest outstanding
+    (_, probe), = servers.tick(106.0)[0]  # b owes an answer and has been quiet for the interval
+    assert servers.probe_answered(b, {"id": probe, "ok": True, "status": "draining"}) is False
+    assert b.state == DRAINING
 
 
 # -- AsyncClient -------------------------------------------------------------------------------
