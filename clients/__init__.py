@@ -1,7 +1,7 @@
 """Thin clients for the batchmaker wire protocol; they need only pyzmq, msgpack and numpy."""
 
 from .async_client import AsyncClient
-from .errors import ServerError
+from .errors import ServerError, ServerLost
 from .sync_client import Client
 
-__all__ = ["AsyncClient", "Client", "ServerError"]
+__all__ = ["AsyncClient", "Client", "ServerError", "ServerLost"]

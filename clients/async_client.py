@@ -1,8 +1,11 @@
-"""asyncio client: many requests in flight over one DEALER socket.
+"""asyncio client: many requests in flight over one DEALER socket per server.
 
-Replies may come back in any order (DESIGN.md section 6), so a single receive
-task routes each one to the Future registered under its id. This is what a
-service or a load generator uses to keep the server's batches full.
+Replies may come back in any order (docs/protocol.md), so one receive task per
+server routes each reply to the Future registered under its id. Given several
+server addresses, each request goes to the server with the fewest outstanding
+requests, and a server that is lost has its unanswered requests sent to the others
+(docs/protocol.md, "Several servers"). This is what a service or a load generator
+uses to keep the servers' batches full.
 """
 
 from __future__ import annotations
@@ -10,51 +13,94 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from pathlib import Path
+import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from common.auth import apply_curve_client
 from common.protocol import encode
 
+from .errors import ServerLost
+from .servers import (
+    ASIDE,
+    DEFAULT_HEALTH_INTERVAL,
+    DEFAULT_HEALTH_TIMEOUT,
+    RequestId,
+    Server,
+    ServerSet,
+    as_addresses,
+    connection_closed,
+    is_draining_refusal,
+    is_probe,
+)
 from .sync_client import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT,
     CurveKeys,
     Reply,
     check,
+    connect_dealer,
     infer_message,
     read_reply,
+    timeout_error,
     to_infer_reply,
 )
+
+
+class _Call:
+    """A request awaiting its reply: its frame (kept to send it again), the server holding it, its last send."""
+
+    __slots__ = ("frame", "future", "server", "sent")
+
+    def __init__(self, frame: bytes, future: asyncio.Future[dict[str, Any]]):
+        self.frame = frame
+        self.future = future
+        self.server: Server | None = None  # None while no server is up to take it
+        self.sent: asyncio.Future[Any] | None = None
 
 
 class AsyncClient:
     """Concurrent client for one event loop; `asyncio.gather` thousands of `infer` calls on it.
 
-    Use it from a single event loop (the one that first calls it) and close it there.
+    `address` is one server or several. With several, `resend=False` fails the requests
+    of a lost server with ServerLost instead of sending them to another server, and
+    `health_interval` / `health_timeout` (seconds) set how soon a silent server is
+    probed and set aside. Use it from a single event loop (the one that first calls
+    it) and close it there.
     """
 
     def __init__(
-        self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None
+        self,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
+        timeout: float = DEFAULT_TIMEOUT,
+        curve: CurveKeys | None = None,
+        resend: bool = True,
+        health_interval: float = DEFAULT_HEALTH_INTERVAL,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
     ):
-        self.address = address
+        self.addresses = as_addresses(address)
+        self.address = ", ".join(self.addresses)
         self.timeout = timeout
+        self.resend = resend
+        self._servers = ServerSet(self.addresses, health_interval, health_timeout)
         self._ids = itertools.count(1)
-        self._pending: dict[int | str, asyncio.Future[dict[str, Any]]] = {}
-        self._receiver: asyncio.Task[None] | None = None
+        self._pending: dict[RequestId, _Call] = {}
+        self._parked: dict[RequestId, _Call] = {}  # requests waiting for a server to be up
+        self._tasks: list[asyncio.Task[None]] = []
         self._closed_reason: str | None = None
-        self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self.resent = 0  # requests sent again because their server was lost or draining
+        context = zmq.asyncio.Context.instance()
         # Replies are bounded by the requests in flight; an unbounded receive queue keeps
         # a burst of them from filling the server's ROUTER pipe, which would drop replies.
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        if curve is not None:
-            apply_curve_client(self._socket, Path(curve[0]), Path(curve[1]))
-        self._socket.connect(address)
+        self._sockets = [connect_dealer(context, a, curve, receive_queue_unbounded=True) for a in self.addresses]
+        self._monitors = (
+            [socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) for socket in self._sockets]
+            if self._servers.failover
+            else []
+        )
 
     async def infer(
         self,
@@ -76,8 +122,9 @@ class AsyncClient:
         return await self.call({"op": "stats"})
 
     async def cancel(self, target_id: int | str) -> dict[str, Any]:
-        """Ask the server to drop a request this client sent (pass your own id to `call` to know it)."""
-        return await self.call({"op": "cancel", "target": target_id})
+        """Ask the server holding a request this client sent to drop it (pass your own id to `call` to know it)."""
+        target = self._pending.get(target_id)
+        return await self._call({"op": "cancel", "target": target_id}, target.server if target else None)
 
     async def call(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one request and return its reply map, raising ServerError for `ok: false`.
@@ -85,6 +132,13 @@ class AsyncClient:
         A fresh id is assigned unless the message has one; a caller-chosen id must not
         already be in flight on this client, or its reply could not be routed.
         """
+        return await self._call(message, None)
+
+    def outstanding(self) -> dict[str, int]:
+        """How many requests each server owes an answer, by address."""
+        return {server.address: len(server.outstanding) for server in self._servers.servers}
+
+    async def _call(self, message: dict[str, Any], server: Server | None) -> dict[str, Any]:
         if self._closed_reason is not None:
             raise ConnectionError(self._closed_reason)
         if "id" in message:
@@ -96,41 +150,61 @@ class AsyncClient:
             while request_id in self._pending:
                 request_id = next(self._ids)
             message = {**message, "id": request_id}
-        frame = encode(message)
-        reply_future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = reply_future
-        self._ensure_receiver()
-        # Only the reply is awaited: the send completes at once unless zmq's queue is full,
-        # and a send that fails or is cancelled by close() fails the reply instead.
-        sent = self._socket.send(frame)
-        sent.add_done_callback(lambda done: self._on_sent(done, request_id, reply_future))
+        call = _Call(encode(message), asyncio.get_running_loop().create_future())
+        self._pending[request_id] = call
+        self._ensure_started()
+        self._dispatch(request_id, call, server)
         try:
             async with asyncio.timeout(self.timeout):
-                reply = await reply_future
+                reply = await call.future
         except TimeoutError:
-            raise TimeoutError(
-                f"no reply from {self.address} within {self.timeout:g} s to request {request_id!r}; "
-                "is the server running?"
-            ) from None
+            raise timeout_error(self.address, self.timeout, request_id, parked=call.server is None) from None
         finally:
-            if self._pending.get(request_id) is reply_future:
-                del self._pending[request_id]
-            reply_future.cancel()
-            sent.cancel()
+            self._forget(request_id, call)
         return check(reply)
+
+    def _dispatch(self, request_id: RequestId, call: _Call, server: Server | None = None) -> None:
+        """Send a request to `server`, else to the least loaded up server, else park it until one is up."""
+        if server is None or server.state == ASIDE:
+            server = self._servers.pick()
+        call.server = server
+        if server is None:
+            self._parked[request_id] = call
+            return
+        self._servers.sent(server, request_id, time.monotonic())
+        # Only the reply is awaited: the send completes at once unless zmq's queue is full,
+        # and a send that fails or is cancelled by close() fails the reply instead.
+        sent = call.sent = self._sockets[server.index].send(call.frame)
+        sent.add_done_callback(lambda done: self._on_sent(done, request_id, call))
+
+    def _forget(self, request_id: RequestId, call: _Call) -> None:
+        if self._pending.get(request_id) is call:
+            del self._pending[request_id]
+        self._parked.pop(request_id, None)
+        if call.server is not None:
+            call.server.outstanding.discard(request_id)
+        call.future.cancel()
+        if call.sent is not None:
+            call.sent.cancel()
 
     async def close(self) -> None:
         """Stop receiving and fail every request still waiting with a ConnectionError."""
-        if self._socket.closed:
+        if self._sockets[0].closed:
             return
         if self._closed_reason is None:
             self._closed_reason = f"AsyncClient for {self.address} is closed"
-        if self._receiver is not None:
-            self._receiver.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._receiver
+                await task
         self._fail_pending(f"AsyncClient for {self.address} was closed before the reply arrived")
-        self._socket.close(linger=0)
+        for socket in self._sockets:
+            if self._monitors:
+                socket.disable_monitor()
+            socket.close(linger=0)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -143,41 +217,104 @@ class AsyncClient:
     ) -> None:
         await self.close()
 
-    def _ensure_receiver(self) -> None:
-        if self._receiver is None:
-            self._receiver = asyncio.get_running_loop().create_task(self._receive(), name=f"AsyncClient {self.address}")
+    def _ensure_started(self) -> None:
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        for server, socket in zip(self._servers.servers, self._sockets):
+            self._tasks.append(loop.create_task(self._receive(server, socket), name=f"AsyncClient {server.address}"))
+        for server, monitor in zip(self._servers.servers, self._monitors):
+            self._tasks.append(loop.create_task(self._watch_connection(server, monitor)))
+        if self._servers.failover:
+            self._tasks.append(loop.create_task(self._watch_health()))
 
-    async def _receive(self) -> None:
-        """Route each reply to its waiting call; replies nobody waits for (timed out) are dropped."""
+    async def _receive(self, server: Server, socket: zmq.asyncio.Socket) -> None:
+        """Route each reply to its waiting call; replies nobody waits for (timed out, answered) are dropped."""
         try:
             while True:
-                reply = read_reply(await self._socket.recv())
-                if reply is None:
-                    continue
-                future = self._pending.pop(reply["id"], None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
+                reply = read_reply(await socket.recv())
+                if reply is not None:
+                    self._on_reply(server, reply)
         except Exception as exc:  # whatever ends this loop must not leave calls waiting for their timeout
             self._closed_reason = f"AsyncClient for {self.address} stopped receiving: {type(exc).__name__}: {exc}"
             self._fail_pending(self._closed_reason)
 
-    def _on_sent(
-        self,
-        sent: asyncio.Future[Any],
-        request_id: int | str,
-        reply_future: asyncio.Future[dict[str, Any]],
-    ) -> None:
-        if reply_future.done():
+    def _on_reply(self, server: Server, reply: dict[str, Any]) -> None:
+        request_id = reply["id"]
+        self._servers.heard(server, time.monotonic())
+        if is_probe(request_id):
+            if self._servers.probe_answered(server, reply):
+                self._dispatch_parked()
+            return
+        call = self._pending.get(request_id)
+        if call is None or call.future.done():
+            return
+        if self._servers.failover and is_draining_refusal(reply):
+            if call.server is not server:
+                return  # the request was already sent elsewhere
+            self._servers.draining(server)
+            if self._servers.any_up:
+                server.outstanding.discard(request_id)
+                self.resent += 1
+                self._dispatch(request_id, call)
+                return
+        call.future.set_result(reply)
+
+    async def _watch_connection(self, server: Server, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            if connection_closed(await monitor.recv_multipart()):
+                self._server_lost(server, "its connection closed")
+
+    async def _watch_health(self) -> None:
+        """Probe quiet servers and set aside those whose probe goes unanswered."""
+        period = min(self._servers.health_interval, self._servers.health_timeout) / 4
+        while True:
+            await asyncio.sleep(period)
+            probes, lost = self._servers.tick(time.monotonic())
+            for server in lost:
+                self._server_lost(server, f"no answer to health within {self._servers.health_timeout:g} s")
+            for server, probe_id in probes:
+                sent = self._sockets[server.index].send(encode({"op": "health", "id": probe_id}), zmq.NOBLOCK)
+                sent.add_done_callback(_ignore_outcome)  # a probe that cannot be queued is simply retried later
+
+    def _server_lost(self, server: Server, reason: str) -> None:
+        if server.state == ASIDE:
+            return
+        for request_id in self._servers.set_aside(server):
+            call = self._pending.get(request_id)
+            if call is None or call.future.done():
+                continue
+            if self.resend:
+                self.resent += 1
+                self._dispatch(request_id, call)
+            else:
+                call.future.set_exception(ServerLost(server.address, request_id, reason))
+
+    def _dispatch_parked(self) -> None:
+        parked, self._parked = self._parked, {}
+        for request_id, call in parked.items():
+            if not call.future.done():
+                self._dispatch(request_id, call)
+
+    def _on_sent(self, sent: asyncio.Future[Any], request_id: RequestId, call: _Call) -> None:
+        if call.future.done() or sent is not call.sent:
             return
         if sent.cancelled():
-            reply_future.set_exception(ConnectionError(f"request {request_id!r} was not sent: the socket was closed"))
+            call.future.set_exception(ConnectionError(f"request {request_id!r} was not sent: the socket was closed"))
         elif sent.exception() is not None:
-            reply_future.set_exception(
-                ConnectionError(f"cannot send request {request_id!r} to {self.address}: {sent.exception()}")
+            address = call.server.address if call.server is not None else self.address
+            call.future.set_exception(
+                ConnectionError(f"cannot send request {request_id!r} to {address}: {sent.exception()}")
             )
 
     def _fail_pending(self, reason: str) -> None:
         pending, self._pending = self._pending, {}
-        for request_id, future in pending.items():
-            if not future.done():
-                future.set_exception(ConnectionError(f"{reason} (request {request_id!r})"))
+        self._parked = {}
+        for request_id, call in pending.items():
+            if not call.future.done():
+                call.future.set_exception(ConnectionError(f"{reason} (request {request_id!r})"))
+
+
+def _ignore_outcome(sent: asyncio.Future[Any]) -> None:
+    if not sent.cancelled():
+        sent.exception()

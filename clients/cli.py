@@ -29,7 +29,11 @@ class UsageError(Exception):
 def add_client_commands(subparsers: Any) -> None:
     """Add the client subcommands to an `add_subparsers()` object; each sets `client_command`."""
     connection = argparse.ArgumentParser(add_help=False)
-    connection.add_argument("--address", default=DEFAULT_ADDRESS, help="manager address (default: %(default)s)")
+    connection.add_argument(
+        "--address",
+        action="append",
+        help=f"server address; repeat it to spread requests over several servers (default: {DEFAULT_ADDRESS})",
+    )
     connection.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for the reply")
     connection.add_argument(
         "--curve",
@@ -67,7 +71,8 @@ def run_client_command(args: argparse.Namespace) -> int:
     """Run a parsed client subcommand; returns the process exit status."""
     try:
         inputs = _infer_inputs(args) if args.client_command == "infer" else {}
-        with Client(args.address, args.timeout, curve=args.curve) as client:
+        client = _connect(args)
+        with client:
             if args.client_command == "infer":
                 print(_format_infer_reply(client.infer(args.model, inputs, args.deadline_ms, args.priority)))
             else:
@@ -87,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clients.cli", description="Talk to a batchmaker server.")
     add_client_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     return run_client_command(parser.parse_args(argv))
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    try:
+        return Client(args.address or DEFAULT_ADDRESS, args.timeout, curve=args.curve)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _infer_inputs(args: argparse.Namespace) -> dict[str, Any]:

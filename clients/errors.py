@@ -1,4 +1,4 @@
-"""The exception a client raises when the server answers a request with an error."""
+"""The exceptions a client raises: an error answer from the server, or a server lost with resending off."""
 
 from __future__ import annotations
 
@@ -16,4 +16,19 @@ class ServerError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.request_id = request_id
+
+
+class ServerLost(ConnectionError):
+    """The server holding a request stopped answering and the client was told not to resend (`resend=False`).
+
+    The request may or may not have run there; nothing was sent elsewhere.
+    """
+
+    def __init__(self, address: str, request_id: Any, reason: str):
+        super().__init__(
+            f"server {address} was set aside ({reason}) before answering request {request_id!r}; "
+            "it was not sent elsewhere because resending is off"
+        )
+        self.address = address
         self.request_id = request_id

@@ -8,6 +8,7 @@ from the scheduled send time, so a slow server cannot hide its queueing
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ class Sample:
 
 
 async def run_open_loop(
-    address: str,
+    address: str | Sequence[str],
     model: str,
     inputs: list[dict[str, Any]],
     rate: float,
@@ -46,7 +47,8 @@ async def run_open_loop(
 ) -> list[Sample]:
     """Send requests with exponential inter-arrival gaps at `rate` per second for `duration` seconds.
 
-    Request i uses inputs[i % len(inputs)], drawn in a seeded random order.
+    Request i uses inputs[i % len(inputs)], drawn in a seeded random order. Several
+    addresses spread the load over several servers.
     """
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(inputs))

@@ -1,7 +1,7 @@
-"""Blocking client for the batchmaker wire protocol (DESIGN.md section 6).
+"""Blocking client for the batchmaker wire protocol (docs/protocol.md).
 
-It is deliberately thin: one DEALER socket, one msgpack frame per request, and
-nothing but pyzmq, msgpack, numpy and common.protocol, so any service can embed it.
+It is deliberately thin: one DEALER socket per server, one msgpack frame per request,
+and nothing but pyzmq, msgpack, numpy and common.protocol, so any service can embed it.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -19,10 +20,23 @@ import zmq
 from common.auth import apply_curve_client
 from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode
 
-from .errors import ServerError
+from .errors import ServerError, ServerLost
+from .servers import (
+    ASIDE,
+    DEFAULT_HEALTH_INTERVAL,
+    DEFAULT_HEALTH_TIMEOUT,
+    RequestId,
+    Server,
+    ServerSet,
+    as_addresses,
+    connection_closed,
+    is_draining_refusal,
+    is_probe,
+)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT = 30.0
+MAX_REMEMBERED_TIMEOUTS = 1024  # requests that timed out, remembered so that cancel reaches their server
 CurveKeys = tuple[str | Path, str | Path]  # (client secret key file, server public key file)
 
 log = logging.getLogger(__name__)
@@ -78,25 +92,66 @@ def to_infer_reply(reply: dict[str, Any]) -> Reply:
     return Reply(outputs=decode_outputs(reply.get("outputs") or {}), timing=reply.get("timing") or {})
 
 
-class Client:
-    """One request at a time over one DEALER socket.
+def connect_dealer(
+    context: zmq.Context, address: str, curve: CurveKeys | None, receive_queue_unbounded: bool = False
+) -> zmq.Socket:
+    """A DEALER socket connected to one server; `receive_queue_unbounded` for clients with many requests in flight."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if receive_queue_unbounded:
+        socket.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        apply_curve_client(socket, Path(curve[0]), Path(curve[1]))
+    socket.connect(address)
+    return socket
 
-    Not thread-safe, like the zmq socket under it: use one Client per thread, or
-    AsyncClient to keep many requests in flight.
+
+def timeout_error(address: str, timeout: float, request_id: Any, parked: bool) -> TimeoutError:
+    hint = "no server was up to take it (all set aside or draining)" if parked else "is the server running?"
+    return TimeoutError(f"no reply from {address} within {timeout:g} s to request {request_id!r}; {hint}")
+
+
+class Client:
+    """One request at a time, over one DEALER socket per server.
+
+    `address` is one server or several; with several, each request goes to the next
+    server in turn (all have nothing outstanding between calls), and a server that is
+    lost or draining has the request sent to another (docs/protocol.md, "Several
+    servers"). `resend=False` raises ServerLost instead of resending an unanswered
+    request. Not thread-safe, like the zmq sockets under it: use one Client per
+    thread, or AsyncClient to keep many requests in flight.
     """
 
     def __init__(
-        self, address: str = DEFAULT_ADDRESS, timeout: float = DEFAULT_TIMEOUT, curve: CurveKeys | None = None
+        self,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
+        timeout: float = DEFAULT_TIMEOUT,
+        curve: CurveKeys | None = None,
+        resend: bool = True,
+        health_interval: float = DEFAULT_HEALTH_INTERVAL,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
     ):
         """`curve`: (this client's secret key file, the server's public key file) for a server with CurveZMQ on."""
-        self.address = address
+        self.addresses = as_addresses(address)
+        self.address = ", ".join(self.addresses)
         self.timeout = timeout
+        self.resend = resend
+        self._servers = ServerSet(self.addresses, health_interval, health_timeout)
         self._ids = itertools.count(1)
-        self._socket = zmq.Context.instance().socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        if curve is not None:
-            apply_curve_client(self._socket, Path(curve[0]), Path(curve[1]))
-        self._socket.connect(address)
+        self.resent = 0  # requests sent again because their server was lost or draining
+        self._timed_out: dict[RequestId, Server] = {}  # where requests that timed out went, for cancel
+        context = zmq.Context.instance()
+        self._sockets = [connect_dealer(context, a, curve) for a in self.addresses]
+        self._poller = zmq.Poller()
+        self._owners: dict[zmq.Socket, tuple[Server, bool]] = {}  # socket -> (its server, whether it is a monitor)
+        for server, socket in zip(self._servers.servers, self._sockets):
+            self._poller.register(socket, zmq.POLLIN)
+            self._owners[socket] = (server, False)
+            if self._servers.failover:
+                monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._poller.register(monitor, zmq.POLLIN)
+                self._owners[monitor] = (server, True)
+        self._tick_s = min(health_interval, health_timeout) / 4
 
     def infer(
         self,
@@ -118,36 +173,118 @@ class Client:
         return self.call({"op": "stats"})
 
     def cancel(self, target_id: int | str) -> dict[str, Any]:
-        """Ask the server to drop an earlier request on this connection, e.g. one whose call timed out.
+        """Ask the server to drop an earlier request of this client, e.g. one whose call timed out.
 
-        The server only looks up ids sent over the same socket, so cancel through the
-        client that sent the target.
+        The server only looks up ids sent over the same socket, so the cancel goes to
+        the server the target was sent to.
         """
-        return self.call({"op": "cancel", "target": target_id})
+        return self._call({"op": "cancel", "target": target_id}, self._timed_out.pop(target_id, None))
 
     def call(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one request and return its reply map.
 
         A fresh id is assigned unless the message has one. Replies to other ids, left
-        over from earlier calls that timed out, are skipped.
+        over from earlier calls that timed out or were answered elsewhere, are skipped.
         """
+        return self._call(message, None)
+
+    def _call(self, message: dict[str, Any], server: Server | None) -> dict[str, Any]:
         if "id" not in message:
             message = {**message, "id": next(self._ids)}
         request_id = message["id"]
         frame = encode(message)
         deadline = time.monotonic() + self.timeout
-        if not self._socket.poll(self._remaining_ms(deadline), zmq.POLLOUT):
-            raise self._timed_out(request_id)
-        self._socket.send(frame, zmq.NOBLOCK)
-        while True:
-            if not self._socket.poll(self._remaining_ms(deadline), zmq.POLLIN):
-                raise self._timed_out(request_id)
-            reply = read_reply(self._socket.recv())
-            if reply is not None and reply["id"] == request_id:
-                return check(reply)
+        holder = self._send(frame, request_id, server, deadline)
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    if holder is not None:
+                        self._remember_timed_out(request_id, holder)
+                    raise timeout_error(self.address, self.timeout, request_id, parked=holder is None)
+                wait = deadline - now if not self._servers.failover else min(deadline - now, self._tick_s)
+                for socket, _ in self._poller.poll(max(1, int(wait * 1000))):
+                    owner, is_monitor = self._owners[socket]
+                    if is_monitor:
+                        if connection_closed(socket.recv_multipart()):
+                            holder = self._lose(owner, "its connection closed", frame, request_id, holder, deadline)
+                        continue
+                    reply = read_reply(socket.recv())
+                    if reply is None:
+                        continue
+                    self._servers.heard(owner, now)
+                    if is_probe(reply["id"]):
+                        if self._servers.probe_answered(owner, reply) and holder is None:
+                            holder = self._send(frame, request_id, None, deadline)
+                    elif reply["id"] == request_id:
+                        if self._refused_while_draining(owner, holder, reply):
+                            owner.outstanding.discard(request_id)
+                            self.resent += 1
+                            holder = self._send(frame, request_id, None, deadline)
+                        else:
+                            return check(reply)
+                if self._servers.failover:
+                    holder = self._check_health(frame, request_id, holder, deadline)
+        finally:
+            if holder is not None:
+                holder.outstanding.discard(request_id)
+
+    def _send(self, frame: bytes, request_id: RequestId, server: Server | None, deadline: float) -> Server | None:
+        """Send to `server`, else the least loaded up server; None when no server is up (the caller waits)."""
+        if server is None or server.state == ASIDE:
+            server = self._servers.pick()
+        if server is None:
+            return None
+        socket = self._sockets[server.index]
+        if not socket.poll(self._remaining_ms(deadline), zmq.POLLOUT):
+            raise timeout_error(server.address, self.timeout, request_id, parked=False)
+        socket.send(frame, zmq.NOBLOCK)
+        self._servers.sent(server, request_id, time.monotonic())
+        return server
+
+    def _refused_while_draining(self, server: Server, holder: Server | None, reply: dict[str, Any]) -> bool:
+        """Whether this is a draining server's refusal that another server can take instead."""
+        if not (self._servers.failover and server is holder and is_draining_refusal(reply)):
+            return False
+        self._servers.draining(server)
+        return self._servers.any_up
+
+    def _lose(
+        self, server: Server, reason: str, frame: bytes, request_id: RequestId, holder: Server | None, deadline: float
+    ) -> Server | None:
+        """Set a server aside; if it held this call's request, send the request elsewhere (or raise ServerLost)."""
+        if server.state == ASIDE or request_id not in self._servers.set_aside(server):
+            return holder
+        if not self.resend:
+            raise ServerLost(server.address, request_id, reason)
+        self.resent += 1
+        return self._send(frame, request_id, None, deadline)
+
+    def _check_health(
+        self, frame: bytes, request_id: RequestId, holder: Server | None, deadline: float
+    ) -> Server | None:
+        probes, lost = self._servers.tick(time.monotonic())
+        for server in lost:
+            reason = f"no answer to health within {self._servers.health_timeout:g} s"
+            holder = self._lose(server, reason, frame, request_id, holder, deadline)
+        for server, probe_id in probes:
+            try:
+                self._sockets[server.index].send(encode({"op": "health", "id": probe_id}), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # its queue is full: the probe is retried later
+        return holder
+
+    def _remember_timed_out(self, request_id: RequestId, server: Server) -> None:
+        if len(self._timed_out) >= MAX_REMEMBERED_TIMEOUTS:
+            del self._timed_out[next(iter(self._timed_out))]
+        self._timed_out[request_id] = server
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        for socket, (_, is_monitor) in self._owners.items():
+            if not is_monitor and self._servers.failover:
+                socket.disable_monitor()
+        for socket in self._owners:
+            socket.close(linger=0)
 
     def __enter__(self) -> Client:
         return self
@@ -163,8 +300,3 @@ class Client:
     @staticmethod
     def _remaining_ms(deadline: float) -> int:
         return max(0, int((deadline - time.monotonic()) * 1000))
-
-    def _timed_out(self, request_id: Any) -> TimeoutError:
-        return TimeoutError(
-            f"no reply from {self.address} within {self.timeout:g} s to request {request_id!r}; is the server running?"
-        )

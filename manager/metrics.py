@@ -1,9 +1,18 @@
-"""Prometheus metrics of the manager, served over HTTP for scraping.
+"""Prometheus metrics of the manager, and its health probes, served over HTTP.
 
 The manager's event loop is a single thread, so recording is a dictionary lookup
 and one increment or observation on a labelled child cached at first use; the
-HTTP endpoint runs in its own daemon thread. Each Metrics owns a CollectorRegistry
+HTTP endpoint runs in its own daemon threads. Each Metrics owns a CollectorRegistry
 (never the process-wide default) so that several managers can share a process.
+
+Beside /metrics, the endpoint answers the probes of a process manager such as
+Kubernetes (docs/deploy.md), from values the event loop sets once per watch interval
+(one attribute assignment each, so the HTTP threads read them without a lock):
+
+* /healthz: 200 while the event loop turns; 503 once its last turn is older than
+  `liveness_timeout_s`.
+* /readyz: 200 when every expected worker has registered and the server is not
+  draining; 503 otherwise, with the reason in the body.
 
 Series (all prefixed `batchmaker_`):
 
@@ -29,22 +38,42 @@ Counters also carry the `_created` series prometheus_client adds by default.
 
 from __future__ import annotations
 
+import socket
 import threading
-from wsgiref.simple_server import WSGIServer
+import time
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
 
 from common.protocol import ERROR_CODES
 
 NO_MODEL = "-"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 .. 1024
+LIVENESS_TIMEOUT_S = 10.0  # an event loop that has not turned for this long is reported dead
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper must not keep the manager from exiting
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Probes arrive every few seconds; logging each would bury the manager's own messages."""
 
 
 class Metrics:
-    def __init__(self, models: list[str], cell_types: list[str]) -> None:
+    def __init__(
+        self, models: list[str], cell_types: list[str], liveness_timeout_s: float = LIVENESS_TIMEOUT_S
+    ) -> None:
         """Declare every series and create the children of the known labels, so they show up as 0 from the start."""
         self.registry = CollectorRegistry()
+        self.liveness_timeout_s = liveness_timeout_s
+        self._loop_turned_at = time.monotonic()
+        self._readiness: tuple[int, int, bool] = (0, 1, False)  # (workers registered, workers expected, draining)
         self._models = frozenset(models)
         self._requests = Counter(
             "batchmaker_requests", "Requests answered, by model and outcome (ok or an error code).",
@@ -95,10 +124,18 @@ class Metrics:
             for cell in cell_types
         }
         self._worker_children: dict[str, tuple[Gauge, Gauge, Gauge]] = {}
+        self._metrics_app = make_wsgi_app(self.registry)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     # -- recording (manager thread) -------------------------------------------------------------
+    def set_liveness(self, now: float) -> None:
+        """The event loop turned at `now` (time.monotonic())."""
+        self._loop_turned_at = now
+
+    def set_readiness(self, workers: int, expected_workers: int, draining: bool) -> None:
+        self._readiness = (workers, expected_workers, draining)  # one assignment: the HTTP threads see all or none
+
     def request_finished(self, model: str, outcome: str, total_s: float | None, queue_s: float | None) -> None:
         """Count an answered request; its latency and queueing time are observed only for outcome "ok"."""
         if model not in self._models:
@@ -160,10 +197,17 @@ class Metrics:
 
     # -- exposition -----------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0 picks a free port) from a daemon thread; return the bound port."""
+        """Serve /metrics, /healthz and /readyz on host:port (0 picks a free port) from daemon threads.
+
+        Returns the bound port.
+        """
         if self._server is not None:
             raise RuntimeError(f"metrics are already served on port {self._server.server_port}")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+        self._server = make_server(address[0], port, self._app, server_class, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         return self._server.server_port
 
     def close(self) -> None:
@@ -178,3 +222,25 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def liveness(self) -> tuple[bool, str]:
+        stalled = time.monotonic() - self._loop_turned_at
+        if stalled > self.liveness_timeout_s:
+            return False, f"the event loop has not turned for {stalled:.1f} s"
+        return True, "ok"
+
+    def readiness(self) -> tuple[bool, str]:
+        workers, expected, draining = self._readiness
+        if draining:
+            return False, "draining: finishing accepted requests before stopping"
+        if workers < max(expected, 1):
+            return False, f"{workers} of {expected} workers registered"
+        return True, "ready"
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        probe = {"/healthz": self.liveness, "/readyz": self.readiness}.get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return self._metrics_app(environ, start_response)
+        ok, reason = probe()
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain; charset=utf-8")])
+        return [reason.encode() + b"\n"]

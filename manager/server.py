@@ -200,6 +200,8 @@ class Manager:
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
         if self.metrics is not None:
+            self.metrics.set_liveness(now)
+            self.metrics.set_readiness(len(self.workers), self.expected_workers, self.draining)
             for key, ready in self.scheduler.ready_nodes().items():
                 self.metrics.set_queue_depth(key, ready)
             for worker in self.workers.values():

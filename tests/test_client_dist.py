@@ -1,0 +1,84 @@
+"""The batchmaker-client distribution: installed alone into a fresh virtualenv, it talks to a server without torch.
+
+Slow-ish (it builds a virtualenv and installs pyzmq, msgpack and numpy from the
+package index), so it is marked `slow`; it stays in the default run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import venv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, RunningServer
+
+from common.models import build_model
+
+pytestmark = pytest.mark.slow
+
+CHECK = """
+import importlib.util, json, sys
+import clients, clients.cli, clients.loadgen
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "manager", "worker"))
+with clients.Client(sys.argv[1], timeout=60) as client:
+    reply = client.infer("lstm", {"tokens": [5, 17, 342, 9]})
+print(json.dumps({
+    "loaded": loaded,
+    "torch_installed": importlib.util.find_spec("torch") is not None,
+    "common": sorted(m for m in sys.modules if m.startswith("common")),
+    "clients_file": clients.__file__,
+    "h": reply.outputs["h"].tolist(),
+}))
+"""
+
+
+def run_isolated(command: list[str | Path], cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run outside this checkout: no PYTHONPATH, another working directory, so only the installed copy is found."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return subprocess.run(command, cwd=cwd, env=env, check=check, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtualenv with batchmaker-client installed from a copy of this checkout (the build writes files)."""
+    base = tmp_path_factory.mktemp("client-dist")
+    ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    for folder in ("dist/client", "clients", "common"):
+        shutil.copytree(ROOT / folder, base / "src" / folder, ignore=ignore)
+    env_dir = base / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", base / "src" / "dist" / "client"],
+        check=True,
+    )
+    return env_dir
+
+
+def test_installed_client_has_no_torch_and_talks_to_a_server(client_venv: Path, lstm_server: RunningServer) -> None:
+    python = client_venv / "bin" / "python"
+    result = run_isolated([python, "-c", CHECK, lstm_server.address], client_venv)
+    found = json.loads(result.stdout)
+    assert found["loaded"] == [] and found["torch_installed"] is False
+    assert found["common"] == ["common", "common.auth", "common.protocol"]
+    assert str(client_venv) in found["clients_file"]  # the installed copy, not this checkout
+
+    model = build_model(lstm_server.config.models["lstm"])
+    expected = model.reference(model.load_weights(), {"tokens": [5, 17, 342, 9]})["h"]
+    assert np.abs(np.asarray(found["h"], np.float32) - expected).max() <= 1e-5
+
+
+def test_installed_command_line_client(client_venv: Path, lstm_server: RunningServer) -> None:
+    command = client_venv / "bin" / "batchmaker-client"
+    result = run_isolated(
+        [command, "infer", "--address", lstm_server.address, "--model", "lstm", "--tokens", "5 17 342 9"], client_venv
+    )
+    assert result.stdout.startswith("h: float32 shape [64]")
+    refused = run_isolated([command, "health", "--address", "x", "--address", "x"], client_venv, check=False)
+    assert refused.returncode == 1 and refused.stderr.startswith("error USAGE: ")
+

@@ -1,0 +1,407 @@
+"""Clients over several servers, against fake ROUTER servers that can hold, go silent, drain or close.
+
+Servers listen on loopback TCP so that closing one closes the client's connection the
+way a killed process does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from conftest import free_port
+
+from clients import AsyncClient, Client, ServerError, ServerLost
+from clients.cli import main as cli_main
+from clients.servers import ASIDE, DRAINING, UP, ServerSet
+from common.protocol import OVERLOADED, decode, encode, error_reply
+
+FAST = {"health_interval": 0.1, "health_timeout": 0.3}
+DRAINING_MESSAGE = "the server is draining before it stops; send the request elsewhere"
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Wait for an event the test causes; the timeout only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+class FakeServer:
+    """A ROUTER thread standing for one server.
+
+    Modes: "answer" replies at once; "hold" keeps infer requests until `release`;
+    "silent" reads nothing (a hung host); "draining" refuses infer requests as a
+    stopping manager does and says so in health. `close` drops the connection.
+    Each infer reply names the server that computed it.
+    """
+
+    def __init__(self, name: str, port: int | None = None, mode: str = "answer"):
+        self.name = name
+        self.port = port or free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.mode = mode
+        self.messages: list[dict[str, Any]] = []
+        self._held: list[tuple[bytes, dict[str, Any]]] = []
+        self._release = threading.Event()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(5)
+
+    @property
+    def infer_ids(self) -> list[Any]:
+        return [m["id"] for m in list(self.messages) if m.get("op", "infer") == "infer"]
+
+    def release(self) -> None:
+        """Answer the held requests, and answer from now on."""
+        self._release.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind(self.address)
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if self._release.is_set():
+                    self._release.clear()
+                    self.mode = "answer"
+                    for peer, message in self._held:
+                        socket.send_multipart([peer, encode(self._answer(message))])
+                    self._held.clear()
+                if self.mode == "silent" or not socket.poll(10):
+                    time.sleep(0.005)
+                    continue
+                peer, frame = socket.recv_multipart()
+                message = decode(frame)
+                self.messages.append(message)
+                if self.mode == "hold" and message.get("op", "infer") == "infer":
+                    self._held.append((peer, message))
+                else:
+                    socket.send_multipart([peer, encode(self._answer(message))])
+        finally:
+            socket.close()
+            context.term()
+
+    def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
+        request_id = message["id"]
+        op = message.get("op", "infer")
+        if op == "health":
+            return {"id": request_id, "ok": True, "status": "draining" if self.mode == "draining" else "ready"}
+        if op == "cancel":
+            return {"id": request_id, "ok": True, "cancelled": True}
+        if self.mode == "draining":
+            return error_reply(request_id, OVERLOADED, DRAINING_MESSAGE)
+        return {"id": request_id, "ok": True, "outputs": {"server": self.name, "echo": message["inputs"]["n"]}}
+
+
+@pytest.fixture
+def servers() -> Iterator[list[FakeServer]]:
+    started: list[FakeServer] = []
+    yield started
+    for server in started:
+        server.close()
+
+
+def start(servers: list[FakeServer], *modes: str) -> list[FakeServer]:
+    for mode in modes:
+        servers.append(FakeServer(f"s{len(servers)}", mode=mode))
+    return servers
+
+
+async def infer_many(client: AsyncClient, numbers: range) -> list[Any]:
+    return await asyncio.gather(*(client.infer("m", {"n": n}) for n in numbers), return_exceptions=True)
+
+
+def answered_by(results: list[Any], numbers: range) -> list[str]:
+    """Check every result is the right answer; return who computed each."""
+    assert len(results) == len(numbers)
+    for n, result in zip(numbers, results):
+        assert not isinstance(result, BaseException), result
+        assert result.outputs["echo"] == n
+    return [result.outputs["server"] for result in results]
+
+
+# -- addresses ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ([], "at least one"),
+        (["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"], "twice"),
+        (["tcp://127.0.0.1:1", ""], "non-empty"),
+    ],
+)
+def test_bad_address_lists_are_refused(address: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Client(address)
+    with pytest.raises(ValueError, match=message):
+        AsyncClient(address)
+
+
+def test_bad_health_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        Client(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], health_timeout=0)
+
+
+def test_server_states_follow_probes() -> None:
+    """A draining server that falls silent is set aside; probed later, it rejoins on a non-draining answer."""
+    servers = ServerSet(["tcp://a:1", "tcp://b:1"], health_interval=1.0, health_timeout=2.0)
+    a, b = servers.servers
+    servers.sent(a, 7, now=100.0)
+    servers.draining(a)
+    assert servers.pick() is b
+    (probed, first_probe), = servers.tick(100.0)[0]
+    assert probed is a and servers.tick(101.0) == ([], [])  # its probe is still awaited
+    assert servers.tick(102.5) == ([], [a])
+    assert servers.set_aside(a) == {7} and a.state == ASIDE and not a.outstanding
+    (_, probe), = servers.tick(103.5)[0]
+    assert servers.probe_answered(a, {"id": first_probe, "ok": True, "status": "ready"}) is False  # an old probe
+    assert servers.probe_answered(a, {"id": probe, "ok": True, "status": "draining"}) is False
+    assert a.state == ASIDE
+    (_, probe), = servers.tick(104.5)[0]
+    assert servers.probe_answered(a, {"id": probe, "ok": True, "status": "ready"}) is True and a.state == UP
+    servers.sent(b, 8, now=105.0)
+    assert servers.pick() is a  # fewest outstanding
+    (_, probe), = servers.tick(106.0)[0]  # b owes an answer and has been quiet for the interval
+    assert servers.probe_answered(b, {"id": probe, "ok": True, "status": "draining"}) is False
+    assert b.state == DRAINING
+
+
+# -- AsyncClient -------------------------------------------------------------------------------
+
+
+def test_async_spreads_by_fewest_outstanding(servers: list[FakeServer]) -> None:
+    a, b, c = start(servers, "hold", "hold", "hold")
+
+    async def run() -> list[Any]:
+        async with AsyncClient([a.address, b.address, c.address], timeout=20, **FAST) as client:
+            calls = asyncio.gather(infer_many(client, range(30)))
+            received = lambda: len(a.infer_ids) + len(b.infer_ids) + len(c.infer_ids)  # noqa: E731
+            await asyncio.to_thread(wait_for, lambda: received() == 30, "all 30 requests")
+            assert (len(a.infer_ids), len(b.infer_ids), len(c.infer_ids)) == (10, 10, 10)
+            for server in (a, b, c):
+                server.release()
+            return (await calls)[0]
+
+    assert sorted(set(answered_by(asyncio.run(run()), range(30)))) == ["s0", "s1", "s2"]
+
+
+def test_async_resends_the_requests_of_a_closed_server(servers: list[FakeServer]) -> None:
+    a, b, c = start(servers, "hold", "hold", "hold")
+
+    async def run() -> list[Any]:
+        async with AsyncClient([a.address, b.address, c.address], timeout=20, **FAST) as client:
+            calls = asyncio.gather(infer_many(client, range(30)))
+            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 10, "a's share")
+            a.close()
+            await asyncio.to_thread(wait_for, lambda: len(b.infer_ids) + len(c.infer_ids) == 30, "the resends")
+            b.release()
+            c.release()
+            results = (await calls)[0]
+            assert client.resent == 10
+            return results
+
+    who = answered_by(asyncio.run(run()), range(30))
+    assert "s0" not in who
+    assert set(a.infer_ids) <= set(b.infer_ids) | set(c.infer_ids)
+
+
+def test_async_sets_aside_a_silent_server_drops_its_late_replies_and_takes_it_back(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "silent", "hold")
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
+            calls = asyncio.gather(infer_many(client, range(10)))
+            await asyncio.to_thread(wait_for, lambda: len(b.infer_ids) == 10, "a's requests resent to b")
+            b.release()
+            first = (await calls)[0]
+            assert client.resent == 5
+            a.mode = "answer"  # a reads its backlog: the late replies must not be delivered again
+            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 5, "a reading its backlog")
+            later: list[Any] = []
+            while "s0" not in [r.outputs["server"] for r in later]:
+                later.append(await client.infer("m", {"n": 100 + len(later)}))
+                await asyncio.sleep(0.02)
+            return first, later
+
+    first, later = asyncio.run(run())
+    assert answered_by(first, range(10)) == ["s1"] * 10
+    answered_by(later, range(100, 100 + len(later)))
+
+
+def test_async_sends_nothing_new_to_a_draining_server(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "draining", "answer")
+
+    async def run() -> tuple[list[Any], int, list[Any]]:
+        async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
+            first = [await client.infer("m", {"n": n}) for n in range(10)]
+            refused = len(a.infer_ids)
+            assert client.resent == refused
+            second = [await client.infer("m", {"n": n}) for n in range(10, 20)]
+            assert len(a.infer_ids) == refused  # nothing new reached the draining server
+            a.mode = "answer"
+            third: list[Any] = []
+            while "s0" not in [r.outputs["server"] for r in third]:
+                third.append(await client.infer("m", {"n": 20 + len(third)}))
+                await asyncio.sleep(0.02)
+            return first + second, refused, third
+
+    answers, refused, third = asyncio.run(run())
+    assert answered_by(answers, range(20)) == ["s1"] * 20
+    assert refused == 1
+    answered_by(third, range(20, 20 + len(third)))
+
+
+def test_async_resends_what_a_draining_server_accepted_when_it_dies(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "hold", "answer")
+
+    async def run() -> list[Any]:
+        async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
+            accepted = asyncio.gather(infer_many(client, range(0, 20, 2)))  # b answers its share at once
+            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 5, "a's share")
+            a.mode = "draining"  # quiet while it owes answers: a probe finds it draining
+            await asyncio.to_thread(wait_for, lambda: any(m.get("op") == "health" for m in a.messages), "a probe")
+            later = [await client.infer("m", {"n": n}) for n in range(100, 104)]
+            assert all(r.outputs["server"] == "s1" for r in later)
+            a.close()  # dies before answering what it accepted
+            results = (await accepted)[0]
+            assert client.resent == 5
+            return results
+
+    assert answered_by(asyncio.run(run()), range(0, 20, 2)) == ["s1"] * 10
+
+
+def test_async_draining_refusal_reaches_the_caller_when_no_other_server_is_up(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "draining", "draining")
+
+    async def run() -> None:
+        async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
+            with pytest.raises(ServerError) as caught:
+                for n in range(2):
+                    await client.infer("m", {"n": n})
+            assert caught.value.code == OVERLOADED and "draining" in caught.value.message
+
+    asyncio.run(run())
+
+
+def test_async_without_resend_fails_a_lost_servers_requests(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "hold", "hold")
+
+    async def run() -> list[Any]:
+        async with AsyncClient([a.address, b.address], timeout=20, resend=False, **FAST) as client:
+            calls = asyncio.gather(infer_many(client, range(4)))
+            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 2 and len(b.infer_ids) == 2, "the spread")
+            a.close()
+            b.release()
+            return (await calls)[0]
+
+    results = asyncio.run(run())
+    lost = [r for r in results if isinstance(r, ServerLost)]
+    assert len(lost) == 2 and all(a.address in str(r) and "resending is off" in str(r) for r in lost)
+    assert [r.outputs["server"] for r in results if not isinstance(r, BaseException)] == ["s1", "s1"]
+    assert len(b.infer_ids) == 2  # nothing was resent
+
+
+def test_async_waits_for_a_server_to_come_back(servers: list[FakeServer]) -> None:
+    ports = [free_port(), free_port()]
+    addresses = [f"tcp://127.0.0.1:{port}" for port in ports]
+
+    async def run() -> Any:
+        async with AsyncClient(addresses, timeout=1.0, **FAST) as client:
+            with pytest.raises(TimeoutError, match="no server was up"):
+                await client.infer("m", {"n": 1})
+            client.timeout = 20
+            call = asyncio.ensure_future(client.infer("m", {"n": 2}))
+            await asyncio.sleep(0.5)  # both servers are set aside by now; the request waits
+            servers.append(FakeServer("late", port=ports[1]))
+            return await call
+
+    assert asyncio.run(run()).outputs == {"server": "late", "echo": 2}
+
+
+def test_async_cancel_goes_to_the_server_holding_the_target(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "hold", "hold")
+
+    async def run() -> None:
+        async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
+            target = asyncio.ensure_future(client.call({"id": "t", "op": "infer", "model": "m", "inputs": {"n": 1}}))
+            await asyncio.to_thread(wait_for, lambda: "t" in a.infer_ids + b.infer_ids, "the target")
+            holder = a if "t" in a.infer_ids else b
+            assert (await client.cancel("t"))["cancelled"] is True
+            assert [m for m in holder.messages if m.get("op") == "cancel"][0]["target"] == "t"
+            target.cancel()
+
+    asyncio.run(run())
+
+
+# -- Client ------------------------------------------------------------------------------------
+
+
+def test_sync_takes_servers_in_turn_and_resends_when_one_closes(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "answer", "answer")
+    with Client([a.address, b.address], timeout=20, **FAST) as client:
+        assert sorted(client.infer("m", {"n": n}).outputs["server"] for n in range(4)) == ["s0", "s0", "s1", "s1"]
+        a.close()
+        outputs = [client.infer("m", {"n": n}).outputs for n in range(4)]
+        assert outputs == [{"server": "s1", "echo": n} for n in range(4)]
+        assert client.resent <= 1  # only a request already sent to the closed server goes again
+
+
+def test_sync_sets_aside_a_silent_server(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "silent", "answer")
+    with Client([a.address, b.address], timeout=20, **FAST) as client:
+        assert [client.infer("m", {"n": n}).outputs["server"] for n in range(4)] == ["s1"] * 4
+
+
+def test_sync_draining_server_gets_the_request_sent_elsewhere(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "draining", "answer")
+    with Client([a.address, b.address], timeout=20, **FAST) as client:
+        assert [client.infer("m", {"n": n}).outputs["server"] for n in range(4)] == ["s1"] * 4
+    assert len(a.infer_ids) == 1
+
+
+def test_sync_without_resend_raises_server_lost(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "silent", "silent")
+    with Client([a.address, b.address], timeout=20, resend=False, **FAST) as client:
+        with pytest.raises(ServerLost, match="no answer to health"):
+            client.infer("m", {"n": 1})
+
+
+def test_sync_cancel_goes_to_the_server_of_the_timed_out_request(servers: list[FakeServer]) -> None:
+    a, b = start(servers, "hold", "hold")
+    with Client([a.address, b.address], timeout=0.5, **FAST) as client:
+        with pytest.raises(TimeoutError):
+            client.call({"id": "slow", "op": "infer", "model": "m", "inputs": {"n": 1}})
+        holder = a if "slow" in a.infer_ids else b
+        assert client.cancel("slow")["cancelled"] is True
+        assert [m["target"] for m in holder.messages if m.get("op") == "cancel"] == ["slow"]
+
+
+def test_cli_takes_several_addresses(servers: list[FakeServer], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = start(servers, "draining", "answer")
+    argv = ["infer", "--address", a.address, "--address", b.address, "--model", "m", "--json", '{"n": 4}']
+    for _ in range(2):
+        assert cli_main(argv) == 0
+        assert 'server: "s1"' in capsys.readouterr().out
+
+
+def test_cli_refuses_an_address_given_twice(capsys: pytest.CaptureFixture[str]) -> None:
+    address = "tcp://127.0.0.1:1"
+    assert cli_main(["health", "--address", address, "--address", address]) == 1
+    assert capsys.readouterr().err.startswith("error USAGE: ")

@@ -1,0 +1,105 @@
+"""/healthz and /readyz beside /metrics: unit checks of the values, and a served manager that drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
+
+from common.protocol import decode, encode
+from manager.metrics import Metrics
+
+
+def probe(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait for an event the test causes; the timeout only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def metrics() -> Iterator[Metrics]:
+    m = Metrics(["lstm"], ["lstm/layer0"], liveness_timeout_s=5.0)
+    yield m
+    m.close()
+
+
+def test_readiness_follows_workers_and_draining(metrics: Metrics) -> None:
+    port = metrics.serve("127.0.0.1", 0)
+    assert probe(port, "/readyz") == (503, "0 of 1 workers registered\n")
+    metrics.set_readiness(1, 2, False)
+    assert probe(port, "/readyz") == (503, "1 of 2 workers registered\n")
+    metrics.set_readiness(2, 2, False)
+    assert probe(port, "/readyz") == (200, "ready\n")
+    metrics.set_readiness(2, 2, True)
+    status, body = probe(port, "/readyz")
+    assert status == 503 and body.startswith("draining")
+    metrics.set_readiness(0, 0, False)
+    assert probe(port, "/readyz")[0] == 503  # a server without workers serves nothing
+
+
+def test_liveness_goes_stale_when_the_loop_stops_turning(metrics: Metrics) -> None:
+    port = metrics.serve("127.0.0.1", 0)
+    assert probe(port, "/healthz") == (200, "ok\n")
+    metrics.set_liveness(time.monotonic() - 6.0)
+    status, body = probe(port, "/healthz")
+    assert status == 503 and "has not turned for 6." in body
+    metrics.set_liveness(time.monotonic())
+    assert probe(port, "/healthz") == (200, "ok\n")
+    status, text = probe(port, "/metrics")
+    assert status == 200 and "batchmaker_requests_total" in text
+    assert probe(port, "/nothing-here")[0] == 200  # prometheus_client serves the metrics on any other path
+
+
+def test_served_manager_is_ready_then_not_while_draining(tmp_path: Path) -> None:
+    port = free_port()
+    server_toml = f"""
+    metrics_address = "127.0.0.1:{port}"
+    heartbeat_timeout_ms = 120000
+    hang_timeout_ms = 120000
+    drain_timeout_ms = 120000
+    """
+    server = start_server(write_config(tmp_path, SMALL_LSTM, server=server_toml), workers=1)
+    worker = server.supervisor.slots[0].process
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    client = server.client()
+    try:
+        wait_for(lambda: probe(port, "/readyz") == (200, "ready\n"), "readiness once the worker registered")
+        assert probe(port, "/healthz") == (200, "ok\n")
+
+        os.kill(worker.pid, signal.SIGSTOP)  # keeps the request below in flight, so the drain lasts
+        socket.connect(server.address)
+        socket.send(encode({"id": 1, "model": "lstm", "inputs": {"tokens": [5, 6, 7]}}))
+        wait_for(lambda: client.stats()["requests_in_flight"] == 1, "the request to be in flight")
+        os.kill(server.supervisor.manager.pid, signal.SIGTERM)
+        wait_for(lambda: probe(port, "/readyz")[0] == 503, "not ready while draining")
+        assert probe(port, "/readyz")[1].startswith("draining")
+        assert probe(port, "/healthz") == (200, "ok\n")  # draining, yet its loop turns
+
+        os.kill(worker.pid, signal.SIGCONT)
+        assert socket.poll(60_000), "the accepted request was not answered during the drain"
+        assert decode(socket.recv())["ok"] is True
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        socket.close()
+        client.close()
+        stop_server(server)

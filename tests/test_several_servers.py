@@ -1,0 +1,178 @@
+"""Several real servers on distinct loopback addresses, standing for several hosts, behind one client.
+
+Under open-loop load one whole server (supervisor, manager, workers) is killed with
+SIGKILL and another is sent SIGTERM (it drains); every request must still be
+answered once, correctly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from conftest import ROOT, write_config
+
+from clients import AsyncClient, Client
+from common.config import Config
+from common.models import build_model
+
+TINY_LSTM = """
+[models.lstm]
+builder = "common.models.lstm:build"
+weights = "lstm.pt"
+vocab_size = 100
+embedding_size = 8
+hidden_size = 8
+num_layers = 1
+max_length = 40
+batch_sizes = [1, 2, 4, 8, 16, 32]
+"""
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+TOLERANCE = 1e-5
+
+
+def free_port_on(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`batchmaker serve` in its own process, as on a host of its own."""
+
+    def __init__(self, config: Config, host: str):
+        self.address = f"tcp://{host}:{free_port_on(host)}"
+        command = [sys.executable, "-m", "manager.cli", "serve", str(config.path), "--address", self.address]
+        self.process = subprocess.Popen([*command, "--workers", "1"], cwd=ROOT, stdout=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Ask for health until the server says ready; the timeout only turns a hang into a failure."""
+        deadline = time.monotonic() + timeout
+        with Client(self.address, timeout=1.0) as client:
+            while time.monotonic() < deadline:
+                assert self.process.poll() is None, f"server {self.address} exited with {self.process.returncode}"
+                try:
+                    if client.health()["status"] == "ready":
+                        return
+                except TimeoutError:
+                    pass
+        raise AssertionError(f"server {self.address} did not become ready")
+
+    def processes(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill_all(self) -> None:
+        """SIGKILL the supervisor and every child at once, like a host that loses power."""
+        for process in self.processes():
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        children = self.processes()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+        psutil.wait_procs(children, timeout=10)
+
+
+@pytest.fixture
+def three_servers(tmp_path: Path) -> Iterator[tuple[Config, list[ServerProcess]]]:
+    config = write_config(tmp_path, TINY_LSTM)
+    servers = [ServerProcess(config, host) for host in HOSTS]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield config, servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class Progress:
+    """Counts answers and wakes whoever waits for a given count."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self._waiters: list[tuple[int, asyncio.Event]] = []
+
+    def add(self) -> None:
+        self.answered += 1
+        for count, event in self._waiters:
+            if self.answered >= count:
+                event.set()
+
+    async def reach(self, count: int) -> None:
+        event = asyncio.Event()
+        self._waiters.append((count, event))
+        if self.answered >= count:
+            event.set()
+        await event.wait()
+
+
+async def run_load(servers: list[ServerProcess], requests: list[list[int]], rate: float) -> tuple[list, AsyncClient]:
+    killed, drained, _ = servers
+    progress = Progress()
+    rng = np.random.default_rng(1)
+    client = AsyncClient([s.address for s in servers], timeout=60, health_interval=0.2, health_timeout=0.5)
+
+    async def one(tokens: list[int]):
+        try:
+            return await client.infer("lstm", {"tokens": tokens})
+        finally:
+            progress.add()
+
+    async def faults() -> None:
+        await progress.reach(len(requests) // 4)
+        while client.outstanding()[killed.address] == 0:  # kill it while it owes answers
+            await asyncio.sleep(0.001)
+        killed.kill_all()
+        await progress.reach(len(requests) // 2)
+        drained.process.send_signal(signal.SIGTERM)
+
+    async with client:
+        fault_task = asyncio.create_task(faults())
+        calls = []
+        for tokens in requests:
+            calls.append(asyncio.create_task(one(tokens)))
+            await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await fault_task
+    return results, client
+
+
+def test_kill_and_drain_under_load_lose_nothing(three_servers: tuple[Config, list[ServerProcess]]) -> None:
+    config, servers = three_servers
+    rng = np.random.default_rng(0)
+    requests = [rng.integers(0, 100, size=int(rng.integers(1, 40))).tolist() for _ in range(600)]
+    results, client = asyncio.run(run_load(servers, requests, rate=150.0))
+
+    model = build_model(config.models["lstm"])
+    state = model.load_weights()
+    for tokens, result in zip(requests, results):
+        assert not isinstance(result, BaseException), repr(result)
+        expected = model.reference(state, {"tokens": tokens})
+        for name in ("h", "c"):
+            assert np.abs(result.outputs[name] - expected[name]).max() <= TOLERANCE
+    assert client.resent > 0  # the killed server owed answers when it died
+    assert servers[0].process.returncode == -signal.SIGKILL
+    assert servers[1].process.wait(60) == 0  # the drained server finished what it accepted and stopped cleanly
+    assert servers[2].process.poll() is None
