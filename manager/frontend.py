@@ -84,7 +84,8 @@ class ClientFrontend:
             yield Incoming(client, message["id"], message, None, arrival)
 
     def reply(self, client: bytes, message: dict[str, Any]) -> None:
-        self.socket.send_multipart([client, encode(message)])
+        self.socket.send(client, zmq.SNDMORE)  # two sends cost less than send_multipart's frame list
+        self.socket.send(encode(message))
 
     def departed(self) -> list[bytes]:
         """Clients whose connection has closed since the last call."""

@@ -102,9 +102,6 @@ class _Log:
         self.tail = 0
         self.live = 0
 
-    def fits(self, count: int) -> bool:
-        return self.tail + count <= self.capacity
-
     def reserve(self, count: int, live: int) -> None:
         """Make room for `count` more entries: compaction is done by the caller when worthwhile."""
         size = max(self.tail + count, 2 * (live + count))
@@ -168,9 +165,9 @@ class PlanStore:
             (self.nodes, plan.nodes),
             (self.ragged, len(plan.ragged_refs)),
             (self.registers, len(plan.register_kinds)),
-            *((self.externals[kind], len(values)) for kind, values in unfolded.externals.items()),
+            *[(self.externals[kind], len(values)) for kind, values in unfolded.externals.items()],
         ]
-        if not all(log.fits(count) for log, count in needs):
+        if any(log.tail + count > log.capacity for log, count in needs):
             self._compact(list(live))
             for log, count in needs:
                 if 2 * (log.tail + count) > log.capacity:  # mostly live: grow, or compaction would repeat soon
