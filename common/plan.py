@@ -57,7 +57,7 @@ class Plan:
     ragged_start: np.ndarray  # [n] int32
     ragged_count: np.ndarray  # [n] int32
     ragged_refs: np.ndarray  # [values, max ports] int32 registers
-    register_kinds: tuple[ValueKind, ...]  # kind of each register
+    registers: int  # per-request registers (arena rows), of all kinds
     external_kinds: tuple[ValueKind, ...]  # kinds with externals, in the order `externals` lists them
     copies: dict[int, tuple[tuple[str | int, int], ...]]
     has_copies: np.ndarray  # [n] bool
@@ -233,7 +233,7 @@ class _Compiler:
             ragged_start=ragged_start,
             ragged_count=ragged_count,
             ragged_refs=np.array(ragged_rows, np.int32).reshape(-1, ports),
-            register_kinds=register_kinds,
+            registers=len(register_kinds),
             external_kinds=kinds,
             copies=copies,
             has_copies=has_copies,
@@ -346,10 +346,6 @@ def tree_plan(
         wave_end[start:end] = start + np.searchsorted(depth[start:end], depth[start:end], side="right")
     has_copies = np.zeros(count, bool)
     has_copies[list(copies)] = True
-    kinds: list[ValueKind] = [None] * sum(len(registers) for registers in register_groups.values())  # type: ignore
-    for kind, registers in register_groups.items():
-        for register in registers.tolist():
-            kinds[register] = kind
     return Plan(
         lane_cells=tuple(key for key, _ in lanes),
         lane_bounds=bounds,
@@ -361,7 +357,7 @@ def tree_plan(
         ragged_start=np.zeros(count, np.int32) if ragged_start is None else ragged_start,
         ragged_count=np.zeros(count, np.int32) if ragged_count is None else ragged_count,
         ragged_refs=np.zeros((0, inputs.shape[1]), np.int32) if ragged_refs is None else ragged_refs,
-        register_kinds=tuple(kinds),
+        registers=sum(len(group) for group in register_groups.values()),
         external_kinds=(),
         copies=copies,
         has_copies=has_copies,

@@ -49,7 +49,7 @@ from manager.workers import WorkerHandle
 log = logging.getLogger("batchmaker.manager")
 
 WATCH_INTERVAL_S = 0.1  # how often workers are pinged and checked
-CLIENT_BURST = 4  # client messages per loop turn: admission is interleaved with completions and scheduling
+CLIENT_BURST = 16  # client messages per loop turn: admission is interleaved with completions and scheduling
 IDLE_POLL_MS = 100
 
 

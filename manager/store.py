@@ -164,7 +164,7 @@ class PlanStore:
         needs = [
             (self.nodes, plan.nodes),
             (self.ragged, len(plan.ragged_refs)),
-            (self.registers, len(plan.register_kinds)),
+            (self.registers, plan.registers),
             *[(self.externals[kind], len(values)) for kind, values in unfolded.externals.items()],
         ]
         if any(log.tail + count > log.capacity for log, count in needs):
@@ -178,8 +178,8 @@ class PlanStore:
         if len(plan.ragged_refs):
             start = table.ragged_base[row] = self.ragged.take(len(plan.ragged_refs))
             self.ragged.arrays["refs"][start : start + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = plan.ragged_refs
-        start = table.reg_base[row] = self.registers.take(len(plan.register_kinds))
-        self.registers.arrays["worker"][start : start + len(plan.register_kinds)] = NO_WORKER
+        start = table.reg_base[row] = self.registers.take(plan.registers)
+        self.registers.arrays["worker"][start : start + plan.registers] = NO_WORKER
         for kind, values in unfolded.externals.items():
             log = self.externals[kind]
             start = table.ext_base[row, table.kinds[kind]] = log.take(len(values))
@@ -189,7 +189,7 @@ class PlanStore:
         plan = request.unfolded.plan
         self.nodes.live -= plan.nodes
         self.ragged.live -= len(plan.ragged_refs)
-        self.registers.live -= len(plan.register_kinds)
+        self.registers.live -= plan.registers
         for kind, values in request.unfolded.externals.items():
             self.externals[kind].live -= len(values)
 
@@ -200,7 +200,7 @@ class PlanStore:
         plans = [request.unfolded for request in live]
         self._compact_log(self.nodes, table.node_base, rows, [u.plan.nodes for u in plans])
         self._compact_log(self.ragged, table.ragged_base, rows, [len(u.plan.ragged_refs) for u in plans])
-        self._compact_log(self.registers, table.reg_base, rows, [len(u.plan.register_kinds) for u in plans])
+        self._compact_log(self.registers, table.reg_base, rows, [u.plan.registers for u in plans])
         for kind, log in self.externals.items():
             column = table.kinds[kind]
             sizes = [len(u.externals.get(kind, ())) for u in plans]

@@ -29,7 +29,7 @@ def test_a_user_model_compiles_to_a_plan_whose_state_is_overwritten_in_place(tmp
         request = h.admit("elman", {"tokens": [5, 6, 7, 8]})
         plan = request.unfolded.plan
         assert plan.lane_cells == ("elman/step",) and plan.depth.tolist() == [0, 1, 2, 3]
-        assert len(plan.register_kinds) == 1  # h is read only by the next step, which overwrites it
+        assert plan.registers == 1  # h is read only by the next step, which overwrites it
         assert request.unfolded.externals[next(iter(request.unfolded.externals))].tolist() == [5, 6, 7, 8]
     finally:
         h.close()
