@@ -1,8 +1,17 @@
 """The client side of the manager: the ROUTER socket clients talk to, its authentication, the
-envelope of each message (one frame, a msgpack map, an `id`), replies, and departed clients."""
+envelope of each message (one frame, a msgpack map, an `id`), replies, and departed clients.
+
+No reply is dropped while its client is connected. A ROUTER socket silently drops messages to a
+peer whose send queue is full (its high-water mark), so the socket is ROUTER_MANDATORY: a full
+queue makes the send fail instead, and the reply waits in that client's backlog, in order, until
+the client reads again. A client whose backlog has not moved for `unreachable_client_ms`, or has
+grown past its bound, is taken for gone: its backlog is dropped and its requests are cancelled,
+as for a client that disconnected.
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Iterator
@@ -19,6 +28,7 @@ from manager.connections import ClientConnections
 log = logging.getLogger("batchmaker.manager")
 
 SOCKET_LIMIT_FACTOR = 4
+BACKLOG_MARGIN = 10_000  # replies to refused requests a non-reading client may have waiting, beyond its admitted ones
 
 
 @dataclass
@@ -42,6 +52,15 @@ def echo_id(value: Any) -> Any:
 class ClientFrontend:
     def __init__(self, context: zmq.Context, address: str, server: ServerConfig):
         self.max_message_bytes = server.max_message_bytes
+        self._unreachable_s = server.unreachable_client_ms / 1e3
+        # Every reply answers a message the client sent: admitted requests are bounded, refusals are not,
+        # so a client that sends without reading can hold this many replies before it counts as gone.
+        self._max_backlog = server.max_queued_requests + BACKLOG_MARGIN
+        self._backlog: dict[bytes, collections.deque[bytes]] = {}
+        self._stuck_since: dict[bytes, float] = {}  # when its backlog last moved
+        self._unreachable: list[bytes] = []
+        self._abandoned: set[bytes] = set()  # given up on: replies they cannot take are dropped, not queued
+        self.unreachable_clients = 0  # clients given up on so far (stats)
         self._curve: CurveServer | None = None
         self.socket = context.socket(zmq.ROUTER)
         if server.curve is not None:
@@ -53,6 +72,7 @@ class ClientFrontend:
         # connection only past a hard ceiling well above it, to bound what a peer can make us buffer.
         self.socket.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT_FACTOR * self.max_message_bytes)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.bind(address)
         self.connections = ClientConnections(self.socket)
 
@@ -84,12 +104,72 @@ class ClientFrontend:
             yield Incoming(client, message["id"], message, None, arrival)
 
     def reply(self, client: bytes, message: dict[str, Any]) -> None:
-        self.socket.send(client, zmq.SNDMORE)  # two sends cost less than send_multipart's frame list
-        self.socket.send(encode(message))
+        body = encode(message)
+        backlog = self._backlog.get(client)
+        if backlog is not None:  # behind earlier replies: keep the order
+            backlog.append(body)
+            if len(backlog) > self._max_backlog:
+                self._give_up(client, f"{len(backlog)} replies unread")
+        elif not self._send(client, body) and client not in self._abandoned:
+            self._backlog[client] = collections.deque([body])
+            self._stuck_since[client] = time.monotonic()
+
+    def _send(self, client: bytes, body: bytes) -> bool:
+        """Send one reply; False when the client's queue is full (it is not reading)."""
+        try:
+            self.socket.send(client, zmq.SNDMORE | zmq.NOBLOCK)  # two sends cost less than send_multipart
+            self.socket.send(body, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            # The client has gone: nobody can read this reply; the monitor reports its departure.
+        self._abandoned.discard(client)  # it reads again
+        return True
+
+    @property
+    def backlogged(self) -> bool:
+        """Replies wait for slow clients: the event loop should come back soon to flush them."""
+        return bool(self._backlog)
+
+    @property
+    def gave_up(self) -> bool:
+        """Some clients were taken for gone by `flush`: `departed` tells which."""
+        return bool(self._unreachable)
+
+    def flush(self) -> None:
+        """Send what slow clients can take now; give up on those that have not read for too long."""
+        now = time.monotonic()
+        for client, backlog in list(self._backlog.items()):
+            sent = 0
+            while backlog and self._send(client, backlog[0]):
+                backlog.popleft()
+                sent += 1
+            if not backlog:
+                del self._backlog[client], self._stuck_since[client]
+            elif sent:
+                self._stuck_since[client] = now
+            elif now - self._stuck_since[client] > self._unreachable_s:
+                self._give_up(client, f"nothing read for {now - self._stuck_since[client]:.0f} s")
+
+    def _give_up(self, client: bytes, why: str) -> None:
+        dropped = len(self._backlog.pop(client))
+        del self._stuck_since[client]
+        log.warning("client %s is unreachable (%s): %d replies dropped, its requests cancelled", client.hex(), why, dropped)
+        self._unreachable.append(client)
+        self._abandoned.add(client)
+        self.unreachable_clients += 1
 
     def departed(self) -> list[bytes]:
-        """Clients whose connection has closed since the last call."""
-        return self.connections.closed()
+        """Clients whose connection has closed, or that stopped reading, since the last call."""
+        closed = self.connections.closed()
+        for client in closed:
+            if client in self._backlog:
+                del self._backlog[client], self._stuck_since[client]
+            self._abandoned.discard(client)
+        gone, self._unreachable = closed + self._unreachable, []
+        return gone
 
     def close(self) -> None:
         self.connections.close()

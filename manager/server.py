@@ -51,6 +51,7 @@ log = logging.getLogger("batchmaker.manager")
 WATCH_INTERVAL_S = 0.1  # how often workers are pinged and checked
 CLIENT_BURST = 16  # client messages per loop turn: admission is interleaved with completions and scheduling
 IDLE_POLL_MS = 100
+BACKLOG_POLL_MS = 5  # while replies wait for slow clients, how often they are retried
 
 
 def load_models(config: Config) -> tuple[dict[str, Model], list[CellTypeSpec], list[ValueKind]]:
@@ -128,13 +129,15 @@ class Manager:
             poller.register(socket, zmq.POLLIN)
         try:
             while not self._stopping:
-                events = dict(poller.poll(self.requests.wait_ms(IDLE_POLL_MS)))
+                events = dict(poller.poll(self.requests.wait_ms(BACKLOG_POLL_MS if self.frontend.backlogged else IDLE_POLL_MS)))
+                if self.frontend.backlogged:
+                    self.frontend.flush()
                 if completions in events:
                     self._completions()
                     self._schedule_idle_workers()  # keep the workers fed before admitting new requests
                 if control in events:
                     self._worker_control()
-                if departures in events:
+                if departures in events or self.frontend.gave_up:
                     for request in self.requests.of_clients(self.frontend.departed()):
                         self.processor.fail(request, RequestError(CANCELLED, "the client disconnected"))
                 if self.frontend.socket in events:
@@ -355,6 +358,7 @@ class Manager:
             "policy": self.config.scheduler.policy,
             "requests_in_flight": len(self.requests),
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
+            "unreachable_clients": self.frontend.unreachable_clients,
             "ready_nodes": self.scheduler.ready_nodes(),
             "workers": {
                 str(w.worker_id): {
