@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench import plots, report
+from bench import ceiling, plots, report
 from bench.presets import FULL, PRESETS, QUICK
 from bench.progress import Progress
 from bench.run import MODERATE, ROOT, run_preset
@@ -27,11 +27,19 @@ def _finite(value):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
-    parser.add_argument("preset", choices=[*PRESETS, "all"])
+    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "all"])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     args = parser.parse_args(argv)
     sweep = QUICK if args.quick else FULL
+    if args.preset in ("ceiling", "all"):
+        result = ceiling.run(args.quick, args.out)
+        print(ceiling.table(result))
+        if not all(row["verify"]["ok"] for row in result["rows"]):
+            print("ceiling: answers differ from the reference model", file=sys.stderr)
+            return 1
+        if args.preset == "ceiling":
+            return 0
     names = list(PRESETS) if args.preset == "all" else [args.preset]
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
     progress = Progress(steps)

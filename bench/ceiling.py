@@ -1,0 +1,269 @@
+"""`./scripts/bench ceiling`: the control plane's ceiling, with cells that cost almost nothing.
+
+Every model at hidden size 8 on one CPU worker, with GPU-sized batches (up to 512), is saturated
+by a closed-loop load generator in its own process: a raw DEALER socket that keeps `WINDOW`
+requests outstanding. What remains is scheduling and messaging, so the cells/s and requests/s
+here are what the manager and the worker's task handling can sustain. The generator is measured
+alone first, against an echo server that answers every request at once with a reply shaped like
+the server's, so the table shows it is not the bottleneck. A sample of every row's replies is
+checked against the model's reference.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from bench.datasets import DATASETS
+from bench.run import ROOT, _free_port, machine
+from bench.sweep import ServedPolicy
+from bench.verify import verify
+from common.config import load_config
+from common.models import build_model, init_missing_weights
+from common.protocol import encode, tensor_to_map
+
+WINDOW = 2000  # requests the generator keeps outstanding
+CHECKED = 40  # replies per row compared with the reference
+BATCH_SIZES = "[1, 2, 4, 8, 16, 32, 64, 128, 256, 512]"
+
+MODELS = f"""
+[models.lstm]
+builder = "common.models.lstm:build"
+weights = "{{weights}}/ceiling-lstm-h8.pt"
+vocab_size = 8192
+hidden_size = 8
+max_length = 400
+batch_sizes = {BATCH_SIZES}
+
+[models.gru]
+builder = "common.models.gru:build"
+weights = "{{weights}}/ceiling-gru2-h8.pt"
+vocab_size = 8192
+hidden_size = 8
+num_layers = 2
+max_length = 400
+batch_sizes = {BATCH_SIZES}
+
+[models.seq2seq]
+builder = "common.models.seq2seq:build"
+weights = "{{weights}}/ceiling-seq2seq-h8.pt"
+src_vocab_size = 8192
+tgt_vocab_size = 4096
+hidden_size = 8
+max_length = 400
+max_decode_length = 200
+batch_sizes = {BATCH_SIZES}
+
+[models.seq2seq.cells.decoder]
+priority = 1
+
+[models.treelstm]
+builder = "common.models.treelstm:build"
+weights = "{{weights}}/ceiling-treelstm-h8.pt"
+vocab_size = 8737
+hidden_size = 8
+num_classes = 5
+batch_sizes = {BATCH_SIZES}
+"""
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    model: str
+    requests: int
+    inputs: Any  # () -> list of request inputs
+
+
+def _lstm(length: int):
+    def make() -> list[dict[str, Any]]:
+        rng = np.random.default_rng(length)
+        return [{"tokens": rng.integers(0, 8192, length).tolist()} for _ in range(64)]
+
+    return make
+
+
+ROWS = (
+    Row("LSTM, length 100", "lstm", 2000, _lstm(100)),
+    Row("LSTM, WMT lengths", "lstm", 4000, DATASETS["wmt"]),
+    Row("LSTM, length 1", "lstm", 4000, _lstm(1)),
+    Row("GRU 2 layers, WMT lengths", "gru", 4000, DATASETS["wmt"]),
+    Row("Seq2Seq to EOS, WMT lengths", "seq2seq", 2000, DATASETS["wmt"]),
+    Row("TreeLSTM, SST trees", "treelstm", 2000, DATASETS["sst"]),
+)
+
+
+def _generate(address: str, frames: list[bytes], result: Any) -> None:
+    """The load generator (its own process): all frames, `WINDOW` outstanding; seconds and replies."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.connect(address)
+    replies = []
+    sent = 0
+    start = time.perf_counter()
+    while len(replies) < len(frames):
+        while sent < len(frames) and sent - len(replies) < WINDOW:
+            socket.send(frames[sent])
+            sent += 1
+        replies.append(socket.recv())
+    result.put((time.perf_counter() - start, replies))
+    socket.close(linger=0)
+    context.term()
+
+
+def run_generator(address: str, frames: list[bytes]) -> tuple[float, list[dict[str, Any]]]:
+    queue: Any = multiprocessing.get_context("spawn").Queue()
+    process = multiprocessing.get_context("spawn").Process(target=_generate, args=(address, frames, queue))
+    process.start()
+    seconds, raw = queue.get()
+    process.join()
+    return seconds, [msgpack.unpackb(reply, raw=False, strict_map_key=False) for reply in raw]
+
+
+def _echo(address: str, reply: dict[str, Any], ready: Any) -> None:
+    """Answers every request at once with `reply` under its id (a server-shaped answer): the generator's ceiling."""
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.bind(address)
+    ready.set()
+    while True:
+        client, body = socket.recv_multipart()
+        if body == b"stop":
+            break
+        reply["id"] = msgpack.unpackb(body, raw=False)["id"]
+        socket.send_multipart([client, encode(reply)])
+    socket.close(linger=0)
+    context.term()
+
+
+def generator_alone(frames: list[bytes]) -> float:
+    """Requests/s the generator reaches against an echo server (a reply like an LSTM's h and c)."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    state = tensor_to_map(np.zeros(8, np.float32))
+    timing = {"queue_us": 1, "compute_us": 1, "total_us": 1}
+    reply = {"id": 0, "ok": True, "outputs": {"h": state, "c": state}, "timing": timing}
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Event()
+    echo = spawn.Process(target=_echo, args=(address, reply, ready))
+    echo.start()
+    ready.wait(30)
+    seconds, _ = run_generator(address, frames)
+    with zmq.Context() as context, context.socket(zmq.DEALER) as stop:
+        stop.connect(address)
+        stop.send(b"stop")
+        echo.join(10)
+        stop.close(linger=0)
+    return len(frames) / seconds
+
+
+def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
+    """Cells one request needed: its plan, or for a decoder the steps it ran to its EOS."""
+    plan = model.plan(inputs).plan
+    if not plan.watched:
+        return plan.nodes
+    return len(inputs["tokens"]) + min(len(reply["outputs"]["tokens"]["data"]) // 8 + 1, plan.watched)
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    scale = 5 if quick else 1
+    with tempfile.TemporaryDirectory(prefix="batchmaker-ceiling-") as tmp:
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        config_path = Path(tmp) / "ceiling.toml"
+        config_path.write_text(
+            f"""
+[server]
+address = "{address}"
+cpu_workers = 1
+threads_per_worker = 1
+arena_rows = 65536
+io_rows = 65536
+max_queued_requests = 20000
+max_queued_nodes = 10000000
+"""
+            + MODELS.replace("{weights}", str(ROOT / "weights"))
+        )
+        config = load_config(config_path)
+        init_missing_weights(config)
+        models = {name: build_model(model_config) for name, model_config in config.models.items()}
+        states = {name: model.load_weights() for name, model in models.items()}
+        rows = []
+        with ServedPolicy(config_path, address, "cellular", "lstm") as served:
+            for row in ROWS:
+                inputs = row.inputs()
+                count = row.requests // scale
+                requests = [inputs[i % len(inputs)] for i in range(count)]
+                frames = [msgpack.packb({"id": i, "model": row.model, "inputs": x}) for i, x in enumerate(requests)]
+                run_generator(address, frames[: min(200, count)])  # warm up: plans of the common shapes
+                seconds, replies = run_generator(address, frames)
+                failed = sum(1 for reply in replies if not reply.get("ok"))
+                by_id = {reply["id"]: reply for reply in replies}
+                cells = sum(_cells(models[row.model], requests[i], by_id[i]) for i in range(count) if by_id[i].get("ok"))
+                check = verify(address, models[row.model], states[row.model], inputs[:CHECKED])
+                rows.append(
+                    {
+                        "row": row.name,
+                        "requests": count,
+                        "failed": failed,
+                        "seconds": seconds,
+                        "requests_per_s": count / seconds,
+                        "cells_per_s": cells / seconds,
+                        "cells_per_request": cells / max(1, count - failed),
+                        "verify": check,
+                    }
+                )
+            lengths = [{"tokens": list(range(22))}] * (2000 // scale)
+            generator = generator_alone(
+                [msgpack.packb({"id": i, "model": "lstm", "inputs": x}) for i, x in enumerate(lengths)]
+            )
+    result = {
+        "preset": "ceiling",
+        "quick": quick,
+        "commit": _git("rev-parse", "HEAD"),
+        "describe": _git("describe", "--always", "--dirty"),
+        "machine": machine(),
+        "window": WINDOW,
+        "generator_alone_requests_per_s": generator,
+        "rows": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ceiling.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        f"ceiling at {result['describe']} (hidden 8, one CPU worker, {result['window']} requests outstanding)",
+        f"load generator alone (echo server): {result['generator_alone_requests_per_s']:,.0f} requests/s",
+        "| workload | requests/s | cells/s | cells per request | answers checked |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        check = row["verify"]
+        ok = f"{check['checked']} ok" if check["ok"] else f"WRONG: {'; '.join(check['wrong'])}"
+        failed = f", {row['failed']} requests failed" if row["failed"] else ""
+        lines.append(
+            f"| {row['row']} | {row['requests_per_s']:,.0f} | {row['cells_per_s']:,.0f} | "
+            f"{row['cells_per_request']:.1f} | {ok}{failed} |"
+        )
+    return "\n".join(lines)
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
