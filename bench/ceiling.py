@@ -171,11 +171,12 @@ def generator_alone(frames: list[bytes]) -> float:
 
 
 def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
-    """Cells one request needed: its plan, or for a decoder the steps it ran to its EOS."""
-    plan = model.plan(inputs).plan
-    if not plan.watched:
-        return plan.nodes
-    return len(inputs["tokens"]) + min(len(reply["outputs"]["tokens"]["data"]) // 8 + 1, plan.watched)
+    """Cells one request needed: its graph's nodes, or for a decoder the steps it ran to its EOS."""
+    graph = model.unfold(inputs)
+    if not graph.watch:
+        return len(graph.nodes)
+    decoded = len(reply["outputs"]["tokens"]["data"]) // 8
+    return len(graph.nodes) - len(graph.watch) + min(decoded + 1, len(graph.watch))
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
