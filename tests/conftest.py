@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import psutil
 import pytest
@@ -100,15 +101,40 @@ def stop_server(server: RunningServer) -> None:
     assert not leftovers, f"processes left after stop: {leftovers}"
 
 
-def wait_idle(client: Client, timeout: float = 10.0) -> dict:
-    """Stats once no request is in flight (completion notices may trail the last reply)."""
+def wait_idle(client: Client, timeout: float = 60.0) -> dict:
+    """Stats once no request is in flight (completion notices may trail the last reply); fails if that never comes."""
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats()
-        idle = stats["requests_in_flight"] == 0 and all(w["tasks_in_flight"] == 0 for w in stats["workers"].values())
-        if idle or time.monotonic() > deadline:
+        if stats["requests_in_flight"] == 0 and all(w["tasks_in_flight"] == 0 for w in stats["workers"].values()):
             return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server was still busy after {timeout} s: {stats}")
         time.sleep(0.05)
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0, interval: float = 0.01) -> Any:
+    """The first truthy value of `predicate()`; fails naming `what` if none comes within the (generous) timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(interval)
+
+
+async def wait_until_async(predicate: Callable[[], Awaitable[Any]], what: str, timeout: float = 60.0) -> Any:
+    """wait_until for an event loop: awaits `predicate()` until it gives a truthy value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
