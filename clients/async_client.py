@@ -12,7 +12,7 @@ import contextlib
 import itertools
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import zmq
 import zmq.asyncio
@@ -132,7 +132,7 @@ class AsyncClient:
         self._fail_pending(f"AsyncClient for {self.address} was closed before the reply arrived")
         self._socket.close(linger=0)
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(

@@ -8,8 +8,9 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -17,10 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client  # noqa: E402
-from common.config import Config, load_config  # noqa: E402
-from common.models import init_missing_weights  # noqa: E402
-from manager.supervisor import Supervisor  # noqa: E402
+from clients import Client
+from common.config import Config, load_config
+from common.models import init_missing_weights
+from manager.supervisor import Supervisor
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 

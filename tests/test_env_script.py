@@ -79,6 +79,7 @@ class Checkout:
             capture_output=True,
             text=True,
             timeout=60,
+            check=False,
         )
 
     def pip_calls(self) -> list[list[str]]:

@@ -77,7 +77,7 @@ request_maps = st.fixed_dictionaries(
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(frame=st.binary(max_size=300))
 def test_fuzz_random_bytes(fuzz_server, frame: bytes):
-    server, model, state = fuzz_server
+    server, _model, _state = fuzz_server
     raw = _raw(server)
     assert_answered(raw.exchange(frame))
 
@@ -85,7 +85,7 @@ def test_fuzz_random_bytes(fuzz_server, frame: bytes):
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(message=request_maps)
 def test_fuzz_random_request_maps(fuzz_server, message: dict):
-    server, model, state = fuzz_server
+    server, _model, _state = fuzz_server
     raw = _raw(server)
     assert_answered(raw.exchange(msgpack.packb(message)))
 
@@ -217,7 +217,8 @@ def test_metrics_are_scraped_during_load(tmp_path: Path):
 
 def busy(samples: dict[str, dict]) -> float:
     """Tasks in flight plus arena rows in use, over all workers."""
-    return sum(samples["batchmaker_worker_tasks_in_flight"].values()) + sum(samples["batchmaker_arena_rows_in_use"].values())
+    tasks = sum(samples["batchmaker_worker_tasks_in_flight"].values())
+    return tasks + sum(samples["batchmaker_arena_rows_in_use"].values())
 
 
 def _settled(samples: dict[str, dict]) -> dict[str, dict] | None:
@@ -249,12 +250,11 @@ allowed_clients = "{allowed}"
         with Client(server.address, timeout=10, curve=(client_secret, server_public)) as client:
             assert client.infer("lstm", {"tokens": [1, 2, 3]}).outputs["h"].shape == (64,)
             received = client.stats()["requests"]["received"]
-        with Client(server.address, timeout=1, curve=(stranger_secret, server_public)) as stranger:
-            with pytest.raises(TimeoutError):
-                stranger.infer("lstm", {"tokens": [1, 2, 3]})
-        with Client(server.address, timeout=1) as anonymous:
-            with pytest.raises(TimeoutError):
-                anonymous.infer("lstm", {"tokens": [1, 2, 3]})
+        stranger = Client(server.address, timeout=1, curve=(stranger_secret, server_public))
+        with stranger, pytest.raises(TimeoutError):
+            stranger.infer("lstm", {"tokens": [1, 2, 3]})
+        with Client(server.address, timeout=1) as anonymous, pytest.raises(TimeoutError):
+            anonymous.infer("lstm", {"tokens": [1, 2, 3]})
         with Client(server.address, timeout=10, curve=(client_secret, server_public)) as client:
             # Only this stats request arrived since: the refused clients' requests never reached the manager.
             assert client.stats()["requests"]["received"] == received + 1

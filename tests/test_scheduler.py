@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,6 @@ def test_figure5_requests_join_and_leave(harness):
         for request, error in h.finished:
             assert error is None
             finished_at.setdefault(request.request_id, t)
-        arrivals = arrivals  # admitted ones were popped
 
     assert timeline == [
         ["req1", "req2", "req3", "req4"],
@@ -97,7 +97,7 @@ def test_batch_issues_successive_steps_ahead_on_one_worker(harness):
     assert [len(t.nodes) for t in tasks] == [1] * 5
     assert [request.nodes.index(t.nodes[0]) for t in tasks] == [0, 1, 2, 3, 4]
     # Each step reads the slots the previous step writes.
-    for previous, task in zip(tasks, tasks[1:]):
+    for previous, task in itertools.pairwise(tasks):
         assert task.nodes[0].producers == previous.nodes
     while worker.tasks:
         h.complete_oldest(worker)
@@ -182,7 +182,7 @@ def test_task_size_is_padded_to_a_supported_batch_size(harness):
     for _ in range(3):
         h.admit("lstm", {"tokens": [1]})
     h.scheduler.schedule(worker)
-    sent_worker, message = h.sent[-1]
+    _sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
     inputs = [slots.tolist() for _, slots, _, _, _ in message.inputs]
     outputs = [slots.tolist() for _, slots in message.outputs]

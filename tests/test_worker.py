@@ -80,7 +80,7 @@ def wait_signal(backend, value: int, timeout: float = 10.0) -> None:
 
 def run_two_steps(device: str, cells) -> np.ndarray:
     """Two chained steps of two sequences issued back to back; returns the final h rows from the io arena."""
-    specs, modules, kinds, _ = cells
+    _specs, _modules, kinds, _ = cells
     backend = make_backend(device, cells)
     try:
         results = io_array(backend, "float32[64]")
@@ -100,7 +100,7 @@ def run_two_steps(device: str, cells) -> np.ndarray:
 
 
 def expected_h(cells, sequences: list[list[int]]) -> np.ndarray:
-    specs, modules, kinds, state = cells
+    _specs, _modules, _kinds, state = cells
     embedding = torch.nn.Embedding(state["embedding.weight"].shape[0], state["embedding.weight"].shape[1])
     embedding.load_state_dict({"weight": state["embedding.weight"]})
     lstm = torch.nn.LSTM(32, 64)
@@ -115,7 +115,7 @@ def test_cpu_backend_runs_chained_tasks_in_stream_order(cells):
 
 
 def test_cpu_backend_reports_a_failed_task_and_keeps_going(cells):
-    specs, modules, kinds, _ = cells
+    _specs, _modules, kinds, _ = cells
     backend = make_backend("cpu", cells)
     try:
         bad = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [ROWS + 5], None)  # output slot outside the arena
@@ -142,7 +142,7 @@ def test_warm_up_writes_only_the_scratch_row(cells):
 
 
 def test_poller_reports_completions_in_fifo_order(cells, tmp_path: Path):
-    specs, modules, kinds, _ = cells
+    _specs, _modules, kinds, _ = cells
     backend = make_backend("cpu", cells)
     context = zmq.Context()
     receiver = context.socket(zmq.PULL)
@@ -187,7 +187,7 @@ def test_cuda_backend_matches_cpu(cells):
 def test_cuda_counter_is_written_in_stream_order(cells):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    specs, modules, kinds, _ = cells
+    _specs, _modules, kinds, _ = cells
     backend = make_backend("cuda:0", cells)
     try:
         for task_id in range(1, 11):
