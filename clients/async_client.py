@@ -1,6 +1,6 @@
 """asyncio client: many requests in flight over one DEALER socket.
 
-Replies may come back in any order (DESIGN.md section 6), so a single receive
+Replies may come back in any order (docs/protocol.md), so a single receive
 task routes each one to the Future registered under its id. This is what a
 service or a load generator uses to keep the server's batches full.
 """

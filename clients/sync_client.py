@@ -1,4 +1,4 @@
-"""Blocking client for the batchmaker wire protocol (DESIGN.md section 6).
+"""Blocking client for the batchmaker wire protocol (docs/protocol.md).
 
 It is deliberately thin: one DEALER socket, one msgpack frame per request, and
 nothing but pyzmq, msgpack, numpy and common.protocol, so any service can embed it.

@@ -110,7 +110,7 @@ def test_sync_client_times_out_when_nothing_listens(tmp_path: Path) -> None:
 
 
 class FakeServer:
-    """A ROUTER thread answering like the manager (DESIGN.md section 6).
+    """A ROUTER thread answering like the manager (docs/protocol.md).
 
     Replies are sent in reverse order once `batch` requests have arrived; requests
     for model "hold" are answered only just before the next batch, so they arrive stale.
