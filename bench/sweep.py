@@ -32,7 +32,7 @@ class ServedPolicy:
         self.address = address
         self.policy = policy
         self.model = model
-        # Open for the server's lifetime, closed in close(); kept afterwards for reading.
+        # The server's output, open for its whole lifetime; close() deletes it once the server has stopped.
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix=f"batchmaker-bench-{policy}-", suffix=".log", delete=False
         )
