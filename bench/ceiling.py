@@ -202,7 +202,7 @@ max_queued_nodes = 10000000
         models = {name: build_model(model_config) for name, model_config in config.models.items()}
         states = {name: model.load_weights() for name, model in models.items()}
         rows = []
-        with ServedPolicy(config_path, address, "cellular", "lstm") as served:
+        with ServedPolicy(config_path, address, "cellular", "lstm"):
             for row in ROWS:
                 inputs = row.inputs()
                 count = row.requests // scale

@@ -1,6 +1,6 @@
 """The benchmark presets: which model, which dataset, which policies, and the load sweep.
 
-CPU sizing (DESIGN.md section 9): hidden 256 and b_max 64 for every cell, one worker with
+CPU sizing (docs/architecture.md, "Sizing on a CPU"): hidden 256 and b_max 64 for every cell, one worker with
 one intra-op thread, so the manager, the worker and the load generator share two cores.
 """
 

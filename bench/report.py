@@ -72,8 +72,10 @@ def table(result: dict[str, Any]) -> str:
     """Markdown: one row per policy."""
     reference = result["reference_policy"]
     lines = [
-        f"| policy | peak req/s | p90 ms at 25% of {reference} peak | p90 ms at 50% | queueing p99 ms at 50% "
-        f"| mean batch at peak | of raw kernel |",
+        (
+            f"| policy | peak req/s | p90 ms at 25% of {reference} peak | p90 ms at 50% | queueing p99 ms at 50% "
+            f"| mean batch at peak | of raw kernel |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for policy, s in result["summary"].items():

@@ -6,7 +6,7 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -32,10 +32,13 @@ class ServedPolicy:
         self.address = address
         self.policy = policy
         self.model = model
-        self._log = tempfile.NamedTemporaryFile(prefix=f"batchmaker-bench-{policy}-", suffix=".log", delete=False)
+        # The server's output, open for its whole lifetime; close() deletes it once the server has stopped.
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix=f"batchmaker-bench-{policy}-", suffix=".log", delete=False
+        )
         self._server = launch(config, self._log, "--policy", policy)
 
-    def __enter__(self) -> ServedPolicy:
+    def __enter__(self) -> Self:
         try:
             wait_until_ready(self.address, self._server, timeout=180)
         except SystemExit:

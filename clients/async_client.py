@@ -16,7 +16,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import zmq
 import zmq.asyncio
@@ -206,7 +206,7 @@ class AsyncClient:
         for monitor in self._monitors:
             monitor.close(linger=0)
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(

@@ -68,7 +68,7 @@ class NodeOutput(NamedTuple):
 
 
 class External(NamedTuple):
-    """Value `index` of CellGraph.externals, written by the manager into a worker's io arena."""
+    """Value `index` of CellGraph.externals, sent inline in the task message (see common/task.py)."""
 
     index: int
 

@@ -14,7 +14,7 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 
-# Error codes (DESIGN.md section 6).
+# Error codes (docs/protocol.md, "Errors").
 BAD_REQUEST = "BAD_REQUEST"
 UNKNOWN_MODEL = "UNKNOWN_MODEL"
 INVALID_INPUT = "INVALID_INPUT"

@@ -1,7 +1,8 @@
 """Named shared memory holding one array, mappable by other processes.
 
-Workers create their arenas and signal counter here; the manager attaches to a
-worker's io arenas (to write external inputs and read results) and its counter.
+CPU workers create their arenas and signal counter here, CUDA workers their io arenas; the
+manager attaches to a worker's io arenas to read results. (External inputs travel inline in
+the task message, and completions arrive as notices: the manager maps no counter.)
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.config import Config, parse_config  # noqa: E402  (no torch: it runs in the tools' virtualenv)
+from common.config import Config, parse_config
 
 MANIFESTS = ROOT / "deploy" / "k8s"
 CONFIG_PATH = Path("/etc/batchmaker/config.toml")

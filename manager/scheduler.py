@@ -28,7 +28,6 @@ from manager.state import Request, Task
 from manager.store import NO_WORKER, NodeColumns, PlanStore, RequestTable
 from manager.workers import WorkerHandle
 
-
 FINISHED = np.iinfo(np.int64).max  # the `need` of a lane with nothing left to issue
 
 

@@ -252,7 +252,7 @@ class Manager:
         self.frontend.reply(incoming.client, error_reply(incoming.request_id, error.code, error.message))
 
     def _handle(self, incoming: Incoming) -> None:
-        message, request_id = incoming.message, incoming.request_id
+        message = incoming.message
         op = message.get("op", "infer")
         if op not in OPS:
             raise RequestError(BAD_REQUEST, f"unknown op {op!r}; expected one of {', '.join(OPS)}")

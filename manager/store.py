@@ -10,7 +10,7 @@ Both grow by doubling; the store compacts when its tail is full, moving live req
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 NO_WORKER = -1
 
 
-def _grow(array: np.ndarray, size: int, fill: int | float = 0) -> np.ndarray:
+def _grow(array: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
     """`array` with room for at least `size` rows (doubling), new rows set to `fill`."""
     if len(array) >= size:
         return array
@@ -36,7 +36,7 @@ def _grow(array: np.ndarray, size: int, fill: int | float = 0) -> np.ndarray:
 class RequestTable:
     """Columns over request rows; a row is reused once its request is forgotten (its generation changes)."""
 
-    COLUMNS = {
+    COLUMNS: ClassVar[dict[str, tuple[type, int | float | bool]]] = {
         "node_base": (np.int64, 0),
         "reg_base": (np.int64, 0),
         "ragged_base": (np.int64, 0),
@@ -217,7 +217,7 @@ class PlanStore:
         new = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
         if len(counts):
             source = np.repeat(old - new, counts) + np.arange(counts.sum())
-            for name, array in log.arrays.items():
+            for array in log.arrays.values():
                 array[: counts.sum()] = array[source]
         bases[rows] = new
         log.tail = log.live = int(counts.sum())

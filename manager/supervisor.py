@@ -102,7 +102,8 @@ class Supervisor:
     def _spawn(self, module: str, *args: str) -> subprocess.Popen:
         command = [sys.executable, "-m", module, "--config", str(self.config.path), "--parent-pid", str(os.getpid())]
         # A process group of their own: a terminal's Ctrl-C reaches only the supervisor, which stops them in order.
-        return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent, process_group=0)
+        # _die_with_parent makes one system call and takes no lock, so it is safe after fork in a threaded parent.
+        return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent, process_group=0)  # noqa: PLW1509
 
     def _spawn_worker(self, slot: WorkerSlot) -> None:
         slot.process = self._spawn(

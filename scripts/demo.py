@@ -21,12 +21,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client  # noqa: E402
-from clients.loadgen import run_open_loop, summarize  # noqa: E402
-from clients.text import Vocabulary, load_sentences  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.models import build_model  # noqa: E402
-from manager.launcher import launch, stop_server, wait_until_ready  # noqa: E402
+from clients import Client
+from clients.loadgen import run_open_loop, summarize
+from clients.text import Vocabulary, load_sentences
+from common.config import load_config
+from common.models import build_model
+from manager.launcher import launch, stop_server, wait_until_ready
 
 TOLERANCE = 1e-5
 
@@ -62,7 +62,8 @@ def main() -> int:
     max_length = config.models["lstm"].params.get("max_length", 400)
     inputs = [{"tokens": vocabulary.encode(s)[:max_length]} for s in load_sentences()]
 
-    log = tempfile.NamedTemporaryFile(prefix="batchmaker-demo-", suffix=".log", delete=False)
+    # The server's log: open while it runs, kept afterwards.
+    log = tempfile.NamedTemporaryFile(prefix="batchmaker-demo-", suffix=".log", delete=False)  # noqa: SIM115
     print(f"starting the server on {address} (log: {log.name})")
     server = launch(args.config, log)
     try:

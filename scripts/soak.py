@@ -28,10 +28,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import AsyncClient, Client, ServerError  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.models import init_missing_weights  # noqa: E402
-from manager.supervisor import Supervisor  # noqa: E402
+from clients import AsyncClient, Client, ServerError
+from common.config import load_config
+from common.models import init_missing_weights
+from manager.supervisor import Supervisor
 
 MODELS = """
 [models.lstm]

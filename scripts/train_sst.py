@@ -19,6 +19,7 @@ a JSON file beside it with the accuracies and the `[models.NAME]` parameters to 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -34,10 +35,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.config import CellTypeConfig, ModelConfig  # noqa: E402
-from common.models.base import save_weights  # noqa: E402
-from common.models.tree import load_vocabulary, ptb_to_tree  # noqa: E402
-from common.models.treelstm import TreeLSTMModel  # noqa: E402
+from common.config import CellTypeConfig, ModelConfig
+from common.models.base import save_weights
+from common.models.tree import load_vocabulary, ptb_to_tree
+from common.models.treelstm import TreeLSTMModel
 
 SST = ROOT / "data" / "sst"
 UNK = "<unk>"
@@ -123,7 +124,7 @@ def minibatch(trees: Trees, chosen: np.ndarray) -> Minibatch:
     counts = np.bincount(trees.height[order])
     bounds = np.concatenate(([0], np.cumsum(counts)))
     levels = []
-    for start, end in zip(bounds[1:-1], bounds[2:]):
+    for start, end in itertools.pairwise(bounds[1:]):
         block = order[start:end]
         levels.append((torch.from_numpy(position[trees.left[block]]), torch.from_numpy(position[trees.right[block]])))
     leaves = order[: counts[0]]

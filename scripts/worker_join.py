@@ -24,11 +24,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client  # noqa: E402
-from clients.loadgen import run_open_loop, summarize  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.models import init_missing_weights  # noqa: E402
-from manager.supervisor import Supervisor  # noqa: E402
+from clients import Client
+from clients.loadgen import run_open_loop, summarize
+from common.config import load_config
+from common.models import init_missing_weights
+from manager.supervisor import Supervisor
 
 
 def offer(address: str, inputs: list[dict], rate: float, duration: float) -> str:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -16,10 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client  # noqa: E402
-from common.config import Config, load_config  # noqa: E402
-from common.models import init_missing_weights  # noqa: E402
-from manager.supervisor import Supervisor  # noqa: E402
+from clients import Client
+from common.config import Config, load_config
+from common.models import init_missing_weights
+from manager.supervisor import Supervisor
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -100,15 +102,40 @@ def stop_server(server: RunningServer) -> None:
     assert not leftovers, f"processes left after stop: {leftovers}"
 
 
-def wait_idle(client: Client, timeout: float = 10.0) -> dict:
-    """Stats once no request is in flight (completion notices may trail the last reply)."""
+def wait_idle(client: Client, timeout: float = 60.0) -> dict:
+    """Stats once no request is in flight (completion notices may trail the last reply); fails if that never comes."""
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats()
-        idle = stats["requests_in_flight"] == 0 and all(w["tasks_in_flight"] == 0 for w in stats["workers"].values())
-        if idle or time.monotonic() > deadline:
+        if stats["requests_in_flight"] == 0 and all(w["tasks_in_flight"] == 0 for w in stats["workers"].values()):
             return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server was still busy after {timeout} s: {stats}")
         time.sleep(0.05)
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0, interval: float = 0.01) -> Any:
+    """The first truthy value of `predicate()`; fails naming `what` if none comes within the (generous) timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(interval)
+
+
+async def wait_until_async(predicate: Callable[[], Awaitable[Any]], what: str, timeout: float = 60.0) -> Any:
+    """wait_until for an event loop: awaits `predicate()` until it gives a truthy value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        await asyncio.sleep(0.005)
 
 
 @pytest.fixture

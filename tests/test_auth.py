@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import zmq

@@ -192,7 +192,7 @@ def test_async_spreads_by_fewest_outstanding(servers: list[FakeServer]) -> None:
     async def run() -> list[Any]:
         async with AsyncClient([a.address, b.address, c.address], timeout=20, **FAST) as client:
             calls = asyncio.gather(infer_many(client, range(30)))
-            received = lambda: len(a.infer_ids) + len(b.infer_ids) + len(c.infer_ids)  # noqa: E731
+            received = lambda: len(a.infer_ids) + len(b.infer_ids) + len(c.infer_ids)
             await asyncio.to_thread(wait_for, lambda: received() == 30, "all 30 requests")
             assert (len(a.infer_ids), len(b.infer_ids), len(c.infer_ids)) == (10, 10, 10)
             for server in (a, b, c):
@@ -344,7 +344,7 @@ def test_async_cancel_goes_to_the_server_holding_the_target(servers: list[FakeSe
             await asyncio.to_thread(wait_for, lambda: "t" in a.infer_ids + b.infer_ids, "the target")
             holder = a if "t" in a.infer_ids else b
             assert (await client.cancel("t"))["cancelled"] is True
-            assert [m for m in holder.messages if m.get("op") == "cancel"][0]["target"] == "t"
+            assert next(m for m in holder.messages if m.get("op") == "cancel")["target"] == "t"
             target.cancel()
 
     asyncio.run(run())
@@ -378,9 +378,11 @@ def test_sync_draining_server_gets_the_request_sent_elsewhere(servers: list[Fake
 
 def test_sync_without_resend_raises_server_lost(servers: list[FakeServer]) -> None:
     a, b = start(servers, "silent", "silent")
-    with Client([a.address, b.address], timeout=20, resend=False, **FAST) as client:
-        with pytest.raises(ServerLost, match="no answer to health"):
-            client.infer("m", {"n": 1})
+    with (
+        Client([a.address, b.address], timeout=20, resend=False, **FAST) as client,
+        pytest.raises(ServerLost, match="no answer to health"),
+    ):
+        client.infer("m", {"n": 1})
 
 
 def test_sync_cancel_goes_to_the_server_of_the_timed_out_request(servers: list[FakeServer]) -> None:

@@ -104,14 +104,13 @@ def test_server_error_carries_code_message_and_id() -> None:
 def test_sync_client_times_out_when_nothing_listens(tmp_path: Path) -> None:
     address = f"ipc://{tmp_path}/nobody.ipc"
     start = time.monotonic()
-    with Client(address, timeout=0.3) as client:
-        with pytest.raises(TimeoutError, match=address):
-            client.health()
-    assert time.monotonic() - start < 2.0
+    with Client(address, timeout=0.3) as client, pytest.raises(TimeoutError, match=address):
+        client.health()
+    assert time.monotonic() - start < 30  # it gave up rather than hanging (0.3 s asked; margin for busy machines)
 
 
 class FakeServer:
-    """A ROUTER thread answering like the manager (DESIGN.md section 6).
+    """A ROUTER thread answering like the manager (docs/protocol.md).
 
     Replies are sent in reverse order once `batch` requests have arrived; requests
     for model "hold" are answered only just before the next batch, so they arrive stale.

@@ -242,7 +242,7 @@ def test_every_cell_serves_a_task_on_the_device(layout, batch: int):
 
 def test_a_task_that_cannot_be_issued_completes_with_its_error(layout):
     """Bad slots, a shape error or an unknown peer fail that task only, and still advance the counter."""
-    specs, _, kinds = layout
+    specs, _, _kinds = layout
     index = next(i for i, spec in enumerate(specs) if spec.key == "lstm/layer0")
     spec = specs[index]
     with fake_cuda():

@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
-from conftest import wait_idle
+from conftest import SMALL_LSTM, start_server, stop_server, wait_idle, wait_until, wait_until_async, write_config
 
 from clients import AsyncClient, ServerError
 from common.protocol import CANCELLED, DEADLINE_EXCEEDED
 
-LONG = list(range(1, 201))  # the longest request the small test model accepts
+# A request that takes seconds (about 0.5 ms a step on a small CPU): the tests below end it long before it could finish.
+MAX_LENGTH = 20000
+LONG = [1 + i % 999 for i in range(MAX_LENGTH)]
+
+
+@pytest.fixture
+def long_lstm_server(tmp_path):
+    config = write_config(tmp_path, SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}"))
+    server = start_server(config, workers=1)
+    yield server
+    stop_server(server)
+
+
+async def wait_running(client: AsyncClient) -> None:
+    """Until the manager has submitted a task, which can only be of the one request sent so far.
+
+    The task count never goes down, so this holds even if the request has ended since. With an idle
+    worker, the manager submits a request's first task in the loop turn that admits it: a deadline
+    would have to pass within that one turn to end the request while still queued.
+    """
+
+    async def running() -> bool:
+        return (await client.stats())["tasks"] > 0
+
+    await wait_until_async(running, "the long request starting")
 
 
 def infer_message(request_id, tokens, **extra):
@@ -28,28 +51,29 @@ def test_expired_deadline_while_queued(lstm_server):
         assert wait_idle(client)["workers"]["0"]["slots_in_use"] == 0
 
 
-def test_deadline_ends_a_long_request_mid_flight(lstm_server):
+def test_deadline_ends_a_long_request_mid_flight(long_lstm_server):
     async def run():
-        async with AsyncClient(lstm_server.address, timeout=60) as client:
-            long = asyncio.create_task(client.call(infer_message("long", LONG * 1, deadline_ms=5)))
+        async with AsyncClient(long_lstm_server.address, timeout=60) as client:
+            long = asyncio.create_task(client.call(infer_message("long", LONG, deadline_ms=500)))
+            await wait_running(client)  # started within its deadline: it expires mid-flight, not in the queue
             short = [client.infer("lstm", {"tokens": [1, 2, 3, 4]}) for _ in range(20)]
             return await asyncio.gather(long, *short, return_exceptions=True)
 
     long, *short = asyncio.run(run())
     assert isinstance(long, ServerError) and long.code == DEADLINE_EXCEEDED
     assert all(reply.outputs["h"].shape == (64,) for reply in short)
-    with lstm_server.client() as client:
+    with long_lstm_server.client() as client:
         stats = wait_idle(client)
     assert stats["requests"].get(DEADLINE_EXCEEDED) == 1
     assert stats["workers"]["0"]["slots_in_use"] == 0
 
 
-def test_cancel_a_long_request_mid_flight_is_idempotent(lstm_server):
+def test_cancel_a_long_request_mid_flight_is_idempotent(long_lstm_server):
     async def run():
-        async with AsyncClient(lstm_server.address, timeout=60) as client:
+        async with AsyncClient(long_lstm_server.address, timeout=60) as client:
             long = asyncio.create_task(client.call(infer_message("long", LONG)))
+            await wait_running(client)
             others = asyncio.gather(*(client.infer("lstm", {"tokens": [5] * n}) for n in range(1, 30)))
-            await asyncio.sleep(0.005)
             first = await client.cancel("long")
             results = await asyncio.gather(long, others, return_exceptions=True)
             second = await client.cancel("long")
@@ -60,26 +84,30 @@ def test_cancel_a_long_request_mid_flight_is_idempotent(lstm_server):
     assert first["ok"] and first["cancelled"] is True
     assert second["ok"] and second["cancelled"] is False
     assert len(others) == 29 and all(np.isfinite(r.outputs["h"]).all() for r in others)
-    with lstm_server.client() as client:
+    with long_lstm_server.client() as client:
         stats = wait_idle(client)
     assert stats["requests"].get(CANCELLED) == 1
     assert stats["workers"]["0"]["slots_in_use"] == 0
 
 
-def test_requests_of_a_client_that_disconnects_are_cancelled(lstm_server):
+def test_requests_of_a_client_that_disconnects_are_cancelled(long_lstm_server):
     import msgpack
     import zmq
 
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(lstm_server.address)
+    socket.connect(long_lstm_server.address)
     for i in range(20):
         socket.send(msgpack.packb(infer_message(i, LONG)))
-    time.sleep(0.05)
-    socket.close()  # gone without reading a reply
-    with lstm_server.client() as client:
+    with long_lstm_server.client() as client:
+
+        def all_running() -> bool:
+            stats = client.stats()
+            return stats["requests_in_flight"] == 20 and stats["tasks"] > 0
+
+        wait_until(all_running, "the 20 long requests starting")
+        socket.close()  # gone without reading a reply
         stats = wait_idle(client)
-        assert stats["requests"].get(CANCELLED, 0) >= 1  # the long requests still running were cancelled
-        assert stats["requests"].get("ok", 0) + stats["requests"].get(CANCELLED, 0) == 20
+        assert stats["requests"].get(CANCELLED) == 20  # all were still running
         assert stats["workers"]["0"]["slots_in_use"] == 0
         assert client.infer("lstm", {"tokens": [1, 2]}).outputs["h"].shape == (64,)

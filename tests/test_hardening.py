@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import SMALL_LSTM, free_port, start_server, stop_server, wait_idle, write_config
+from conftest import SMALL_LSTM, free_port, start_server, stop_server, wait_idle, wait_until, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,7 +77,7 @@ request_maps = st.fixed_dictionaries(
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(frame=st.binary(max_size=300))
 def test_fuzz_random_bytes(fuzz_server, frame: bytes):
-    server, model, state = fuzz_server
+    server, _model, _state = fuzz_server
     raw = _raw(server)
     assert_answered(raw.exchange(frame))
 
@@ -86,7 +85,7 @@ def test_fuzz_random_bytes(fuzz_server, frame: bytes):
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(message=request_maps)
 def test_fuzz_random_request_maps(fuzz_server, message: dict):
-    server, model, state = fuzz_server
+    server, _model, _state = fuzz_server
     raw = _raw(server)
     assert_answered(raw.exchange(msgpack.packb(message)))
 
@@ -115,57 +114,47 @@ def test_after_fuzzing_the_server_serves_correctly_and_holds_no_slot(fuzz_server
 # -- overload ------------------------------------------------------------------------------------
 
 
-def test_overload_refuses_fast_keeps_latency_bounded_and_recovers(tmp_path: Path):
+def test_overload_refuses_beyond_the_admission_limit_ahead_of_the_queue_and_recovers(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM, server="max_queued_requests = 48")
     server = start_server(config, workers=1)
     try:
         rng = np.random.default_rng(1)
         requests = [rng.integers(0, 1000, size=int(n)).tolist() for n in rng.integers(20, 60, size=400)]
 
-        async def measure_capacity() -> float:
-            async with AsyncClient(server.address, timeout=60) as client:
-                start = time.monotonic()
-                await asyncio.gather(*(client.infer("lstm", {"tokens": t}) for t in requests[:40]))
-                return 40 / (time.monotonic() - start)
+        async def flood() -> tuple[list[tuple[int, object]], list[int]]:
+            """All requests at once; returns (order of arrival of the reply, reply) in sending order, and the
+            number of requests in flight the manager reported while they were being answered."""
+            async with AsyncClient(server.address, timeout=120) as client, AsyncClient(server.address) as observer:
+                arrivals = 0
 
-        capacity = asyncio.run(measure_capacity())
-
-        async def offer(rate: float, duration: float) -> list[tuple[float, object]]:
-            async with AsyncClient(server.address, timeout=60) as client:
-
-                async def one(tokens):
-                    sent = time.monotonic()
+                async def one(tokens) -> tuple[int, object]:
+                    nonlocal arrivals
                     try:
                         reply = await client.infer("lstm", {"tokens": tokens})
                     except ServerError as exc:
                         reply = exc
-                    return time.monotonic() - sent, reply
+                    arrivals += 1
+                    return arrivals, reply
 
-                pending, start, i = [], time.monotonic(), 0
-                while time.monotonic() - start < duration:
-                    due = start + i / rate
-                    await asyncio.sleep(max(0.0, due - time.monotonic()))
-                    pending.append(asyncio.create_task(one(requests[i % len(requests)])))
-                    i += 1
-                return await asyncio.gather(*pending)
+                pending = [asyncio.create_task(one(tokens)) for tokens in requests]
+                in_flight = []
+                while not all(task.done() for task in pending):
+                    in_flight.append((await observer.stats())["requests_in_flight"])
+                return await asyncio.gather(*pending), in_flight
 
-        results = asyncio.run(offer(3 * capacity, 20.0))
-        accepted = [t for t, r in results if not isinstance(r, ServerError)]
-        refused = [t for t, r in results if isinstance(r, ServerError)]
+        results, in_flight = asyncio.run(flood())
+        accepted = [(i, arrival) for i, (arrival, r) in enumerate(results) if not isinstance(r, ServerError)]
+        refused = [(i, arrival) for i, (arrival, r) in enumerate(results) if isinstance(r, ServerError)]
         assert all(r.code == "OVERLOADED" for _, r in results if isinstance(r, ServerError))
         assert accepted and refused
-        p99_accepted, p99_refused = np.percentile(accepted, 99), np.percentile(refused, 99)
-        print(f"capacity {capacity:.0f} req/s, offered {3 * capacity:.0f} req/s for 20 s: "
-              f"{len(accepted)} accepted (p99 {p99_accepted * 1e3:.0f} ms), {len(refused)} refused (p99 {p99_refused * 1e3:.1f} ms)")
-        # Queueing is bounded by the admission limit: 48 requests ahead at most.
-        assert p99_accepted < 48 / capacity * 3 + 0.5
-        # Refusals skip the queue: answered sooner than accepted requests and well under a second even at the tail
-        # (measured at the client, which shares the machine's two cores with the server at this rate).
-        assert np.median(refused) < np.median(accepted) and p99_refused < 0.5
-        with server.client() as client:
-            start = time.monotonic()
-            client.infer("lstm", {"tokens": requests[0]})
-            assert time.monotonic() - start < 1.0  # recovered at once
+        print(f"{len(accepted)} accepted, {len(refused)} refused; in flight at most {max(in_flight)}")
+        # Queueing is bounded by the admission limit.
+        assert max(in_flight) <= 48
+        # Refusals skip the queue: each is answered while a request sent before it was accepted and still unanswered.
+        for sent, arrival in refused:
+            assert any(a_sent < sent and a_arrival > arrival for a_sent, a_arrival in accepted), (sent, arrival)
+        with server.client(timeout=60) as client:
+            assert client.infer("lstm", {"tokens": requests[0]}).outputs["h"].shape == (64,)  # recovered
             assert wait_idle(client)["workers"]["0"]["slots_in_use"] == 0
     finally:
         stop_server(server)
@@ -193,17 +182,20 @@ def test_metrics_are_scraped_during_load(tmp_path: Path):
         async def load():
             async with AsyncClient(server.address, timeout=60) as client:
                 tasks = [client.infer("lstm", {"tokens": rng.integers(0, 1000, size=50).tolist()}) for _ in range(300)]
-                during = asyncio.get_running_loop().run_in_executor(None, _scrape_after, port, 0.2)
-                results = await asyncio.gather(*tasks)
-                return results, await during
+                answers = asyncio.gather(*tasks)
+                busy_seen = False
+                while not (busy_seen or answers.done()):  # scraped while the load runs, until work shows
+                    during = await asyncio.get_running_loop().run_in_executor(None, scrape, port)
+                    busy_seen = busy(during) > 0
+                return await answers, busy_seen
 
-        _, during = asyncio.run(load())
+        _, busy_seen = asyncio.run(load())
         with Client(server.address) as client:
             with pytest.raises(ServerError):
                 client.infer("nope", {"tokens": [1]})
             wait_idle(client)
-        time.sleep(0.3)
-        after = scrape(port)
+        # The gauges catch up with the last completion notices in their own time.
+        after = wait_until(lambda: _settled(scrape(port)), "the metrics settling after the load")
 
         assert after["batchmaker_requests_total"][(("model", "lstm"), ("outcome", "ok"))] == 300
         assert after["batchmaker_requests_total"][(("model", "-"), ("outcome", "UNKNOWN_MODEL"))] == 1
@@ -218,16 +210,21 @@ def test_metrics_are_scraped_during_load(tmp_path: Path):
         assert all(v == 0 for v in after["batchmaker_arena_rows_in_use"].values())
         assert after["batchmaker_worker_restarts_total"][()] == 0
         assert (("cell_type", "lstm/layer0"),) in after["batchmaker_queue_depth_nodes"]
-        # Mid-load, work was visibly queued or running.
-        busy = sum(during["batchmaker_worker_tasks_in_flight"].values()) + sum(during["batchmaker_arena_rows_in_use"].values())
-        assert busy > 0
+        assert busy_seen, "mid-load, no scrape showed work queued or running"
     finally:
         stop_server(server)
 
 
-def _scrape_after(port: int, delay: float) -> dict:
-    time.sleep(delay)
-    return scrape(port)
+def busy(samples: dict[str, dict]) -> float:
+    """Tasks in flight plus arena rows in use, over all workers."""
+    tasks = sum(samples["batchmaker_worker_tasks_in_flight"].values())
+    return tasks + sum(samples["batchmaker_arena_rows_in_use"].values())
+
+
+def _settled(samples: dict[str, dict]) -> dict[str, dict] | None:
+    """The samples once they count all 301 requests and show nothing running, else None."""
+    counted = sum(samples.get("batchmaker_requests_total", {}).values()) == 301
+    return samples if counted and busy(samples) == 0 else None
 
 
 # -- authentication ------------------------------------------------------------------------------
@@ -253,12 +250,11 @@ allowed_clients = "{allowed}"
         with Client(server.address, timeout=10, curve=(client_secret, server_public)) as client:
             assert client.infer("lstm", {"tokens": [1, 2, 3]}).outputs["h"].shape == (64,)
             received = client.stats()["requests"]["received"]
-        with Client(server.address, timeout=1, curve=(stranger_secret, server_public)) as stranger:
-            with pytest.raises(TimeoutError):
-                stranger.infer("lstm", {"tokens": [1, 2, 3]})
-        with Client(server.address, timeout=1) as anonymous:
-            with pytest.raises(TimeoutError):
-                anonymous.infer("lstm", {"tokens": [1, 2, 3]})
+        stranger = Client(server.address, timeout=1, curve=(stranger_secret, server_public))
+        with stranger, pytest.raises(TimeoutError):
+            stranger.infer("lstm", {"tokens": [1, 2, 3]})
+        with Client(server.address, timeout=1) as anonymous, pytest.raises(TimeoutError):
+            anonymous.infer("lstm", {"tokens": [1, 2, 3]})
         with Client(server.address, timeout=10, curve=(client_secret, server_public)) as client:
             # Only this stats request arrived since: the refused clients' requests never reached the manager.
             assert client.stats()["requests"]["received"] == received + 1

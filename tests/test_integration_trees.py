@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest

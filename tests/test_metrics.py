@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 import psutil
 import pytest

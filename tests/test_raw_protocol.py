@@ -1,4 +1,4 @@
-"""The client wire protocol (DESIGN.md section 6) spoken by hand against a real server.
+"""The client wire protocol (docs/protocol.md) spoken by hand against a real server.
 
 The client here is written only from the design document, with raw pyzmq, msgpack and
 numpy: a DEALER socket that sends one msgpack-map frame per request and reads one
@@ -32,7 +32,7 @@ UNKNOWN_MODEL = "UNKNOWN_MODEL"
 INVALID_INPUT = "INVALID_INPUT"
 
 
-# -- a client written from DESIGN.md section 6 ----------------------------------------------------
+# -- a client written from docs/protocol.md --------------------------------------------------------
 
 
 def pack(value: Any) -> bytes:
@@ -386,7 +386,7 @@ def test_tensor_map_with_overflowing_shape_is_refused(client: RawClient) -> None
 
 
 def test_ill_typed_optional_fields_are_bad_request(client: RawClient) -> None:
-    # deadline_ms and priority are optional, but when given they must be numbers (DESIGN.md 6: ill-typed field).
+    # deadline_ms and priority are optional, but when given they must be numbers (docs/protocol.md: ill-typed field).
     assert_error(client.call(infer(81, [1, 2]) | {"deadline_ms": "soon"}), BAD_REQUEST, 81)
     assert_error(client.call(infer(82, [1, 2]) | {"deadline_ms": [100]}), BAD_REQUEST, 82)
     assert_error(client.call(infer(83, [1, 2]) | {"priority": "high"}), BAD_REQUEST, 83)

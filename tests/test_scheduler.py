@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +68,6 @@ def test_figure5_requests_join_and_leave(harness):
         for request, error in h.finished:
             assert error is None
             finished_at.setdefault(request.request_id, t)
-        arrivals = arrivals  # admitted ones were popped
 
     assert timeline == [
         ["req1", "req2", "req3", "req4"],
@@ -96,7 +96,7 @@ def test_batch_issues_successive_steps_ahead_on_one_worker(harness):
     # Each step reads the rows the previous step writes (h and c, overwritten in place), and step 0 reads zeros.
     messages = [message for _, message in h.sent]
     assert [slots.tolist()[0] for _, slots, _, _, _ in messages[0].inputs[1:]] == [0, 0]
-    for previous, message in zip(messages, messages[1:]):
+    for previous, message in itertools.pairwise(messages):
         written = sorted(slots.tolist()[0] for _, slots in previous.outputs)
         assert sorted(slots.tolist()[0] for _, slots, _, _, _ in message.inputs[1:]) == written
     assert [m.inputs[0][4][1] for m in messages] == [np.int64(t).tobytes() for t in range(1, 6)]  # tokens inline
@@ -183,7 +183,7 @@ def test_task_size_is_padded_to_a_supported_batch_size(harness):
     for _ in range(3):
         h.admit("lstm", {"tokens": [1]})
     h.schedule(worker)
-    sent_worker, message = h.sent[-1]
+    _sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
     inputs = [slots.tolist() for _, slots, _, _, _ in message.inputs]
     outputs = [slots.tolist() for _, slots in message.outputs]

@@ -1,8 +1,9 @@
 """What a device backend offers the worker's issuer and poller.
 
-A backend owns the device arenas (one per value kind), the host io arenas shared
-with the manager, the stream tasks are issued to, and the signal counter that the
-stream advances after each task, in stream order.
+A backend owns the device arenas (one per value kind), the host io arenas the manager
+reads results from, the stream tasks are issued to, and the signal counter that the
+stream advances after each task, in stream order; the worker turns the counter's
+increments into completion notices (docs/architecture.md, "The worker").
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class Backend(ABC):
     @property
     @abstractmethod
     def signal_name(self) -> str | None:
-        """Shared-memory name of the signal counter, where the manager can watch it."""
+        """Shared-memory name of the signal counter, announced at registration.
+
+        The manager does not map it: completions reach the manager as notices.
+        """
 
     @abstractmethod
     def warm_up(self) -> None:

@@ -4,7 +4,8 @@ Threads (ZeroMQ sockets are not thread-safe, so each thread has its own):
 * issuer (main thread): receives tasks, pushes each on the in-progress FIFO and
   issues all its work to the stream at once, in arrival order, without waiting;
 * poller: watches the stream's signal counter and, for each increment, pops the
-  FIFO head and sends a completion notice (several are coalesced into one message).
+  FIFO head and sends a completion notice (several are coalesced into one message);
+  on CPU the stream thread sends the notices itself and the poller only sends heartbeats.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_
 
 
 class Model(ABC):
-    """A servable model: see DESIGN.md section 2."""
+    """A servable model: see docs/architecture.md, "Models"."""
 
     kind: str = ""
 

@@ -11,7 +11,6 @@ its state_dict.
 
 from __future__ import annotations
 
-import functools
 from abc import abstractmethod
 from typing import Any
 
@@ -63,6 +62,7 @@ class ChainModel(Model):
             spec = self._cell_type(f"layer{layer}", (first, *states), states)
             self._cell_types[spec.key] = spec
         self.layer_keys = list(self._cell_types)
+        self._plans: dict[tuple[int, int | None], Plan] = {}
 
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
@@ -92,10 +92,13 @@ class ChainModel(Model):
         externals = tokens if padded == len(tokens) else np.append(tokens, 0)  # the padding token
         return Unfolded(self._plan(len(tokens), padded), {TOKEN: externals})
 
-    @functools.lru_cache(maxsize=4096)
     def _plan(self, length: int, padded: int | None) -> Plan:
-        """One plan per length: requests differ only in their tokens, the plan's externals."""
-        return compile_graph(self._unfold(np.zeros(length, np.int64), padded), self.cell_types, self.name).plan
+        """One plan per length (at most max_length of them): requests differ only in their tokens."""
+        plan = self._plans.get((length, padded))
+        if plan is None:
+            graph = self._unfold(np.zeros(length, np.int64), padded)
+            plan = self._plans[(length, padded)] = compile_graph(graph, self.cell_types, self.name).plan
+        return plan
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)

@@ -20,7 +20,6 @@ bias_hh_l0), `decoder.embedding.weight` [tgt_vocab, emb], `decoder.projection.we
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -103,6 +102,7 @@ class Seq2SeqModel(Model):
         decoder = self._cell_type("decoder", (TOKEN, state, state), (state, state, TOKEN))
         self._cell_types = {encoder.key: encoder, decoder.key: decoder}
         self.encoder_key, self.decoder_key = encoder.key, decoder.key
+        self._plans: dict[tuple[int, int, int | None], Plan] = {}  # by source length, max_len, bucket
 
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
@@ -150,10 +150,12 @@ class Seq2SeqModel(Model):
         externals = np.concatenate((source, np.array([*padding, self.go_id], np.int64)))
         return Unfolded(plan, {TOKEN: externals}, Decoded(max_len))
 
-    @functools.lru_cache(maxsize=4096)
     def _plan(self, length: int, max_len: int, bucket_width: int | None) -> Plan:
-        inputs = {"tokens": [0] * length, "max_len": max_len}
-        return compile_graph(self._unfold(inputs, bucket_width), self.cell_types, self.name).plan
+        plan = self._plans.get((length, max_len, bucket_width))
+        if plan is None:
+            graph = self._unfold({"tokens": [0] * length, "max_len": max_len}, bucket_width)
+            plan = self._plans[(length, max_len, bucket_width)] = compile_graph(graph, self.cell_types, self.name).plan
+        return plan
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         return self._unfold(inputs, bucket_width)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from abc import abstractmethod
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

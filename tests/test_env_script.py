@@ -1,0 +1,193 @@
+"""scripts/_env.sh chooses the torch build: driven offline, with a fake interpreter (and pip) and a fake nvidia-smi."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASH = shutil.which("bash")
+CPU = "torch==2.13.0+cpu"
+CPU_INDEX = ["--index-url", "https://download.pytorch.org/whl/cpu"]
+
+# A stand-in for python3 and for the virtualenv's python: runs `-c` code as the real interpreter would (with the
+# version FAKE_PYTHON_VERSION claims), records every `-m pip` call, answers `pip install --dry-run` with
+# FAKE_DRY_RUN_RC, and makes `-m venv DIR` a virtualenv holding another copy of itself.
+FAKE_PYTHON = f"""#!{sys.executable}
+import json, os, shutil, sys
+args = sys.argv[1:]
+if args[0] == "-c":
+    sys.version_info = tuple(int(part) for part in os.environ["FAKE_PYTHON_VERSION"].split("."))
+    exec(args[1])
+elif args[:2] == ["-m", "venv"]:
+    os.makedirs(os.path.join(args[2], "bin"))
+    shutil.copy(__file__, os.path.join(args[2], "bin", "python"))
+elif args[:2] == ["-m", "pip"]:
+    with open(os.environ["FAKE_PIP_LOG"], "a") as log:
+        log.write(json.dumps(args[2:]) + "\\n")
+    sys.exit(int(os.environ.get("FAKE_DRY_RUN_RC", "0")) if "--dry-run" in args else 0)
+else:
+    sys.exit(f"unexpected call: {{args}}")
+"""
+
+
+class Checkout:
+    """A copy of the scripts and pyproject.toml in a temporary folder, with a PATH that holds only what they need."""
+
+    def __init__(self, tmp_path: Path):
+        self.root = tmp_path / "checkout"
+        (self.root / "scripts").mkdir(parents=True)
+        shutil.copy(ROOT / "scripts" / "_env.sh", self.root / "scripts" / "_env.sh")
+        shutil.copy(ROOT / "pyproject.toml", self.root / "pyproject.toml")
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        for tool in ("dirname", "cat"):
+            (self.bin / tool).symlink_to(shutil.which(tool))
+        self.python = tmp_path / "python3"
+        self.python.write_text(FAKE_PYTHON)
+        self.python.chmod(0o755)
+        self.pip_log = tmp_path / "pip.log"
+        self.env = {
+            "PATH": str(self.bin),
+            "HOME": str(tmp_path),
+            "BATCHMAKER_PYTHON": str(self.python),
+            "FAKE_PYTHON_VERSION": "3.11.7",
+            "FAKE_PIP_LOG": str(self.pip_log),
+        }
+
+    @property
+    def stamp(self) -> Path:
+        return self.root / ".venv" / ".batchmaker-installed"
+
+    def add_nvidia_driver(self) -> None:
+        smi = self.bin / "nvidia-smi"
+        smi.write_text("#!/bin/sh\nexit 0\n")
+        smi.chmod(0o755)
+
+    def source(self, **env: str) -> subprocess.CompletedProcess:
+        """Source _env.sh in a fresh shell; returns the finished process (pip calls go to pip_calls())."""
+        self.pip_log.unlink(missing_ok=True)
+        return subprocess.run(
+            [BASH, "-c", 'source "$1"', "_", str(self.root / "scripts" / "_env.sh")],
+            env={**self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    def pip_calls(self) -> list[list[str]]:
+        if not self.pip_log.exists():
+            return []
+        return [json.loads(line) for line in self.pip_log.read_text().splitlines()]
+
+
+def installs(calls: list[list[str]]) -> list[list[str]]:
+    """The pip calls that install something, without the flags every call carries."""
+    quiet = {"--quiet", "--disable-pip-version-check"}
+    return [[a for a in call if a not in quiet] for call in calls if call[0] == "install" and "--dry-run" not in call]
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Checkout:
+    if BASH is None:
+        pytest.skip("bash not found")
+    return Checkout(tmp_path)
+
+
+def project(checkout: Checkout) -> list[str]:
+    return ["install", "-e", f"{checkout.root}[test,bench]"]
+
+
+def test_without_a_driver_the_cpu_build_comes_from_the_configured_indexes(checkout):
+    result = checkout.source()
+    assert result.returncode == 0, result.stderr
+    assert (checkout.root / ".venv" / "bin" / "python").exists()
+    calls = checkout.pip_calls()
+    assert ["install", "--dry-run", "--no-deps", "--quiet", "--disable-pip-version-check", CPU] in calls
+    assert installs(calls) == [["install", CPU], project(checkout)]
+    assert checkout.stamp.read_text().strip() == CPU
+
+
+def test_without_a_driver_a_cpu_build_pip_cannot_find_comes_from_pytorchs_cpu_index(checkout):
+    result = checkout.source(FAKE_DRY_RUN_RC="1")
+    assert result.returncode == 0, result.stderr
+    assert installs(checkout.pip_calls()) == [["install", CPU, *CPU_INDEX], project(checkout)]
+    assert checkout.stamp.read_text().strip() == CPU
+
+
+def test_with_a_driver_the_cuda_build_comes_from_pypi(checkout):
+    checkout.add_nvidia_driver()
+    result = checkout.source()
+    assert result.returncode == 0, result.stderr
+    calls = checkout.pip_calls()
+    assert not any("--dry-run" in call for call in calls)
+    assert installs(calls) == [["install", "torch==2.13.0"], project(checkout)]
+    assert checkout.stamp.read_text().strip() == "torch==2.13.0"
+
+
+def test_batchmaker_torch_overrides_the_choice(checkout):
+    checkout.add_nvidia_driver()
+    spec = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124"
+    result = checkout.source(BATCHMAKER_TORCH=spec)
+    assert result.returncode == 0, result.stderr
+    assert installs(checkout.pip_calls()) == [["install", *spec.split()], project(checkout)]
+    assert checkout.stamp.read_text().strip() == spec
+
+
+def test_an_up_to_date_virtualenv_is_left_alone(checkout):
+    assert checkout.source().returncode == 0
+    result = checkout.source()
+    assert result.returncode == 0, result.stderr
+    assert checkout.pip_calls() == []
+
+
+def test_a_newer_pyproject_reinstalls_the_project_but_keeps_torch(checkout):
+    assert checkout.source().returncode == 0
+    stamp_time = checkout.stamp.stat().st_mtime
+    os.utime(checkout.root / "pyproject.toml", (stamp_time + 10, stamp_time + 10))
+    result = checkout.source()
+    assert result.returncode == 0, result.stderr
+    calls = checkout.pip_calls()
+    assert not any(call[0] == "uninstall" for call in calls)
+    assert installs(calls) == [["install", CPU], project(checkout)]
+
+
+def test_a_changed_torch_spec_replaces_the_installed_build(checkout):
+    assert checkout.source().returncode == 0
+    checkout.add_nvidia_driver()
+    result = checkout.source()
+    assert result.returncode == 0, result.stderr
+    assert "reinstalling torch" in result.stderr
+    calls = checkout.pip_calls()
+    assert calls[0] == ["uninstall", "--quiet", "--yes", "torch"]
+    assert installs(calls) == [["install", "torch==2.13.0"], project(checkout)]
+    assert checkout.stamp.read_text().strip() == "torch==2.13.0"
+
+
+def test_an_old_python_is_refused_before_anything_is_installed(checkout):
+    result = checkout.source(FAKE_PYTHON_VERSION="3.10.12")
+    assert result.returncode != 0
+    assert "Python 3.10" in result.stderr and "needs Python >= 3.11" in result.stderr
+    assert not (checkout.root / ".venv").exists()
+    assert checkout.pip_calls() == []
+
+
+def test_a_virtualenv_made_by_an_old_python_is_refused(checkout):
+    assert checkout.source().returncode == 0
+    result = checkout.source(FAKE_PYTHON_VERSION="3.9.2")
+    assert result.returncode != 0
+    assert "Python 3.9" in result.stderr and str(checkout.root / ".venv") in result.stderr
+    assert checkout.pip_calls() == []
+
+
+def test_a_missing_python_is_named(checkout):
+    result = checkout.source(BATCHMAKER_PYTHON="python3.11-nowhere")
+    assert result.returncode != 0
+    assert "python3.11-nowhere not found" in result.stderr and "needs Python >= 3.11" in result.stderr
