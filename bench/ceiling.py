@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import numpy as np
 import zmq
 
 from bench.datasets import DATASETS
-from bench.run import ROOT, _free_port, machine
+from bench.run import ROOT, _free_port, git, machine
 from bench.sweep import ServedPolicy
 from bench.verify import verify
 from common.config import load_config
@@ -233,8 +232,8 @@ max_queued_nodes = 10000000
     result = {
         "preset": "ceiling",
         "quick": quick,
-        "commit": _git("rev-parse", "HEAD"),
-        "describe": _git("describe", "--always", "--dirty"),
+        "commit": git("rev-parse", "HEAD"),
+        "describe": git("describe", "--always", "--dirty"),
         "machine": machine(),
         "window": WINDOW,
         "generator_alone_requests_per_s": generator,
@@ -262,9 +261,3 @@ def table(result: dict[str, Any]) -> str:
         )
     return "\n".join(lines)
 
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import platform
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +79,14 @@ def cells_per_request(model: Model, state: dict, inputs: list[dict[str, Any]]) -
     return mean
 
 
+def git(*args: str) -> str:
+    """What git says of the checkout measured (the commit a result belongs to)."""
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpu": platform.processor() or platform.machine(),
@@ -121,14 +130,16 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
                 if policy == preset.reference:
                     peak = max(p["achieved_rps"] for p in points)
                     moderate_rates = [fraction * peak for fraction in MODERATE]
-                moderate = {}
+                progress.note(f"{preset.name}: {policy}: checking answers")
+                check = verify(served.address, model, state, inputs[: sweep.verify_requests])
+                progress.advance()
+            # The moderate loads on a freshly started server: the sweep has just driven this one past saturation.
+            moderate = {}
+            with ServedPolicy(config_path, config.server.address, policy, preset.model) as served:
                 for fraction, rate in zip(MODERATE, moderate_rates):
                     progress.note(f"{preset.name}: {policy} at {rate:.0f} req/s ({fraction:.0%} of {preset.reference})")
                     moderate[str(fraction)] = served.measure(inputs, rate, sweep.seconds, seed=100, keep_cdf=True)
                     progress.advance()
-                progress.note(f"{preset.name}: {policy}: checking answers")
-                check = verify(served.address, model, state, inputs[: sweep.verify_requests])
-                progress.advance()
             policies[policy] = {"points": points, "moderate": moderate, "verify": check}
         # Measured again after the sweeps, on a machine that has warmed up; the faster run is the ideal.
         progress.note(f"{preset.name}: raw kernel again")
@@ -139,6 +150,7 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
         "preset": preset.name,
         "description": preset.description,
         "quick": sweep.seconds < 5,
+        "commit": git("describe", "--always", "--dirty"),
         "machine": machine(),
         "model": {"name": preset.model, "toml": preset.model_toml.strip()},
         "dataset": {"name": preset.dataset, "requests": len(inputs), "cells_per_request": per_request},
