@@ -14,16 +14,14 @@ from manager.store import NodeColumns
 
 
 class AgendaScheduler(Scheduler):
-    def choose_cell_type(self) -> CellTypeQueue | None:
-        best, lowest = None, 0.0
+    def choose_cell_types(self) -> list[CellTypeQueue]:
+        """Cell types with ready nodes, lowest mean depth of their ready nodes first."""
         depth = self._store.nodes.arrays["data"][:, NodeColumns.DEPTH]
+        means = []
         for queue in self._ordered:
             if not queue.size:
                 continue
             ready = self.ready(queue)
-            if not len(ready.lanes):
-                continue
-            mean = float((depth[ready.first] * ready.sizes).sum()) / ready.nodes
-            if best is None or mean < lowest:
-                best, lowest = queue, mean
-        return best
+            if len(ready.lanes):
+                means.append((float((depth[ready.first] * ready.sizes).sum()) / ready.nodes, queue))
+        return [queue for _, queue in sorted(means, key=lambda pair: pair[0])]

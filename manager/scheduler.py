@@ -129,20 +129,25 @@ class Scheduler:
 
     # -- Algorithm 1 ---------------------------------------------------------------------------
     def schedule(self, worker: WorkerHandle) -> list[Task]:
-        """Schedule(worker): pick a cell type and Batch it; returns the tasks formed, for the caller to send."""
-        chosen = self.choose_cell_type()
-        if chosen is None:
-            return []
-        return self.batch(chosen, worker)
+        """Schedule(worker): pick a cell type and Batch it; returns the tasks formed, for the caller to send.
 
-    def choose_cell_type(self) -> CellTypeQueue | None:
+        When the chosen type can form no task on this worker (its ready nodes belong to requests
+        that do not fit in the worker's arena, or run elsewhere), the next type in the order of
+        choice gets its turn, so that requests holding rows can finish and free them."""
+        for queue in self.choose_cell_types():
+            tasks = self.batch(queue, worker)
+            if tasks:
+                return tasks
+        return []
+
+    def choose_cell_types(self) -> list[CellTypeQueue]:
+        """Cell types with ready nodes, in Algorithm 1's order of choice: a full batch ready, then no
+        task running, then any; ties (and the rest) by priority."""
         ready = [(queue, self.ready(queue).nodes) for queue in self._ordered if queue.size]  # by priority
-        chosen = next((q for q, n in ready if n >= q.spec.max_batch), None)
-        if chosen is None:
-            chosen = next((q for q, n in ready if q.running_tasks == 0 and n > 0), None)
-        if chosen is None:
-            chosen = next((q for q, n in ready if n > 0), None)
-        return chosen
+        ready = [(queue, nodes) for queue, nodes in ready if nodes]
+        full = [q for q, n in ready if n >= q.spec.max_batch]
+        idle = [q for q, _ in ready if q.running_tasks == 0 and q not in full]
+        return full + idle + [q for q, _ in ready if q not in full and q not in idle]
 
     def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[Task]:
         tasks: list[Task] = []

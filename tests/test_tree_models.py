@@ -440,3 +440,24 @@ def test_weights_round_trip_through_a_file(tmp_path: Path):
         trained = model.weights_from(loaded)
         assert all(p.requires_grad for p in trained.parameters())
         assert trained.state_dict().keys() == state.keys()
+
+
+def test_a_full_arena_lets_placed_requests_finish_while_new_ones_wait(tmp_path: Path):
+    """Only one tree's rows fit in the arena. The leaf type always has a full batch ready (of trees
+    that do not fit yet), yet Schedule must run the placed tree's other cells, or nothing frees rows."""
+    h = Harness(write_config(tmp_path, TREE_MODELS), rows=2 + 12)
+    try:
+        worker = h.workers[0]
+        for _ in range(5):
+            h.admit("bin", tree([-1, -1, 3, 4, 5], [-1, 0, 1, 1, 0]))  # 5 nodes: 10 rows of h and c
+        rounds = 0
+        while len(h.finished) < 5 and rounds < 200:
+            while worker.in_flight <= 2 and h.schedule(worker):
+                pass
+            if worker.tasks:
+                h.complete_oldest(worker)
+            rounds += 1
+        assert [error for _, error in h.finished] == [None] * 5
+        assert h.slots_in_use() == 0
+    finally:
+        h.close()
