@@ -58,14 +58,12 @@ class Plan:
     ragged_count: np.ndarray  # [n] int32
     ragged_refs: np.ndarray  # [values, max ports] int32 registers
     registers: int  # per-request registers (arena rows), of all kinds
-    external_kinds: tuple[ValueKind, ...]  # kinds with externals, in the order `externals` lists them
     copies: dict[int, tuple[tuple[str | int, int], ...]]
     has_copies: np.ndarray  # [n] bool
     results: tuple[str, ...]
     watched: int
     padding_need: int | None = None  # for the padded policy: issued nodes once the padding has run
     padded_length: int | None = None
-    node_of_graph: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # plan index of graph node i
     register_groups: dict[ValueKind, np.ndarray] = field(default_factory=dict)  # the registers of each kind
     cache: dict[Any, Any] = field(default_factory=dict, compare=False)  # forms of the plan the manager derives once
 
@@ -209,43 +207,19 @@ class _Compiler:
                         ragged_rows[start + offset][port] = registers[child.node][child.port]
         depths = np.array([depth[i] for i in order], np.int32)
         lane_bounds = self._lane_bounds(order)
-        need = np.searchsorted(np.sort(depths), depths, side="left").astype(np.int32)
-        wave_end = np.empty(count, np.int32)
-        for lane in range(len(lane_bounds) - 1):
-            start, end = lane_bounds[lane], lane_bounds[lane + 1]
-            lane_depths = depths[start:end]
-            wave_end[start:end] = start + np.searchsorted(lane_depths, lane_depths, side="right")
-        copies = {self.position[node]: tuple(entries) for node, entries in self.copies.items()}
-        has_copies = np.zeros(count, bool)
-        has_copies[list(copies)] = True
-        padding_need = None
-        if graph.last_padding is not None:
-            padding_need = int(np.searchsorted(np.sort(depths), depth[graph.last_padding], side="right"))
-        kinds = tuple(per_kind)
-        plan = Plan(
-            lane_cells=self.lane_cells,
-            lane_bounds=lane_bounds,
-            depth=depths,
-            need=need,
-            wave_end=wave_end,
-            inputs=inputs,
-            outputs=outputs,
-            ragged_start=ragged_start,
-            ragged_count=ragged_count,
-            ragged_refs=np.array(ragged_rows, np.int32).reshape(-1, ports),
-            registers=len(register_kinds),
-            external_kinds=kinds,
-            copies=copies,
-            has_copies=has_copies,
+        lanes = [(key, int(end)) for key, end in zip(self.lane_cells, lane_bounds[1:])]
+        groups = {
+            kind: np.array([r for r, k in enumerate(register_kinds) if k == kind], np.int64)
+            for kind in dict.fromkeys(register_kinds)
+        }
+        ragged = (ragged_start, ragged_count, np.array(ragged_rows, np.int32).reshape(-1, ports))
+        plan = plan_of(
+            lanes, depths, inputs, outputs, ragged, groups,
+            {self.position[node]: tuple(entries) for node, entries in self.copies.items()},
             results=tuple(graph.results),
             watched=len(graph.watch),
-            padding_need=padding_need,
+            last_padding=None if graph.last_padding is None else depth[graph.last_padding],
             padded_length=graph.padded_length,
-            node_of_graph=np.array(self.position, np.int32),
-            register_groups={
-                kind: np.array([r for r, k in enumerate(register_kinds) if k == kind], np.int64)
-                for kind in dict.fromkeys(register_kinds)
-            },
         )
         externals = {kind: np.asarray(values, dtype=kind.dtype).reshape(-1, *kind.shape) for kind, values in per_kind.items()}
         return Unfolded(plan, externals, graph.state)
@@ -324,20 +298,23 @@ def _sources(inputs) -> list[NodeOutput]:
     return found
 
 
-def tree_plan(
+def plan_of(
     lanes: list[tuple[str, int]],
     depth: np.ndarray,
     inputs: np.ndarray,
     outputs: np.ndarray,
-    ragged_start: np.ndarray | None,
-    ragged_count: np.ndarray | None,
-    ragged_refs: np.ndarray | None,
+    ragged: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
     register_groups: dict[ValueKind, np.ndarray],
     copies: dict[int, tuple[tuple[str | int, int], ...]],
     results: tuple[str, ...],
+    watched: int = 0,
+    last_padding: int | None = None,
+    padded_length: int | None = None,
 ) -> Plan:
-    """A plan whose nodes, in plan order, already sit by lane and by depth within each lane, with
-    registers given: what a model that builds its plans with numpy (the TreeLSTMs) hands over."""
+    """A plan from nodes already in plan order (by lane, then by depth within each lane) with their
+    registers given: waves, needs and copy flags derived. The compiler and models that build their
+    plans with numpy (the TreeLSTMs) both end here. `last_padding` is the depth of the node that
+    ends a padded graph's padding."""
     count = len(depth)
     bounds = np.array([0, *(end for _, end in lanes)], np.int32)
     wave_end = np.empty(count, np.int32)
@@ -346,22 +323,29 @@ def tree_plan(
         wave_end[start:end] = start + np.searchsorted(depth[start:end], depth[start:end], side="right")
     has_copies = np.zeros(count, bool)
     has_copies[list(copies)] = True
+    ordered = np.sort(depth)
+    ragged_start, ragged_count, ragged_refs = ragged or (
+        np.zeros(count, np.int32),
+        np.zeros(count, np.int32),
+        np.zeros((0, inputs.shape[1]), np.int32),
+    )
     return Plan(
         lane_cells=tuple(key for key, _ in lanes),
         lane_bounds=bounds,
         depth=depth.astype(np.int32),
-        need=np.searchsorted(np.sort(depth), depth, side="left").astype(np.int32),
+        need=np.searchsorted(ordered, depth, side="left").astype(np.int32),
         wave_end=wave_end,
         inputs=inputs,
         outputs=outputs,
-        ragged_start=np.zeros(count, np.int32) if ragged_start is None else ragged_start,
-        ragged_count=np.zeros(count, np.int32) if ragged_count is None else ragged_count,
-        ragged_refs=np.zeros((0, inputs.shape[1]), np.int32) if ragged_refs is None else ragged_refs,
+        ragged_start=ragged_start,
+        ragged_count=ragged_count,
+        ragged_refs=ragged_refs,
         registers=sum(len(group) for group in register_groups.values()),
-        external_kinds=(),
         copies=copies,
         has_copies=has_copies,
         results=results,
-        watched=0,
+        watched=watched,
+        padding_need=None if last_padding is None else int(np.searchsorted(ordered, last_padding, side="right")),
+        padded_length=padded_length,
         register_groups=register_groups,
     )

@@ -34,7 +34,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.graph import CellGraph, CellTypeSpec, NodeOutput, ValueKind
 from common.models.base import Model, check_params, int_param
-from common.plan import ZERO_REF, Unfolded, tree_plan
+from common.plan import ZERO_REF, Unfolded, plan_of
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 TOKEN = ValueKind("int64", ())
@@ -397,14 +397,8 @@ class TreeModel(Model):
             copies[count] = (("logits", 0),)
             registers[self._cell_types[self.keys[CLASSIFIER]].outputs[0]] = np.array([2 * count])
             lanes.append((self.keys[CLASSIFIER], total))
-        ragged_start, ragged_count, ragged_refs = ragged if ragged is not None else (None, None, None)
-        return Unfolded(
-            tree_plan(
-                lanes, depth, node_inputs, outputs, ragged_start, ragged_count, ragged_refs, registers, copies,
-                results=("h", "c", "logits") if classes else ("h", "c"),
-            ),
-            {TOKEN: externals},
-        )
+        results = ("h", "c", "logits") if classes else ("h", "c")
+        return Unfolded(plan_of(lanes, depth, node_inputs, outputs, ragged, registers, copies, results), {TOKEN: externals})
 
     @abstractmethod
     def plan_inputs(
