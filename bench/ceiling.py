@@ -193,6 +193,7 @@ arena_rows = 65536
 io_rows = 65536
 max_queued_requests = 20000
 max_queued_nodes = 10000000
+max_queue_delay_ms = 0
 """
             + MODELS.replace("{weights}", str(ROOT / "weights"))
         )

@@ -48,6 +48,7 @@ address = "tcp://127.0.0.1:{_free_port()}"
 cpu_workers = 1
 threads_per_worker = 1
 max_queued_requests = 4000
+max_queue_delay_ms = 0
 
 [scheduler]
 max_tasks_to_submit = 5

@@ -67,6 +67,7 @@ class ServerConfig:
     max_replays: int = 2  # a request replayed this often after losing its worker fails with INTERNAL when it loses another
     max_queued_requests: int = 10000  # admission bound: requests in flight; beyond it new ones get OVERLOADED
     max_queued_nodes: int = 1_000_000  # admission bound: cells admitted and not yet submitted to a worker
+    max_queue_delay_ms: int = 250  # admission: refuse when the expected wait exceeds this; 0: off
     unreachable_client_ms: int = 30000  # a client that reads none of its waiting replies this long is taken for gone
     metrics_address: str = ""  # "host:port" for the Prometheus /metrics endpoint; empty: off
     curve: CurveConfig | None = None
@@ -181,6 +182,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         max_replays=_positive_int(table, "max_replays", defaults.max_replays, "server", path, minimum=0),
         max_queued_requests=_positive_int(table, "max_queued_requests", defaults.max_queued_requests, "server", path),
         max_queued_nodes=_positive_int(table, "max_queued_nodes", defaults.max_queued_nodes, "server", path),
+        max_queue_delay_ms=_positive_int(
+            table, "max_queue_delay_ms", defaults.max_queue_delay_ms, "server", path, minimum=0
+        ),
         unreachable_client_ms=_positive_int(
             table, "unreachable_client_ms", defaults.unreachable_client_ms, "server", path, minimum=100
         ),

@@ -34,6 +34,7 @@ from common.protocol import (
     RequestError,
     error_reply,
 )
+from manager.admission import Admission
 from manager.dispatch import Dispatcher
 from manager.frontend import ClientFrontend, Incoming
 from manager.metrics import Metrics
@@ -77,6 +78,7 @@ class Manager:
         self.idle_tasks = config.scheduler.idle_tasks
         self.stats = Stats()
         self.requests = RequestRegistry()
+        self.admission = Admission(server.max_queue_delay_ms)
         self._stopping = False
         self._draining_until: float | None = None
         self._drain_timeout = server.drain_timeout_ms / 1e3
@@ -173,6 +175,7 @@ class Manager:
                 task = worker.tasks.pop(task_id, None)
                 if task is not None:
                     worker.tasks_completed += 1
+                    self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted)
                     self.processor.task_completed(task, notice.errors.get(task_id))
 
     def _shutdown(self) -> None:
@@ -296,12 +299,13 @@ class Manager:
             raise RequestError(
                 OVERLOADED, f"{len(self.requests)} requests in flight (limit {server.max_queued_requests}); retry later"
             )
+        deadline_ms = deadline_ms if deadline_ms is not None else server.default_deadline_ms or None
+        self.admission.check(self.processor.unsubmitted_nodes, deadline_ms)  # before the plan: refusals stay cheap
         unfolded = self.policy.unfold(model, message["inputs"])
         queued = self.processor.unsubmitted_nodes
         if queued + unfolded.plan.nodes > server.max_queued_nodes:
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {server.max_queued_nodes}); retry later")
         request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, incoming.arrival)
-        deadline_ms = deadline_ms if deadline_ms is not None else server.default_deadline_ms or None
         if deadline_ms is not None:
             request.deadline = incoming.arrival + deadline_ms / 1e3
         self.requests.add(request)
@@ -359,6 +363,7 @@ class Manager:
             "requests_in_flight": len(self.requests),
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
             "unreachable_clients": self.frontend.unreachable_clients,
+            "admission": self.admission.snapshot(self.processor.unsubmitted_nodes),
             "ready_nodes": self.scheduler.ready_nodes(),
             "workers": {
                 str(w.worker_id): {

@@ -1,0 +1,132 @@
+"""Admission by expected wait: refuse a request at once rather than let it queue for seconds.
+
+A new request is expected to wait until the cells queued ahead of it have run: queued cells /
+cells the server runs per second at capacity, measured over the last second. Cells of every model count
+alike: they share the same workers. The queued cells are the ones admitted and not yet submitted
+to a worker (the request processor counts them); completions are fed in per task, so the check
+and the bookkeeping cost O(1) per request (amortised over the window).
+
+Until the capacity has been measured (a cold start, or a server never loaded enough to fill its
+batches) there is no estimate and requests are admitted: a missing measurement must not turn
+clients away.
+See docs/protocol.md (errors) for what clients are told.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Hashable
+
+from common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
+
+WINDOW_S = 1.0  # completions older than this no longer count towards the measured throughput
+MIN_BUSY_S = 0.02  # a throughput measured over less busy time than this is noise, not an estimate
+FULL_FILL = 0.75  # batches this full on average show what the server can do, not just what it was offered
+
+
+class ExpectedWait:
+    """The server's throughput, measured over a sliding window of completed tasks, and the wait it
+    implies for queued cells.
+
+    Throughput is counted per second a worker was busy, not per second of wall time: a lightly
+    loaded server completes only what it is offered. A task kept its worker busy from its
+    submission, or from the worker's previous completion if that came later (a worker runs its
+    tasks one after another). And it is taken as the server's capacity only while batches are
+    nearly full: small batches run far fewer cells per second than full ones, so a rate measured
+    on them would turn away bursts the server could absorb. The capacity last measured so is kept
+    until batches are full again; until it is first measured there is no estimate.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, window_s: float = WINDOW_S):
+        self._clock = clock
+        self._window_s = window_s
+        self._completions: collections.deque[tuple[float, int, int, float, Hashable]] = collections.deque()
+        self._cells = 0  # in the window
+        self._batch_room = 0  # cells the window's tasks could have held (the largest batch size of each)
+        self._busy_s = 0.0  # in the window
+        self._tasks_by_worker: collections.Counter[Hashable] = collections.Counter()  # in the window
+        self._last_completion: dict[Hashable, float] = {}
+        self._capacity: float | None = None  # cells per second, measured on nearly full batches
+
+    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float) -> None:
+        """Record a task of `cells` cells (of a cell type batching up to `largest_batch`), submitted at
+        `submitted` (on this clock), that `worker` finished."""
+        now = self._clock()
+        busy = max(0.0, now - max(submitted, self._last_completion.get(worker, submitted)))
+        self._last_completion[worker] = now
+        self._completions.append((now, cells, largest_batch, busy, worker))
+        self._cells += cells
+        self._batch_room += largest_batch
+        self._busy_s += busy
+        self._tasks_by_worker[worker] += 1
+        self._expire(now)
+        if self._busy_s >= MIN_BUSY_S and self._cells >= FULL_FILL * self._batch_room:
+            self._capacity = self._cells / self._busy_s * len(self._tasks_by_worker)
+
+    def cells_per_second(self) -> float | None:
+        """The server's capacity in cells per second; None until measured on full batches."""
+        return self._capacity
+
+    def wait_s(self, queued_cells: int) -> float | None:
+        """Seconds until `queued_cells` cells have run at capacity; None while it is unmeasured."""
+        return None if self._capacity is None else queued_cells / self._capacity
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self._window_s
+        while self._completions and self._completions[0][0] < horizon:
+            _, cells, largest_batch, busy, worker = self._completions.popleft()
+            self._cells -= cells
+            self._batch_room -= largest_batch
+            self._busy_s -= busy
+            self._tasks_by_worker[worker] -= 1
+            if not self._tasks_by_worker[worker]:
+                del self._tasks_by_worker[worker]
+                self._last_completion.pop(worker, None)
+        if not self._completions:
+            self._busy_s = 0.0  # no float residue once the window is empty
+
+
+class Admission:
+    """The expected-wait checks made before a request is admitted (the count bounds stay in the server)."""
+
+    def __init__(self, max_queue_delay_ms: int, estimator: ExpectedWait | None = None):
+        self.max_queue_delay_s = max_queue_delay_ms / 1e3  # 0: no refusal by expected wait
+        self.estimator = estimator or ExpectedWait()
+        self.shedding = False  # whether the latest check refused for the expected wait
+
+    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float) -> None:
+        self.estimator.completed(cells, largest_batch, worker, submitted)
+
+    def check(self, queued_cells: int, deadline_ms: int | None) -> None:
+        """Raise DEADLINE_EXCEEDED if the expected wait exceeds the deadline, OVERLOADED if it exceeds the limit."""
+        wait = self.estimator.wait_s(queued_cells)
+        self.shedding = False
+        if wait is None:
+            return
+        if deadline_ms is not None and wait * 1e3 > deadline_ms:
+            raise RequestError(
+                DEADLINE_EXCEEDED,
+                f"estimated wait {_ms(wait)} ms exceeds the request's deadline_ms {deadline_ms}; "
+                "raise the deadline or retry later",
+            )
+        if self.max_queue_delay_s and wait > self.max_queue_delay_s:
+            self.shedding = True
+            raise RequestError(
+                OVERLOADED,
+                f"estimated wait {_ms(wait)} ms exceeds the server's limit of {_ms(self.max_queue_delay_s)} ms "
+                f"({queued_cells} cells queued); retry later",
+            )
+
+    def snapshot(self, queued_cells: int) -> dict[str, float | None]:
+        """For the `stats` op: the measured capacity and the wait a new request would be quoted."""
+        rate = self.estimator.cells_per_second()
+        return {
+            "cells_per_s": rate,
+            "estimated_wait_ms": None if rate is None else queued_cells / rate * 1e3,
+            "max_queue_delay_ms": self.max_queue_delay_s * 1e3,
+        }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"

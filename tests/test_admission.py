@@ -1,0 +1,137 @@
+"""Admission by expected wait: the estimator on an injected clock, the refusals, and the config keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load_config
+from common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
+from manager.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait
+
+FULL = 64  # the largest batch size of the cell type in these tests
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def saturated(estimator: ExpectedWait, clock: Clock, cells_per_task: int, task_s: float, tasks: int) -> None:
+    """One worker running tasks back to back, each submitted well before the previous one completed."""
+    for i in range(tasks):
+        submitted = clock.now - (5 * task_s if i else 0)  # the first task found the worker idle
+        clock.now += task_s
+        estimator.completed(cells_per_task, FULL, 0, submitted)
+
+
+def light(estimator: ExpectedWait, clock: Clock, tasks: int) -> None:
+    """A 1 ms task of 4 cells every 40 ms: small batches, an idle worker in between."""
+    for _ in range(tasks):
+        clock.now += 0.039
+        submitted = clock.now
+        clock.now += 0.001
+        estimator.completed(4, FULL, 0, submitted)
+
+
+def test_cold_start_has_no_estimate():
+    clock = Clock()
+    estimator = ExpectedWait(clock)
+    assert estimator.cells_per_second() is None and estimator.wait_s(10_000) is None
+    estimator.completed(FULL, FULL, 0, clock.now - MIN_BUSY_S / 4)  # too little busy time to go by
+    assert estimator.wait_s(10_000) is None
+
+
+def test_rate_is_cells_per_busy_second_and_wait_is_queued_over_rate():
+    clock = Clock()
+    estimator = ExpectedWait(clock)
+    saturated(estimator, clock, cells_per_task=60, task_s=0.002, tasks=100)  # 30,000 cells/s
+    assert estimator.cells_per_second() == pytest.approx(30_000)
+    assert estimator.wait_s(6_000) == pytest.approx(0.2)
+    assert estimator.wait_s(0) == 0
+
+
+def test_small_batches_are_no_measure_of_capacity():
+    clock = Clock()
+    estimator = ExpectedWait(clock)
+    light(estimator, clock, tasks=100)  # 4,000 cells per busy second, in batches of 4 out of 64
+    assert estimator.wait_s(10_000) is None  # a burst is admitted, not judged by what a quiet server did
+
+
+def test_capacity_is_kept_through_quiet_times_and_follows_full_batches():
+    clock = Clock()
+    estimator = ExpectedWait(clock)
+    saturated(estimator, clock, cells_per_task=64, task_s=0.002, tasks=1000)  # 32,000 cells/s
+    light(estimator, clock, tasks=50)
+    clock.now += 10 * WINDOW_S  # then idle
+    # What it can do, not what it was offered (lowered a little while full and small batches mixed).
+    assert 0.75 * 32_000 < estimator.cells_per_second() <= 32_000
+    saturated(estimator, clock, cells_per_task=64, task_s=0.004, tasks=500)  # slower now: 16,000 cells/s
+    assert estimator.cells_per_second() == pytest.approx(16_000, rel=0.01)
+
+
+def test_workers_add_up():
+    clock = Clock()
+    estimator = ExpectedWait(clock)
+    for i in range(100):
+        submitted = clock.now - (0.01 if i else 0)
+        clock.now += 0.001
+        estimator.completed(60, FULL, "a", submitted)
+        estimator.completed(60, FULL, "b", submitted)  # the same instant: b ran alongside a
+    assert estimator.cells_per_second() == pytest.approx(120_000, rel=0.01)
+
+
+def test_admission_refuses_beyond_the_limit_and_says_the_estimated_wait():
+    clock = Clock()
+    admission = Admission(250, ExpectedWait(clock))
+    admission.check(10**9, None)  # cold start: admitted whatever is queued
+    saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # 25,000 cells/s, 78% full
+    admission.check(6_000, None)  # 240 ms
+    with pytest.raises(RequestError) as refused:
+        admission.check(7_000, None)  # 280 ms
+    assert refused.value.code == OVERLOADED
+    assert "estimated wait 280 ms" in refused.value.message and "250 ms" in refused.value.message
+
+
+def test_admission_refuses_a_deadline_the_estimate_cannot_meet():
+    clock = Clock()
+    admission = Admission(0, ExpectedWait(clock))  # the limit is off; deadlines still count
+    saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # 25,000 cells/s
+    admission.check(10**6, None)
+    admission.check(2_500, deadline_ms=100)  # 100 ms: met exactly
+    with pytest.raises(RequestError) as refused:
+        admission.check(2_500, deadline_ms=99)
+    assert refused.value.code == DEADLINE_EXCEEDED and "estimated wait 100 ms" in refused.value.message
+    assert "deadline_ms 99" in refused.value.message
+
+
+def test_snapshot_reports_rate_and_wait():
+    clock = Clock()
+    admission = Admission(250, ExpectedWait(clock))
+    assert admission.snapshot(100) == {"cells_per_s": None, "estimated_wait_ms": None, "max_queue_delay_ms": 250}
+    saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # 25,000 cells/s
+    snapshot = admission.snapshot(2_500)
+    assert snapshot["cells_per_s"] == pytest.approx(25_000) and snapshot["estimated_wait_ms"] == pytest.approx(100)
+
+
+def write(tmp_path: Path, server: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(f'[server]\n{server}\n[models.m]\nbuilder = "a:b"\nweights = "w.pt"\nbatch_sizes = [1]\n')
+    return path
+
+
+def test_config_keys_have_defaults_and_are_checked(tmp_path: Path):
+    server = load_config(write(tmp_path, "")).server
+    assert (server.max_queue_delay_ms, server.unreachable_client_ms) == (250, 30000)
+    server = load_config(write(tmp_path, "max_queue_delay_ms = 0\nunreachable_client_ms = 100")).server
+    assert (server.max_queue_delay_ms, server.unreachable_client_ms) == (0, 100)
+    with pytest.raises(ConfigError, match="max_queue_delay_ms must be an integer >= 0"):
+        load_config(write(tmp_path, "max_queue_delay_ms = -1"))
+    with pytest.raises(ConfigError, match="unreachable_client_ms must be an integer >= 100"):
+        load_config(write(tmp_path, "unreachable_client_ms = 50"))
+    with pytest.raises(ConfigError, match="max_queue_delay_ms must be an integer"):
+        load_config(write(tmp_path, 'max_queue_delay_ms = "250"'))
