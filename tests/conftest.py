@@ -33,8 +33,13 @@ def free_port() -> int:
 
 
 def write_config(directory: Path, models: str, server: str = "", scheduler: str = "") -> Config:
-    """A config in `directory` with the given TOML bodies, a free loopback port, and weights created."""
+    """A config in `directory` with the given TOML bodies, a free loopback port, and weights created.
+
+    Refusal by expected wait is off unless `server` sets it: tests send bursts to check other
+    behaviour, and tests/test_admission.py checks the estimate on its own."""
     port = free_port()
+    if "max_queue_delay_ms" not in server:
+        server = "max_queue_delay_ms = 0\n" + textwrap.dedent(server)  # before any [server.*] table it may open
     text = textwrap.dedent(
         f"""
         [server]
