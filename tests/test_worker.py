@@ -116,16 +116,21 @@ def test_cpu_backend_runs_chained_tasks_in_stream_order(cells):
     np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
 
 
-def test_cpu_backend_reports_a_failed_task_and_keeps_going(cells):
-    _specs, _modules, kinds, _ = cells
-    backend = make_backend("cpu", cells)
+@pytest.mark.parametrize(
+    ("device", "said"), [("cpu", "index"), pytest.param("cuda:0", "out of range", marks=pytest.mark.cuda)]
+)
+def test_backend_reports_a_failed_task_and_keeps_going(cells, device, said):
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _, _, kinds, _ = cells
+    backend = make_backend(device, cells)
     try:
         bad = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [ROWS + 5], None)  # output slot outside the arena
         good = lstm_step_task(2, kinds, [2], [ZERO_SLOT], [10], None)
         backend.issue(decode_task(encode_task(bad)))
         backend.issue(decode_task(encode_task(good)))
         wait_signal(backend, 2)
-        assert "index" in (backend.finish(1) or "").lower()
+        assert said in (backend.finish(1) or "").lower()
         assert backend.finish(2) is None
     finally:
         backend.close()
@@ -223,24 +228,6 @@ def test_cuda_counter_is_written_in_stream_order(cells):
         assert backend.finish(1) is None and backend.finish(2) is None
         np.testing.assert_allclose(results.array[2:4], expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
         results.close()
-    finally:
-        backend.close()
-
-
-@pytest.mark.cuda
-def test_cuda_backend_reports_a_failed_task_and_keeps_going(cells):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    _, _, kinds, _ = cells
-    backend = make_backend("cuda:0", cells)
-    try:
-        bad = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [ROWS + 5], None)  # output slot outside the arena
-        good = lstm_step_task(2, kinds, [2], [ZERO_SLOT], [10], None)
-        backend.issue(decode_task(encode_task(bad)))
-        backend.issue(decode_task(encode_task(good)))
-        wait_signal(backend, 2)
-        assert "out of range" in (backend.finish(1) or "")
-        assert backend.finish(2) is None
     finally:
         backend.close()
 
