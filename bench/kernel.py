@@ -1,5 +1,9 @@
 """The raw kernel: each cell of a model at its largest batch size, in a tight loop, in this
-process, with no server: the ideal a serving system's throughput is measured against."""
+process, with no server: the ideal a serving system's throughput is measured against.
+
+Measured twice: the kernels the workers serve (common/models/kernels.py), and the same cells
+written with plain torch.nn modules, so a run shows both a faster cell and a server at its
+cell's limit."""
 
 from __future__ import annotations
 
@@ -49,16 +53,20 @@ def time_cell(cell: torch.nn.Module, inputs: list[torch.Tensor], min_seconds: fl
     return blocks[len(blocks) // 2]
 
 
-def measure(model: Model, threads: int, min_seconds: float = MIN_SECONDS) -> dict[str, dict[str, float]]:
-    """Per cell type: the largest batch size, seconds per call and cells per second."""
+def measure(model: Model, threads: int, min_seconds: float = MIN_SECONDS) -> dict[str, dict[str, dict[str, float]]]:
+    """Per cell type, for the served kernels ("served") and the plain torch.nn cells ("torch_nn"):
+    the largest batch size, seconds per call and cells per second, measured alternately."""
     torch.set_num_threads(threads)
-    cells = model.make_cells(model.load_weights())
+    state = model.load_weights()
+    variants = {"served": model.make_cells(state), "torch_nn": model.torch_nn_cells(state)}
     generator = torch.Generator().manual_seed(0)
-    measured = {}
+    measured: dict[str, dict[str, dict[str, float]]] = {variant: {} for variant in variants}
     for key, spec in model.cell_types.items():
         batch = spec.max_batch
-        seconds = time_cell(cells[key], _inputs(spec, batch, generator), min_seconds)
-        measured[key] = {"batch": batch, "seconds_per_call": seconds, "cells_per_s": batch / seconds}
+        inputs = _inputs(spec, batch, generator)
+        for variant, cells in variants.items():
+            seconds = time_cell(cells[key], inputs, min_seconds)
+            measured[variant][key] = {"batch": batch, "seconds_per_call": seconds, "cells_per_s": batch / seconds}
     return measured
 
 

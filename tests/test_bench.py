@@ -78,6 +78,8 @@ def synthetic_result() -> dict:
     return {
         "preset": "lstm", "description": "test", "reference_policy": "padded", "max_tasks_to_submit": 5,
         "kernel": {"cells": {"lstm/layer0": {"batch": 64, "seconds_per_call": 0.002}}, "ideal": {"requests_per_s": 1000.0}},
+        "torch_nn_kernel": {"cells": {"lstm/layer0": {"batch": 64, "seconds_per_call": 0.004}},
+                            "ideal": {"requests_per_s": 500.0}},
         "dataset": {"cells_per_request": {"lstm/layer0": 20.0}},
         "policies": {"padded": run(400, 100.0), "cellular": run(600, 30.0)},
     }
@@ -87,14 +89,19 @@ def test_summary_and_targets_compare_policies_side_by_side():
     result = synthetic_result()
     summary = report.summarize(result)
     assert summary["cellular"]["peak_throughput"] == 600 and summary["cellular"]["kernel_fraction"] == 0.6
+    assert summary["cellular"]["torch_nn_kernel_fraction"] == 1.2
+    assert summary["cellular"]["sustained_throughput"] == 600  # the highest load answered with p90 <= 100 ms
+    assert summary["padded"]["sustained_throughput"] == 200
     assert summary["padded"]["p90_ms_at_50pct_padded_peak"] == 100
     result["summary"], result["targets"] = summary, report.targets(result, summary)
     met = {t["what"].split(" at ")[0].split(",")[0]: t["met"] for t in result["targets"]}
     assert met["cellular peak / padded peak"] is True  # 1.5 >= 1.25
     assert met["cellular p90 / padded p90"] is True  # 0.3 <= 0.5
+    assert met["cellular sustained (p90 <= 100 ms) / torch.nn kernel"] is False  # 600 / 500 < 1.6
     queueing = next(t for t in result["targets"] if t["what"].startswith("cellular queueing"))
     assert queueing["target"] == pytest.approx(5 * 2.0 * 1.5)  # 5 tasks of the raw kernel's 2 ms step at b_max
     assert "| cellular | 600 |" in report.table(result)
+    assert "| raw kernel (torch.nn cells) | 500 | | | | 64 | 0.50 | 1.00 |" in report.table(result)
     assert all(line.startswith(("met", "MISSED")) for line in report.target_lines(result))
 
 

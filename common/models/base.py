@@ -7,6 +7,7 @@ workers call `make_cells`; tests and the demo call `reference`.
 from __future__ import annotations
 
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,13 @@ import torch
 
 from common.config import ConfigError, ModelConfig
 from common.graph import CellGraph, CellTypeSpec, ValueKind
+from common.models.kernels import FOLD_BUDGET_BYTES
 from common.plan import Unfolded, compile_graph
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+
+log = logging.getLogger(__name__)
+
+FOLD_KEY = "fold_input_projection"  # a built-in model's switch for folded input projections (kernels.py)
 
 
 class Model(ABC):
@@ -99,6 +105,26 @@ class Model(ABC):
     @abstractmethod
     def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
         """Build every cell type's module (weights embedded) from a state dict."""
+
+    def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
+        """The same cells written plainly with torch.nn modules: what benchmarks measure the
+        served cells against. Models without faster serving kernels serve these."""
+        return self.make_cells(state)
+
+    def folds(self, table_bytes: int) -> bool:
+        """Whether the cells fold their token input projections into tables of `table_bytes` in all:
+        as the config's `fold_input_projection` says, else when they fit the default budget."""
+        setting = self.config.params.get(FOLD_KEY)
+        if setting is not None:
+            return setting
+        if table_bytes <= FOLD_BUDGET_BYTES:
+            return True
+        log.warning(
+            "model %r: folded input projections would take %d MB, over the %d MB budget; "
+            "projecting inputs at every step instead (set %s = true to fold anyway)",
+            self.name, table_bytes >> 20, FOLD_BUDGET_BYTES >> 20, FOLD_KEY,
+        )
+        return False
 
     # -- weights and reference -----------------------------------------------------------------
     @abstractmethod
@@ -184,6 +210,8 @@ def check_params(params: dict[str, Any], allowed: set[str], model: str) -> None:
     unknown = set(params) - allowed
     if unknown:
         raise ConfigError(f"[models.{model}] unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if FOLD_KEY in params and not isinstance(params[FOLD_KEY], bool):
+        raise ConfigError(f"[models.{model}] {FOLD_KEY} must be true or false, got {params[FOLD_KEY]!r}")
 
 
 def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.ndarray:

@@ -7,6 +7,9 @@ state_dict names (`embedding.weight`, `<rnn>.weight_ih_l0`, `<rnn>.weight_hh_l0`
 `<rnn>.bias_ih_l0`, `<rnn>.bias_hh_l0`, then `_l1`, ...), so a model trained as
 `self.embedding = nn.Embedding(...); self.<rnn> = nn.LSTM(...)` is served by saving
 its state_dict.
+
+Workers serve the kernels of common/models/kernels.py (layer 0 folds the embedding into its
+input projection); `torch_nn_cells` are the same steps written with torch.nn cells.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
-from common.models.base import Model, check_params, int_param, padded_length, token_ids
+from common.models.base import FOLD_KEY, Model, check_params, int_param, padded_length, token_ids
+from common.models.kernels import table_bytes
 from common.plan import Plan, Unfolded, compile_graph
 
 TOKEN = ValueKind("int64", ())
@@ -48,7 +52,8 @@ class ChainModel(Model):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         params = config.params
-        check_params(params, {"vocab_size", "embedding_size", "hidden_size", "num_layers", "max_length"}, self.name)
+        allowed = {"vocab_size", "embedding_size", "hidden_size", "num_layers", "max_length", FOLD_KEY}
+        check_params(params, allowed, self.name)
         self.vocab_size = int_param(params, "vocab_size", self.name)
         self.hidden_size = int_param(params, "hidden_size", self.name)
         self.embedding_size = int_param(params, "embedding_size", self.name, default=self.hidden_size)
@@ -136,17 +141,30 @@ class ChainModel(Model):
 
     @abstractmethod
     def make_step(self, input_size: int) -> nn.Module:
-        """One layer's recurrent step module, taking (x, *state) and returning the new state tuple."""
+        """One layer's torch.nn recurrent step, taking (x, *state) and returning the new state tuple."""
+
+    @abstractmethod
+    def make_kernel(self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool) -> nn.Module:
+        """One layer's serving kernel from its torch.nn weights (weight_ih, weight_hh, bias_ih, bias_hh):
+        a token step when `embedding` is given (folded when `fold`), a vector step otherwise."""
 
     def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+        fold = self.folds(table_bytes(self.vocab_size, self.gates * self.hidden_size))
+        return {
+            key: self.make_kernel(state["embedding.weight"] if layer == 0 else None, self._layer_weights(state, layer), fold)
+            for layer, key in enumerate(self.layer_keys)
+        }
+
+    def _layer_weights(self, state: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+        return {name: state[f"{self.rnn_name}.{name}_l{layer}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+
+    def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
         embedding = nn.Embedding(self.vocab_size, self.embedding_size)
         embedding.load_state_dict({"weight": state["embedding.weight"]})
         cells: dict[str, nn.Module] = {}
         for layer, key in enumerate(self.layer_keys):
             step = self.make_step(self.embedding_size if layer == 0 else self.hidden_size)
-            step.cell.load_state_dict(
-                {name: state[f"{self.rnn_name}.{name}_l{layer}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
-            )
+            step.cell.load_state_dict(self._layer_weights(state, layer))
             cells[key] = EmbeddingStep(embedding, step) if layer == 0 else step
         return cells
 

@@ -21,6 +21,10 @@ Weights file keys (H = hidden_size, E = embedding_size, V = vocab_size):
 * `U_iou.weight` [3H, H]: the rows of gates i, o, u from h̃ (no bias: W.bias holds it)
 * `U_f.weight` [H, H]: the forget gate from each child's h_k (no bias)
 * `classifier.weight` [num_classes, H], `classifier.bias` [num_classes], when num_classes > 0
+
+ChildSumCell is the cell `torch_nn_cells` returns (and a training script would train);
+workers serve ChildSumKernel (common/models/kernels.py), whose word projection is a folded
+table with a first row for "no word" (the bias alone).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, NodeOutput, Ragged
+from common.models.kernels import doubled, table_bytes, token_projection, tree_state
 from common.models.tree import NO_WORD, TOKEN, CellPorts, Tree, TreeModel, gate_blocks, lstm_state
 from common.plan import ZERO_REF, external_ref
 
@@ -71,6 +76,34 @@ class ChildSumCell(nn.Module):
         return lstm_state(i, o, u, carried)
 
 
+class ChildSumKernel(nn.Module):
+    """Serving form of ChildSumCell: the word projection is a table indexed by token + 1 (row 0: no
+    word), and the sums feed products accumulated onto it."""
+
+    def __init__(self, projection: nn.Module, U_iou: torch.Tensor, U_f: torch.Tensor):
+        super().__init__()
+        self.projection = projection
+        self.register_buffer("iou_t", doubled(U_iou, 3, (GATES.index("u"),)).T.contiguous())
+        self.register_buffer("f_t", U_f.detach().T.contiguous())
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        child_h: torch.Tensor,
+        child_node: torch.Tensor,
+        child_c: torch.Tensor,
+        _child_c_node: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        wx = self.projection(tokens + 1)
+        hidden = child_h.shape[1]
+        batch = tokens.shape[0]
+        h_sum = child_h.new_zeros(batch, hidden).index_add_(0, child_node, child_h)
+        i, o, u = torch.sigmoid(torch.addmm(wx[:, : 3 * hidden], h_sum, self.iou_t)).chunk(3, dim=1)
+        f = torch.sigmoid(torch.addmm(wx[:, 3 * hidden :].index_select(0, child_node), child_h, self.f_t))
+        carried = child_c.new_zeros(batch, hidden).index_add_(0, child_node, f * child_c)
+        return tree_state(i, o, u, carried)
+
+
 class ChildSumWeights(nn.Module):
     def __init__(self, vocab_size: int, embedding_size: int, hidden_size: int):
         super().__init__()
@@ -92,6 +125,16 @@ class ChildSumTreeLSTMModel(TreeModel):
 
     def tree_cell_modules(self, weights: nn.Module) -> dict[str, nn.Module]:
         return {"node": ChildSumCell(weights.embedding, weights.W, weights.U_iou, weights.U_f)}
+
+    def tree_kernels(self, state: dict[str, torch.Tensor], fold: bool) -> dict[str, nn.Module]:
+        embedding = state["embedding.weight"]
+        words = torch.cat((embedding.new_zeros(1, embedding.shape[1]), embedding))  # row 0: no word
+        u = (GATES.index("u"),)
+        projection = token_projection(words, doubled(state["W.weight"], 4, u), doubled(state["W.bias"], 4, u), fold)
+        return {"node": ChildSumKernel(projection, state["U_iou.weight"], state["U_f.weight"])}
+
+    def folded_bytes(self) -> int:
+        return table_bytes(self.vocab_size + 1, len(GATES) * self.hidden_size)
 
     def add_tree_node(self, graph: CellGraph, token: int, children: list[int]) -> int:
         h = Ragged(tuple(NodeOutput(child, 0) for child in children))

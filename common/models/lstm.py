@@ -10,6 +10,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.models.chain import ChainModel
+from common.models.kernels import LSTMKernel, lstm_input
 
 
 class LSTMStep(nn.Module):
@@ -29,6 +30,10 @@ class LSTMModel(ChainModel):
 
     def make_step(self, input_size: int) -> nn.Module:
         return LSTMStep(input_size, self.hidden_size)
+
+    def make_kernel(self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool) -> nn.Module:
+        projection = lstm_input(embedding, weights["weight_ih"], weights["bias_ih"], weights["bias_hh"], fold)
+        return LSTMKernel(projection, weights["weight_hh"])
 
     def reference_rnn(self) -> nn.Module:
         return nn.LSTM(self.embedding_size, self.hidden_size, num_layers=self.num_layers)

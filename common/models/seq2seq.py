@@ -16,6 +16,9 @@ Weights file keys: `encoder.embedding.weight` [src_vocab, emb], `encoder.lstm.*_
 and `decoder.lstm.*_l0` (torch.nn.LSTM names: weight_ih_l0, weight_hh_l0, bias_ih_l0,
 bias_hh_l0), `decoder.embedding.weight` [tgt_vocab, emb], `decoder.projection.weight`
 [tgt_vocab, hidden], `decoder.projection.bias` [tgt_vocab].
+
+Workers serve the kernels of common/models/kernels.py: both cells read a token, so both
+fold their embedding into their input projection; `torch_nn_cells` are the plain cells.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.models.base import Model, check_params, int_param, padded_length, token_ids
+from common.models.base import FOLD_KEY, Model, check_params, int_param, padded_length, token_ids
+from common.models.kernels import LSTMKernel, Projection, lstm_input, table_bytes
 from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import INVALID_INPUT, RequestError
 
@@ -60,6 +64,19 @@ class DecoderCell(nn.Module):
         return h, c, self.projection(h).argmax(dim=1)
 
 
+class DecoderKernel(nn.Module):
+    """The decoder's serving kernel: an LSTM step, then the argmax of the vocabulary projection."""
+
+    def __init__(self, step: LSTMKernel, projection: Projection):
+        super().__init__()
+        self.step = step
+        self.projection = projection
+
+    def forward(self, tokens: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h, c = self.step(tokens, h, c)
+        return h, c, self.projection(h).argmax(dim=1)
+
+
 class Decoded:
     """What a request has decoded so far; steps may be observed out of order, tokens are kept in order."""
 
@@ -86,6 +103,7 @@ class Seq2SeqModel(Model):
             "extra_decode_steps",
             "go_id",
             "eos_id",
+            FOLD_KEY,
         }
         check_params(params, allowed, self.name)
         self.src_vocab_size = int_param(params, "src_vocab_size", self.name)
@@ -217,6 +235,17 @@ class Seq2SeqModel(Model):
         return src_embedding, encoder, tgt_embedding, decoder, projection
 
     def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+        fold = self.folds(table_bytes(self.src_vocab_size + self.tgt_vocab_size, 4 * self.hidden_size))
+
+        def step(part: str) -> LSTMKernel:
+            w = {k: state[f"{part}.lstm.{k}_l0"] for k in LSTM_KEYS}
+            embedding = state[f"{part}.embedding.weight"]
+            return LSTMKernel(lstm_input(embedding, w["weight_ih"], w["bias_ih"], w["bias_hh"], fold), w["weight_hh"])
+
+        vocabulary = Projection(state["decoder.projection.weight"], state["decoder.projection.bias"])
+        return {self.encoder_key: step("encoder"), self.decoder_key: DecoderKernel(step("decoder"), vocabulary)}
+
+    def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
         src_embedding, encoder, tgt_embedding, decoder, projection = self._modules(state)
         return {
             self.encoder_key: EncoderCell(src_embedding, encoder),

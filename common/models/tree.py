@@ -33,7 +33,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.models.base import Model, check_params, int_param
+from common.models.base import FOLD_KEY, Model, check_params, int_param
 from common.plan import ZERO_REF, Unfolded, plan_of
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
@@ -289,7 +289,7 @@ class TreeModel(Model):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         params = config.params
-        allowed = {"vocab_size", "embedding_size", "hidden_size", "num_classes", "max_nodes"}
+        allowed = {"vocab_size", "embedding_size", "hidden_size", "num_classes", "max_nodes", FOLD_KEY}
         check_params(params, allowed, self.name)
         self.vocab_size = int_param(params, "vocab_size", self.name)
         self.hidden_size = int_param(params, "hidden_size", self.name)
@@ -321,6 +321,15 @@ class TreeModel(Model):
     @abstractmethod
     def tree_cell_modules(self, weights: nn.Module) -> dict[str, nn.Module]:
         """The tree cells by name, sharing the parameters of `weights`."""
+
+    @abstractmethod
+    def tree_kernels(self, state: dict[str, torch.Tensor], fold: bool) -> dict[str, nn.Module]:
+        """The tree cells' serving kernels (common/models/kernels.py) by name, from the weights file's
+        tensors; the cells that read a word fold its input projection into a table when `fold`."""
+
+    @abstractmethod
+    def folded_bytes(self) -> int:
+        """Memory the folded tables would take."""
 
     @abstractmethod
     def add_tree_node(self, graph: CellGraph, token: int, children: list[int]) -> int:
@@ -431,6 +440,12 @@ class TreeModel(Model):
         return cells
 
     def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+        kernels = self.tree_kernels(state, self.folds(self.folded_bytes()))
+        if self.num_classes:
+            kernels[CLASSIFIER] = self.weights_from(state).classifier
+        return {self.keys[name]: cell for name, cell in kernels.items()}
+
+    def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
         return {self.keys[name]: cell for name, cell in self.cell_modules(self.weights_from(state)).items()}
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,10 @@ Weights file keys (H = hidden_size, E = embedding_size, V = vocab_size):
   logits = classifier.weight @ h_root + classifier.bias
 
 Trees must be binary: every internal node has exactly two children and no word.
+
+The cells above are the ones `scripts/train_sst.py` trains; workers serve the kernels
+below them (common/models/kernels.py): a leaf is a row of its folded table and the gate
+nonlinearities, an internal node two recurrent products and one sigmoid over its gates.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, NodeOutput
+from common.models.kernels import doubled, table_bytes, token_projection, tree_state
 from common.models.tree import TOKEN, CellPorts, Tree, TreeModel, gate_blocks, lstm_state
 from common.plan import ZERO_REF, external_ref
 
@@ -68,6 +73,37 @@ class InternalCell(nn.Module):
         return lstm_state(i, o, u, torch.sigmoid(f_l) * c_l + torch.sigmoid(f_r) * c_r)
 
 
+class LeafKernel(nn.Module):
+    """Serving form of LeafCell: the gates i, o, u of a word are its projection (u doubled)."""
+
+    def __init__(self, projection: nn.Module):
+        super().__init__()
+        self.projection = projection
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        i, o, u = torch.sigmoid(self.projection(tokens)).chunk(3, dim=1)
+        return tree_state(i, o, u, None)
+
+
+class InternalKernel(nn.Module):
+    """Serving form of InternalCell: U [h_l, h_r] as two products accumulated in place (no concatenation)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        weight = doubled(weight, len(INTERNAL_GATES), (INTERNAL_GATES.index("u"),))
+        hidden = weight.shape[1] // 2
+        self.register_buffer("left_t", weight[:, :hidden].T.contiguous())
+        self.register_buffer("right_t", weight[:, hidden:].T.contiguous())
+        self.register_buffer("bias", doubled(bias, len(INTERNAL_GATES), (INTERNAL_GATES.index("u"),)))
+
+    def forward(
+        self, h_l: torch.Tensor, c_l: torch.Tensor, h_r: torch.Tensor, c_r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gates = torch.addmm(self.bias, h_l, self.left_t).addmm_(h_r, self.right_t)
+        i, f_l, f_r, o, u = torch.sigmoid(gates).chunk(5, dim=1)
+        return tree_state(i, o, u, torch.addcmul(f_l * c_l, f_r, c_r))
+
+
 class BinaryWeights(nn.Module):
     def __init__(self, vocab_size: int, embedding_size: int, hidden_size: int):
         super().__init__()
@@ -92,6 +128,17 @@ class TreeLSTMModel(TreeModel):
 
     def tree_cell_modules(self, weights: nn.Module) -> dict[str, nn.Module]:
         return {"leaf": LeafCell(weights.embedding, weights.leaf), "internal": InternalCell(weights.internal)}
+
+    def tree_kernels(self, state: dict[str, torch.Tensor], fold: bool) -> dict[str, nn.Module]:
+        u = (LEAF_GATES.index("u"),)
+        weight, bias = doubled(state["leaf.weight"], 3, u), doubled(state["leaf.bias"], 3, u)
+        return {
+            "leaf": LeafKernel(token_projection(state["embedding.weight"], weight, bias, fold)),
+            "internal": InternalKernel(state["internal.weight"], state["internal.bias"]),
+        }
+
+    def folded_bytes(self) -> int:
+        return table_bytes(self.vocab_size, len(LEAF_GATES) * self.hidden_size)
 
     def add_tree_node(self, graph: CellGraph, token: int, children: list[int]) -> int:
         if not children:
