@@ -293,3 +293,16 @@ def test_peers_are_mapped_on_this_gpu_where_peer_access_allows(monkeypatch):
     assert CudaBackend._mapping_device(backend, 0) == DEVICE  # another worker on the same GPU
     assert CudaBackend._mapping_device(backend, 1) == DEVICE  # peer access
     assert CudaBackend._mapping_device(backend, 2) == torch.device("cuda", 2)  # read on its GPU, then copied
+
+
+def test_cells_made_from_weights_on_the_gpu_keep_everything_there():
+    """The worker moves the weights to its device before making the cells, so folded tables are
+    computed on the GPU: every parameter and buffer of every built-in cell ends up there."""
+    config = load_config(ROOT / "configs" / "all.toml")
+    with fake_cuda():
+        for model_config in config.models.values():
+            model = build_model(model_config)
+            state = {key: torch.empty(shape, device=DEVICE) for key, shape in model.weight_shapes().items()}
+            for key, cell in model.make_cells(state).items():
+                placed = {tensor.device for tensor in (*cell.parameters(), *cell.buffers())}
+                assert placed == {DEVICE}, f"{key}: {placed}"

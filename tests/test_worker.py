@@ -18,7 +18,7 @@ from common.models import build_model
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import TaskMessage, decode_task, encode_task
 from worker.backend import arena_ids
-from worker.main import EXIT_STARTUP_FAILED, InProgressFIFO, Poller, load_cells
+from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, InProgressFIFO, Poller, load_cells
 
 ROWS = 64
 
@@ -232,20 +232,25 @@ def test_cuda_counter_is_written_in_stream_order(cells):
         backend.close()
 
 
-def test_worker_that_cannot_start_exits_with_its_own_status(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("device", "status", "message"),
+    [("cuda:0", EXIT_STARTUP_FAILED, "could not start on cuda:0"), ("tpu", EXIT_CONFIG_ERROR, "unknown device 'tpu'")],
+)
+def test_worker_that_cannot_start_exits_with_its_own_status(tmp_path: Path, device: str, status: int, message: str):
     """A device that cannot run the cells (here: CUDA asked of a CPU-only torch) is a start-up failure:
-    one clear log line and status 3, not a crash the supervisor would mistake for a fault to retry at once."""
-    if torch.cuda.is_available():
+    one clear log line and status 3, not a crash the supervisor would mistake for a fault to retry at once;
+    a device name no backend knows is a configuration error."""
+    if device.startswith("cuda") and torch.cuda.is_available():
         pytest.skip("this machine can start a CUDA worker")
     config = write_config(tmp_path, SMALL_LSTM)
     process = subprocess.run(
         [sys.executable, "-m", "worker", "--config", str(config.path), "--manager", "tcp://127.0.0.1:9"]
-        + ["--device", "cuda:0"],
+        + ["--device", device],
         capture_output=True,
         text=True,
         check=False,
         timeout=120,
         cwd=Path(__file__).parents[1],
     )
-    assert process.returncode == EXIT_STARTUP_FAILED, process.stderr
-    assert "could not start on cuda:0" in process.stderr
+    assert process.returncode == status, process.stderr
+    assert message in process.stderr

@@ -147,13 +147,17 @@ class Poller(threading.Thread):
                 self._backend.wait_for_signal(done, IDLE_WAIT_S)
 
 
-def load_cells(config: Config) -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
-    """Every configured model's cell types in the manager's order, with their modules (weights loaded)."""
+def load_cells(config: Config, device: str = "cpu") -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
+    """Every configured model's cell types in the manager's order, with their modules (weights loaded).
+
+    The weights go to `device` before the cells are made, so tables the cells derive from them
+    (folded input projections) are computed there."""
     models = [build_model(model_config) for model_config in config.models.values()]
     specs, kinds = cell_layout(models)
     modules: dict[str, torch.nn.Module] = {}
+    target = device if device.startswith("cuda") else "cpu"  # an unknown device is make_backend's to refuse
     for model in models:
-        modules.update(model.make_cells(model.load_weights()))
+        modules.update(model.make_cells({key: value.to(target) for key, value in model.load_weights().items()}))
     for module in modules.values():
         module.eval()
     return specs, [modules[spec.key] for spec in specs], kinds
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         torch.set_num_threads(args.threads or config.server.threads_per_worker)
-        specs, cells, kinds = load_cells(config)
+        specs, cells, kinds = load_cells(config, args.device)
         backend = make_backend(args.device, specs, cells, kinds, config.server.arena_rows, config.server.io_rows)
         backend.warm_up()
     except ConfigError as exc:

@@ -35,7 +35,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, NodeOutput, Ragged
-from common.models.kernels import doubled, table_bytes, token_projection, tree_state
+from common.models.kernels import doubled, stored, table_bytes, token_projection, tree_state
 from common.models.tree import NO_WORD, TOKEN, CellPorts, Tree, TreeModel, gate_blocks, lstm_state
 from common.plan import ZERO_REF, external_ref
 
@@ -83,8 +83,8 @@ class ChildSumKernel(nn.Module):
     def __init__(self, projection: nn.Module, U_iou: torch.Tensor, U_f: torch.Tensor):
         super().__init__()
         self.projection = projection
-        self.register_buffer("iou_t", doubled(U_iou, 3, (GATES.index("u"),)).T.contiguous())
-        self.register_buffer("f_t", U_f.detach().T.contiguous())
+        self.register_buffer("iou_t", stored(doubled(U_iou, 3, (GATES.index("u"),)).T))
+        self.register_buffer("f_t", stored(U_f.T))
 
     def forward(
         self,

@@ -27,12 +27,17 @@ def table_bytes(vocab_size: int, rows: int) -> int:
     return vocab_size * rows * 4
 
 
+def stored(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a weight for a kernel to keep: no buffer aliases the weights file's tensors."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
 def doubled(matrix: torch.Tensor, gates: int, tanh_gates: tuple[int, ...]) -> torch.Tensor:
     """A copy of a stacked gate weight (or bias) with the rows of its tanh gates times two."""
-    scaled = matrix.detach().clone()
+    scaled = stored(matrix)
     blocks = scaled.view(gates, -1, *scaled.shape[1:])
     for gate in tanh_gates:
-        blocks[gate] *= 2
+        blocks.select(0, gate).mul_(2)
     return scaled
 
 
@@ -51,7 +56,7 @@ class TokenTable(nn.Module):
     def __init__(self, embedding: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
         super().__init__()
         table = torch.addmm(bias.double(), embedding.double(), weight.double().T)
-        self.register_buffer("table", table.float().contiguous())
+        self.register_buffer("table", table.float())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.table.index_select(0, tokens)
@@ -62,9 +67,9 @@ class EmbeddedProjection(nn.Module):
 
     def __init__(self, embedding: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
         super().__init__()
-        self.register_buffer("embedding", embedding.detach().contiguous())
-        self.register_buffer("weight_t", weight.detach().T.contiguous())
-        self.register_buffer("bias", bias.detach().clone())
+        self.register_buffer("embedding", stored(embedding))
+        self.register_buffer("weight_t", stored(weight.T))
+        self.register_buffer("bias", stored(bias))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.bias, self.embedding.index_select(0, tokens), self.weight_t)
@@ -75,8 +80,8 @@ class Projection(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
         super().__init__()
-        self.register_buffer("weight_t", weight.detach().T.contiguous())
-        self.register_buffer("bias", bias.detach().clone())
+        self.register_buffer("weight_t", stored(weight.T))
+        self.register_buffer("bias", stored(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.bias, x, self.weight_t)
@@ -116,7 +121,7 @@ class LSTMKernel(nn.Module):
     def __init__(self, projection: nn.Module, weight_hh: torch.Tensor):
         super().__init__()
         self.projection = projection
-        self.register_buffer("recurrent_t", doubled(weight_hh, LSTM_GATES, LSTM_TANH).T.contiguous())
+        self.register_buffer("recurrent_t", stored(doubled(weight_hh, LSTM_GATES, LSTM_TANH).T))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gates = self.projection(x).addmm_(h, self.recurrent_t)

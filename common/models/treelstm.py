@@ -38,7 +38,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, NodeOutput
-from common.models.kernels import doubled, table_bytes, token_projection, tree_state
+from common.models.kernels import doubled, stored, table_bytes, token_projection, tree_state
 from common.models.tree import TOKEN, CellPorts, Tree, TreeModel, gate_blocks, lstm_state
 from common.plan import ZERO_REF, external_ref
 
@@ -92,8 +92,8 @@ class InternalKernel(nn.Module):
         super().__init__()
         weight = doubled(weight, len(INTERNAL_GATES), (INTERNAL_GATES.index("u"),))
         hidden = weight.shape[1] // 2
-        self.register_buffer("left_t", weight[:, :hidden].T.contiguous())
-        self.register_buffer("right_t", weight[:, hidden:].T.contiguous())
+        self.register_buffer("left_t", stored(weight[:, :hidden].T))
+        self.register_buffer("right_t", stored(weight[:, hidden:].T))
         self.register_buffer("bias", doubled(bias, len(INTERNAL_GATES), (INTERNAL_GATES.index("u"),)))
 
     def forward(
