@@ -70,6 +70,7 @@ class ServerConfig:
     max_queue_delay_ms: int = 250  # admission: refuse when the expected wait exceeds this; 0: off
     unreachable_client_ms: int = 30000  # a client that reads none of its waiting replies this long is taken for gone
     metrics_address: str = ""  # "host:port" for the Prometheus /metrics endpoint; empty: off
+    cuda_graphs: bool = False  # GPU workers replay each cell as a captured CUDA graph (worker/cuda_graphs.py)
     curve: CurveConfig | None = None
 
 
@@ -143,6 +144,13 @@ def _string(table: dict[str, Any], key: str, default: str | None, where: str, pa
     return value
 
 
+def _bool(table: dict[str, Any], key: str, default: bool, where: str, path: Path) -> bool:
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: [{where}] {key} must be true or false, got {value!r}")
+    return value
+
+
 def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     defaults = ServerConfig()
     _check_keys(table, set(ServerConfig.__dataclass_fields__), "server", path)
@@ -163,6 +171,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         devices = tuple(devices)
     elif devices not in ("auto", "cpu"):
         raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list of devices, got {devices!r}")
+    cuda_graphs = _bool(table, "cuda_graphs", defaults.cuda_graphs, "server", path)
+    if cuda_graphs and (devices == "cpu" or (isinstance(devices, tuple) and "cpu" in devices)):
+        raise ConfigError(f"{path}: [server] cuda_graphs = true needs GPU workers, but devices is {devices!r}")
     return ServerConfig(
         address=_string(table, "address", defaults.address, "server", path),
         worker_address=_string(table, "worker_address", defaults.worker_address, "server", path),
@@ -189,6 +200,7 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
             table, "unreachable_client_ms", defaults.unreachable_client_ms, "server", path, minimum=100
         ),
         metrics_address=metrics_address,
+        cuda_graphs=cuda_graphs,
         curve=_parse_curve(_table(table, "curve", path, "server.curve"), path) if "curve" in table else None,
     )
 

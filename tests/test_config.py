@@ -391,3 +391,23 @@ def test_load_weights_round_trip(tmp_path: Path) -> None:
         assert loaded[key].dtype == torch.float32
         assert torch.equal(loaded[key], tensor)
     assert set(model.make_cells(loaded)) == {"lstm/layer0"}
+
+
+# -- [server] cuda_graphs -----------------------------------------------------------------------------------
+
+
+def test_cuda_graphs_is_off_unless_set(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MODEL)).server.cuda_graphs is False
+    for devices in ('"auto"', '["cuda:0", "cuda:1"]'):
+        text = f"[server]\ndevices = {devices}\ncuda_graphs = true\n" + MODEL
+        assert load_config(write(tmp_path, text)).server.cuda_graphs is True
+
+
+@pytest.mark.parametrize("value", ['"true"', "1", "0", '"yes"', "[true]"])
+def test_cuda_graphs_must_be_a_boolean(tmp_path: Path, value: str) -> None:
+    config_error(tmp_path, f"[server]\ncuda_graphs = {value}\n" + MODEL, "cuda_graphs must be true or false")
+
+
+@pytest.mark.parametrize("devices", ['"cpu"', '["cpu", "cpu"]'])
+def test_cuda_graphs_on_cpu_workers_is_refused(tmp_path: Path, devices: str) -> None:
+    config_error(tmp_path, f"[server]\ndevices = {devices}\ncuda_graphs = true\n" + MODEL, "cuda_graphs", "GPU")

@@ -140,9 +140,9 @@ def on_fake_device(module: nn.Module, device: torch.device = DEVICE) -> nn.Modul
     return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
-def all_cells() -> tuple[list[CellTypeSpec], list[nn.Module], list]:
-    """Every built-in model of configs/all.toml: specs, cells with real (random) weights, value kinds."""
-    config = load_config(ROOT / "configs" / "all.toml")
+def all_cells(path: Path = ROOT / "configs" / "all.toml") -> tuple[list[CellTypeSpec], list[nn.Module], list]:
+    """Every model of a config (by default every built-in one): specs, cells with random weights, value kinds."""
+    config = load_config(path)
     models = [build_model(model_config) for model_config in config.models.values()]
     specs, kinds = cell_layout(models)
     modules: dict[str, nn.Module] = {}

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from common.graph import CellTypeSpec, ValueKind
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import SLOT_DTYPE, TaskMessage
+
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 
 
 @dataclass(frozen=True)

@@ -93,9 +93,24 @@ def run_task(task: IssuedTask) -> None:
     Every tensor must already be on the arenas' device: nothing here moves data between
     devices, so a misplaced index fails loudly instead of costing a hidden copy.
     """
+    scatter(task, task.cell(*gather(task.inputs)))
+
+
+def gather(inputs: list[InputRows], into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The cell's arguments: each input's rows (own arena, then peers' and inline rows over them),
+    each followed by its segments if ragged. With `into`, the rows of input i are written into
+    `into[i]` (a captured cell's static input, which must keep its size and address) instead."""
     batch = []
-    for arena, slots, segments, remote, inline in task.inputs:
-        rows = arena.index_select(0, slots)
+    for i, (arena, slots, segments, remote, inline) in enumerate(inputs):
+        if into is None:
+            rows = arena.index_select(0, slots)
+        else:
+            rows = into[i]
+            if segments is not None:
+                raise ValueError(f"input {i} is ragged; a captured cell takes a fixed number of rows")
+            if slots.shape[0] != rows.shape[0]:
+                raise ValueError(f"input {i} has {slots.shape[0]} rows; its static input holds {rows.shape[0]}")
+            torch.index_select(arena, 0, slots, out=rows)
         for source, source_slots, positions in remote:  # values another worker produced (its task has completed)
             rows.index_copy_(0, positions, source if source_slots is None else source.index_select(0, source_slots))
         if inline is not None:  # the requests' own inputs
@@ -104,7 +119,11 @@ def run_task(task: IssuedTask) -> None:
         batch.append(rows)
         if segments is not None:
             batch.append(segments)
-    results = task.cell(*batch)
+    return batch
+
+
+def scatter(task: IssuedTask, results: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+    """Write the cell's results to their slots, then copy the task's downloads."""
     if isinstance(results, torch.Tensor):
         results = (results,)
     for (arena, slots), value in zip(task.outputs, results):

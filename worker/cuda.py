@@ -22,7 +22,8 @@ from torch import nn
 from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
-from worker.backend import ArenaInfo, Backend, arena_ids
+from worker.backend import TORCH_DTYPES, ArenaInfo, Backend, arena_ids
+from worker.cuda_graphs import capture_on
 from worker.device_tasks import DeviceCalls, DeviceTasks, Staging
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ SPIN_ROUNDS = 50  # polls without sleeping before backing off
 MAX_BACKOFF_S = 0.0005
 WARM_UP_TIMEOUT_S = 300.0  # the first run of every cell compiles and loads kernels
 CLOSE_TIMEOUT_S = 5.0
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 
 
 class StreamCalls(DeviceCalls):
@@ -89,8 +88,10 @@ class CudaBackend(Backend):
         kinds: list[ValueKind],
         arena_rows: int,
         io_rows: int,
+        cuda_graphs: bool = False,
     ):
         self.device = device
+        self._cuda_graphs = cuda_graphs
         self._dev = torch.device(device)
         torch.cuda.init()
         torch.cuda.set_device(self._dev)
@@ -124,7 +125,7 @@ class CudaBackend(Backend):
         return None  # the counter is pinned memory private to this process
 
     def warm_up(self) -> None:
-        self._tasks.warm_up()
+        self._tasks.warm_up(capture_on(self._calls.stream) if self._cuda_graphs else None)
         if not self._calls.wait(WARM_UP_TIMEOUT_S):
             raise RuntimeError(f"warm-up on {self.device} did not finish within {WARM_UP_TIMEOUT_S:.0f} s")
 

@@ -28,6 +28,7 @@ from common.graph import CellTypeSpec, ValueKind
 from common.task import TaskMessage
 from worker.backend import warm_up_tasks
 from worker.cpu import InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
+from worker.cuda_graphs import Capture, CapturedCell, capture_cells
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +108,22 @@ class DeviceTasks:
         self.peers: PeerArenas = {}
         self._downloads: dict[int, list[Download]] = {}
         self._errors: dict[int, str] = {}
+        self.graphs: dict[tuple[int, int], CapturedCell] = {}  # by (cell index, batch size)
 
-    def warm_up(self) -> None:
-        """Run every (cell type, batch size) once; a failure here is a start-up failure and propagates."""
+    def warm_up(self, capture: Capture | None = None) -> None:
+        """Run every (cell type, batch size) once; a failure here is a start-up failure and propagates.
+
+        With `capture`, then capture every capturable (cell type, batch size) and run each
+        warm-up task again, through its graph, so that serving replays what was already run.
+        """
         with self._calls.on_stream(), torch.inference_mode():
-            for task in warm_up_tasks(self._specs, self._ids):
+            tasks = list(warm_up_tasks(self._specs, self._ids))
+            for task in tasks:
                 self._run(task)
+            if capture is not None:
+                self.graphs = capture_cells(self._cells, self._specs, self._calls.device, capture)
+                for task in tasks:
+                    self._run(task)
 
     def issue(self, task: TaskMessage) -> None:
         """Enqueue the task and then its signal: a task that cannot be issued still completes, with its error."""
@@ -145,7 +156,12 @@ class DeviceTasks:
             (arena, slots, segments, self._local(remote), inline)
             for arena, slots, segments, remote, inline in inputs
         ]
-        run_task(IssuedTask(task.task_id, self._cells[task.cell_index], inputs, outputs, []))
+        issued = IssuedTask(task.task_id, self._cells[task.cell_index], inputs, outputs, [])
+        graph = self.graphs.get((task.cell_index, task.batch_size))
+        if graph is None:
+            run_task(issued)
+        else:
+            graph.run(issued)
         downloads = []
         for arena, slots, io, io_slots in sources:
             _check(io_slots, io.shape[0], "io slot")

@@ -164,8 +164,15 @@ def load_cells(config: Config, device: str = "cpu") -> tuple[list[CellTypeSpec],
 
 
 def make_backend(
-    device: str, specs: list[CellTypeSpec], cells: list[torch.nn.Module], kinds: list[ValueKind], rows: int, io_rows: int
+    device: str,
+    specs: list[CellTypeSpec],
+    cells: list[torch.nn.Module],
+    kinds: list[ValueKind],
+    rows: int,
+    io_rows: int,
+    cuda_graphs: bool = False,
 ) -> Backend:
+    """The backend of `device`; `cuda_graphs` (GPU workers only) replays captured cells."""
     if device == "cpu":
         from worker.cpu import CpuBackend
 
@@ -173,7 +180,7 @@ def make_backend(
     if device.startswith("cuda"):
         from worker.cuda import CudaBackend
 
-        return CudaBackend(device, cells, specs, kinds, rows, io_rows)
+        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs)
     raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")
 
 
@@ -300,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         torch.set_num_threads(args.threads or config.server.threads_per_worker)
         specs, cells, kinds = load_cells(config, args.device)
-        backend = make_backend(args.device, specs, cells, kinds, config.server.arena_rows, config.server.io_rows)
+        server = config.server
+        backend = make_backend(
+            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs
+        )
         backend.warm_up()
     except ConfigError as exc:
         log.error("%s", exc)
