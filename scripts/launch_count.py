@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))
 
-from torch.utils._python_dispatch import TorchDispatchMode
 from test_cuda_fake import FakeCalls, all_cells, fake_cuda, fake_tasks, serving_task
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.task import TaskMessage
 

@@ -31,7 +31,7 @@ def cells(tmp_path: Path):
     return specs, modules, kinds, model.load_weights()
 
 
-def make_backend(device: str, cells):
+def make_backend(device: str, cells, cuda_graphs: bool = False):
     specs, modules, kinds, _ = cells
     if device == "cpu":
         from worker.cpu import CpuBackend
@@ -39,7 +39,7 @@ def make_backend(device: str, cells):
         return CpuBackend(modules, specs, kinds, ROWS, ROWS)
     from worker.cuda import CudaBackend
 
-    return CudaBackend(device, modules, specs, kinds, ROWS, ROWS)
+    return CudaBackend(device, modules, specs, kinds, ROWS, ROWS, cuda_graphs)
 
 
 def io_array(backend, kind_key: str):
@@ -80,10 +80,10 @@ def wait_signal(backend, value: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def run_two_steps(device: str, cells) -> np.ndarray:
+def run_two_steps(device: str, cells, cuda_graphs: bool = False) -> np.ndarray:
     """Two chained steps of two sequences issued back to back; returns the final h rows from the io arena."""
     _specs, _modules, kinds, _ = cells
-    backend = make_backend(device, cells)
+    backend = make_backend(device, cells, cuda_graphs)
     try:
         results = io_array(backend, "float32[64]")
         # sequence A = 5, 7; sequence B = 9, 3
@@ -201,10 +201,11 @@ def test_poller_reports_completions_in_fifo_order(cells, tmp_path: Path):
 
 
 @pytest.mark.cuda
-def test_cuda_backend_matches_cpu(cells):
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_cuda_backend_matches_cpu(cells, cuda_graphs: bool):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    got = run_two_steps("cuda:0", cells)
+    got = run_two_steps("cuda:0", cells, cuda_graphs)
     np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
 
 

@@ -20,7 +20,6 @@ from common.graph import CellTypeSpec, ValueKind
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import SLOT_DTYPE, TaskMessage
 
-
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 
 
