@@ -5,11 +5,15 @@
    compared with its reference, with one task per submission, so that subgraphs move between
    workers and their inputs are read from peers' arenas through CUDA IPC.
 
+With --cuda-graphs the server runs with `[server] cuda_graphs = true` (cells replayed as
+captured CUDA graphs); the cuda-marked tests compare graphs on and off either way.
+
 Exits 2 when no GPU is visible, 1 when a check fails.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import re
 import subprocess
@@ -77,12 +81,12 @@ def serving_devices(gpus: int) -> list[str]:
     return [f"cuda:{i}" for i in range(gpus)] if gpus > 1 else ["cuda:0", "cuda:0"]
 
 
-def serving_config(directory: Path, devices: list[str]):
+def serving_config(directory: Path, devices: list[str], cuda_graphs: bool = False):
     """configs/all.toml on `devices`, on a free port; weights it lacks are created in `directory`."""
     source = load_config(ROOT / "configs" / "all.toml")
     text = (ROOT / "configs" / "all.toml").read_text()
     listed = ", ".join(f'"{device}"' for device in devices)
-    text = re.sub(r"(?m)^devices = .*$", f"devices = [{listed}]", text)
+    text = re.sub(r"(?m)^devices = .*$", f"devices = [{listed}]\ncuda_graphs = {str(cuda_graphs).lower()}", text)
     text = re.sub(r"(?m)^address = .*$", f'address = "tcp://127.0.0.1:{free_port()}"', text)
     # One task per submission: subgraphs change workers often, so peers' arenas are read.
     text = re.sub(r"(?m)^max_tasks_to_submit = .*$", "max_tasks_to_submit = 1", text)
@@ -145,6 +149,9 @@ def check_served(config, workers: int) -> list[str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="gpu-check", description="The checks only a real GPU can run.")
+    parser.add_argument("--cuda-graphs", action="store_true", help="serve with [server] cuda_graphs = true")
+    args = parser.parse_args()
     gpus = torch.cuda.device_count()
     if not gpus:
         fail(f"no CUDA device visible to torch {torch.__version__} (CUDA build: {torch.version.cuda or 'no'}); "
@@ -154,9 +161,10 @@ def main() -> None:
     if tests.returncode != 0:
         fail("the cuda tests failed")
     devices = serving_devices(gpus)
-    print(f"gpu-check: serving configs/all.toml on {devices}")
+    graphs = "on" if args.cuda_graphs else "off"
+    print(f"gpu-check: serving configs/all.toml on {devices}, CUDA graphs {graphs}")
     with tempfile.TemporaryDirectory() as directory:
-        problems = check_served(serving_config(Path(directory), devices), len(devices))
+        problems = check_served(serving_config(Path(directory), devices, args.cuda_graphs), len(devices))
     if problems:
         fail("served answers differ from the references: " + "; ".join(problems))
     print("gpu-check: all checks passed")
