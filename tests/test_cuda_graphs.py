@@ -279,3 +279,19 @@ def test_served_answers_with_graphs_equal_those_without(tmp_path: Path):
         for answer in (without, with_graphs):
             problem = decoding_mismatch(answer["tokens"], reference, NEAR_TIE)
             assert problem is None, problem
+
+
+def test_a_cpu_worker_with_cuda_graphs_set_says_it_runs_eagerly(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """devices = "auto" without GPUs starts CPU workers: the switch cannot apply, and the log says so."""
+    from worker.cpu import CpuBackend
+    from worker.main import load_cells, make_backend
+
+    config = write_config(tmp_path, SMALL_LSTM, server="cuda_graphs = true")
+    specs, cells, kinds = load_cells(config)
+    with caplog.at_level("WARNING"):
+        backend = make_backend("cpu", specs, cells, kinds, 64, 64, config.server.cuda_graphs)
+    try:
+        assert isinstance(backend, CpuBackend)
+        assert "its cells run eagerly" in caplog.text
+    finally:
+        backend.close()

@@ -24,6 +24,7 @@ from worker.cpu import IssuedTask, gather, scatter
 
 WARM_UP_RUNS = 3  # eager runs before capture, on the capture stream: cuBLAS handles and workspaces exist by then
 
+
 class CapturedCell:
     """One cell at one batch size over static buffers: fill `inputs`, `replay()`, read `outputs`."""
 

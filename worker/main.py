@@ -176,6 +176,8 @@ def make_backend(
     if device == "cpu":
         from worker.cpu import CpuBackend
 
+        if cuda_graphs:  # devices = "auto" on a machine without GPUs
+            log.warning("cuda_graphs is set but this worker runs on the CPU: its cells run eagerly")
         return CpuBackend(cells, specs, kinds, rows, io_rows)
     if device.startswith("cuda"):
         from worker.cuda import CudaBackend
