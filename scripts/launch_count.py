@@ -10,7 +10,7 @@ launch.
 
     python scripts/launch_count.py [--batch 64] [--config configs/all.toml]
 
-Prints a Markdown table (docs/architecture.md, "Launches per task", shows its output).
+Prints a Markdown table (README.md, "Launches per task", shows its output).
 """
 
 from __future__ import annotations

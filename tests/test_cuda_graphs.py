@@ -36,6 +36,7 @@ from common.models import build_model
 from common.models.seq2seq import decoding_mismatch
 from common.task import TaskMessage
 from worker.backend import TORCH_DTYPES, arena_ids
+from worker.cpu import gather
 from worker.cuda_graphs import CapturedCell, as_tuple, capturable
 from worker.device_tasks import DeviceCalls, DeviceTasks, Staging
 
@@ -87,6 +88,7 @@ def is_among(tensor: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
 
 
 def test_the_graph_path_keeps_every_tensor_on_the_device():
+    """Static buffers on the device, filled from the arenas, peers and inline rows, scattered back from."""
     layout = all_cells()
     specs, _, _ = layout
     with fake_cuda():
@@ -139,6 +141,13 @@ def test_a_task_that_does_not_fit_its_graph_fails_alone():
         assert "input 1 has 3 rows; its static input holds 4" in tasks.finish(2)
         assert tasks.finish(3) is None
         assert tuple(tasks.graphs[(index, BATCH)].inputs[1].shape) == (BATCH, 256)
+
+
+def test_a_ragged_input_is_never_gathered_into_a_static_buffer():
+    arena = torch.zeros((8, 3))
+    ragged = (arena, torch.tensor([2, 3, 4]), torch.tensor([0, 0, 1]), [], None)
+    with pytest.raises(ValueError, match="input 0 is ragged"):
+        gather([ragged], into=[torch.zeros((2, 3))])
 
 
 class HostCalls(DeviceCalls):
