@@ -134,9 +134,10 @@ class ClientFrontend:
         return bool(self._backlog)
 
     @property
-    def gave_up(self) -> bool:
-        """Some clients were taken for gone by `flush`: `departed` tells which."""
-        return bool(self._unreachable)
+    def departures_known(self) -> bool:
+        """Some clients are already known to be gone (taken for gone by `flush`, or their closed
+        connection read off the monitor early): `departed` tells which."""
+        return bool(self._unreachable) or self.connections.departures_known
 
     def flush(self) -> None:
         """Send what slow clients can take now; give up on those that have not read for too long."""

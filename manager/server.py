@@ -1,7 +1,7 @@
 """The manager process: one thread, one zmq.Poller event loop, no locks on the hot path.
 
 Each turn of the loop takes completion notices first (they free workers and rows) and
-schedules right away, then worker control messages, departed clients and client messages,
+schedules right away, then worker control messages, client messages and departed clients,
 then deadlines and the watchdog, and finally runs Schedule for every worker with few tasks in
 flight, so that newly arrived requests join the very next batched tasks. The parts live in
 their own modules: the client frontend (manager.frontend), the workers (manager.worker_pool),
@@ -139,11 +139,11 @@ class Manager:
                     self._schedule_idle_workers()  # keep the workers fed before admitting new requests
                 if control in events:
                     self._worker_control()
-                if departures in events or self.frontend.gave_up:
-                    for request in self.requests.of_clients(self.frontend.departed()):
-                        self.processor.fail(request, RequestError(CANCELLED, "the client disconnected"))
                 if self.frontend.socket in events:
                     self._clients()
+                if departures in events or self.frontend.departures_known:  # after clients: they may read the monitor
+                    for request in self.requests.of_clients(self.frontend.departed()):
+                        self.processor.fail(request, RequestError(CANCELLED, "the client disconnected"))
                 for request in self.requests.expired():
                     self.processor.fail(request, RequestError(DEADLINE_EXCEEDED, "the request's deadline passed"))
                 self._watch_workers()

@@ -1,0 +1,74 @@
+"""Which clients a closed connection ends: real ROUTER and DEALER sockets over TCP on loopback."""
+
+from __future__ import annotations
+
+import zmq
+
+from manager.connections import ClientConnections
+
+WAIT_MS = 10_000
+
+
+def _receive(router: zmq.Socket, connections: ClientConnections) -> tuple[bytes, int]:
+    """One message on the router, noted as the frontend notes it: the client and its connection's descriptor."""
+    assert router.poll(WAIT_MS), "no message reached the router"
+    frames = router.recv_multipart(copy=False)
+    connections.seen(frames[0].bytes, frames[-1])
+    return frames[0].bytes, frames[-1].get(zmq.SRCFD)
+
+
+def _connected(context: zmq.Context, address: str) -> zmq.Socket:
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    dealer.send(b"hello")
+    return dealer
+
+
+def test_a_closed_connection_ends_its_client_only():
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    connections = ClientConnections(router)
+    try:
+        staying = _connected(context, f"tcp://127.0.0.1:{port}")
+        kept, _ = _receive(router, connections)
+        leaving = _connected(context, f"tcp://127.0.0.1:{port}")
+        gone, _ = _receive(router, connections)
+        leaving.close()
+        assert connections.monitor.poll(WAIT_MS), "the monitor never reported the disconnection"
+        assert connections.closed() == [gone]
+        assert connections.closed() == []
+        staying.close()
+        assert connections.monitor.poll(WAIT_MS)
+        assert connections.closed() == [kept]
+    finally:
+        connections.close()
+        context.destroy(linger=0)
+
+
+def test_a_new_client_on_a_reused_descriptor_is_not_taken_for_the_old_one():
+    """The old connection's disconnection is still unread when a new client's first message arrives
+    on the same descriptor: only the old client has gone."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    connections = ClientConnections(router)
+    try:
+        first = _connected(context, f"tcp://127.0.0.1:{port}")
+        old, old_fd = _receive(router, connections)
+        first.close()
+        # Wait until the server has closed the old descriptor (its event is queued), without reading the event.
+        assert connections.monitor.poll(WAIT_MS), "the monitor never reported the disconnection"
+        second = _connected(context, f"tcp://127.0.0.1:{port}")
+        new, new_fd = _receive(router, connections)
+        assert new_fd == old_fd, "the kernel did not reuse the descriptor; this test needs it to"
+        assert connections.closed() == [old]
+        second.close()
+        assert connections.monitor.poll(WAIT_MS)
+        assert connections.closed() == [new]
+    finally:
+        connections.close()
+        context.destroy(linger=0)
