@@ -41,7 +41,9 @@ EXIT_CONFIG_ERROR = 2
 EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a device or model fault, not the config)
 TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
 # Fault tests: with test hooks on, a task carrying this token id inline kills the worker, as a poisonous request would.
-CRASH_TOKEN = int(os.environ.get("BATCHMAKER_TEST_CRASH_TOKEN", "-1")) if TEST_HOOKS else None
+# Unset, none does (-1, say, is a real inline value: a Child-Sum node without a word).
+_CRASH_TOKEN = os.environ.get("BATCHMAKER_TEST_CRASH_TOKEN")
+CRASH_TOKEN = int(_CRASH_TOKEN) if TEST_HOOKS and _CRASH_TOKEN is not None else None
 
 
 class InProgressFIFO:
