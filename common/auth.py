@@ -17,6 +17,7 @@ import argparse
 import datetime
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -98,20 +99,21 @@ def load_secret_key(path: Path) -> tuple[bytes, bytes]:
 
 
 class CurveServer:
-    """Makes sockets CURVE servers that accept only the clients whose public keys are in `allowed_dir`.
+    """Makes sockets CURVE servers that accept only the clients whose public keys are in `allowed_dir`
+    (`peers` names them in errors: clients, or workers on the manager's worker sockets).
 
     The allowed keys are read once, here; restart to pick up new ones. libzmq allows one
     ZAP handler per context, so create one CurveServer per context and `apply` it to
     every socket that needs it; `stop` it before terminating the context.
     """
 
-    def __init__(self, context: zmq.Context, secret_key_file: Path, allowed_dir: Path) -> None:
+    def __init__(self, context: zmq.Context, secret_key_file: Path, allowed_dir: Path, peers: str = "client") -> None:
         self._public_key, self._secret_key = load_secret_key(secret_key_file)
         allowed_dir = Path(allowed_dir)
         if not allowed_dir.is_dir():
-            raise FileNotFoundError(f"allowed client keys directory {allowed_dir} does not exist")
+            raise FileNotFoundError(f"allowed {peers} keys directory {allowed_dir} does not exist")
         if not any(allowed_dir.glob("*.key")):
-            raise ValueError(f"{allowed_dir} holds no *.key file, so no client could connect")
+            raise ValueError(f"{allowed_dir} holds no *.key file, so no {peers} could connect")
         self._authenticator = ThreadAuthenticator(context)
         self._authenticator.configure_curve(domain="*", location=str(allowed_dir))  # reads the keys, may raise
         self._authenticator.start()
@@ -126,12 +128,42 @@ class CurveServer:
         self._authenticator.stop()
 
 
+@dataclass(frozen=True)
+class CurveClient:
+    """A client's key pair and the server's public key, read once, for every socket that connects with them."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+
+    @classmethod
+    def load(cls, client_secret_file: Path, server_public_file: Path) -> CurveClient:
+        """Read the key files; raises FileNotFoundError or ValueError saying which file is wrong."""
+        public_key, secret_key = load_secret_key(client_secret_file)
+        return cls(public_key, secret_key, load_public_key(server_public_file))
+
+    def apply(self, socket: zmq.Socket) -> None:
+        """Make `socket` a CURVE client that proves its key and checks the server's; call before connect."""
+        socket.curve_secretkey = self.secret_key
+        socket.curve_publickey = self.public_key
+        socket.curve_serverkey = self.server_key
+
+
+def connect_socket(
+    context: zmq.Context, kind: int, address: str, curve: CurveClient | None, linger_ms: int = 0
+) -> zmq.Socket:
+    """A socket of `kind` connected to `address`, as a CURVE client with `curve`'s keys when given."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    if curve is not None:
+        curve.apply(socket)
+    socket.connect(address)
+    return socket
+
+
 def apply_curve_client(socket: zmq.Socket, client_secret_file: Path, server_public_file: Path) -> None:
     """Make `socket` a CURVE client that proves its key and checks the server's; call before connect."""
-    public_key, secret_key = load_secret_key(client_secret_file)
-    socket.curve_secretkey = secret_key
-    socket.curve_publickey = public_key
-    socket.curve_serverkey = load_public_key(server_public_file)
+    CurveClient.load(client_secret_file, server_public_file).apply(socket)
 
 
 def keygen_main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.addresses import is_loopback
+
+DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
 AFFINITIES = ("subgraph", "request")
 
@@ -50,6 +53,18 @@ class CurveConfig:
 
 
 @dataclass(frozen=True)
+class WorkerCurveConfig:
+    """CurveZMQ on the manager's worker sockets. The manager reads `secret_key` (its key pair there) and
+    `allowed_workers` (the directory of public keys that may register); workers, and the supervisor's
+    readiness checks, read `worker_secret_key` and `manager_public_key` unless given keys of their own."""
+
+    secret_key: Path
+    allowed_workers: Path
+    worker_secret_key: Path
+    manager_public_key: Path
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     address: str = "tcp://127.0.0.1:5555"
     worker_address: str = "auto"
@@ -72,6 +87,8 @@ class ServerConfig:
     metrics_address: str = ""  # "host:port" for the Prometheus /metrics endpoint; empty: off
     cuda_graphs: bool = False  # GPU workers replay each cell as a captured CUDA graph (worker/cuda_graphs.py)
     curve: CurveConfig | None = None
+    worker_curve: WorkerCurveConfig | None = None
+    insecure_workers: bool = False  # a worker_address other machines can reach, without worker_curve
 
 
 @dataclass(frozen=True)
@@ -174,7 +191,7 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     cuda_graphs = _bool(table, "cuda_graphs", defaults.cuda_graphs, "server", path)
     if cuda_graphs and (devices == "cpu" or (isinstance(devices, tuple) and "cpu" in devices)):
         raise ConfigError(f"{path}: [server] cuda_graphs = true needs GPU workers, but devices is {devices!r}")
-    return ServerConfig(
+    server = ServerConfig(
         address=_string(table, "address", defaults.address, "server", path),
         worker_address=_string(table, "worker_address", defaults.worker_address, "server", path),
         devices=devices,
@@ -201,17 +218,38 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         ),
         metrics_address=metrics_address,
         cuda_graphs=cuda_graphs,
-        curve=_parse_curve(_table(table, "curve", path, "server.curve"), path) if "curve" in table else None,
+        curve=_key_files(table, "curve", CurveConfig, path),
+        worker_curve=_key_files(table, "worker_curve", WorkerCurveConfig, path),
+        insecure_workers=_bool(table, "insecure_workers", defaults.insecure_workers, "server", path),
     )
+    check_worker_address(server.worker_address, server, f"{path}: [server] worker_address")
+    return server
 
 
-def _parse_curve(table: dict[str, Any], path: Path) -> CurveConfig:
-    _check_keys(table, {"secret_key", "allowed_clients"}, "server.curve", path)
+def _key_files(server: dict[str, Any], key: str, kind: type, path: Path) -> Any:
+    """The [server.KEY] table of key files as a `kind` (one path per field, relative to the config file), or None."""
+    if key not in server:
+        return None
+    where = f"server.{key}"
+    table = _table(server, key, path, where)
+    fields = list(kind.__dataclass_fields__)
+    _check_keys(table, set(fields), where, path)
     paths = []
-    for key in ("secret_key", "allowed_clients"):
-        value = Path(_string(table, key, None, "server.curve", path))
+    for field_name in fields:
+        value = Path(_string(table, field_name, None, where, path))
         paths.append(value if value.is_absolute() else (path.parent / value).resolve())
-    return CurveConfig(secret_key=paths[0], allowed_clients=paths[1])
+    return kind(*paths)
+
+
+def check_worker_address(address: str, server: ServerConfig, where: str) -> None:
+    """Worker sockets other machines can reach take only workers holding an allowed CURVE key,
+    unless the config says explicitly that they need none."""
+    if not is_loopback(address) and server.worker_curve is None and not server.insecure_workers:
+        raise ConfigError(
+            f"{where} {address!r} can be reached from other machines, and anyone who reaches it could register "
+            "as a worker: add a [server.worker_curve] table (CurveZMQ keys for workers, see docs/deploy.md) "
+            "or set insecure_workers = true in [server]"
+        )
 
 
 def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:

@@ -7,7 +7,7 @@ A task: slot lists, plus the requests' own inputs.
 * inputs:    [[arena, slots, segments, remote, values], ...] one per cell input: `batch_size`
              slots each (padding rows read the zero slot) and segments nil; for a ragged input,
              any number of slots and, per slot, the batch row it belongs to. `remote` (or nil)
-             lists values produced on other workers by tasks that have completed:
+             lists values produced on other workers of the same host by tasks that have completed:
              [[peer_worker, peer_arena, peer_slots, positions], ...], read from the peer's
              arena into those positions of the gathered input. `values` (or nil) carries
              external inputs (a request's tokens, say) inline: [positions, data], the rows
@@ -16,6 +16,9 @@ A task: slot lists, plus the requests' own inputs.
 * downloads: [[arena, slots, io_arena, io_slots], ...] rows the host must see (results,
              stop decisions), copied to the io arena after compute
 
+A completion notice: [worker_id, task ids, errors, signal, rows], rows being
+[[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty).
+
 Slot lists travel as little-endian int64 bytes so both sides can view them without copying.
 External values travel inline rather than through arena rows: they are small (a token per
 row), and inline they need no slots to allocate and free.
@@ -23,7 +26,7 @@ row), and inline they need no slots to allocate and free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
@@ -102,21 +105,28 @@ def decode_task(frame: bytes) -> TaskMessage:
     )
 
 
+IoRows = tuple[int, np.ndarray, bytes]  # (io arena, io slots, the rows' raw bytes, in the arena's dtype)
+
+
 @dataclass(frozen=True)
 class CompletionNotice:
     """What a worker reports: tasks its stream finished (in stream order), the errors of those that
-    failed, and its signal counter; a notice without tasks is a heartbeat."""
+    failed, and its signal counter; a notice without tasks is a heartbeat. A worker on another host
+    than the manager, which cannot map its io arenas, also sends the rows its finished tasks copied
+    there (`rows`); a worker on the manager's host sends none."""
 
     worker_id: int
     task_ids: list[int]
     errors: dict[int, str]
     signal: int
+    rows: list[IoRows] = field(default_factory=list)
 
 
 def encode_notice(notice: CompletionNotice) -> bytes:
-    return msgpack.packb([notice.worker_id, notice.task_ids, notice.errors, notice.signal])
+    rows = [[a, _slots(s), data] for a, s, data in notice.rows]
+    return msgpack.packb([notice.worker_id, notice.task_ids, notice.errors, notice.signal, rows], use_bin_type=True)
 
 
 def decode_notice(frame: bytes) -> CompletionNotice:
-    worker_id, task_ids, errors, signal = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    return CompletionNotice(worker_id, task_ids, errors, signal)
+    worker_id, task_ids, errors, signal, rows = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    return CompletionNotice(worker_id, task_ids, errors, signal, [(a, _view(s), data) for a, s, data in rows])

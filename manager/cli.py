@@ -7,10 +7,8 @@ import os
 import sys
 
 from clients.cli import add_client_commands, run_client_command
-from common.config import POLICIES, ConfigError, load_config
+from common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
 from common.logs import setup_logging
-
-DEFAULT_CONFIG = "configs/default.toml"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -33,13 +31,6 @@ def _init_weights(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from worker.main import main as worker_main
-
-    argv = ["--config", args.config, "--manager", args.manager, "--device", args.device, "--index", str(args.index)]
-    return worker_main(argv)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchmaker", description="Low-latency RNN serving with cellular batching.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -56,13 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
     weights.set_defaults(handler=_init_weights)
 
-    worker = commands.add_parser("worker", help="run one worker process that registers with a running manager")
-    worker.add_argument("--config", default=DEFAULT_CONFIG)
-    worker.add_argument("--manager", required=True, help="the manager's worker address")
-    worker.add_argument("--device", default="cpu")
-    worker.add_argument("--index", type=int, default=0)
-    worker.set_defaults(handler=_worker)
-
+    commands.add_parser(
+        "worker",
+        help="run one worker process that registers with a running manager: worker --manager ADDRESS [--config ...]",
+        add_help=False,
+    )
     commands.add_parser("keygen", help="create a CurveZMQ key pair: keygen DIRECTORY [--name NAME]", add_help=False)
 
     add_client_commands(commands)
@@ -76,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from common.auth import keygen_main
 
         return keygen_main(argv[1:])
+    if argv[:1] == ["worker"]:  # its own parser, shared with the worker processes the supervisor starts
+        from worker.main import main as worker_main
+
+        return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "client_command", None):
         return run_client_command(args)

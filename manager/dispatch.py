@@ -115,7 +115,7 @@ class Dispatcher:
             write[base + regs] = held[kind]
 
     def _remote(self, positions: np.ndarray, owners: np.ndarray, slots: np.ndarray, worker: WorkerHandle, kind: ValueKind):
-        """Inputs whose value lives on another worker (whose task has completed): read from its arena."""
+        """Inputs whose value lives on another worker of its host (whose task has completed): read from its arena."""
         elsewhere = owners != worker.worker_id
         if not elsewhere.any():
             return None
@@ -123,6 +123,7 @@ class Dispatcher:
         for peer in np.unique(owners[elsewhere]):
             mine = np.flatnonzero(owners == peer)
             at = positions[mine]
+            worker.rows_read_from[int(peer)] += len(at)
             reads.append((int(peer), self._workers[int(peer)].arena_id[kind], slots[at].copy(), at))
             slots[at] = ZERO_SLOT
         return reads

@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from common.addresses import is_loopback
 from common.auth import CurveServer
 from common.config import ServerConfig
 from common.protocol import BAD_REQUEST, RequestError, decode, encode
@@ -177,8 +178,3 @@ class ClientFrontend:
         self.socket.close()
         if self._curve is not None:
             self._curve.stop()
-
-
-def is_loopback(address: str) -> bool:
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return not address.startswith("tcp://") or host in ("localhost", "::1") or host.startswith("127.")

@@ -11,9 +11,11 @@ A lane's next wave is ready once every node of smaller depth of its request has 
 (common.plan): on one worker the stream is FIFO, so a worker runs several steps of a request
 ahead. A request is pinned to the worker its values are written on while it has tasks in
 flight; with several workers, a request with nothing in flight may move (affinity "subgraph",
-the paper's), and reads the values it needs from the first worker's arena. With affinity
-"request" it stays on the worker of its first task. Readiness, placement, the arena's room and
-the batch size are checked for all lanes of a queue at once; nothing here loops over cells.
+the paper's) to another worker of the same host, and reads the values it needs from the first
+worker's arena: a request with values on a host stays on that host (a replay starts afresh, on
+any). With affinity "request" it stays on the worker of its first task. Readiness, placement,
+the arena's room and the batch size are checked for all lanes of a queue at once; nothing here
+loops over cells.
 """
 
 from __future__ import annotations
@@ -172,8 +174,8 @@ class Scheduler:
             bound = table.bound[rows]
             allowed = (bound == NO_WORKER) | (bound == worker.worker_id)
             movable = home == NO_WORKER
-            if self.several_workers and not self._request_affinity:
-                movable |= table.inflight[rows] == 0
+            if self.several_workers and not self._request_affinity:  # to a worker that can read its values
+                movable |= (table.inflight[rows] == 0) & (table.host[rows] == worker.host_number)
             keep = allowed & (here | movable)
         else:
             keep = np.ones(len(rows), bool)
@@ -210,6 +212,7 @@ class Scheduler:
         table.issued[rows] += taken.sizes
         table.inflight[rows] += 1
         table.home[rows] = worker.worker_id
+        table.host[rows] = worker.host_number
         if self._request_affinity:
             table.bound[rows] = worker.worker_id
         return task

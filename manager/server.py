@@ -92,15 +92,7 @@ class Manager:
             bound = self.metrics.serve(host, int(port))
             log.info("metrics on http://%s:%d/metrics", host, bound)
         self._context = zmq.Context()
-        self.pool = WorkerPool(
-            self._context,
-            worker_address,
-            self.specs,
-            self.kinds,
-            server.heartbeat_timeout_ms / 1e3,
-            server.hang_timeout_ms / 1e3,
-            self._health,
-        )
+        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)
 
@@ -350,7 +342,15 @@ class Manager:
         return {
             "status": status,
             "workers": [
-                {"id": w.worker_id, "index": w.index, "device": w.device, "pid": w.pid, "tasks_in_flight": w.in_flight}
+                {
+                    "id": w.worker_id,
+                    "index": w.index,
+                    "device": w.device,
+                    "pid": w.pid,
+                    "host": w.host,
+                    "local": w.local,
+                    "tasks_in_flight": w.in_flight,
+                }
                 for w in self.workers.values()
             ],
             "expected_workers": self.expected_workers,
@@ -360,6 +360,7 @@ class Manager:
         return {
             **self.stats.snapshot(),
             "policy": self.config.scheduler.policy,
+            "host": self.pool.host,
             "requests_in_flight": len(self.requests),
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
             "unreachable_clients": self.frontend.unreachable_clients,
@@ -371,6 +372,10 @@ class Manager:
                     "tasks_completed": w.tasks_completed,
                     "first_task_delay_ms": None if w.first_task_delay is None else w.first_task_delay * 1e3,
                     "pid": w.pid,
+                    "host": w.host,
+                    "local": w.local,
+                    "rows_read_from_peers": {str(peer): rows for peer, rows in w.rows_read_from.items()},
+                    "rows_in_notices": w.rows_in_notices,
                     "arenas": w.occupancy(),
                     "slots_in_use": w.slots_in_use(),
                 }

@@ -44,13 +44,14 @@ class RequestTable:
         "completed": (np.int64, 0),  # nodes whose task completed
         "inflight": (np.int64, 0),  # tasks in flight holding its nodes
         "home": (np.int64, NO_WORKER),  # worker whose rows its next values are written to
+        "host": (np.int64, NO_WORKER),  # host number of the workers holding its values (all on one host)
         "bound": (np.int64, NO_WORKER),  # the only worker it may run on (request affinity, baseline groups)
         "runnable": (np.bool_, False),  # its lanes may be scheduled
         "generation": (np.int64, 0),
         "started": (np.float64, 0.0),  # first issue (perf_counter), 0 before
     }
 
-    RESET = ("issued", "completed", "inflight", "home", "bound", "started")  # the rest is set on admission
+    RESET = ("issued", "completed", "inflight", "home", "host", "bound", "started")  # the rest is set on admission
 
     def __init__(self, kinds: list[ValueKind], capacity: int = 1024):
         self.kinds = {kind: i for i, kind in enumerate(kinds)}  # column of each kind in ext_base and blocks

@@ -24,9 +24,11 @@ import time
 import psutil
 import zmq
 
+from common.auth import connect_socket
 from common.config import Config, with_policy
 from common.models import build_model
 from common.protocol import decode, encode
+from common.worker_keys import worker_curve
 from manager.policies import check_policy
 
 log = logging.getLogger("batchmaker.supervisor")
@@ -93,6 +95,7 @@ class Supervisor:
             self.worker_address = f"ipc://{self._private_dir}/workers"
         else:
             self.worker_address = config.server.worker_address
+        self._curve = worker_curve(config.server)  # for its own requests on the worker socket
         self.manager: subprocess.Popen | None = None
         self.slots = [WorkerSlot(index, device) for index, device in enumerate(self.devices)]
         self._stopping = False
@@ -134,16 +137,14 @@ class Supervisor:
         return [p for p in [self.manager, *self.workers] if p is not None]
 
     def wait_ready(self, timeout: float = 120.0) -> bool:
-        """Ask the manager (on its private worker socket, so client authentication does not apply)
-        for its health until every worker has registered."""
+        """Ask the manager for its health until every worker has registered: on the worker socket
+        (with the workers' CURVE keys where it takes them), so client authentication does not apply."""
         context = zmq.Context.instance()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self._stopping:
             if self._dead_child() is not None:
                 return False
-            socket = context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(self.worker_address)
+            socket = connect_socket(context, zmq.DEALER, self.worker_address, self._curve)
             try:
                 socket.send(encode({"op": "health"}))
                 if socket.poll(500):
@@ -205,9 +206,7 @@ class Supervisor:
     def _tell_manager(self, message: dict) -> None:
         """The manager also notices a dead worker by its silence; this makes it immediate."""
         if self._notices is None:
-            self._notices = zmq.Context.instance().socket(zmq.DEALER)
-            self._notices.setsockopt(zmq.LINGER, 0)
-            self._notices.connect(self.worker_address)
+            self._notices = connect_socket(zmq.Context.instance(), zmq.DEALER, self.worker_address, self._curve)
         self._notices.send(encode(message), zmq.NOBLOCK)
 
     def stop(self) -> None:

@@ -1,12 +1,17 @@
 """The manager's side of its workers: registration, tasks out, completion notices in, and the watchdog.
 
 Workers register on a ROUTER socket (which also carries pings, peer announcements and the
-supervisor's readiness checks) and push completion notices to a PULL socket beside it. The
-pool says which workers it has lost; what happens to their requests is the manager's business.
+supervisor's readiness checks) and push completion notices to a PULL socket beside it. Both
+sockets take only workers with an allowed CURVE key when `[server.worker_curve]` is set. Each
+worker says which host it runs on: workers of one host are told of each other's arenas (they
+read values there when a request moves between them); a worker on another host than the
+manager sends its result rows inside its notices. The pool says which workers it has lost;
+what happens to their requests is the manager's business.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -16,7 +21,11 @@ from typing import Any
 
 import zmq
 
+from common.addresses import completion_address
+from common.auth import CurveServer
+from common.config import ConfigError, ServerConfig, check_worker_address
 from common.graph import CellTypeSpec, ValueKind
+from common.hosts import default_host_id
 from common.protocol import BAD_REQUEST, RequestError, decode, encode
 from common.task import CompletionNotice, decode_notice
 from manager.state import Task
@@ -27,40 +36,46 @@ log = logging.getLogger("batchmaker.manager")
 MANAGER_SILENCE_S = 10.0  # a worker that hears nothing from the manager this long exits
 
 
-def completion_address(worker_address: str) -> str:
-    """Where workers push completion notices: beside the worker address."""
-    if worker_address.startswith("tcp://"):
-        host, _, port = worker_address.rpartition(":")
-        return f"{host}:{int(port) + 1}"
-    return worker_address + "-completions"
-
-
 class WorkerPool:
     def __init__(
         self,
-        context: zmq.Context,
         address: str,
         specs: list[CellTypeSpec],
         kinds: list[ValueKind],
-        heartbeat_timeout_s: float,
-        hang_timeout_s: float,
+        server: ServerConfig,
         health: Callable[[], dict[str, Any]],
     ):
+        check_worker_address(address, server, "the worker address")
         self.workers: dict[int, WorkerHandle] = {}
+        self.host = default_host_id()
+        self._hosts: dict[str, int] = {self.host: 0}  # host identity -> host number
         self._cells = [spec.key for spec in specs]
         self._kinds = kinds
-        self._heartbeat_timeout = heartbeat_timeout_s
-        self._hang_timeout = hang_timeout_s
+        self._heartbeat_timeout = server.heartbeat_timeout_ms / 1e3
+        self._hang_timeout = server.hang_timeout_ms / 1e3
         self._health = health
         self._next_worker_id = 0
-        self.seen_indices: set[Any] = set()  # worker indices that registered before (restarts)
-        self.control = context.socket(zmq.ROUTER)
-        self.control.setsockopt(zmq.LINGER, 0)
-        self.control.bind(address)
-        self.completions_address = completion_address(address)
-        self.completions = context.socket(zmq.PULL)
-        self.completions.setsockopt(zmq.LINGER, 0)
-        self.completions.bind(self.completions_address)
+        self.seen: set[Any] = set()  # (host, index) of workers that registered before (restarts)
+        # A context of their own: its CURVE handler (which workers may register) is not the clients'.
+        self._context = zmq.Context()
+        self._curve: CurveServer | None = None
+        if server.worker_curve is not None:
+            keys = server.worker_curve
+            try:
+                self._curve = CurveServer(self._context, keys.secret_key, keys.allowed_workers, peers="worker")
+            except (OSError, ValueError) as exc:
+                self._context.term()
+                raise ConfigError(f"[server.worker_curve]: {exc}") from None
+        self.control = self._socket(zmq.ROUTER, address)
+        self.completions = self._socket(zmq.PULL, completion_address(address))
+
+    def _socket(self, kind: int, address: str) -> zmq.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(socket)
+        socket.bind(address)
+        return socket
 
     # -- tasks and completions -------------------------------------------------------------------
     def send(self, worker: WorkerHandle, tasks: list[Task]) -> None:
@@ -83,6 +98,13 @@ class WorkerPool:
             if worker is None:
                 continue  # from a worker already written off
             worker.heard_from(notice.signal, time.monotonic())
+            if notice.rows:
+                try:
+                    worker.store_rows(notice.rows)
+                except ValueError as exc:
+                    error = f"the worker's result rows were unusable: {exc}"
+                    log.error("worker %d: %s; its tasks in that notice fail", worker.worker_id, error)
+                    notice = dataclasses.replace(notice, errors={task_id: error for task_id in notice.task_ids})
             yield worker, notice
 
     # -- control: registration, health checks, exits ------------------------------------------------
@@ -105,18 +127,18 @@ class WorkerPool:
             op = message.get("op")
             if op == "health":  # the supervisor's readiness check, on the private socket
                 self.control.send_multipart([identity, b"health", encode(self._health())])
-            elif op == "worker_exited":  # from the supervisor, which saw the process end
+            elif op == "worker_exited":  # from the supervisor, which saw a process of this host end
                 exited += [
                     (worker, f"process exited with status {message.get('status')}")
                     for worker in self.workers.values()
-                    if worker.pid == message.get("pid")
+                    if worker.local and worker.pid == message.get("pid")
                 ]
             else:
                 worker = self._register(identity, message)
-                if worker is not None and worker.index in self.seen_indices:
+                if worker is not None and (worker.host, worker.index) in self.seen:
                     restarted.append(worker)
                 if worker is not None:
-                    self.seen_indices.add(worker.index)
+                    self.seen.add((worker.host, worker.index))
 
     def _register(self, identity: bytes, message: dict[str, Any]) -> WorkerHandle | None:
         try:
@@ -124,48 +146,65 @@ class WorkerPool:
                 raise RequestError(BAD_REQUEST, f"unknown worker op {message.get('op')!r}")
             if message.get("cells") != self._cells:
                 raise RequestError(BAD_REQUEST, f"worker serves cells {message.get('cells')}, the manager {self._cells}")
-            peers = {str(w.worker_id): w.arenas for w in self.workers.values()}
-            worker = WorkerHandle(self._next_worker_id, identity, message, self._kinds)
+            host = message.get("host")
+            if not isinstance(host, str) or not host:
+                raise RequestError(BAD_REQUEST, "worker did not say which host it runs on")
+            number = self._hosts.setdefault(host, len(self._hosts))
+            try:
+                worker = WorkerHandle(self._next_worker_id, identity, message, self._kinds, number, host == self.host)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise RequestError(BAD_REQUEST, f"malformed arenas in the registration: {exc!r}") from None
         except RequestError as exc:
             log.error("worker registration refused: %s", exc.message)
             self.control.send_multipart([identity, b"registered", encode({"ok": False, "error": exc.message})])
             return None
         self._next_worker_id += 1
+        neighbours = self._neighbours(worker)
         self.workers[worker.worker_id] = worker
-        log.info("worker %s (pid %s, %s) registered as %d", worker.index, worker.pid, worker.device, worker.worker_id)
+        log.info(
+            "worker %s (pid %s, %s) on %s host %s registered as %d",
+            worker.index, worker.pid, worker.device, "this" if worker.local else "another", host, worker.worker_id,
+        )  # fmt: skip
         reply = {
             "ok": True,
             "worker_id": worker.worker_id,
-            "completions": self.completions_address,
-            "peers": peers,
+            "local": worker.local,
+            "peers": {str(w.worker_id): w.arenas for w in neighbours},
             "manager_timeout_s": MANAGER_SILENCE_S,
         }
         self.control.send_multipart([identity, b"registered", encode(reply)])
         announcement = encode({str(worker.worker_id): worker.arenas})
-        for other in self.workers.values():
-            if other is not worker:
-                self.control.send_multipart([other.identity, b"peers", announcement])
+        for other in neighbours:
+            self.control.send_multipart([other.identity, b"peers", announcement])
         return worker
+
+    def _neighbours(self, worker: WorkerHandle) -> list[WorkerHandle]:
+        """The other registered workers of its host: the only ones whose arenas it may read, and that may read its."""
+        return [w for w in self.workers.values() if w.host_number == worker.host_number and w is not worker]
 
     # -- the watchdog --------------------------------------------------------------------------------
     def watch(self) -> list[tuple[WorkerHandle, str]]:
-        """Ping every worker; return the silent ones and the hung ones (killed: tasks in flight, counter stuck)."""
+        """Ping every worker; return the silent ones and the hung ones (tasks in flight, counter stuck):
+        killed on this host, told to stop on another."""
         now = time.monotonic()
         lost = []
         for worker in self.workers.values():
             if now - worker.last_seen > self._heartbeat_timeout:
                 lost.append((worker, f"silent for {now - worker.last_seen:.1f} s"))
             elif worker.tasks and now - worker.progress_at > self._hang_timeout:
-                _kill(worker.pid)
+                if worker.local:
+                    _kill(worker.pid)
+                else:  # its pid means nothing here; it also exits once the manager falls silent to it
+                    self.control.send_multipart([worker.identity, b"stop", b""])
                 lost.append((worker, f"hung: its stream did not advance for {now - worker.progress_at:.1f} s"))
             else:
                 self.control.send_multipart([worker.identity, b"ping", b""])
         return lost
 
     def remove(self, worker: WorkerHandle) -> None:
-        """Forget a dead worker; the others stop reading its arenas."""
+        """Forget a dead worker; the others of its host stop reading its arenas."""
         del self.workers[worker.worker_id]
-        for other in self.workers.values():
+        for other in self._neighbours(worker):
             self.control.send_multipart([other.identity, b"forget-peer", encode({"worker_id": worker.worker_id})])
         worker.close()
 
@@ -175,6 +214,9 @@ class WorkerPool:
             worker.close()
         self.control.close()
         self.completions.close()
+        if self._curve is not None:
+            self._curve.stop()
+        self._context.term()
 
 
 def _kill(pid: int | None) -> None:

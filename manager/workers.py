@@ -1,46 +1,61 @@
-"""The manager's view of one registered worker: its arenas, slot allocators and tasks in flight."""
+"""The manager's view of one registered worker: its host, arenas, slot allocators and tasks in flight."""
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
 import numpy as np
 
 from common.graph import ValueKind
-from common.protocol import INTERNAL, RequestError
+from common.protocol import BAD_REQUEST, INTERNAL, RequestError
 from common.shm import SharedArray
+from common.task import IoRows
 from manager.slots import SlotAllocator
 from manager.state import Task
 
 
 class WorkerHandle:
-    def __init__(self, worker_id: int, identity: bytes, registration: dict[str, Any], kinds: list[ValueKind]):
+    """A worker on the manager's host (`local`) has its io arenas mapped here, from shared memory; one
+    on another host has plain arrays standing in for them, filled from the rows its notices carry.
+    `host_number` is the same for every worker of one host: only those read each other's arenas."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        identity: bytes,
+        registration: dict[str, Any],
+        kinds: list[ValueKind],
+        host_number: int = 0,
+        local: bool = True,
+    ):
         self.worker_id = worker_id
         self.identity = identity
         self.index = registration.get("index")
-        self.pid = registration.get("pid")
+        self.pid = registration.get("pid")  # only meaningful on the manager's host
         self.device = registration.get("device", "?")
+        self.host = registration.get("host", "")
+        self.host_number = host_number
+        self.local = local
         self.arena_id: dict[ValueKind, int] = {}
         self.io_arena_id: dict[ValueKind, int] = {}
         self.slots: dict[ValueKind, SlotAllocator] = {}
         self.io_slots: dict[ValueKind, SlotAllocator] = {}
         self.io: dict[ValueKind, np.ndarray] = {}
+        self._io_kinds: dict[int, ValueKind] = {}
         self._shared: list[SharedArray] = []
         announced = {(arena["kind"], arena["space"]): arena for arena in registration.get("arenas", [])}
-        for kind in kinds:
-            device, io = announced.get((kind.key, "device")), announced.get((kind.key, "io"))
-            if device is None or io is None or not io.get("shm"):
-                raise RequestError(INTERNAL, f"worker did not announce arenas for {kind.key}")
-            self.arena_id[kind] = device["id"]
-            self.io_arena_id[kind] = io["id"]
-            self.slots[kind] = SlotAllocator(device["rows"])
-            self.io_slots[kind] = SlotAllocator(io["rows"])
-            shared = SharedArray(kind.dtype, (io["rows"], *kind.shape), name=io["shm"])
-            self._shared.append(shared)
-            self.io[kind] = shared.array
+        try:
+            for kind in kinds:
+                self._add_arenas(kind, announced.get((kind.key, "device")), announced.get((kind.key, "io")))
+        except Exception:
+            self.close()  # unmap what was mapped before the failure
+            raise
         self.tasks: dict[int, Task] = {}
         self.tasks_completed = 0
+        self.rows_read_from: collections.Counter[int] = collections.Counter()  # rows its tasks read from each peer
+        self.rows_in_notices = 0  # result rows that reached the manager inside its notices
         self.arenas = registration.get("arenas", [])  # as announced, for peers to open
         now = time.monotonic()
         self.registered_at = now
@@ -48,6 +63,28 @@ class WorkerHandle:
         self.last_seen = now  # any message from the worker
         self.signal = 0  # its stream's counter, as last reported
         self.progress_at = now  # when the counter last advanced, or work arrived while it was idle
+
+    def _add_arenas(self, kind: ValueKind, device: dict[str, Any] | None, io: dict[str, Any] | None) -> None:
+        if device is None or io is None or (self.local and not io.get("shm")):
+            raise RequestError(INTERNAL, f"worker did not announce arenas for {kind.key}")
+        self.arena_id[kind] = device["id"]
+        self.io_arena_id[kind] = io["id"]
+        self._io_kinds[io["id"]] = kind
+        self.slots[kind] = SlotAllocator(device["rows"])
+        self.io_slots[kind] = SlotAllocator(io["rows"])
+        if not self.local:
+            self.io[kind] = np.zeros((io["rows"], *kind.shape), kind.dtype)
+            return
+        try:
+            shared = SharedArray(kind.dtype, (io["rows"], *kind.shape), name=io["shm"])
+        except (OSError, ValueError) as exc:
+            raise RequestError(
+                BAD_REQUEST,
+                f"cannot map the io arena of {kind.key} ({exc}): the worker says it runs on this host ({self.host}), "
+                "but its shared memory is not here; start it with --host-id naming its own machine",
+            ) from None
+        self._shared.append(shared)
+        self.io[kind] = shared.array
 
     @property
     def in_flight(self) -> int:
@@ -58,6 +95,22 @@ class WorkerHandle:
         if signal != self.signal:
             self.signal = signal
             self.progress_at = now
+
+    def store_rows(self, rows: list[IoRows]) -> None:
+        """Write the result rows a worker on another host sent into the arrays standing in for its io
+        arenas, where the dispatcher reads them as it reads a local worker's io arenas."""
+        for arena_id, slots, data in rows:
+            kind = self._io_kinds.get(arena_id)
+            if self.local or kind is None:
+                where = "a worker on the manager's host" if self.local else f"no io arena {arena_id}"
+                raise ValueError(f"rows for io arena {arena_id} in a notice, but {where}")
+            io = self.io[kind]
+            if slots.size and (slots.min() < 0 or slots.max() >= len(io)):
+                raise ValueError(f"io slots out of range 0..{len(io) - 1} for {kind.key}")
+            if len(data) != len(slots) * io[0].nbytes:
+                raise ValueError(f"{len(data)} bytes for {len(slots)} rows of {kind.key}")
+            io[slots] = np.frombuffer(data, io.dtype).reshape(len(slots), *kind.shape)
+            self.rows_in_notices += len(slots)
 
     def occupancy(self) -> dict[str, dict[str, int]]:
         """Rows in use per arena (excluding the reserved zero and scratch rows)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -105,6 +106,12 @@ def stop_server(server: RunningServer) -> None:
     server.supervisor.stop()
     leftovers = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not leftovers, f"processes left after stop: {leftovers}"
+
+
+def start_worker(config: Config, manager: str, *options: str, **popen: Any) -> subprocess.Popen:
+    """`batchmaker worker` started by hand, as on another machine; `options` go to the command."""
+    command = [sys.executable, "-m", "manager.cli", "worker", "--config", str(config.path), "--manager", manager]
+    return subprocess.Popen([*command, *options], cwd=ROOT, **popen)
 
 
 def wait_idle(client: Client, timeout: float = 60.0) -> dict:

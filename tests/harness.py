@@ -27,17 +27,19 @@ class Harness:
         rows: int = 1024,
         max_tasks_to_submit: int = 5,
         affinity: str = "subgraph",
+        hosts: list[int] | None = None,
     ):
+        """`hosts`: each worker's host number (default: all on one host)."""
         self.models, self.specs, self.kinds = load_models(config)
         self._shared: list[SharedArray] = []
-        self.workers = [self._worker(i, rows) for i in range(workers)]
+        self.workers = [self._worker(i, rows, host) for i, host in enumerate(hosts or [0] * workers)]
         self.sent: list[tuple[WorkerHandle, Any]] = []
         self.table, self.store = make_tables(self.specs, self.kinds)
         self.dispatcher = Dispatcher(self.table, self.store, {w.worker_id: w for w in self.workers})
         scheduling = dataclasses.replace(config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity)
         config = dataclasses.replace(config, scheduler=scheduling)
         self.scheduler = make_scheduler(config, self.specs, self.table, self.store, self.dispatcher)
-        self.scheduler.several_workers = workers > 1
+        self.scheduler.several_workers = len(self.workers) > 1
         self.policy = make_policy(config, self.models, self.scheduler, self.table)
         self.finished: list[tuple[Request, Any]] = []
         self.processor = RequestProcessor(
@@ -51,14 +53,14 @@ class Harness:
         self._next_id = 0
         self.task_requests: dict[int, list[Request]] = {}
 
-    def _worker(self, index: int, rows: int) -> WorkerHandle:
+    def _worker(self, index: int, rows: int, host: int) -> WorkerHandle:
         arenas = []
         for i, kind in enumerate(self.kinds):
             for space, arena_id in (("device", 2 * i), ("io", 2 * i + 1)):
                 shared = SharedArray(kind.dtype, (rows, *kind.shape))
                 self._shared.append(shared)
                 arenas.append({"id": arena_id, "kind": kind.key, "space": space, "rows": rows, "shm": shared.name})
-        return WorkerHandle(index, f"w{index}".encode(), {"index": index, "arenas": arenas}, self.kinds)
+        return WorkerHandle(index, f"w{index}".encode(), {"index": index, "arenas": arenas}, self.kinds, host)
 
     def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0) -> Request:
         self._next_id += 1

@@ -411,3 +411,41 @@ def test_cuda_graphs_must_be_a_boolean(tmp_path: Path, value: str) -> None:
 @pytest.mark.parametrize("devices", ['"cpu"', '["cpu", "cpu"]'])
 def test_cuda_graphs_on_cpu_workers_is_refused(tmp_path: Path, devices: str) -> None:
     config_error(tmp_path, f"[server]\ndevices = {devices}\ncuda_graphs = true\n" + MODEL, "cuda_graphs", "GPU")
+
+
+# -- worker sockets: addresses and keys ---------------------------------------------------------------------
+
+WORKER_KEYS = """
+[server.worker_curve]
+secret_key = "keys/manager.key_secret"
+allowed_workers = "keys/workers"
+worker_secret_key = "/etc/batchmaker/worker.key_secret"
+manager_public_key = "keys/manager.key"
+"""
+
+
+@pytest.mark.parametrize("address", ["auto", "ipc:///run/bm/workers", "tcp://127.0.0.2:6000", "tcp://localhost:6000"])
+def test_worker_addresses_only_this_machine_reaches_need_no_keys(tmp_path: Path, address: str) -> None:
+    server = load_config(write(tmp_path, f'[server]\nworker_address = "{address}"\n' + MODEL)).server
+    assert server.worker_curve is None and not server.insecure_workers
+
+
+@pytest.mark.parametrize("address", ["tcp://0.0.0.0:6000", "tcp://10.0.0.7:6000", "tcp://*:6000", "tcp://eth0:6000"])
+def test_a_worker_address_other_machines_reach_needs_keys_or_insecure_workers(tmp_path: Path, address: str) -> None:
+    line = f'[server]\nworker_address = "{address}"\n'
+    config_error(tmp_path, line + MODEL, "[server] worker_address", "[server.worker_curve]", "insecure_workers = true")
+    assert load_config(write(tmp_path, line + "insecure_workers = true\n" + MODEL)).server.insecure_workers
+    keys = load_config(write(tmp_path, line + WORKER_KEYS + MODEL)).server.worker_curve
+    assert keys is not None
+    assert keys.secret_key == (tmp_path / "keys" / "manager.key_secret").resolve()  # relative to the config file
+    assert keys.allowed_workers == (tmp_path / "keys" / "workers").resolve()
+    assert keys.worker_secret_key == Path("/etc/batchmaker/worker.key_secret")
+    assert keys.manager_public_key == (tmp_path / "keys" / "manager.key").resolve()
+
+
+def test_worker_keys_table_errors(tmp_path: Path) -> None:
+    config_error(tmp_path, WORKER_KEYS.replace('manager_public_key = "keys/manager.key"\n', "") + MODEL,
+                 "[server.worker_curve] manager_public_key must be a non-empty string")
+    config_error(tmp_path, WORKER_KEYS + 'allowed_clients = "keys/clients"\n' + MODEL,
+                 "[server.worker_curve] has unknown key(s) ['allowed_clients']")
+    config_error(tmp_path, '[server]\ninsecure_workers = "yes"\n' + MODEL, "insecure_workers must be true or false")

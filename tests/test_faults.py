@@ -14,7 +14,16 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import SMALL_LSTM, start_server, stop_server, wait_idle, wait_until, wait_until_async, write_config
+from conftest import (
+    SMALL_LSTM,
+    start_server,
+    start_worker,
+    stop_server,
+    wait_idle,
+    wait_until,
+    wait_until_async,
+    write_config,
+)
 
 from clients import AsyncClient, Client, ServerError
 from common.models import build_model
@@ -163,9 +172,7 @@ def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
         thread = threading.Thread(target=load)
         thread.start()
         wait_until(lambda: sum(tasks_completed(server).values()), "the load starting")
-        joined = subprocess.Popen(
-            [sys.executable, "-m", "manager.cli", "worker", "--config", str(config.path), "--manager", address, "--index", "1"]
-        )
+        joined = start_worker(config, address, "--index", "1")
         wait_until(lambda: healthy_workers(server) == 2, "the new worker registering")
         # The load goes on until the new worker has completed tasks of its own.
         new = wait_until(lambda: tasks_completed(server).get(joined.pid), "the new worker getting work under load")

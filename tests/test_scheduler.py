@@ -242,3 +242,28 @@ def test_request_affinity_keeps_a_request_on_one_worker(harness):
         h.complete_oldest(first)
     assert h.schedule(second) == 0
     assert h.schedule(first) == 2
+
+
+def test_a_request_moves_only_between_workers_of_its_host(harness):
+    """A request with values on a host may move to another worker of that host, which reads them from
+    the first worker's arena; a worker of another host gets only requests with no values anywhere."""
+    h = harness(max_tasks_to_submit=2, hosts=[0, 1, 0])
+    first, elsewhere, beside = h.workers
+    request = h.admit("lstm", {"tokens": [1, 2, 3, 4]})
+    assert h.schedule(first) == 2
+    while first.tasks:
+        h.complete_oldest(first)
+    assert h.table.inflight[request.row] == 0
+    assert h.schedule(elsewhere) == 0  # nothing runs, yet its values are on host 0
+    assert h.schedule(beside) == 2
+    assert beside.rows_read_from == {first.worker_id: 2}  # h and c of step 2, from `first`'s arena
+    newcomer = h.admit("lstm", {"tokens": [5, 6]})
+    assert h.schedule(elsewhere) == 2
+    assert all(h.processor.requests_of(task) == [newcomer] for task in h.in_flight(elsewhere))
+    assert not elsewhere.rows_read_from
+    for worker in (beside, elsewhere):
+        while worker.tasks:
+            h.complete_oldest(worker)
+            h.schedule(worker)
+    assert sorted(r.request_id for r, e in h.finished if e is None) == sorted([request.request_id, newcomer.request_id])
+    assert h.slots_in_use() == 0

@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 import torch
@@ -16,7 +15,7 @@ from conftest import SMALL_LSTM, write_config
 
 from common.models import build_model
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import TaskMessage, decode_task, encode_task
+from common.task import CompletionNotice, TaskMessage, decode_notice, decode_task, encode_task
 from worker.backend import arena_ids
 from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, InProgressFIFO, Poller, load_cells
 
@@ -166,38 +165,74 @@ def test_warm_up_writes_only_the_scratch_row(cells):
         backend.close()
 
 
-def test_poller_reports_completions_in_fifo_order(cells, tmp_path: Path):
-    _specs, _modules, kinds, _ = cells
+@pytest.fixture
+def polled(cells, tmp_path: Path):
+    """A CPU backend whose poller sends notices to a PULL socket: (backend, fifo, receiver)."""
     backend = make_backend("cpu", cells)
     context = zmq.Context()
     receiver = context.socket(zmq.PULL)
     address = f"ipc://{tmp_path}/completions"
     receiver.bind(address)
     fifo = InProgressFIFO()
-    poller = Poller(context, address, worker_id=7, backend=backend, fifo=fifo)
+    poller = Poller(context, address, worker_id=7, backend=backend, fifo=fifo, curve=None)
     poller.start()
-    try:
-        for task_id in range(1, 21):
-            task = lstm_step_task(task_id, kinds, [2], [ZERO_SLOT], [10 + 2 * (task_id % 5)], None)
-            fifo.push(task_id)
-            backend.issue(decode_task(encode_task(task)))
-        seen: list[int] = []
-        while len(seen) < 20:
-            assert receiver.poll(10_000), f"completions stopped after {seen}"
-            worker_id, task_ids, errors, signal = msgpack.unpackb(receiver.recv(), strict_map_key=False)
-            assert worker_id == 7 and errors == {}
-            seen.extend(task_ids)
-            # Every notice carries the stream's counter; a heartbeat, sent apart, may be ahead of the notices.
-            assert signal == len(seen) if task_ids else signal >= len(seen)
-        assert seen == list(range(1, 21))
-        assert len(fifo) == 0
-    finally:
-        poller.stopping.set()
-        poller.join(timeout=5)
-        backend.close()
-        poller.close_stream_socket()
-        receiver.close()
-        context.term()
+    yield backend, fifo, receiver
+    poller.stopping.set()
+    poller.join(timeout=5)
+    backend.close()
+    poller.close_stream_socket()
+    receiver.close()
+    context.term()
+
+
+def notices_until(receiver: zmq.Socket, count: int) -> list[CompletionNotice]:
+    """Notices received until `count` tasks have been reported (heartbeats included)."""
+    notices: list[CompletionNotice] = []
+    while sum(len(n.task_ids) for n in notices) < count:
+        reported = [task_id for n in notices for task_id in n.task_ids]
+        assert receiver.poll(10_000), f"completions stopped after {reported}"
+        notices.append(decode_notice(receiver.recv()))
+        assert notices[-1].worker_id == 7
+    return notices
+
+
+def test_poller_reports_completions_in_fifo_order(cells, polled):
+    _specs, _modules, kinds, _ = cells
+    backend, fifo, receiver = polled
+    for task_id in range(1, 21):
+        task = lstm_step_task(task_id, kinds, [2], [ZERO_SLOT], [10 + 2 * (task_id % 5)], None)
+        fifo.push(task_id, [])
+        backend.issue(decode_task(encode_task(task)))
+    seen: list[int] = []
+    for notice in notices_until(receiver, 20):
+        assert notice.errors == {} and notice.rows == []
+        seen.extend(notice.task_ids)
+        # Every notice carries the stream's counter; a heartbeat, sent apart, may be ahead of the notices.
+        assert notice.signal == len(seen) if notice.task_ids else notice.signal >= len(seen)
+    assert seen == list(range(1, 21))
+    assert len(fifo) == 0
+
+
+def test_notices_carry_the_downloaded_rows_they_are_asked_for(cells, polled):
+    """A worker on another host than the manager sends the rows its tasks downloaded inside their
+    notices: exactly those of the io slots asked for, and none for a task that failed."""
+    _specs, _modules, kinds, _ = cells
+    backend, fifo, receiver = polled
+    state_io = arena_ids(kinds)[next(k for k in kinds if k.dtype == "float32")][1]
+    first = lstm_step_task(1, kinds, [5, 9], [ZERO_SLOT, ZERO_SLOT], [10, 12], [4, 5])
+    second = lstm_step_task(2, kinds, [7, 3], [10, 12], [20, 22], [2, 3])
+    failing = lstm_step_task(3, kinds, [1], [ROWS + 5], [30], [6])  # reads a slot past the arena
+    for task, sent in ((first, []), (second, [(state_io, np.array([2, 3]))]), (failing, [(state_io, np.array([6]))])):
+        fifo.push(task.task_id, sent)
+        backend.issue(decode_task(encode_task(task)))
+    notices = notices_until(receiver, 3)
+    assert [task_id for n in notices for task_id in n.errors] == [3]
+    rows = [row for n in notices for row in n.rows]
+    assert len(rows) == 1
+    arena, slots, data = rows[0]
+    assert arena == state_io and slots.tolist() == [2, 3]
+    sent = np.frombuffer(data, np.float32).reshape(2, 64)
+    np.testing.assert_allclose(sent, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
 
 
 @pytest.mark.cuda
@@ -255,3 +290,12 @@ def test_worker_that_cannot_start_exits_with_its_own_status(tmp_path: Path, devi
     )
     assert process.returncode == status, process.stderr
     assert message in process.stderr
+
+
+def test_an_empty_host_id_is_refused(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM)
+    process = subprocess.run(
+        [sys.executable, "-m", "worker", "--config", str(config.path), "--manager", "tcp://127.0.0.1:9", "--host-id", " "],
+        capture_output=True, text=True, check=False, timeout=120, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert process.returncode == 2 and "--host-id: must not be empty" in process.stderr

@@ -123,6 +123,10 @@ class Backend(ABC):
         """Host-side completion of a finished task; returns its error message, if it failed."""
 
     @abstractmethod
+    def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
+        """Rows of an io arena, for a finished task's notice (the manager on another host cannot map them)."""
+
+    @abstractmethod
     def stall(self) -> None:
         """Test hook: make the stream stop advancing, as a hung device would."""
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -213,6 +214,9 @@ class CpuBackend(Backend):
 
     def finish(self, task_id: int) -> str | None:
         return self._errors.pop(task_id, None)
+
+    def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
+        return self._shared[arena_id].array[slots].tobytes()  # arena ids index the arenas in creation order
 
     def stall(self) -> None:
         self._queue.put(_STALL)

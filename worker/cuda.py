@@ -176,6 +176,9 @@ class CudaBackend(Backend):
     def finish(self, task_id: int) -> str | None:
         return self._tasks.finish(task_id)
 
+    def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
+        return self._tasks.read_io(arena_id, slots)
+
     def stall(self) -> None:
         with self._calls.on_stream():
             torch.cuda._sleep(2**62)

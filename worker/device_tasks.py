@@ -141,6 +141,10 @@ class DeviceTasks:
             self._calls.deliver(rows, io, slots)
         return self._errors.pop(task_id, None)
 
+    def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
+        """Rows of an io arena, after `finish` has delivered a task's downloads there."""
+        return self._io_arena(arena_id)[slots].tobytes()
+
     def _run(self, task: TaskMessage) -> list[Download]:
         staging = self._calls.staging(staged_bytes(task))
         inputs = [self._input(staging, task.batch_size, *entry) for entry in task.inputs]

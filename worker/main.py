@@ -6,6 +6,9 @@ Threads (ZeroMQ sockets are not thread-safe, so each thread has its own):
 * poller: watches the stream's signal counter and, for each increment, pops the
   FIFO head and sends a completion notice (several are coalesced into one message);
   on CPU the stream thread sends the notices itself and the poller only sends heartbeats.
+
+A worker on another host than the manager (the manager says so at registration) puts the rows
+its tasks downloaded into their completion notices, since the manager cannot map its io arenas.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ import numpy as np
 import torch
 import zmq
 
-from common.config import Config, ConfigError, load_config
+from common.addresses import completion_address
+from common.auth import CurveClient, connect_socket
+from common.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from common.graph import CellTypeSpec, ValueKind
+from common.hosts import default_host_id
 from common.logs import setup_logging
 from common.models.base import build_model, cell_layout
 from common.protocol import decode, encode
 from common.task import CompletionNotice, TaskMessage, decode_task, encode_notice
+from common.worker_keys import worker_curve
 from worker.backend import Backend
 
 log = logging.getLogger("batchmaker.worker")
@@ -41,21 +48,27 @@ EXIT_CONFIG_ERROR = 2
 EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a device or model fault, not the config)
 TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
 # Fault tests: with test hooks on, a task carrying this token id inline kills the worker, as a poisonous request would.
-CRASH_TOKEN = int(os.environ.get("BATCHMAKER_TEST_CRASH_TOKEN", "-1")) if TEST_HOOKS else None
+# Unset, none does (-1, say, is a real inline value: a Child-Sum node without a word).
+_CRASH_TOKEN = os.environ.get("BATCHMAKER_TEST_CRASH_TOKEN")
+CRASH_TOKEN = int(_CRASH_TOKEN) if TEST_HOOKS and _CRASH_TOKEN is not None else None
+
+
+IoSlots = list[tuple[int, np.ndarray]]  # (io arena, io slots) of a task's downloads
 
 
 class InProgressFIFO:
-    """Tasks issued to the stream and not yet reported complete, in stream order."""
+    """Tasks issued to the stream and not yet reported complete, in stream order, each with the
+    io rows its notice must carry (none on the manager's host)."""
 
     def __init__(self) -> None:
-        self._tasks: collections.deque[int] = collections.deque()
+        self._tasks: collections.deque[tuple[int, IoSlots]] = collections.deque()
         self._issued = threading.Event()
 
-    def push(self, task_id: int) -> None:
-        self._tasks.append(task_id)
+    def push(self, task_id: int, sent_rows: IoSlots) -> None:
+        self._tasks.append((task_id, sent_rows))
         self._issued.set()
 
-    def pop(self) -> int:
+    def pop(self) -> tuple[int, IoSlots]:
         return self._tasks.popleft()
 
     def __len__(self) -> int:
@@ -76,10 +89,19 @@ class Poller(threading.Thread):
     notices itself and this thread only sends heartbeats.
     """
 
-    def __init__(self, context: zmq.Context, address: str, worker_id: int, backend: Backend, fifo: InProgressFIFO):
+    def __init__(
+        self,
+        context: zmq.Context,
+        address: str,
+        worker_id: int,
+        backend: Backend,
+        fifo: InProgressFIFO,
+        curve: CurveClient | None,
+    ):
         super().__init__(name="poller", daemon=True)
         self._context = context
         self._address = address
+        self._curve = curve
         self._socket = self._connect()
         self._stream_socket: zmq.Socket | None = None  # created on the stream thread, used only there
         self._worker_id = worker_id
@@ -88,10 +110,7 @@ class Poller(threading.Thread):
         self.stopping = threading.Event()
 
     def _connect(self) -> zmq.Socket:
-        socket = self._context.socket(zmq.PUSH)
-        socket.setsockopt(zmq.LINGER, 1000)
-        socket.connect(self._address)
-        return socket
+        return connect_socket(self._context, zmq.PUSH, self._address, self._curve, linger_ms=1000)
 
     def run(self) -> None:
         if self._backend.report_from_stream(self._report_completion):
@@ -108,14 +127,16 @@ class Poller(threading.Thread):
 
     def _notice(self, count: int, signal: int) -> bytes:
         """The completion notice for the next `count` tasks of the in-progress FIFO."""
-        task_ids, errors = [], {}
+        task_ids, errors, rows = [], {}, []
         for _ in range(count):
-            task_id = self._fifo.pop()
+            task_id, sent_rows = self._fifo.pop()
             error = self._backend.finish(task_id)
             task_ids.append(task_id)
             if error is not None:
                 errors[task_id] = error
-        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal))
+            else:
+                rows += [(arena, slots, self._backend.read_io(arena, slots)) for arena, slots in sent_rows]
+        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows))
 
     def _heartbeat(self, signal: int) -> bytes:
         return encode_notice(CompletionNotice(self._worker_id, [], {}, signal))
@@ -187,15 +208,29 @@ def make_backend(
 
 
 class Worker:
-    def __init__(self, backend: Backend, manager: str, index: int, cell_keys: list[str], parent_pid: int | None):
+    def __init__(
+        self,
+        backend: Backend,
+        manager: str,
+        index: int,
+        cell_keys: list[str],
+        parent_pid: int | None,
+        host: str,
+        curve: CurveClient | None = None,
+    ):
         self._backend = backend
         self._manager = manager
         self._index = index
         self._cell_keys = cell_keys
         self._parent_pid = parent_pid
+        self._host = host
+        self._curve = curve
+        self._local = True  # on the manager's host: the manager reads results from the io arenas
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self._socket)
         self._fifo = InProgressFIFO()
         self._stop = False
         self._manager_timeout = 0.0
@@ -204,33 +239,55 @@ class Worker:
     def request_stop(self, *_: object) -> None:
         self._stop = True
 
-    def _register(self) -> tuple[int, str]:
-        self._socket.connect(self._manager)
-        self._socket.send(
-            encode(
-                {
-                    "op": "register",
-                    "index": self._index,
-                    "pid": os.getpid(),
-                    "device": self._backend.device,
-                    "cells": self._cell_keys,
-                    "arenas": [arena.to_wire() for arena in self._backend.arenas],
-                    "signal": self._backend.signal_name,
-                }
+    def _register(self) -> int:
+        """Register; returns the worker id. The manager refusing this worker's CURVE key shows only
+        as a failed handshake on the socket, so its monitor is watched meanwhile."""
+        refused = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        try:
+            self._socket.connect(self._manager)
+            self._socket.send(
+                encode(
+                    {
+                        "op": "register",
+                        "index": self._index,
+                        "pid": os.getpid(),
+                        "host": self._host,
+                        "device": self._backend.device,
+                        "cells": self._cell_keys,
+                        "arenas": [arena.to_wire() for arena in self._backend.arenas],
+                        "signal": self._backend.signal_name,
+                    }
+                )
             )
-        )
+            return self._await_registration(refused)
+        finally:
+            self._socket.disable_monitor()
+            refused.close()
+
+    def _await_registration(self, refused: zmq.Socket) -> int:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(refused, zmq.POLLIN)
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while not self._stop and time.monotonic() < deadline:
-            if self._socket.poll(200):
+            events = dict(poller.poll(200))
+            if refused in events:
+                raise RuntimeError(
+                    f"the manager at {self._manager} refused this worker's CURVE key: "
+                    "its public key is not in the manager's allowed_workers directory"
+                )
+            if self._socket in events:
                 kind, payload = self._socket.recv_multipart()
                 reply = decode(payload)
                 if kind != b"registered" or not reply.get("ok"):
                     raise RuntimeError(f"manager refused registration: {reply.get('error')}")
                 self._attach_peers(reply.get("peers", {}))
                 self._manager_timeout = reply["manager_timeout_s"]
-                return reply["worker_id"], reply["completions"]
+                self._local = reply["local"]
+                return reply["worker_id"]
             self._check_alive()
-        raise TimeoutError(f"manager at {self._manager} did not answer the registration")
+        hint = " (check that this worker has the manager's public key)" if self._curve is not None else ""
+        raise TimeoutError(f"manager at {self._manager} did not answer the registration{hint}")
 
     def _attach_peers(self, peers: dict[Any, list[dict[str, Any]]]) -> None:
         for worker_id, arenas in peers.items():
@@ -246,9 +303,11 @@ class Worker:
             self._stop = True
 
     def run(self) -> None:
-        worker_id, completions = self._register()
-        log.info("worker %d registered as %d on %s", self._index, worker_id, self._backend.device)
-        poller = Poller(self._context, completions, worker_id, self._backend, self._fifo)
+        worker_id = self._register()
+        where = "the manager's host" if self._local else "another host than the manager's: results travel in notices"
+        log.info("worker %d registered as %d on %s, on %s", self._index, worker_id, self._backend.device, where)
+        address = completion_address(self._manager)
+        poller = Poller(self._context, address, worker_id, self._backend, self._fifo, self._curve)
         poller.start()
         try:
             self._issue_loop()
@@ -278,13 +337,14 @@ class Worker:
                 task = decode_task(payload)
                 if CRASH_TOKEN is not None:
                     _crash_on(task, CRASH_TOKEN)
-                self._fifo.push(task.task_id)
+                self._fifo.push(task.task_id, [] if self._local else [(b, t) for _, _, b, t in task.downloads])
                 self._backend.issue(task)
             elif kind == b"peers":
                 self._attach_peers(decode(payload))
             elif kind == b"forget-peer":
                 self._backend.detach_peer(decode(payload)["worker_id"])
             elif kind == b"stop":
+                log.info("the manager told this worker to stop")
                 self._stop = True
 
 
@@ -295,18 +355,39 @@ def _crash_on(task: TaskMessage, token: int) -> None:
             os._exit(70)
 
 
+def _host_id(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batchmaker worker", description="Run one worker process for a device.")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--manager", required=True, help="the manager's worker address")
+    parser = argparse.ArgumentParser(
+        prog="batchmaker worker", description="Run one worker process for a device, registering with a running manager."
+    )
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="TOML config (default: %(default)s)")
+    parser.add_argument("--manager", required=True, help="the manager's worker address (server.worker_address)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: from the config)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
+    parser.add_argument(
+        "--host-id",
+        type=_host_id,
+        default=default_host_id(),
+        help="this machine's identity; workers of one host read each other's memory (default: hostname/machine-id)",
+    )
+    parser.add_argument(
+        "--curve",
+        nargs=2,
+        metavar=("WORKER_SECRET", "MANAGER_PUBLIC"),
+        help="this worker's .key_secret file and the manager's .key file (default: from [server.worker_curve])",
+    )
     args = parser.parse_args(argv)
     setup_logging(f"worker[{args.index}]")
     try:
         config = load_config(args.config)
+        curve = worker_curve(config.server, args.curve)
         torch.set_num_threads(args.threads or config.server.threads_per_worker)
         specs, cells, kinds = load_cells(config, args.device)
         server = config.server
@@ -320,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # a device that cannot run the cells: say so once, with the cause, and stop
         log.exception("worker %d could not start on %s", args.index, args.device)
         return EXIT_STARTUP_FAILED
-    worker = Worker(backend, args.manager, args.index, [spec.key for spec in specs], args.parent_pid)
+    cell_keys = [spec.key for spec in specs]
+    worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve)
     signal.signal(signal.SIGTERM, worker.request_stop)
     if TEST_HOOKS:
         signal.signal(signal.SIGUSR1, lambda *_: backend.stall())

@@ -1,0 +1,194 @@
+"""The manager's worker pool on real sockets, with workers played by raw sockets: which host a
+worker is on decides whose arenas it is told of, whether its pid is trusted, and whether its
+results arrive in shared memory or in its notices."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from conftest import SMALL_LSTM, wait_until, write_config
+
+from common.addresses import completion_address
+from common.config import ServerConfig
+from common.protocol import decode, encode
+from common.shm import SharedArray
+from common.task import CompletionNotice, encode_notice
+from manager.server import load_models
+from manager.worker_pool import WorkerPool
+from manager.workers import WorkerHandle
+from worker.backend import arena_ids
+
+ROWS = 64
+
+
+class Pool:
+    """A WorkerPool on an ipc address, and raw sockets that play its workers and the supervisor."""
+
+    def __init__(self, tmp_path: Path):
+        _, specs, self.kinds = load_models(write_config(tmp_path, SMALL_LSTM))
+        self.cells = [spec.key for spec in specs]
+        self.address = f"ipc://{tmp_path}/workers"
+        self.pool = WorkerPool(self.address, specs, self.kinds, ServerConfig(), dict)
+        self.context = zmq.Context()
+        self.pushes = self.context.socket(zmq.PUSH)
+        self.pushes.connect(completion_address(self.address))
+        self.sockets: list[zmq.Socket] = [self.pushes]
+        self.shared: list[SharedArray] = []
+        self.state = next(kind for kind in self.kinds if kind.dtype == "float32")
+
+    def arenas(self, local: bool) -> list[dict[str, Any]]:
+        """Arenas as a worker announces them; a local worker's io arenas are real shared memory."""
+        arenas = []
+        for kind, (device_id, io_id) in arena_ids(self.kinds).items():
+            arenas.append({"id": device_id, "kind": kind.key, "space": "device", "rows": ROWS, "shm": None})
+            shm = None
+            if local:
+                self.shared.append(SharedArray(kind.dtype, (ROWS, *kind.shape)))
+                shm = self.shared[-1].name
+            arenas.append({"id": io_id, "kind": kind.key, "space": "io", "rows": ROWS, "shm": shm})
+        return arenas
+
+    def dealer(self) -> zmq.Socket:
+        socket = self.context.socket(zmq.DEALER)
+        socket.connect(self.address)
+        self.sockets.append(socket)
+        return socket
+
+    def register(self, host: str | None, pid: int = 1, arenas: list[dict[str, Any]] | None = None):
+        """Register a worker; returns its socket and the manager's reply."""
+        socket = self.dealer()
+        message = {"op": "register", "index": 0, "pid": pid, "device": "cpu", "cells": self.cells}
+        message["arenas"] = self.arenas(host == self.pool.host) if arenas is None else arenas
+        if host is not None:
+            message["host"] = host
+        socket.send(encode(message))
+        return socket, decode(self.reply(socket, b"registered"))
+
+    def reply(self, socket: zmq.Socket, kind: bytes) -> bytes:
+        """The next message to `socket`, serving the pool's control socket meanwhile; it must be of `kind`."""
+
+        def arrived() -> bool:
+            self.pool.control_messages()
+            return bool(socket.poll(10))
+
+        wait_until(arrived, f"a {kind!r} message")
+        got, payload = socket.recv_multipart()
+        assert got == kind, (got, payload)
+        return payload
+
+    def handle(self, reply: dict[str, Any]) -> WorkerHandle:
+        return self.pool.workers[reply["worker_id"]]
+
+    def notices(self, notice: CompletionNotice) -> list[tuple[WorkerHandle, CompletionNotice]]:
+        self.pushes.send(encode_notice(notice))
+        assert self.pool.completions.poll(10_000)
+        return list(self.pool.notices())
+
+    def close(self) -> None:
+        self.pool.close()
+        for socket in self.sockets:
+            socket.close(linger=0)
+        self.context.term()
+        for shared in self.shared:
+            shared.close()
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[Pool]:
+    made = Pool(tmp_path)
+    yield made
+    made.close()
+
+
+def test_registration_without_a_host_or_with_malformed_arenas_is_refused(pool: Pool):
+    _, reply = pool.register(None)
+    assert reply == {"ok": False, "error": "worker did not say which host it runs on"}
+    arenas = pool.arenas(local=False)
+    del arenas[0]["rows"]
+    _, reply = pool.register("elsewhere", arenas=arenas)
+    assert not reply["ok"] and reply["error"].startswith("malformed arenas in the registration: KeyError('rows')")
+    assert not pool.pool.workers
+
+
+def test_a_worker_claiming_the_managers_host_without_its_shared_memory_is_refused(pool: Pool):
+    arenas = pool.arenas(local=False)
+    for arena in arenas:
+        arena["shm"] = "bm-not-on-this-host"
+    _, reply = pool.register(pool.pool.host, arenas=arenas)
+    assert not reply["ok"] and "--host-id" in reply["error"] and "shared memory is not here" in reply["error"]
+    _, other = pool.register("elsewhere")  # the pool goes on registering workers
+    assert other["ok"] and not other["local"]
+
+
+def test_workers_are_told_only_of_the_arenas_of_their_own_host(pool: Pool):
+    first, first_reply = pool.register("host-a")
+    other, other_reply = pool.register("host-b")
+    third, third_reply = pool.register("host-a")
+    assert (first_reply["peers"], other_reply["peers"]) == ({}, {})
+    assert list(third_reply["peers"]) == [str(first_reply["worker_id"])]
+    assert list(decode(pool.reply(first, b"peers"))) == [str(third_reply["worker_id"])]
+    pool.pool.watch()  # pings every worker: the other host's next message is that ping, not an announcement
+    pool.reply(other, b"ping")
+    pool.reply(third, b"ping")
+    pool.pool.remove(pool.handle(first_reply))
+    assert decode(pool.reply(third, b"forget-peer")) == {"worker_id": first_reply["worker_id"]}
+    pool.pool.watch()
+    pool.reply(other, b"ping")
+
+
+def test_only_a_worker_of_this_host_is_written_off_by_pid(pool: Pool):
+    """The supervisor reports exited processes of the manager's host by pid; the same pid on another
+    host is another process."""
+    _, local = pool.register(pool.pool.host, pid=4242)
+    _, remote = pool.register("elsewhere", pid=4242)
+    assert local["local"] and not remote["local"]
+    pool.dealer().send(encode({"op": "worker_exited", "pid": 4242, "status": -9}))
+
+    exited: list = []
+
+    def reported() -> bool:
+        exited.extend(pool.pool.control_messages()[1])
+        return bool(exited)
+
+    wait_until(reported, "the exit being read")
+    assert [worker.worker_id for worker, _ in exited] == [local["worker_id"]]
+
+
+def test_rows_in_a_notice_from_another_host_land_where_results_are_read(pool: Pool):
+    _, reply = pool.register("elsewhere")
+    worker = pool.handle(reply)
+    io_arena = worker.io_arena_id[pool.state]
+    rows = np.arange(2 * 64, dtype=np.float32).reshape(2, 64)
+    notice = CompletionNotice(worker.worker_id, [5], {}, 1, [(io_arena, np.array([3, 7]), rows.tobytes())])
+    [(got, received)] = pool.notices(notice)
+    assert got is worker and received.errors == {}
+    np.testing.assert_array_equal(worker.io[pool.state][[3, 7]], rows)
+    assert worker.rows_in_notices == 2
+
+
+@pytest.mark.parametrize(
+    ("host", "arena", "slots", "rows", "message"),
+    [
+        ("elsewhere", None, [ROWS], 1, "out of range"),
+        ("elsewhere", None, [2, 3], 1, "bytes for 2 rows"),
+        ("elsewhere", 99, [2], 1, "no io arena 99"),
+        ("this host", None, [2], 1, "a worker on the manager's host"),
+    ],
+)
+def test_unusable_rows_fail_the_tasks_of_their_notice_and_nothing_else(
+    pool: Pool, host: str, arena: int | None, slots: list[int], rows: int, message: str
+):
+    _, reply = pool.register(pool.pool.host if host == "this host" else host)
+    worker = pool.handle(reply)
+    data = np.ones((rows, *pool.state.shape), np.float32).tobytes()
+    bad = (worker.io_arena_id[pool.state] if arena is None else arena, np.array(slots), data)
+    [(_, received)] = pool.notices(CompletionNotice(worker.worker_id, [5, 6], {}, 2, [bad]))
+    assert set(received.errors) == {5, 6} and all(message in error for error in received.errors.values())
+    assert not worker.io[pool.state].any() and worker.rows_in_notices == 0
+    [(_, later)] = pool.notices(CompletionNotice(worker.worker_id, [7], {}, 3, []))
+    assert later.errors == {}
