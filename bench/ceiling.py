@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 import zmq
 
 from bench.datasets import DATASETS
+from bench.generator import closed_loop, request_frames
 from bench.run import ROOT, _free_port, git, machine
 from bench.sweep import ServedPolicy
 from bench.verify import verify
@@ -102,35 +102,6 @@ ROWS = (
 )
 
 
-def _generate(address: str, frames: list[bytes], result: Any) -> None:
-    """The load generator (its own process): all frames, `WINDOW` outstanding; seconds and replies."""
-    context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.SNDHWM, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.connect(address)
-    replies = []
-    sent = 0
-    start = time.perf_counter()
-    while len(replies) < len(frames):
-        while sent < len(frames) and sent - len(replies) < WINDOW:
-            socket.send(frames[sent])
-            sent += 1
-        replies.append(socket.recv())
-    result.put((time.perf_counter() - start, replies))
-    socket.close(linger=0)
-    context.term()
-
-
-def run_generator(address: str, frames: list[bytes]) -> tuple[float, list[dict[str, Any]]]:
-    queue: Any = multiprocessing.get_context("spawn").Queue()
-    process = multiprocessing.get_context("spawn").Process(target=_generate, args=(address, frames, queue))
-    process.start()
-    seconds, raw = queue.get()
-    process.join()
-    return seconds, [msgpack.unpackb(reply, raw=False, strict_map_key=False) for reply in raw]
-
-
 def _echo(address: str, reply: dict[str, Any], ready: Any) -> None:
     """Answers every request at once with `reply` under its id (a server-shaped answer): the generator's ceiling."""
     context = zmq.Context()
@@ -160,13 +131,13 @@ def generator_alone(frames: list[bytes]) -> float:
     echo = spawn.Process(target=_echo, args=(address, reply, ready))
     echo.start()
     ready.wait(30)
-    seconds, _ = run_generator(address, frames)
+    replies = closed_loop(address, frames, WINDOW)
     with zmq.Context() as context, context.socket(zmq.DEALER) as stop:
         stop.connect(address)
         stop.send(b"stop")
         echo.join(10)
         stop.close(linger=0)
-    return len(frames) / seconds
+    return len(frames) / float(np.nanmax(replies.received))
 
 
 def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
@@ -207,12 +178,13 @@ max_queue_delay_ms = 0
                 inputs = row.inputs()
                 count = row.requests // scale
                 requests = [inputs[i % len(inputs)] for i in range(count)]
-                frames = [msgpack.packb({"id": i, "model": row.model, "inputs": x}) for i, x in enumerate(requests)]
-                run_generator(address, frames[: min(200, count)])  # warm up: plans of the common shapes
-                seconds, replies = run_generator(address, frames)
-                failed = sum(1 for reply in replies if not reply.get("ok"))
-                by_id = {reply["id"]: reply for reply in replies}
-                cells = sum(_cells(models[row.model], requests[i], by_id[i]) for i in range(count) if by_id[i].get("ok"))
+                frames = request_frames(row.model, requests)
+                closed_loop(address, frames[: min(200, count)], WINDOW)  # warm up: plans of the common shapes
+                run = closed_loop(address, frames, WINDOW)
+                seconds = float(np.nanmax(run.received))
+                replies = run.replies
+                failed = sum(1 for reply in replies if reply is None or not reply["ok"])
+                cells = sum(_cells(models[row.model], requests[i], r) for i, r in enumerate(replies) if r and r["ok"])
                 check = verify(address, models[row.model], states[row.model], inputs[:CHECKED])
                 rows.append(
                     {
@@ -227,9 +199,7 @@ max_queue_delay_ms = 0
                     }
                 )
             lengths = [{"tokens": list(range(22))}] * (2000 // scale)
-            generator = generator_alone(
-                [msgpack.packb({"id": i, "model": "lstm", "inputs": x}) for i, x in enumerate(lengths)]
-            )
+            generator = generator_alone(request_frames("lstm", lengths))
     result = {
         "preset": "ceiling",
         "quick": quick,

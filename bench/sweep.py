@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
+import psutil
 
+from bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from clients import Client
-from clients.loadgen import Sample, percentiles, run_open_loop
+from clients.loadgen import percentiles
 from manager.launcher import launch, stop_server, wait_until_ready
 
 CDF_POINTS = 101  # quantiles kept of the queueing and computation times (at moderate loads only)
@@ -59,6 +60,19 @@ class ServedPolicy:
         with Client(self.address, timeout=10) as client:
             return client.stats()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by the server's manager and workers (all workers together)."""
+        used: dict[str, float] = {}
+        for child in psutil.Process(self._server.pid).children(recursive=True):
+            try:
+                command, times = child.cmdline(), child.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            role = next((r for r in ("manager", "worker") if command[1:3] == ["-m", r]), None)
+            if role is not None:
+                used[role] = used.get(role, 0.0) + times.user + times.system
+        return used
+
     def wait_idle(self) -> None:
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -73,44 +87,53 @@ class ServedPolicy:
     ) -> dict[str, Any]:
         """Poisson arrivals at `rate` for `seconds`; throughput, latency, queueing, compute and batch size
         (and the CDFs of queueing and compute time, if asked)."""
-        before = self.stats()
-        samples = asyncio.run(
-            run_open_loop(self.address, self.model, inputs, rate, seconds, seed=seed, timeout=60, keep_outputs=False)
-        )
+        rng = np.random.default_rng(seed)
+        due = poisson_schedule(rate, seconds, rng)
+        order = rng.permutation(len(inputs))
+        frames = request_frames(self.model, [inputs[order[i % len(order)]] for i in range(len(due))])
+        before, cpu = self.stats(), self.cpu_seconds()
+        replies = open_loop(self.address, frames, due, timeout=60)
         self.wait_idle()
         after = self.stats()
-        result = point(samples, rate, before, after)
+        result = point(replies, due, rate, before, after)
+        result["server_cpu_s_per_request"] = {
+            role: (seconds - cpu.get(role, 0.0)) / max(1, len(due)) for role, seconds in self.cpu_seconds().items()
+        }
         if not keep_cdf:
             del result["cdf"]
         return result
 
 
-def point(samples: list[Sample], rate: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    ok = [s for s in samples if s.error is None]
+def point(replies: Replies, due: np.ndarray, rate: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One load point: latency counts from each request's scheduled send."""
+    ok = [i for i, reply in enumerate(replies.replies) if reply is not None and reply["ok"]]
     errors: dict[str, int] = {}
-    for s in samples:
-        if s.error is not None:
-            errors[s.error] = errors.get(s.error, 0) + 1
+    for reply in replies.replies:
+        code = "LOST" if reply is None else None if reply["ok"] else reply["error"]["code"]
+        if code is not None:
+            errors[code] = errors.get(code, 0) + 1
+    latency = replies.received[ok] - due[ok]
     # Requests answered per second of the run; the run's span is measured from the first send plus
     # the quickest answer (the pipeline's own delay) to the last answer, so that a server keeping up
     # scores the offered rate and an overloaded one scores the rate at which it drains its backlog.
-    span = max((s.received for s in samples), default=0.0) - min((s.latency for s in ok), default=0.0)
+    span = float(np.nanmax(replies.received)) - float(latency.min()) if ok else 0.0
     tasks = after["tasks"] - before["tasks"]
     cells = after["nodes"] - before["nodes"]
-    queue_ms = [s.timing["queue_us"] / 1e3 for s in ok]
-    compute_ms = [s.timing["compute_us"] / 1e3 for s in ok]
+    queue_ms = [replies.replies[i]["timing"]["queue_us"] / 1e3 for i in ok]
+    compute_ms = [replies.replies[i]["timing"]["compute_us"] / 1e3 for i in ok]
     return {
         "offered_rps": rate,
-        "sent": len(samples),
+        "sent": len(due),
         "ok": len(ok),
         "errors": errors,
         "achieved_rps": len(ok) / span if span > 0 else 0.0,
-        "latency_ms": percentiles([s.latency * 1e3 for s in ok]),
+        "latency_ms": percentiles(latency * 1e3),
         "queue_ms": percentiles(queue_ms),
         "compute_ms": percentiles(compute_ms),
         "mean_batch_size": cells / tasks if tasks else 0.0,
         "cells_run": cells,
         "tasks": tasks,
+        "generator_cpu_s_per_request": replies.cpu_seconds / max(1, len(due)),
         "cdf": {"queue_ms": cdf(queue_ms), "compute_ms": cdf(compute_ms)},
     }
 

@@ -12,9 +12,9 @@ import pytest
 from bench import plots, report
 from bench.__main__ import _finite
 from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
+from bench.generator import Replies, poisson_schedule
 from bench.kernel import ideal
 from bench.sweep import point, saturated
-from clients.loadgen import Sample
 
 
 def lengths(name: str) -> np.ndarray:
@@ -45,22 +45,43 @@ def test_ideal_runs_every_cell_in_full_batches():
     assert result["cells_per_s"] == pytest.approx(15 * result["requests_per_s"])
 
 
-def samples(rate: float, seconds: float, latency: float, refused: int = 0) -> list[Sample]:
-    made = []
-    for i in range(int(rate * seconds)):
-        sample = Sample(i, scheduled=i / rate, sent=i / rate, received=i / rate + latency)
-        sample.timing = {"queue_us": 1000, "compute_us": int(latency * 1e6) - 1000, "total_us": int(latency * 1e6)}
-        sample.error = "OVERLOADED" if i < refused else None
-        made.append(sample)
-    return made
+def replies(rate: float, seconds: float, latency: float, refused: int = 0, lost: int = 0) -> tuple[Replies, np.ndarray]:
+    """A run where every request is answered `latency` s after its due time: the first `refused` with
+    OVERLOADED, the last `lost` never."""
+    count = int(rate * seconds)
+    due = np.arange(count) / rate
+    timing = {"queue_us": 1000, "compute_us": int(latency * 1e6) - 1000, "total_us": int(latency * 1e6)}
+    answers: list = []
+    for i in range(count):
+        if i >= count - lost:
+            answers.append(None)
+        elif i < refused:
+            answers.append({"id": i, "ok": False, "error": {"code": "OVERLOADED", "message": "busy"}})
+        else:
+            answers.append({"id": i, "ok": True, "outputs": {}, "timing": timing})
+    received = np.where([a is None for a in answers], np.nan, due + latency)
+    return Replies(due.copy(), received, answers, cpu_seconds=0.5), due
 
 
 def test_a_point_scores_the_offered_rate_when_the_server_keeps_up():
-    result = point(samples(100, 10, 0.05), 100, {"tasks": 0, "nodes": 0}, {"tasks": 50, "nodes": 400})
+    result = point(*replies(100, 10, 0.05), 100, {"tasks": 0, "nodes": 0}, {"tasks": 50, "nodes": 400})
     assert result["achieved_rps"] == pytest.approx(100, rel=0.02)
     assert result["mean_batch_size"] == 8 and result["latency_ms"]["p50"] == pytest.approx(50)
+    assert result["generator_cpu_s_per_request"] == pytest.approx(0.5 / 1000)
     assert not saturated(result)
-    assert saturated(point(samples(100, 10, 0.05, refused=50), 100, {"tasks": 0, "nodes": 0}, {"tasks": 1, "nodes": 1}))
+    assert saturated(point(*replies(100, 10, 0.05, refused=50), 100, {"tasks": 0, "nodes": 0}, {"tasks": 1, "nodes": 1}))
+
+
+def test_a_point_counts_requests_never_answered_as_lost():
+    result = point(*replies(100, 10, 0.05, lost=30), 100, {"tasks": 0, "nodes": 0}, {"tasks": 1, "nodes": 1})
+    assert result["errors"] == {"LOST": 30} and result["ok"] == 970
+    assert saturated(result)
+
+
+def test_poisson_schedule_keeps_the_rate_and_the_window():
+    due = poisson_schedule(2000, 5, np.random.default_rng(3))
+    assert due[0] == 0 and (np.diff(due) > 0).all() and due[-1] < 5
+    assert len(due) == pytest.approx(10_000, rel=0.05)
 
 
 def synthetic_result() -> dict:
