@@ -83,8 +83,8 @@ class WorkerPool:
             worker.progress_at = time.monotonic()  # the hang watchdog counts from when work arrives
             if worker.first_task_delay is None:
                 worker.first_task_delay = worker.progress_at - worker.registered_at
-        for task in tasks:
-            self.control.send_multipart([worker.identity, b"task", task.message])
+        # One message for the whole batch: a send wakes both sides' ZeroMQ threads, whatever it carries.
+        self.control.send_multipart([worker.identity, b"tasks", *(task.message for task in tasks)])
 
     def notices(self) -> Iterator[tuple[WorkerHandle, CompletionNotice]]:
         """Completion notices waiting on the socket, from workers still registered."""

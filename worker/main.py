@@ -330,15 +330,12 @@ class Worker:
     def _drain(self, socket: zmq.Socket) -> None:
         while not self._stop:
             try:
-                kind, payload = socket.recv_multipart(zmq.NOBLOCK)
+                kind, payload, *more = socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if kind == b"task":
-                task = decode_task(payload)
-                if CRASH_TOKEN is not None:
-                    _crash_on(task, CRASH_TOKEN)
-                self._fifo.push(task.task_id, [] if self._local else [(b, t) for _, _, b, t in task.downloads])
-                self._backend.issue(task)
+            if kind == b"tasks":  # one frame per task, in the order they are to run
+                for frame in (payload, *more):
+                    self._issue(decode_task(frame))
             elif kind == b"peers":
                 self._attach_peers(decode(payload))
             elif kind == b"forget-peer":
@@ -346,6 +343,13 @@ class Worker:
             elif kind == b"stop":
                 log.info("the manager told this worker to stop")
                 self._stop = True
+
+
+    def _issue(self, task: TaskMessage) -> None:
+        if CRASH_TOKEN is not None:
+            _crash_on(task, CRASH_TOKEN)
+        self._fifo.push(task.task_id, [] if self._local else [(b, t) for _, _, b, t in task.downloads])
+        self._backend.issue(task)
 
 
 def _crash_on(task: TaskMessage, token: int) -> None:
