@@ -118,3 +118,13 @@ def test_doubling_tanh_rows_leaves_the_weights_file_untouched():
     scaled = kernels.doubled(weight, 3, (1,))
     assert torch.equal(weight, torch.arange(12.0).view(6, 2))
     assert torch.equal(scaled[2:4], 2 * weight[2:4]) and torch.equal(scaled[[0, 1, 4, 5]], weight[[0, 1, 4, 5]])
+
+
+def test_row_argmax_matches_torch_and_keeps_the_first_of_equal_maxima():
+    scores = torch.randn(9, 50, generator=torch.Generator().manual_seed(2))
+    scores[3, 10] = scores[3, 40] = scores[3].max() + 1  # a tie: the first wins
+    scores[5] = 0.0  # all equal
+    got = kernels.row_argmax(scores)
+    assert got.dtype == torch.int64 and torch.equal(got, scores.argmax(dim=1))
+    assert got[3] == 10 and got[5] == 0
+    assert torch.equal(kernels.row_argmax(scores.t().contiguous().t()), scores.argmax(dim=1))  # a strided view

@@ -32,7 +32,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
 from common.models.base import FOLD_KEY, Model, check_params, int_param, padded_length, token_ids
-from common.models.kernels import LSTMKernel, Projection, lstm_input, table_bytes
+from common.models.kernels import LSTMKernel, Projection, lstm_input, row_argmax, table_bytes
 from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import INVALID_INPUT, RequestError
 
@@ -74,7 +74,7 @@ class DecoderKernel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h, c = self.step(tokens, h, c)
-        return h, c, self.projection(h).argmax(dim=1)
+        return h, c, row_argmax(self.projection(h))
 
 
 class Decoded:
