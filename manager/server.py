@@ -20,6 +20,7 @@ import zmq
 
 from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
+from common.io_threads import server_context
 from common.models.base import Model, build_model, cell_layout
 from common.protocol import (
     BAD_REQUEST,
@@ -91,7 +92,7 @@ class Manager:
             host, _, port = server.metrics_address.rpartition(":")
             bound = self.metrics.serve(host, int(port))
             log.info("metrics on http://%s:%d/metrics", host, bound)
-        self._context = zmq.Context()
+        self._context = server_context()
         self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)

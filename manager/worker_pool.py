@@ -26,6 +26,7 @@ from common.auth import CurveServer
 from common.config import ConfigError, ServerConfig, check_worker_address
 from common.graph import CellTypeSpec, ValueKind
 from common.hosts import default_host_id
+from common.io_threads import server_context
 from common.protocol import BAD_REQUEST, RequestError, decode, encode
 from common.task import CompletionNotice, decode_notice
 from manager.state import Task
@@ -57,7 +58,7 @@ class WorkerPool:
         self._next_worker_id = 0
         self.seen: set[Any] = set()  # (host, index) of workers that registered before (restarts)
         # A context of their own: its CURVE handler (which workers may register) is not the clients'.
-        self._context = zmq.Context()
+        self._context = server_context()
         self._curve: CurveServer | None = None
         if server.worker_curve is not None:
             keys = server.worker_curve

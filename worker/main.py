@@ -32,6 +32,7 @@ from common.auth import CurveClient, connect_socket
 from common.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from common.graph import CellTypeSpec, ValueKind
 from common.hosts import default_host_id
+from common.io_threads import server_context
 from common.logs import setup_logging
 from common.models.base import build_model, cell_layout
 from common.protocol import decode, encode
@@ -226,7 +227,7 @@ class Worker:
         self._host = host
         self._curve = curve
         self._local = True  # on the manager's host: the manager reads results from the io arenas
-        self._context = zmq.Context()
+        self._context = server_context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if curve is not None:
