@@ -21,6 +21,7 @@ internal a higher priority than leaf, and the classifier a higher one still.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
@@ -65,7 +66,7 @@ class Tree:
     levels: list[list[int]]
     root: int
 
-    @property
+    @functools.cached_property
     def order(self) -> list[int]:
         """Every node, children before parents."""
         return [node for level in self.levels for node in level]
@@ -188,11 +189,18 @@ def parse_tree(inputs: Any, vocab_size: int, max_nodes: int, binary: bool) -> Tr
     """
     tokens, parents = _read(inputs, vocab_size, max_nodes)
     children, top_down = _top_down(parents)
-    _check_nodes(tokens, children, binary)
+    # One pass from the leaves up computes heights and checks every node; a tree that fails a
+    # check is reported by _check_nodes, which names the first bad node by index.
     height = [0] * len(tokens)
     for node in reversed(top_down):
-        if children[node]:
-            height[node] = 1 + max(height[child] for child in children[node])
+        kids = children[node]
+        if not kids:
+            if tokens[node] == NO_WORD:
+                _check_nodes(tokens, children, binary)
+        elif binary and (len(kids) != 2 or tokens[node] != NO_WORD):
+            _check_nodes(tokens, children, binary)
+        else:
+            height[node] = 1 + max(map(height.__getitem__, kids))
     root = top_down[0]
     levels: list[list[int]] = [[] for _ in range(height[root] + 1)]
     for node, node_height in enumerate(height):
@@ -386,7 +394,7 @@ class TreeModel(Model):
         count = len(order)
         position = np.empty(count, np.int64)
         position[order] = np.arange(count)
-        heights = np.repeat(np.arange(len(tree.levels)), [len(level) for level in tree.levels])
+        heights = np.repeat(np.arange(len(tree.levels)), list(map(len, tree.levels)))
         lanes, inputs_of, ragged, externals = self.plan_inputs(tree, order, position)
         classes = bool(self.num_classes)
         total = count + classes

@@ -152,9 +152,10 @@ class TreeLSTMModel(TreeModel):
         leaves = len(tree.levels[0])
         inputs = np.full((len(order), 4), ZERO_REF, np.int32)
         inputs[:leaves, 0] = external_ref(np.arange(leaves))
-        children = np.array([tree.children[node] for node in order[leaves:]], np.int64).reshape(-1, 2)
-        left, right = 2 * position[children[:, 0]], 2 * position[children[:, 1]]
-        inputs[leaves:] = np.stack((left, left + 1, right, right + 1), axis=1)
+        children = np.array([tree.children[node] for node in tree.order[leaves:]], np.int64).reshape(-1, 2)
+        registers = 2 * position[children]  # h of the left and right child; c is the register after each
+        inputs[leaves:, 0::2] = registers
+        inputs[leaves:, 1::2] = registers + 1
         lanes = [(self.keys["leaf"], leaves), (self.keys["internal"], len(order))]
         return lanes, inputs, None, np.array(tree.tokens, np.int64)[order[:leaves]]
 
