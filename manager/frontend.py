@@ -24,6 +24,7 @@ from common.addresses import is_loopback
 from common.auth import CurveServer
 from common.config import ServerConfig
 from common.protocol import BAD_REQUEST, RequestError, decode, encode
+from common.sockets import NOW, receive, send
 from manager.connections import ClientConnections
 
 log = logging.getLogger("batchmaker.manager")
@@ -81,7 +82,7 @@ class ClientFrontend:
         """Up to `limit` messages waiting on the socket, their envelopes checked."""
         for _ in range(limit):
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = receive(self.socket, NOW)
             except zmq.Again:
                 return
             arrival = time.perf_counter()
@@ -118,8 +119,7 @@ class ClientFrontend:
     def _send(self, client: bytes, body: bytes) -> bool:
         """Send one reply; False when the client's queue is full (it is not reading)."""
         try:
-            self.socket.send(client, zmq.SNDMORE | zmq.NOBLOCK)  # two sends cost less than send_multipart
-            self.socket.send(body, zmq.NOBLOCK)
+            send(self.socket, (client, body), NOW)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:

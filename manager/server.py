@@ -20,7 +20,6 @@ import zmq
 
 from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
-from common.io_threads import server_context
 from common.models.base import Model, build_model, cell_layout
 from common.protocol import (
     BAD_REQUEST,
@@ -35,6 +34,7 @@ from common.protocol import (
     RequestError,
     error_reply,
 )
+from common.sockets import server_context
 from manager.admission import Admission
 from manager.dispatch import Dispatcher
 from manager.frontend import ClientFrontend, Incoming

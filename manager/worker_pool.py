@@ -26,8 +26,8 @@ from common.auth import CurveServer
 from common.config import ConfigError, ServerConfig, check_worker_address
 from common.graph import CellTypeSpec, ValueKind
 from common.hosts import default_host_id
-from common.io_threads import server_context
 from common.protocol import BAD_REQUEST, RequestError, decode, encode
+from common.sockets import NOW, send, server_context
 from common.task import CompletionNotice, decode_notice
 from manager.state import Task
 from manager.workers import WorkerHandle
@@ -85,13 +85,13 @@ class WorkerPool:
             if worker.first_task_delay is None:
                 worker.first_task_delay = worker.progress_at - worker.registered_at
         # One message for the whole batch: a send wakes both sides' ZeroMQ threads, whatever it carries.
-        self.control.send_multipart([worker.identity, b"tasks", *(task.message for task in tasks)])
+        send(self.control, [worker.identity, b"tasks", *(task.message for task in tasks)])
 
     def notices(self) -> Iterator[tuple[WorkerHandle, CompletionNotice]]:
         """Completion notices waiting on the socket, from workers still registered."""
         while True:
             try:
-                frame = self.completions.recv(zmq.NOBLOCK)
+                frame = self.completions.recv(NOW)
             except zmq.Again:
                 return
             notice = decode_notice(frame)

@@ -32,10 +32,10 @@ from common.auth import CurveClient, connect_socket
 from common.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from common.graph import CellTypeSpec, ValueKind
 from common.hosts import default_host_id
-from common.io_threads import server_context
 from common.logs import setup_logging
 from common.models.base import build_model, cell_layout
 from common.protocol import decode, encode
+from common.sockets import NOW, receive, server_context
 from common.task import CompletionNotice, TaskMessage, decode_task, encode_notice
 from common.worker_keys import worker_curve
 from worker.backend import Backend
@@ -331,7 +331,7 @@ class Worker:
     def _drain(self, socket: zmq.Socket) -> None:
         while not self._stop:
             try:
-                kind, payload, *more = socket.recv_multipart(zmq.NOBLOCK)
+                kind, payload, *more = (frame.bytes for frame in receive(socket, NOW))
             except zmq.Again:
                 return
             if kind == b"tasks":  # one frame per task, in the order they are to run

@@ -1,4 +1,4 @@
-"""The manager's and workers' ZeroMQ threads run in SCHED_BATCH; a plain context's do not."""
+"""Hot-path ZeroMQ: contexts whose threads run in SCHED_BATCH (a plain one's do not), multipart sends and receives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.io_threads import server_context
+from common.sockets import NOW, receive, send, server_context
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies and /proc are Linux's")
 
@@ -49,3 +49,19 @@ def test_background_threads_of_a_context(make, policy):
     finally:
         context.term()
     assert len(policies) >= 2 and set(policies.values()) == {policy}
+
+
+def test_multipart_messages_cross_whole_and_in_order():
+    with zmq.Context() as context:
+        pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+        pull.bind("inproc://frames")
+        push.connect("inproc://frames")
+        with pytest.raises(zmq.Again):
+            receive(pull, NOW)
+        send(push, [b"tasks", b"one", b"", b"three"])
+        send(push, iter([b"alone"]))
+        assert pull.poll(10_000)
+        assert [frame.bytes for frame in receive(pull, NOW)] == [b"tasks", b"one", b"", b"three"]
+        assert [frame.bytes for frame in receive(pull)] == [b"alone"]
+        for socket in (pull, push):
+            socket.close(linger=0)
