@@ -228,6 +228,10 @@ def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.nda
     elif isinstance(raw, list):
         if not set(map(type, raw)) <= {int}:  # bool is not an int here, nor are int subclasses
             raise RequestError(INVALID_INPUT, f"{key} must be a list of integer token ids")
+        if raw and 0 <= min(raw) and max(raw) < vocab_size:  # the common case, checked on the list (cheaper)
+            if len(raw) > max_length:
+                raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")
+            return np.array(raw, dtype=np.int64)
         try:
             array = np.array(raw, dtype=np.int64)
         except OverflowError:
