@@ -59,6 +59,7 @@ def test_a_kill_is_timed_from_the_signal():
     assert row["manager_gone_after_ms"] == pytest.approx(30)
     assert row["set_aside_after_ms"] == pytest.approx(60) and row["set_aside_because"] == "its connection closed"
     assert row["last_sent_to_it_after_ms"] == pytest.approx(50)  # request 105, at 1.05 s, was A's last
+    assert row["sent_to_it_after_signal"] == 2  # 102 and 105
     assert row["resent"] == 4 and row["resent_requests"] == 4  # requests 96, 99, 102, 105
     assert row["last_resent_answered_after_ms"] == pytest.approx(100)
     assert row["answered"] == 200 and row["failed"] == {} and row["duplicate_replies_dropped"] == 1
@@ -105,4 +106,4 @@ def test_the_table_has_a_row_per_measurement():
     assert "servers at abc1234: LSTM; 2 cores, load average 1.5 at the start" in text
     assert "| 1 | 1,500 | 60.0 | 120.0 | 0.20 | 0.00 | 0.50 | 0.40 | 0.10 | 0.00 |" in text
     assert "| AsyncClient, 1 address | 200 | 10.0 | 10.0 | 0 |" in text
-    assert "| kill -9 | 3 | 30 | 60 | 50 | 4 | 100 | 0 | 200/200 | 1 | 5 ok | 20.0 |" in text
+    assert "| kill -9 | 3 | 30 | 60 | 50 | 2 | 4 | 100 | 0 | 200/200 | 1 | 5 ok | 20.0 |" in text
