@@ -55,9 +55,9 @@ def _after(moment: float | None, origin: float) -> float | None:
 
 
 def fault(name: str, target: str, servers: int, run: OpenLoop, check: dict[str, Any]) -> dict[str, Any]:
-    """The timeline of one fault to `target`, one of `servers`, in ms after the signal: its manager gone
-    (its connections closed), the client setting it aside, the last request sent to it, the last resent request answered; what was answered, and how
-    often; latency of the requests answered before the signal, and of the others (in flight or later)."""
+    """The timeline of one fault to `target`, one of `servers`, in ms after the signal: its manager gone, the
+    client setting it aside, the last request sent to it, the last resent request answered; what was
+    answered, and how often; latency of the requests answered before the signal, and of the others."""
     at = run.fault_at if run.fault_at is not None else float("nan")
     aside = next(((t, why) for t, address, why in run.set_aside if address == target and t >= at), (None, None))
     resent = [index for index, sends in enumerate(run.sends) if len(sends) > 1]

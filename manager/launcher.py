@@ -68,7 +68,7 @@ def roles(server: subprocess.Popen) -> dict[int, str]:
             command = process.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if command[1:2] == ["-m"] and len(command) > 2 and command[2] in ROLES:
+        if len(command) > 2 and command[1] == "-m" and command[2] in ROLES:
             found[process.pid] = ROLES[command[2]]
     return found
 
@@ -92,13 +92,14 @@ def free_port_on(host: str) -> int:
 
 
 class ServerProcess:
-    """`batchmaker serve` on an address of its own (e.g. 127.0.0.2, 127.0.0.3: loopback addresses standing
-    for hosts), so that one client can be pointed at several servers and one of them killed or drained."""
+    """`batchmaker serve` with one CPU worker on an address of its own (e.g. 127.0.0.2, 127.0.0.3: loopback
+    addresses standing for hosts), so that one client can be pointed at several servers and one of them
+    killed or drained."""
 
-    def __init__(self, config: Path, host: str, log: IO | int | None, workers: int = 1):
+    def __init__(self, config: Path, host: str, log: IO | int | None):
         self.host = host
         self.address = f"tcp://{host}:{free_port_on(host)}"
-        self.process = launch(config, log, "--address", self.address, "--workers", str(workers))
+        self.process = launch(config, log, "--address", self.address, "--workers", "1")
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         wait_until_ready(self.address, self.process, timeout)
