@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench import ceiling, plots, report
+from bench import ceiling, plots, report, servers, servers_report
 from bench.presets import FULL, PRESETS, QUICK
 from bench.progress import Progress
 from bench.run import MODERATE, ROOT, run_preset
@@ -27,7 +27,7 @@ def _finite(value):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
-    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "all"])
+    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "servers", "all"])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     args = parser.parse_args(argv)
@@ -39,6 +39,17 @@ def main(argv: list[str] | None = None) -> int:
             print("ceiling: answers differ from the reference model", file=sys.stderr)
             return 1
         if args.preset == "ceiling":
+            return 0
+    if args.preset in ("servers", "all"):
+        result = servers.run(args.quick)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "servers.json").write_text(json.dumps(_finite(result), indent=1))
+        print(servers_report.table(result))
+        found = servers_report.problems(result)
+        if found:
+            print(f"servers: {'; '.join(found)}", file=sys.stderr)
+            return 1
+        if args.preset == "servers":
             return 0
     names = list(PRESETS) if args.preset == "all" else [args.preset]
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)

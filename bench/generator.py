@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from queue import Empty
 from typing import Any
 
 import msgpack
@@ -95,13 +97,26 @@ def _closed_loop(address: str, frames: list[bytes], window: int, result: Any) ->
     context.term()
 
 
-def _run(target: Any, *args: Any) -> Replies:
+def spawned(target: Callable[..., None], *args: Any) -> Any:
+    """Run `target(*args, queue)` in a process of its own, whose CPU time is the load's alone,
+    and return what it puts on the queue."""
     spawn = multiprocessing.get_context("spawn")
     queue: Any = spawn.Queue()
     process = spawn.Process(target=target, args=(*args, queue))
     process.start()
-    sent, arrivals, cpu = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=1.0)
+            break
+        except Empty:
+            if not process.is_alive():
+                raise RuntimeError(f"the load process exited with status {process.exitcode} without a result") from None
     process.join()
+    return result
+
+
+def _run(target: Callable[..., None], *args: Any) -> Replies:
+    sent, arrivals, cpu = spawned(target, *args)
     received = np.full(len(sent), np.nan)
     replies: list[dict[str, Any] | None] = [None] * len(sent)
     for at, body in arrivals:

@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
-import psutil
 
 from bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from clients import Client
 from clients.loadgen import percentiles
-from manager.launcher import launch, stop_server, wait_until_ready
+from manager.launcher import cpu_seconds, launch, roles, stop_server, wait_until_ready
 
 CDF_POINTS = 101  # quantiles kept of the queueing and computation times (at moderate loads only)
 IDLE_TIMEOUT_S = 120.0
@@ -61,17 +60,8 @@ class ServedPolicy:
             return client.stats()
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds used so far by the server's manager and workers (all workers together)."""
-        used: dict[str, float] = {}
-        for child in psutil.Process(self._server.pid).children(recursive=True):
-            try:
-                command, times = child.cmdline(), child.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            role = next((r for r in ("manager", "worker") if command[1:3] == ["-m", r]), None)
-            if role is not None:
-                used[role] = used.get(role, 0.0) + times.user + times.system
-        return used
+        """CPU seconds used so far by the server's supervisor, manager and workers (all workers together)."""
+        return cpu_seconds(roles(self._server))
 
     def wait_idle(self) -> None:
         deadline = time.monotonic() + IDLE_TIMEOUT_S

@@ -41,9 +41,14 @@ async def _ask(address: str, model: str, requests: list[dict[str, Any]]) -> list
 def verify(address: str, model: Model, state: dict, requests: list[dict[str, Any]]) -> dict[str, Any]:
     """Send the requests at once (so they batch together) and compare every reply with the reference."""
     replies = asyncio.run(_ask(address, model.name, requests))
+    return compare(model, state, requests, [reply.outputs for reply in replies])
+
+
+def compare(model: Model, state: dict, requests: list[dict[str, Any]], outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Served outputs against the reference's, request by request: the largest error and what was wrong."""
     worst, problems = 0.0, []
-    for inputs, reply in zip(requests, replies):
-        error, problem = mismatch(model, state, inputs, reply.outputs)
+    for inputs, served in zip(requests, outputs):
+        error, problem = mismatch(model, state, inputs, served)
         worst = max(worst, error)
         if problem:
             problems.append(problem)

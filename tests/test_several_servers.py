@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
-from conftest import ROOT, write_config
+from conftest import write_config
 
-from clients import AsyncClient, Client
+from clients import AsyncClient
 from common.config import Config
 from common.models import build_model
+from manager.launcher import ServerProcess
 
 TINY_LSTM = """
 [models.lstm]
@@ -40,64 +36,10 @@ HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 TOLERANCE = 1e-5
 
 
-def free_port_on(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`batchmaker serve` in its own process, as on a host of its own."""
-
-    def __init__(self, config: Config, host: str):
-        self.address = f"tcp://{host}:{free_port_on(host)}"
-        command = [sys.executable, "-m", "manager.cli", "serve", str(config.path), "--address", self.address]
-        self.process = subprocess.Popen([*command, "--workers", "1"], cwd=ROOT, stdout=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Ask for health until the server says ready; the timeout only turns a hang into a failure."""
-        deadline = time.monotonic() + timeout
-        with Client(self.address, timeout=1.0) as client:
-            while time.monotonic() < deadline:
-                assert self.process.poll() is None, f"server {self.address} exited with {self.process.returncode}"
-                try:
-                    if client.health()["status"] == "ready":
-                        return
-                except TimeoutError:
-                    pass
-        raise AssertionError(f"server {self.address} did not become ready")
-
-    def processes(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def kill_all(self) -> None:
-        """SIGKILL the supervisor and every child at once, like a host that loses power."""
-        for process in self.processes():
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.process.wait(10)
-
-    def stop(self) -> None:
-        children = self.processes()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill_all()
-        psutil.wait_procs(children, timeout=10)
-
-
 @pytest.fixture
 def three_servers(tmp_path: Path) -> Iterator[tuple[Config, list[ServerProcess]]]:
     config = write_config(tmp_path, TINY_LSTM)
-    servers = [ServerProcess(config, host) for host in HOSTS]
+    servers = [ServerProcess(config.path, host, log=None) for host in HOSTS]  # logs go to pytest's captured output
     try:
         for server in servers:
             server.wait_ready()
