@@ -191,11 +191,15 @@ class Manager:
             self._worker_lost(worker, reason)
 
     def _watch_workers(self) -> None:
-        """Every WATCH_INTERVAL_S: the watchdog, and the metrics that are sampled rather than counted."""
+        """Every WATCH_INTERVAL_S: the watchdog, and the metrics that are sampled rather than counted.
+
+        Notices waiting unread are taken first: after a long turn (planning a very long request,
+        say) a worker's heartbeats may sit in the socket, and that is not silence."""
         now = time.monotonic()
         if now < self._next_watch:
             return
         self._next_watch = now + WATCH_INTERVAL_S
+        self._completions()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
         if self.metrics is not None:
