@@ -96,7 +96,7 @@ class SchedulerConfig:
     policy: str = "cellular"
     affinity: str = "subgraph"
     max_tasks_to_submit: int = 5
-    idle_tasks: int = 2
+    idle_tasks: int = 4  # deep enough that the worker never waits for a busy event loop
     bucket_width: int = 10  # padded policy: requests whose lengths fall in one bucket of this width batch together
     max_group_requests: int = 0  # padded and graph policies: requests per batch; 0: the model's largest batch size
 
