@@ -102,8 +102,8 @@ ROWS = (
 )
 
 
-def _generate(address: str, frames: list[bytes], result: Any) -> None:
-    """The load generator (its own process): all frames, `WINDOW` outstanding; seconds and replies."""
+def _generate(address: str, frames: list[bytes], window: int, result: Any) -> None:
+    """The load generator (its own process): all frames, `window` outstanding; seconds and replies."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.SNDHWM, 0)
@@ -113,7 +113,7 @@ def _generate(address: str, frames: list[bytes], result: Any) -> None:
     sent = 0
     start = time.perf_counter()
     while len(replies) < len(frames):
-        while sent < len(frames) and sent - len(replies) < WINDOW:
+        while sent < len(frames) and sent - len(replies) < window:
             socket.send(frames[sent])
             sent += 1
         replies.append(socket.recv())
@@ -122,9 +122,10 @@ def _generate(address: str, frames: list[bytes], result: Any) -> None:
     context.term()
 
 
-def run_generator(address: str, frames: list[bytes]) -> tuple[float, list[dict[str, Any]]]:
+def run_generator(address: str, frames: list[bytes], window: int = WINDOW) -> tuple[float, list[dict[str, Any]]]:
+    """Send every frame, keeping `window` requests outstanding (a closed loop); seconds taken and the replies."""
     queue: Any = multiprocessing.get_context("spawn").Queue()
-    process = multiprocessing.get_context("spawn").Process(target=_generate, args=(address, frames, queue))
+    process = multiprocessing.get_context("spawn").Process(target=_generate, args=(address, frames, window, queue))
     process.start()
     seconds, raw = queue.get()
     process.join()

@@ -4,13 +4,15 @@ saturation, the summary and targets, and the plots. (`./scripts/bench all --quic
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 
-from bench import plots, report
-from bench.__main__ import _finite
+from bench import overload, plots, poisson, report
 from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from bench.kernel import ideal
 from bench.sweep import point, saturated
@@ -111,4 +113,87 @@ def test_plots_and_json_are_written(tmp_path: Path):
     paths = plots.draw(result, tmp_path)
     assert [p.name for p in paths] == ["lstm-latency.png", "lstm-cdf.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
-    assert json.loads(json.dumps(_finite({"x": float("nan"), "y": [1.0, float("inf")]}))) == {"x": None, "y": [1.0, None]}
+    assert json.loads(json.dumps(report.finite({"x": float("nan"), "y": [1.0, float("inf")]}))) == {"x": None, "y": [1.0, None]}
+
+
+def test_poisson_schedule_has_the_rate_and_covers_the_run():
+    times = poisson.schedule(5000.0, 2.0, seed=3)
+    assert times[0] == 0 and times[-1] < 2.0 and np.all(np.diff(times) > 0)
+    assert abs(len(times) - 10_000) < 5 * 100  # Poisson: standard deviation sqrt(10,000)
+    gaps = np.diff(times)
+    assert np.std(gaps) == pytest.approx(np.mean(gaps), rel=0.05)  # exponential gaps
+
+
+def _fake_server(socket: zmq.Socket, stop: threading.Event) -> None:
+    """Answers requests by id: 3 mod 10 never, 5 mod 10 twice, 7 mod 10 with OVERLOADED, the rest ok."""
+    while not stop.is_set():
+        if not socket.poll(50):
+            continue
+        client, body = socket.recv_multipart()
+        request_id = msgpack.unpackb(body)["id"]
+        if request_id % 10 == 3:
+            continue
+        if request_id % 10 == 7:
+            reply = {"id": request_id, "ok": False, "error": {"code": "OVERLOADED", "message": "estimated wait 300 ms"}}
+        else:
+            reply = {"id": request_id, "ok": True, "outputs": {}, "timing": {"total_us": 1500}}
+        for _ in range(2 if request_id % 10 == 5 else 1):
+            socket.send_multipart([client, msgpack.packb(reply)])
+
+
+def test_the_poisson_generator_counts_lost_doubled_and_refused_requests():
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    server = threading.Thread(target=_fake_server, args=(socket, stop))
+    server.start()
+    try:
+        due = poisson.schedule(2000.0, 0.1, seed=0)
+        run = poisson.run(f"tcp://127.0.0.1:{port}", "m", [{"tokens": [1, 2]}], due, drain_s=0.5)
+    finally:
+        stop.set()
+        server.join()
+        socket.close(linger=0)
+    ids = np.arange(len(due))
+    outcome = np.array(run.outcome)
+    assert np.array_equal(outcome == poisson.UNANSWERED, ids % 10 == 3)
+    assert np.array_equal(outcome == "OVERLOADED", ids % 10 == 7)
+    assert run.duplicates == np.sum(ids % 10 == 5)
+    answered = outcome != poisson.UNANSWERED
+    assert np.all(run.sent >= run.due) and np.all(run.received[answered] >= run.sent[answered])
+    assert np.isnan(run.received[~answered]).all() and np.all(run.server_us[outcome == "ok"] == 1500)
+    assert run.messages == {"OVERLOADED": "estimated wait 300 ms"}
+
+
+def overload_result(p99_ms: float, goodput: float, lost: int, wrong: bool = False) -> dict:
+    def factor(value: float) -> dict:
+        pct = {"p50": 200.0, "p90": 300.0, "p99": p99_ms, "max": p99_ms}
+        return {"factor": value, "offered_rps": 1000 * value, "latency_ms": pct, "server_ms": pct,
+                "generator_behind_ms": pct, "refused_share": 1 - 1 / value, "goodput_over_capacity": goodput,
+                "lost": lost, "duplicate_replies": 0, "cpu_s_per_s": {"manager": 0.7, "worker": 0.6, "generator": 0.2},
+                "verify": {"ok": not wrong, "wrong": ["h differs"] if wrong else []}}
+
+    capacity = {"requests_per_s": 1000.0, "cells_per_s": 22500.0, "mean_batch_size": 63.0, "window": 256,
+                "refused": 0, "estimated_cells_per_s": 23000.0}
+    result = {"capacity": capacity, "factors": [factor(f) for f in overload.FACTORS]}
+    result["targets"] = overload.goals(result)
+    return result
+
+
+def test_overload_goals_are_met_or_missed_per_factor():
+    good = overload_result(p99_ms=400.0, goodput=0.95, lost=0)
+    assert all(t["met"] for t in good["targets"]) and len(good["targets"]) == 3 * len(overload.FACTORS)
+    assert not overload.problems(good)
+    assert "| 10x | 10000 | 200 | 400 | 400 | 90% | 0.95 | 0 |" in overload.table(good)
+    slow = overload_result(p99_ms=600.0, goodput=0.8, lost=0)
+    missed = {t["what"].split(": ", 1)[1] for t in slow["targets"] if not t["met"]}
+    assert missed == {"accepted p99 ms", "goodput / capacity"}
+    assert not overload.problems(slow)  # missed goals are measurements, not failures
+
+
+def test_overload_fails_on_a_lost_request_or_a_wrong_answer():
+    lost = overload_result(p99_ms=400.0, goodput=0.95, lost=2)
+    assert not next(t for t in lost["targets"] if t["what"].endswith("lost requests"))["met"]
+    assert overload.problems(lost)[0] == "1.2x: 2 requests never answered, 0 answered twice"
+    wrong = overload.problems(overload_result(p99_ms=400.0, goodput=0.95, lost=0, wrong=True))
+    assert wrong == [f"{f:g}x: answers differ from the reference: h differs" for f in overload.FACTORS]

@@ -1,0 +1,254 @@
+"""`./scripts/bench overload`: the default server offered up to ten times what it can serve.
+
+Serves configs/default.toml as it is (an LSTM of hidden size 256 with an 8192-word vocabulary,
+batches up to 64, one CPU worker where there is no GPU, refusing requests whose expected wait
+exceeds `max_queue_delay_ms` = 250) on WMT sentence lengths, and:
+
+1. measures its capacity: the requests it answers per second while a closed loop keeps
+   CAPACITY_WINDOW requests in flight. That is four full batches, so the worker always has full
+   tasks to run, and little enough queueing that nothing needs refusing (any refusal is reported);
+2. offers FACTORS times that rate as open-loop Poisson arrivals (bench/poisson.py), each factor on
+   a freshly started server, whose capacity is not yet measured when the load begins;
+3. reports per factor the latency of accepted requests from when they were due, the share refused,
+   the goodput (accepted requests answered per second) over the capacity and the requests lost
+   (sent and never answered), against the goals below, with the CPU time each process used; and
+   checks a sample of answers on each server against the reference model afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import psutil
+
+from bench import poisson
+from bench.ceiling import run_generator
+from bench.datasets import DATASETS
+from bench.progress import Progress
+from bench.report import finite, target, target_lines
+from bench.run import ROOT, _free_port, git, machine
+from bench.sweep import ServedPolicy
+from bench.verify import verify
+from common.config import load_config
+from common.models import build_model, init_missing_weights
+from common.protocol import OVERLOADED
+
+DEFAULT_CONFIG = ROOT / "configs" / "default.toml"
+MODEL = "lstm"
+DATASET = "wmt"
+FACTORS = (1.2, 3.0, 10.0)
+CAPACITY_WINDOW = 256  # requests kept in flight while measuring capacity: four batches of 64
+P99_GOAL_MS = 500.0  # accepted requests' p99 latency
+GOODPUT_GOAL = 0.9  # accepted requests answered per second, over the capacity
+CHECKED = 12  # answers compared with the reference on each server
+
+
+@dataclass(frozen=True)
+class Length:
+    capacity_requests: int  # requests sent by the closed loop that measures capacity
+    seconds: float  # of open-loop load per factor
+
+
+FULL = Length(capacity_requests=20000, seconds=30.0)
+QUICK = Length(capacity_requests=3000, seconds=4.0)
+
+
+def _serve(policy: str) -> ServedPolicy:
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    return ServedPolicy(DEFAULT_CONFIG, address, policy, MODEL, "--address", address)
+
+
+def _cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    return {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
+
+
+def percentiles_ms(values: np.ndarray) -> dict[str, float]:
+    if not len(values):
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "max": math.nan}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(np.max(values))}
+
+
+def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: int) -> dict[str, Any]:
+    """Requests and cells answered per second with CAPACITY_WINDOW requests always in flight, and the
+    server's own estimate of its capacity (cells per second) at the end."""
+    frames = [msgpack.packb({"id": i, "model": MODEL, "inputs": inputs[i % len(inputs)]}) for i in range(count)]
+    run_generator(served.address, frames[: 2 * CAPACITY_WINDOW], CAPACITY_WINDOW)  # warm-up: plans of common lengths
+    before = served.stats()
+    seconds, replies = run_generator(served.address, frames, CAPACITY_WINDOW)
+    after = served.stats()
+    ok = sum(1 for reply in replies if reply.get("ok"))
+    cells = after["nodes"] - before["nodes"]
+    tasks = after["tasks"] - before["tasks"]
+    return {
+        "window": CAPACITY_WINDOW,
+        "requests": count,
+        "refused": count - ok,
+        "seconds": seconds,
+        "requests_per_s": ok / seconds,
+        "cells_per_s": cells / seconds,
+        "mean_batch_size": cells / tasks if tasks else 0.0,
+        "estimated_cells_per_s": after["admission"]["cells_per_s"],
+    }
+
+
+def offer(
+    served: ServedPolicy, inputs: list[dict[str, Any]], rate: float, seconds: float, seed: int
+) -> dict[str, Any]:
+    """Poisson arrivals at `rate` for `seconds` on `served`; what became of every request."""
+    processes = served.processes()
+    cpu_before = _cpu_seconds(processes)
+    load_before = os.getloadavg()[0]
+    run = poisson.run(served.address, MODEL, inputs, poisson.schedule(rate, seconds, seed), seed)
+    cpu_after = _cpu_seconds(processes)
+    served.wait_idle()
+    stats = served.stats()
+    outcome = np.array(run.outcome)
+    ok = outcome == "ok"
+    refused = outcome == OVERLOADED
+    lost = outcome == poisson.UNANSWERED
+    span = max(seconds, float(np.nanmax(run.received, initial=0.0)))
+    last_answer = float(np.nanmax(run.received[ok], initial=0.0))
+    goodput = ok.sum() / last_answer if last_answer else 0.0
+    cpu = {role: (cpu_after[role] - cpu_before[role]) / span for role in processes}
+    cpu["generator"] = run.cpu_s / span
+    return {
+        "offered_rps": rate,
+        "seconds": seconds,
+        "sent": len(outcome),
+        "accepted": int(ok.sum()),
+        "refused": int(refused.sum()),
+        "other_errors": dict(collections.Counter(str(code) for code in outcome[~ok & ~refused & ~lost])),
+        "lost": int(lost.sum()),
+        "duplicate_replies": run.duplicates,
+        "refused_share": float(refused.mean()),
+        "goodput_rps": goodput,
+        "latency_ms": percentiles_ms((run.received - run.due)[ok] * 1e3),
+        "server_ms": percentiles_ms(run.server_us[ok] / 1e3),
+        "refusal_ms": percentiles_ms((run.received - run.sent)[refused] * 1e3),
+        "generator_behind_ms": percentiles_ms((run.sent - run.due) * 1e3),
+        "cpu_s_per_s": cpu,
+        "load_average": [load_before, os.getloadavg()[0]],
+        "refusal_message": run.messages.get(OVERLOADED),
+        "admission": stats["admission"],
+        "mean_batch_size": stats["mean_batch_size"],
+    }
+
+
+def run(quick: bool, progress: Progress) -> dict[str, Any]:
+    """Capacity, then every factor on a fresh server; the result as written to overload.json."""
+    length = QUICK if quick else FULL
+    started = time.time()
+    config = load_config(DEFAULT_CONFIG)
+    init_missing_weights(config)
+    model = build_model(config.models[MODEL])
+    state = model.load_weights()
+    inputs = DATASETS[DATASET]()
+    policy = config.scheduler.policy
+    progress.note("overload: measuring capacity")
+    with _serve(policy) as served:
+        capacity = measure_capacity(served, inputs, length.capacity_requests)
+    progress.advance()
+    factors = []
+    for seed, factor in enumerate(FACTORS):
+        rate = factor * capacity["requests_per_s"]
+        progress.note(f"overload: {factor:g}x capacity, {rate:.0f} req/s for {length.seconds:g} s")
+        with _serve(policy) as served:
+            measured = offer(served, inputs, rate, length.seconds, seed)
+            measured["verify"] = verify(served.address, model, state, inputs[:CHECKED])
+        measured["factor"] = factor
+        measured["goodput_over_capacity"] = measured["goodput_rps"] / capacity["requests_per_s"]
+        factors.append(measured)
+        progress.advance()
+    result = {
+        "preset": "overload",
+        "description": "the default server offered 1.2x, 3x and 10x its capacity (WMT lengths)",
+        "quick": quick,
+        "commit": git("describe", "--always", "--dirty"),
+        "machine": machine(),
+        "config": str(DEFAULT_CONFIG.relative_to(ROOT)),
+        "max_queue_delay_ms": config.server.max_queue_delay_ms,
+        "dataset": {"name": DATASET, "requests": len(inputs)},
+        "capacity": capacity,
+        "factors": factors,
+        "seconds": time.time() - started,
+    }
+    result["targets"] = goals(result)
+    return result
+
+
+def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    found = []
+    for measured in result["factors"]:
+        name = f"{measured['factor']:g}x capacity"
+        found.append(target(f"{name}: accepted p99 ms", measured["latency_ms"]["p99"], P99_GOAL_MS, at_most=True))
+        found.append(target(f"{name}: goodput / capacity", measured["goodput_over_capacity"], GOODPUT_GOAL))
+        found.append(target(f"{name}: lost requests", measured["lost"], 0, at_most=True))
+    return found
+
+
+def table(result: dict[str, Any]) -> str:
+    capacity = result["capacity"]
+    estimate = capacity["estimated_cells_per_s"]
+    lines = [
+        f"capacity {capacity['requests_per_s']:.0f} req/s, {capacity['cells_per_s']:,.0f} cells/s "
+        f"(mean batch {capacity['mean_batch_size']:.1f}, {capacity['window']} requests in flight, "
+        f"{capacity['refused']} refused); the server's estimate: "
+        + (f"{estimate:,.0f} cells/s" if estimate else "none"),
+        (
+            "| offered | req/s | accepted p50 ms | accepted p99 ms | server p99 ms | refused | goodput / capacity "
+            "| lost | generator late p99 ms | CPU s/s manager, worker, generator |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for m in result["factors"]:
+        cpu = m["cpu_s_per_s"]
+        lines.append(
+            f"| {m['factor']:g}x | {m['offered_rps']:.0f} | {m['latency_ms']['p50']:.0f} | {m['latency_ms']['p99']:.0f} "
+            f"| {m['server_ms']['p99']:.0f} | {m['refused_share']:.0%} | {m['goodput_over_capacity']:.2f} | {m['lost']} "
+            f"| {m['generator_behind_ms']['p99']:.1f} "
+            f"| {cpu.get('manager', math.nan):.2f}, {cpu.get('worker', math.nan):.2f}, {cpu['generator']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def problems(result: dict[str, Any]) -> list[str]:
+    """What makes the run a failure rather than a measurement: lost or doubled replies, wrong answers."""
+    found = []
+    for m in result["factors"]:
+        name = f"{m['factor']:g}x"
+        if m["lost"] or m["duplicate_replies"]:
+            found.append(f"{name}: {m['lost']} requests never answered, {m['duplicate_replies']} answered twice")
+        if not m["verify"]["ok"]:
+            found.append(f"{name}: answers differ from the reference: {'; '.join(m['verify']['wrong'])}")
+    return found
+
+
+def main(quick: bool, out: Path) -> bool:
+    """Run, write out/overload.json, print the table and the goals; False if a request was lost or wrong."""
+    progress = Progress(1 + len(FACTORS))
+    result = run(quick, progress)
+    progress.close()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "overload.json"
+    path.write_text(json.dumps(finite(result), indent=1))
+    print(f"\n## overload: {result['description']}  ({result['seconds']:.0f} s)\n")
+    print(table(result))
+    for line in target_lines(result):
+        print(line)
+    print(f"wrote {path}")
+    found = problems(result)
+    for problem in found:
+        print(f"overload: {problem}", file=sys.stderr)
+    return not found
+
