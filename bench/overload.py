@@ -51,6 +51,7 @@ CAPACITY_WINDOW = 256  # requests kept in flight while measuring capacity: four 
 P99_GOAL_MS = 500.0  # accepted requests' p99 latency
 GOODPUT_GOAL = 0.9  # accepted requests answered per second, over the capacity
 CHECKED = 12  # answers compared with the reference on each server
+DRIFT = 0.15  # capacities measured before and after the loads further apart than this are flagged
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,8 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         with _serve(policy) as served:
             measured = offer(served, inputs, rate, length.seconds, seed)
             measured["verify"] = verify(served.address, model, state, inputs[:CHECKED])
+            if factor == FACTORS[-1]:  # measured again, on a machine whose other load may have changed meanwhile
+                capacity_after = measure_capacity(served, inputs, length.capacity_requests)
         measured["factor"] = factor
         measured["goodput_over_capacity"] = measured["goodput_rps"] / capacity["requests_per_s"]
         factors.append(measured)
@@ -180,6 +183,7 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         "max_queue_delay_ms": config.server.max_queue_delay_ms,
         "dataset": {"name": DATASET, "requests": len(inputs)},
         "capacity": capacity,
+        "capacity_after": capacity_after,
         "factors": factors,
         "seconds": time.time() - started,
     }
@@ -198,13 +202,16 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def table(result: dict[str, Any]) -> str:
-    capacity = result["capacity"]
+    capacity, after = result["capacity"], result["capacity_after"]
     estimate = capacity["estimated_cells_per_s"]
+    drift = after["requests_per_s"] / capacity["requests_per_s"]
     lines = [
         f"capacity {capacity['requests_per_s']:.0f} req/s, {capacity['cells_per_s']:,.0f} cells/s "
         f"(mean batch {capacity['mean_batch_size']:.1f}, {capacity['window']} requests in flight, "
         f"{capacity['refused']} refused); the server's estimate: "
         + (f"{estimate:,.0f} cells/s" if estimate else "none"),
+        f"capacity measured again after the loads: {after['requests_per_s']:.0f} req/s ({drift:.2f}x)"
+        + ("; the machine's other load changed during the run, compare with care" if abs(drift - 1) > DRIFT else ""),
         (
             "| offered | req/s | accepted p50 ms | accepted p99 ms | server p99 ms | refused | goodput / capacity "
             "| lost | generator late p99 ms | CPU s/s manager, worker, generator |"

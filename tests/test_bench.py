@@ -175,7 +175,8 @@ def overload_result(p99_ms: float, goodput: float, lost: int, wrong: bool = Fals
 
     capacity = {"requests_per_s": 1000.0, "cells_per_s": 22500.0, "mean_batch_size": 63.0, "window": 256,
                 "refused": 0, "estimated_cells_per_s": 23000.0}
-    result = {"capacity": capacity, "factors": [factor(f) for f in overload.FACTORS]}
+    result = {"capacity": capacity, "capacity_after": {**capacity, "requests_per_s": 700.0},
+              "factors": [factor(f) for f in overload.FACTORS]}
     result["targets"] = overload.goals(result)
     return result
 
@@ -185,6 +186,7 @@ def test_overload_goals_are_met_or_missed_per_factor():
     assert all(t["met"] for t in good["targets"]) and len(good["targets"]) == 3 * len(overload.FACTORS)
     assert not overload.problems(good)
     assert "| 10x | 10000 | 200 | 400 | 400 | 90% | 0.95 | 0 |" in overload.table(good)
+    assert "again after the loads: 700 req/s (0.70x); the machine's other load changed" in overload.table(good)
     slow = overload_result(p99_ms=600.0, goodput=0.8, lost=0)
     missed = {t["what"].split(": ", 1)[1] for t in slow["targets"] if not t["met"]}
     assert missed == {"accepted p99 ms", "goodput / capacity"}
