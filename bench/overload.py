@@ -5,10 +5,13 @@ batches up to 64, one CPU worker where there is no GPU, refusing requests whose 
 exceeds `max_queue_delay_ms` = 250) on WMT sentence lengths, and:
 
 1. measures its capacity: the requests it answers per second while a closed loop keeps
-   CAPACITY_WINDOW requests in flight. That is four full batches, so the worker always has full
-   tasks to run, and little enough queueing that nothing needs refusing (any refusal is reported);
+   CAPACITY_WINDOW requests in flight (four full batches, so the worker always has full tasks to
+   run), on a server of the same config with refusal by expected wait turned off, so that what is
+   measured is what the server does, not what its estimate of it lets in;
 2. offers FACTORS times that rate as open-loop Poisson arrivals (bench/poisson.py), each factor on
-   a freshly started server, whose capacity is not yet measured when the load begins;
+   a freshly started server of the config as it is, whose capacity is not yet measured when the
+   load begins; then measures the capacity again, on the first server, which has been idle
+   meanwhile: capacities further apart than DRIFT say the machine's other load changed;
 3. reports per factor the latency of accepted requests from when they were due, the share refused,
    the goodput (accepted requests answered per second) over the capacity and the requests lost
    (sent and never answered), against the goals below, with the CPU time each process used; and
@@ -18,10 +21,13 @@ exceeds `max_queue_delay_ms` = 250) on WMT sentence lengths, and:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
+import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +70,28 @@ FULL = Length(capacity_requests=20000, seconds=30.0)
 QUICK = Length(capacity_requests=3000, seconds=4.0)
 
 
-def _serve(policy: str) -> ServedPolicy:
+def _serve(config: Path, policy: str) -> ServedPolicy:
     address = f"tcp://127.0.0.1:{_free_port()}"
-    return ServedPolicy(DEFAULT_CONFIG, address, policy, MODEL, "--address", address)
+    return ServedPolicy(config, address, policy, MODEL, "--address", address)
+
+
+def capacity_config(directory: Path) -> Path:
+    """configs/default.toml with refusal by expected wait turned off, written to `directory` (its
+    weights path made absolute); checked to differ from the original in that alone."""
+    text = DEFAULT_CONFIG.read_text()
+    text, found = re.subn(r"(?m)^max_queue_delay_ms\s*=.*$", "max_queue_delay_ms = 0", text)
+    if not found:
+        text = text.replace("[server]\n", "[server]\nmax_queue_delay_ms = 0\n", 1)
+    text = re.sub(
+        r'(?m)^weights\s*=\s*"([^"]+)"', lambda m: f'weights = "{(DEFAULT_CONFIG.parent / m.group(1)).resolve()}"', text
+    )
+    path = directory / "capacity.toml"
+    path.write_text(text)
+    original, copy = load_config(DEFAULT_CONFIG), load_config(path)
+    expected = dataclasses.replace(original.server, max_queue_delay_ms=0)
+    if (copy.server, copy.scheduler, copy.models) != (expected, original.scheduler, original.models):
+        raise SystemExit(f"{DEFAULT_CONFIG} could not be copied with max_queue_delay_ms = 0: the copy differs otherwise")
+    return path
 
 
 def _cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
@@ -157,22 +182,24 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
     inputs = DATASETS[DATASET]()
     policy = config.scheduler.policy
     progress.note("overload: measuring capacity")
-    with _serve(policy) as served:
-        capacity = measure_capacity(served, inputs, length.capacity_requests)
-    progress.advance()
-    factors = []
-    for seed, factor in enumerate(FACTORS):
-        rate = factor * capacity["requests_per_s"]
-        progress.note(f"overload: {factor:g}x capacity, {rate:.0f} req/s for {length.seconds:g} s")
-        with _serve(policy) as served:
-            measured = offer(served, inputs, rate, length.seconds, seed)
-            measured["verify"] = verify(served.address, model, state, inputs[:CHECKED])
-            if factor == FACTORS[-1]:  # measured again, on a machine whose other load may have changed meanwhile
-                capacity_after = measure_capacity(served, inputs, length.capacity_requests)
-        measured["factor"] = factor
-        measured["goodput_over_capacity"] = measured["goodput_rps"] / capacity["requests_per_s"]
-        factors.append(measured)
+    with (
+        tempfile.TemporaryDirectory(prefix="batchmaker-overload-") as tmp,
+        _serve(capacity_config(Path(tmp)), policy) as baseline,
+    ):
+        capacity = measure_capacity(baseline, inputs, length.capacity_requests)
         progress.advance()
+        factors = []
+        for seed, factor in enumerate(FACTORS):
+            rate = factor * capacity["requests_per_s"]
+            progress.note(f"overload: {factor:g}x capacity, {rate:.0f} req/s for {length.seconds:g} s")
+            with _serve(DEFAULT_CONFIG, policy) as served:
+                measured = offer(served, inputs, rate, length.seconds, seed)
+                measured["verify"] = verify(served.address, model, state, inputs[:CHECKED])
+            measured["factor"] = factor
+            measured["goodput_over_capacity"] = measured["goodput_rps"] / capacity["requests_per_s"]
+            factors.append(measured)
+            progress.advance()
+        capacity_after = measure_capacity(baseline, inputs, length.capacity_requests)
     result = {
         "preset": "overload",
         "description": "the default server offered 1.2x, 3x and 10x its capacity (WMT lengths)",

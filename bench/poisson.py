@@ -124,7 +124,7 @@ def run(
     reply that came is counted as never answered."""
     spawn = multiprocessing.get_context("spawn")
     queue: Any = spawn.Queue()
-    process = spawn.Process(target=_generate, args=(address, model, inputs, due, seed, drain_s, queue))
+    process = spawn.Process(target=_generate, args=(address, model, inputs, due, seed, drain_s, queue), daemon=True)
     process.start()
     while True:
         try:

@@ -17,6 +17,7 @@ from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from bench.kernel import ideal
 from bench.sweep import point, saturated
 from clients.loadgen import Sample
+from common.config import load_config
 
 
 def lengths(name: str) -> np.ndarray:
@@ -199,3 +200,17 @@ def test_overload_fails_on_a_lost_request_or_a_wrong_answer():
     assert overload.problems(lost)[0] == "1.2x: 2 requests never answered, 0 answered twice"
     wrong = overload.problems(overload_result(p99_ms=400.0, goodput=0.95, lost=0, wrong=True))
     assert wrong == [f"{f:g}x: answers differ from the reference: h differs" for f in overload.FACTORS]
+
+
+def test_the_capacity_config_is_the_default_config_without_refusal_by_expected_wait(tmp_path: Path, monkeypatch):
+    copy = load_config(overload.capacity_config(tmp_path))
+    original = load_config(overload.DEFAULT_CONFIG)
+    assert original.server.max_queue_delay_ms > 0 and copy.server.max_queue_delay_ms == 0
+    assert copy.models == original.models and copy.scheduler == original.scheduler
+    odd = tmp_path / "odd" / "default.toml"  # weights written in a form the copy does not rewrite
+    odd.parent.mkdir()
+    odd.write_text(overload.DEFAULT_CONFIG.read_text().replace('weights = "../weights/', "weights = '../weights/")
+                   .replace('.pt"', ".pt'"))
+    monkeypatch.setattr(overload, "DEFAULT_CONFIG", odd)
+    with pytest.raises(SystemExit, match="could not be copied with max_queue_delay_ms = 0"):
+        overload.capacity_config(tmp_path)
