@@ -67,7 +67,7 @@ class Length:
 
 
 FULL = Length(capacity_requests=20000, seconds=30.0)
-QUICK = Length(capacity_requests=3000, seconds=4.0)
+QUICK = Length(capacity_requests=2000, seconds=3.0)
 
 
 def _serve(config: Path, policy: str) -> ServedPolicy:
