@@ -8,7 +8,7 @@ the client reads again. A client whose backlog has not moved for `unreachable_cl
 grown past its bound, is taken for gone: its backlog is dropped and its requests are cancelled,
 as for a client that disconnected.
 
-Messages are read in bursts: all those waiting, for a bounded time (`receive`), since a request
+Messages are read in bursts: all those waiting, for up to READ_S (`receive`), since a request
 waiting unread in the socket is one the server's admission cannot see. Replies made meanwhile, and
 while completions are taken (`replies_held`), are sent together at the end: each send to a pipe the
 socket's I/O thread has emptied wakes that thread with a system call, so a burst of refusals sent
@@ -36,8 +36,7 @@ log = logging.getLogger("batchmaker.manager")
 
 SOCKET_LIMIT_FACTOR = 4
 BACKLOG_MARGIN = 10_000  # replies to refused requests a non-reading client may have waiting, beyond its admitted ones
-READ_S = 0.002  # a burst of client messages lasts this long at most while the server keeps up ...
-READ_MAX_S = 0.016  # ... and grows to this while messages are still waiting after each burst
+READ_S = 0.002  # a burst of client messages lasts this long at most: workers hold several tasks, more than this
 SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK  # combined once: combining the flag enums per reply costs more than the send
 
 
@@ -71,7 +70,6 @@ class ClientFrontend:
         self._unreachable: list[bytes] = []
         self._abandoned: set[bytes] = set()  # given up on: replies they cannot take are dropped, not queued
         self._held: list[tuple[bytes, bytes]] | None = None  # replies to send together, while held
-        self._read_s = READ_S  # how long the next burst of client messages may last
         self.unreachable_clients = 0  # clients given up on so far (stats)
         self._curve: CurveServer | None = None
         self.socket = context.socket(zmq.ROUTER)
@@ -89,23 +87,19 @@ class ClientFrontend:
         self.connections = ClientConnections(self.socket)
 
     def receive(self) -> Iterator[Incoming]:
-        """The messages waiting on the socket, their envelopes checked, until none is left or the burst's
-        time is up. A burst that leaves messages waiting doubles the next one's time, up to READ_MAX_S:
-        a server that falls behind reads (and refuses) before it serves; once it keeps up, bursts are
-        READ_S again, which workers holding a few tasks never notice. Replies made while the messages are
-        handled go out together when the burst ends."""
-        until = time.perf_counter() + self._read_s
+        """The messages waiting on the socket, their envelopes checked, until none is left or READ_S has
+        passed (the event loop then takes completions and feeds workers, and comes back). Replies made
+        while the messages are handled go out together when the burst ends."""
+        until = time.perf_counter() + READ_S
         with self.replies_held():
             while time.perf_counter() < until:
                 try:
                     frames = [self.socket.recv(zmq.NOBLOCK, copy=False)]
                 except zmq.Again:
-                    self._read_s = READ_S
                     return
                 while frames[-1].more:  # the parts of a message arrive together; Frame.more spares a getsockopt
                     frames.append(self.socket.recv(zmq.NOBLOCK, copy=False))
                 yield self._envelope(frames, time.perf_counter())
-            self._read_s = min(2 * self._read_s, READ_MAX_S)
 
     def _envelope(self, frames: list[zmq.Frame], arrival: float) -> Incoming:
         client = frames[0].bytes
