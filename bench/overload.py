@@ -106,25 +106,27 @@ def percentiles_ms(values: np.ndarray) -> dict[str, float]:
 
 
 def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: int) -> dict[str, Any]:
-    """Requests and cells answered per second with CAPACITY_WINDOW requests always in flight, and the
-    server's own estimate of its capacity (cells per second) at the end."""
+    """Requests and cells answered per second with CAPACITY_WINDOW requests always in flight, the CPU
+    its processes used, and the server's own estimate of its capacity (cells per second) at the end."""
     frames = [msgpack.packb({"id": i, "model": MODEL, "inputs": inputs[i % len(inputs)]}) for i in range(count)]
     run_generator(served.address, frames[: 2 * CAPACITY_WINDOW], CAPACITY_WINDOW)  # warm-up: plans of common lengths
-    before = served.stats()
+    processes = served.processes()
+    before, cpu_before = served.stats(), _cpu_seconds(processes)
     seconds, replies = run_generator(served.address, frames, CAPACITY_WINDOW)
-    after = served.stats()
+    after, cpu_after = served.stats(), _cpu_seconds(processes)
     ok = sum(1 for reply in replies if reply.get("ok"))
     cells = after["nodes"] - before["nodes"]
     tasks = after["tasks"] - before["tasks"]
     return {
         "window": CAPACITY_WINDOW,
         "requests": count,
-        "refused": count - ok,
+        "failed": count - ok,  # none should: nothing is refused for the expected wait here
         "seconds": seconds,
         "requests_per_s": ok / seconds,
         "cells_per_s": cells / seconds,
         "mean_batch_size": cells / tasks if tasks else 0.0,
         "estimated_cells_per_s": after["admission"]["cells_per_s"],
+        "cpu_s_per_s": {role: (cpu_after[role] - cpu_before[role]) / seconds for role in processes},
     }
 
 
@@ -235,7 +237,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"capacity {capacity['requests_per_s']:.0f} req/s, {capacity['cells_per_s']:,.0f} cells/s "
         f"(mean batch {capacity['mean_batch_size']:.1f}, {capacity['window']} requests in flight, "
-        f"{capacity['refused']} refused); the server's estimate: "
+        f"CPU s/s manager {capacity['cpu_s_per_s'].get('manager', math.nan):.2f}, "
+        f"worker {capacity['cpu_s_per_s'].get('worker', math.nan):.2f}); the server's estimate: "
         + (f"{estimate:,.0f} cells/s" if estimate else "none"),
         f"capacity measured again after the loads: {after['requests_per_s']:.0f} req/s ({drift:.2f}x)"
         + ("; the machine's other load changed during the run, compare with care" if abs(drift - 1) > DRIFT else ""),
@@ -257,8 +260,13 @@ def table(result: dict[str, Any]) -> str:
 
 
 def problems(result: dict[str, Any]) -> list[str]:
-    """What makes the run a failure rather than a measurement: lost or doubled replies, wrong answers."""
-    found = []
+    """What makes the run a failure rather than a measurement: errors while measuring capacity, lost or
+    doubled replies, wrong answers."""
+    found = [
+        f"the capacity run got {run['failed']} error replies"
+        for run in (result["capacity"], result["capacity_after"])
+        if run["failed"]
+    ]
     for m in result["factors"]:
         name = f"{m['factor']:g}x"
         if m["lost"] or m["duplicate_replies"]:

@@ -175,7 +175,7 @@ def overload_result(p99_ms: float, goodput: float, lost: int, wrong: bool = Fals
                 "verify": {"ok": not wrong, "wrong": ["h differs"] if wrong else []}}
 
     capacity = {"requests_per_s": 1000.0, "cells_per_s": 22500.0, "mean_batch_size": 63.0, "window": 256,
-                "refused": 0, "estimated_cells_per_s": 23000.0}
+                "failed": 0, "estimated_cells_per_s": 23000.0, "cpu_s_per_s": {"manager": 0.6, "worker": 0.8}}
     result = {"capacity": capacity, "capacity_after": {**capacity, "requests_per_s": 700.0},
               "factors": [factor(f) for f in overload.FACTORS]}
     result["targets"] = overload.goals(result)
@@ -188,6 +188,7 @@ def test_overload_goals_are_met_or_missed_per_factor():
     assert not overload.problems(good)
     assert "| 10x | 10000 | 200 | 400 | 400 | 90% | 0.95 | 0 |" in overload.table(good)
     assert "again after the loads: 700 req/s (0.70x); the machine's other load changed" in overload.table(good)
+    assert "CPU s/s manager 0.60, worker 0.80); the server's estimate: 23,000 cells/s" in overload.table(good)
     slow = overload_result(p99_ms=600.0, goodput=0.8, lost=0)
     missed = {t["what"].split(": ", 1)[1] for t in slow["targets"] if not t["met"]}
     assert missed == {"accepted p99 ms", "goodput / capacity"}
@@ -200,6 +201,9 @@ def test_overload_fails_on_a_lost_request_or_a_wrong_answer():
     assert overload.problems(lost)[0] == "1.2x: 2 requests never answered, 0 answered twice"
     wrong = overload.problems(overload_result(p99_ms=400.0, goodput=0.95, lost=0, wrong=True))
     assert wrong == [f"{f:g}x: answers differ from the reference: h differs" for f in overload.FACTORS]
+    failed = overload_result(p99_ms=400.0, goodput=0.95, lost=0)
+    failed["capacity_after"] = {**failed["capacity"], "failed": 3}
+    assert overload.problems(failed) == ["the capacity run got 3 error replies"]
 
 
 def test_the_capacity_config_is_the_default_config_without_refusal_by_expected_wait(tmp_path: Path, monkeypatch):
