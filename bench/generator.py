@@ -28,12 +28,14 @@ POLL_MS = 1  # the open loop's longest sleep between due sends: sends are late b
 @dataclass
 class Replies:
     """What a run brought back: per request (by position in the frames) when it was sent and answered
-    (seconds from the start; answered is NaN if never), its reply, and the generator's own CPU time."""
+    (seconds from the start; answered is NaN if never), its first reply, the generator's own CPU
+    time, and how many replies came beyond a request's first (a server must send none)."""
 
     sent: np.ndarray
     received: np.ndarray
     replies: list[dict[str, Any] | None]
     cpu_seconds: float
+    duplicates: int = 0
 
     @property
     def lost(self) -> int:
@@ -119,11 +121,15 @@ def _run(target: Callable[..., None], *args: Any) -> Replies:
     sent, arrivals, cpu = spawned(target, *args)
     received = np.full(len(sent), np.nan)
     replies: list[dict[str, Any] | None] = [None] * len(sent)
+    duplicates = 0
     for at, body in arrivals:
         reply = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        if replies[reply["id"]] is not None:
+            duplicates += 1
+            continue
         received[reply["id"]] = at
         replies[reply["id"]] = reply
-    return Replies(sent, received, replies, cpu)
+    return Replies(sent, received, replies, cpu, duplicates)
 
 
 def request_frames(model: str, inputs: list[dict[str, Any]]) -> list[bytes]:

@@ -40,7 +40,18 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     return summary
 
 
-def _target(what: str, measured: float, goal: float, at_most: bool = False) -> dict[str, Any]:
+def finite(value: Any) -> Any:
+    """JSON has no NaN: missing measurements are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def target(what: str, measured: float, goal: float, at_most: bool = False) -> dict[str, Any]:
     met = measured <= goal if at_most else measured >= goal
     return {"what": what, "measured": measured, "target": goal, "at_most": at_most, "met": bool(met)}
 
@@ -54,24 +65,24 @@ def targets(result: dict[str, Any], summary: dict[str, dict[str, float]]) -> lis
     found = []
     padded, graph = summary.get("padded"), summary.get("graph")
     if name == "fixed":
-        found.append(_target("cellular peak / raw kernel", cellular["kernel_fraction"], 0.9))
+        found.append(target("cellular peak / raw kernel", cellular["kernel_fraction"], 0.9))
     if name == "lstm" and padded:
-        found.append(_target("cellular p90 / padded p90 at 50% of padded peak",
+        found.append(target("cellular p90 / padded p90 at 50% of padded peak",
                              cellular["p90_ms_at_50pct_padded_peak"] / padded["p90_ms_at_50pct_padded_peak"], 0.5,
                              at_most=True))
-        found.append(_target("cellular peak / padded peak", cellular["peak_throughput"] / padded["peak_throughput"], 1.25))
+        found.append(target("cellular peak / padded peak", cellular["peak_throughput"] / padded["peak_throughput"], 1.25))
     if name == "lstm":
         torch_nn = result["torch_nn_kernel"]["ideal"]["requests_per_s"]
-        found.append(_target(f"cellular sustained (p90 <= {SUSTAINED_P90_MS:.0f} ms) / torch.nn kernel",
+        found.append(target(f"cellular sustained (p90 <= {SUSTAINED_P90_MS:.0f} ms) / torch.nn kernel",
                              cellular["sustained_throughput"] / torch_nn, 1.6))
     if name == "seq2seq" and padded:
-        found.append(_target("cellular peak / padded peak", cellular["peak_throughput"] / padded["peak_throughput"], 1.8))
+        found.append(target("cellular peak / padded peak", cellular["peak_throughput"] / padded["peak_throughput"], 1.8))
     if name == "treelstm":
-        found.append(_target(f"cellular sustained trees/s (p90 <= {SUSTAINED_P90_MS:.0f} ms)",
+        found.append(target(f"cellular sustained trees/s (p90 <= {SUSTAINED_P90_MS:.0f} ms)",
                              cellular["sustained_throughput"], 1700))
     if name == "treelstm" and graph:
-        found.append(_target("cellular peak / graph peak", cellular["peak_throughput"] / graph["peak_throughput"], 1.8))
-        found.append(_target("cellular p90 / graph p90 at 50% of graph peak",
+        found.append(target("cellular peak / graph peak", cellular["peak_throughput"] / graph["peak_throughput"], 1.8))
+        found.append(target("cellular p90 / graph p90 at 50% of graph peak",
                              cellular["p90_ms_at_50pct_padded_peak"] / graph["p90_ms_at_50pct_padded_peak"], 0.75,
                              at_most=True))
     if name in CHAIN_PRESETS:
@@ -82,7 +93,7 @@ def targets(result: dict[str, Any], summary: dict[str, dict[str, float]]) -> lis
             step_ms = max(cell["seconds_per_call"] for cell in result["kernel"]["cells"].values()) * 1e3
             tasks = result["max_tasks_to_submit"]
             bound = tasks * step_ms * 1.5
-            found.append(_target(f"cellular queueing p99 at 50% load, ms (bound: {tasks} x {step_ms:.3f} ms step x 1.5)",
+            found.append(target(f"cellular queueing p99 at 50% load, ms (bound: {tasks} x {step_ms:.3f} ms step x 1.5)",
                                  half["queue_ms"]["p99"], bound, at_most=True))
     return found
 

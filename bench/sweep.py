@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
+import psutil
 
 from bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from clients import Client
@@ -28,7 +29,8 @@ def cdf(values: list[float]) -> list[float]:
 class ServedPolicy:
     """The server started on a config with one policy; `measure` runs one load point against it."""
 
-    def __init__(self, config: Path, address: str, policy: str, model: str):
+    def __init__(self, config: Path, address: str, policy: str, model: str, *options: str):
+        """`options` go to `batchmaker serve` after the policy (e.g. `--address`)."""
         self.address = address
         self.policy = policy
         self.model = model
@@ -36,7 +38,7 @@ class ServedPolicy:
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix=f"batchmaker-bench-{policy}-", suffix=".log", delete=False
         )
-        self._server = launch(config, self._log, "--policy", policy)
+        self._server = launch(config, self._log, "--policy", policy, *options)
 
     def __enter__(self) -> Self:
         try:
@@ -54,6 +56,16 @@ class ServedPolicy:
         if leftovers:
             raise SystemExit(f"server processes left after stopping: {leftovers}")
         Path(self._log.name).unlink(missing_ok=True)
+
+    def processes(self) -> dict[str, psutil.Process]:
+        """The server's processes by role ("supervisor", "manager", "worker"), to account for their CPU time."""
+        supervisor = psutil.Process(self._server.pid)
+        found = {"supervisor": supervisor}
+        for child in supervisor.children():
+            command = child.cmdline()
+            role = command[command.index("-m") + 1] if "-m" in command else child.name()
+            found[role if role not in found else f"{role} {child.pid}"] = child
+        return found
 
     def stats(self) -> dict[str, Any]:
         with Client(self.address, timeout=10) as client:

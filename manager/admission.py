@@ -1,8 +1,8 @@
 """Admission by expected wait: refuse a request at once rather than let it queue for seconds.
 
 A new request is expected to wait until the cells queued ahead of it have run: queued cells /
-cells the server runs per second at capacity, measured over the last second. Cells of every model count
-alike: they share the same workers. The queued cells are the ones admitted and not yet submitted
+cells the server runs per second at capacity, measured on the nearly full tasks of the last second.
+Cells of every model count alike: they share the same workers. The queued cells are the ones admitted and not yet submitted
 to a worker (the request processor counts them); completions are fed in per task, so the check
 and the bookkeeping cost O(1) per request (amortised over the window).
 
@@ -22,7 +22,7 @@ from common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
 
 WINDOW_S = 1.0  # completions older than this no longer count towards the measured throughput
 MIN_BUSY_S = 0.02  # a throughput measured over less busy time than this is noise, not an estimate
-FULL_FILL = 0.75  # batches this full on average show what the server can do, not just what it was offered
+FULL_FILL = 0.75  # a task this full shows what the server can do, not just what it was offered
 
 
 class ExpectedWait:
@@ -32,22 +32,22 @@ class ExpectedWait:
     Throughput is counted per second a worker was busy, not per second of wall time: a lightly
     loaded server completes only what it is offered. A task kept its worker busy from its
     submission, or from the worker's previous completion if that came later (a worker runs its
-    tasks one after another). And it is taken as the server's capacity only while batches are
-    nearly full: small batches run far fewer cells per second than full ones, so a rate measured
-    on them would turn away bursts the server could absorb. The capacity last measured so is kept
-    until batches are full again; until it is first measured there is no estimate.
+    tasks one after another). And only nearly full tasks count: small batches run far fewer cells
+    per second than full ones, so a rate measured on them would turn away bursts the server could
+    absorb, and a server filling up from idle (a cold start under load) is measured as soon as
+    its first full tasks have run, not once they outnumber the small ones. The capacity last
+    measured is kept while no full task runs; until it is first measured there is no estimate.
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, window_s: float = WINDOW_S):
         self._clock = clock
         self._window_s = window_s
-        self._completions: collections.deque[tuple[float, int, int, float, Hashable]] = collections.deque()
-        self._cells = 0  # in the window
-        self._batch_room = 0  # cells the window's tasks could have held (the largest batch size of each)
-        self._busy_s = 0.0  # in the window
-        self._tasks_by_worker: collections.Counter[Hashable] = collections.Counter()  # in the window
+        self._completions: collections.deque[tuple[float, int, float, Hashable]] = collections.deque()
+        self._cells = 0  # of the window's full tasks
+        self._busy_s = 0.0  # of the window's full tasks
+        self._tasks_by_worker: collections.Counter[Hashable] = collections.Counter()  # full ones, in the window
         self._last_completion: dict[Hashable, float] = {}
-        self._capacity: float | None = None  # cells per second, measured on nearly full batches
+        self._capacity: float | None = None  # cells per second, measured on nearly full tasks
 
     def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float) -> None:
         """Record a task of `cells` cells (of a cell type batching up to `largest_batch`), submitted at
@@ -55,17 +55,17 @@ class ExpectedWait:
         now = self._clock()
         busy = max(0.0, now - max(submitted, self._last_completion.get(worker, submitted)))
         self._last_completion[worker] = now
-        self._completions.append((now, cells, largest_batch, busy, worker))
-        self._cells += cells
-        self._batch_room += largest_batch
-        self._busy_s += busy
-        self._tasks_by_worker[worker] += 1
+        if cells >= FULL_FILL * largest_batch:
+            self._completions.append((now, cells, busy, worker))
+            self._cells += cells
+            self._busy_s += busy
+            self._tasks_by_worker[worker] += 1
         self._expire(now)
-        if self._busy_s >= MIN_BUSY_S and self._cells >= FULL_FILL * self._batch_room:
+        if self._busy_s >= MIN_BUSY_S:
             self._capacity = self._cells / self._busy_s * len(self._tasks_by_worker)
 
     def cells_per_second(self) -> float | None:
-        """The server's capacity in cells per second; None until measured on full batches."""
+        """The server's capacity in cells per second; None until measured on nearly full tasks."""
         return self._capacity
 
     def wait_s(self, queued_cells: int) -> float | None:
@@ -75,14 +75,14 @@ class ExpectedWait:
     def _expire(self, now: float) -> None:
         horizon = now - self._window_s
         while self._completions and self._completions[0][0] < horizon:
-            _, cells, largest_batch, busy, worker = self._completions.popleft()
+            _, cells, busy, worker = self._completions.popleft()
             self._cells -= cells
-            self._batch_room -= largest_batch
             self._busy_s -= busy
             self._tasks_by_worker[worker] -= 1
             if not self._tasks_by_worker[worker]:
                 del self._tasks_by_worker[worker]
-                self._last_completion.pop(worker, None)
+                if self._last_completion.get(worker, now) < horizon:  # gone quiet, or gone: forget it
+                    del self._last_completion[worker]
         if not self._completions:
             self._busy_s = 0.0  # no float residue once the window is empty
 

@@ -7,11 +7,18 @@ queue makes the send fail instead, and the reply waits in that client's backlog,
 the client reads again. A client whose backlog has not moved for `unreachable_client_ms`, or has
 grown past its bound, is taken for gone: its backlog is dropped and its requests are cancelled,
 as for a client that disconnected.
+
+Messages are read in bursts: all those waiting, for up to READ_S (`receive`), since a request
+waiting unread in the socket is one the server's admission cannot see. Replies made meanwhile, and
+while completions are taken (`replies_held`), are sent together at the end: each send to a pipe the
+socket's I/O thread has emptied wakes that thread with a system call, so a burst of refusals sent
+one by one would cost the manager several times what deciding them does.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -31,6 +38,7 @@ log = logging.getLogger("batchmaker.manager")
 
 SOCKET_LIMIT_FACTOR = 4
 BACKLOG_MARGIN = 10_000  # replies to refused requests a non-reading client may have waiting, beyond its admitted ones
+READ_S = 0.002  # a burst of client messages lasts this long at most: workers hold several tasks, more than this
 
 
 @dataclass
@@ -62,6 +70,7 @@ class ClientFrontend:
         self._stuck_since: dict[bytes, float] = {}  # when its backlog last moved
         self._unreachable: list[bytes] = []
         self._abandoned: set[bytes] = set()  # given up on: replies they cannot take are dropped, not queued
+        self._held: list[tuple[bytes, bytes]] | None = None  # replies to send together, while held
         self.unreachable_clients = 0  # clients given up on so far (stats)
         self._curve: CurveServer | None = None
         self.socket = context.socket(zmq.ROUTER)
@@ -78,35 +87,60 @@ class ClientFrontend:
         self.socket.bind(address)
         self.connections = ClientConnections(self.socket)
 
-    def receive(self, limit: int) -> Iterator[Incoming]:
-        """Up to `limit` messages waiting on the socket, their envelopes checked."""
-        for _ in range(limit):
-            try:
-                frames = receive(self.socket, NOW)
-            except zmq.Again:
-                return
-            arrival = time.perf_counter()
-            client = frames[0].bytes
-            self.connections.seen(client, frames[-1])
-            message: Any = None
-            try:
-                if len(frames) != 2:
-                    raise RequestError(BAD_REQUEST, "a request is exactly one frame holding a msgpack map")
-                message = decode(frames[-1].bytes, self.max_message_bytes)
-                if not isinstance(message, dict):
-                    raise RequestError(BAD_REQUEST, "a request must be a msgpack map")
-                if "id" not in message:
-                    raise RequestError(BAD_REQUEST, "request lacks 'id' (an int or a string)")
-                if echo_id(message["id"]) is None:
-                    raise RequestError(BAD_REQUEST, "'id' must be an int or a string")
-            except RequestError as exc:
-                request_id = echo_id(message.get("id")) if isinstance(message, dict) else None
-                yield Incoming(client, request_id, None, exc, arrival)
-                continue
-            yield Incoming(client, message["id"], message, None, arrival)
+    def receive(self) -> Iterator[Incoming]:
+        """The messages waiting on the socket, their envelopes checked, until none is left or READ_S has
+        passed (the event loop then takes completions and feeds workers, and comes back). Replies made
+        while the messages are handled go out together when the burst ends."""
+        until = time.perf_counter() + READ_S
+        with self.replies_held():
+            while time.perf_counter() < until:
+                try:
+                    frames = receive(self.socket, NOW)
+                except zmq.Again:
+                    return
+                yield self._envelope(frames, time.perf_counter())
+
+    def _envelope(self, frames: list[zmq.Frame], arrival: float) -> Incoming:
+        client = frames[0].bytes
+        self.connections.seen(client, frames[-1])
+        message: Any = None
+        try:
+            if len(frames) != 2:
+                raise RequestError(BAD_REQUEST, "a request is exactly one frame holding a msgpack map")
+            message = decode(frames[-1].bytes, self.max_message_bytes)
+            if not isinstance(message, dict):
+                raise RequestError(BAD_REQUEST, "a request must be a msgpack map")
+            if "id" not in message:
+                raise RequestError(BAD_REQUEST, "request lacks 'id' (an int or a string)")
+            if echo_id(message["id"]) is None:
+                raise RequestError(BAD_REQUEST, "'id' must be an int or a string")
+        except RequestError as exc:
+            request_id = echo_id(message.get("id")) if isinstance(message, dict) else None
+            return Incoming(client, request_id, None, exc, arrival)
+        return Incoming(client, message["id"], message, None, arrival)
+
+    @contextlib.contextmanager
+    def replies_held(self) -> Iterator[None]:
+        """Replies made within are sent together when it ends (within another, when that one ends)."""
+        if self._held is not None:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for client, body in held:
+                self._deliver(client, body)
 
     def reply(self, client: bytes, message: dict[str, Any]) -> None:
         body = encode(message)
+        if self._held is not None:
+            self._held.append((client, body))
+        else:
+            self._deliver(client, body)
+
+    def _deliver(self, client: bytes, body: bytes) -> None:
         backlog = self._backlog.get(client)
         if backlog is not None:  # behind earlier replies: keep the order
             backlog.append(body)

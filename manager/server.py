@@ -51,7 +51,6 @@ from manager.workers import WorkerHandle
 log = logging.getLogger("batchmaker.manager")
 
 WATCH_INTERVAL_S = 0.1  # how often workers are pinged and checked
-CLIENT_BURST = 16  # client messages per loop turn: admission is interleaved with completions and scheduling
 IDLE_POLL_MS = 100
 BACKLOG_POLL_MS = 5  # while replies wait for slow clients, how often they are retried
 
@@ -128,7 +127,8 @@ class Manager:
                 if self.frontend.backlogged:
                     self.frontend.flush()
                 if completions in events:
-                    self._completions()
+                    with self.frontend.replies_held():
+                        self._completions()
                     self._schedule_idle_workers()  # keep the workers fed before admitting new requests
                 if control in events:
                     self._worker_control()
@@ -233,7 +233,7 @@ class Manager:
 
     # -- clients -------------------------------------------------------------------------------
     def _clients(self) -> None:
-        for incoming in self.frontend.receive(CLIENT_BURST):
+        for incoming in self.frontend.receive():
             self.stats.request_received()
             try:
                 if incoming.error is not None:

@@ -68,10 +68,19 @@ def test_capacity_is_kept_through_quiet_times_and_follows_full_batches():
     saturated(estimator, clock, cells_per_task=64, task_s=0.002, tasks=1000)  # 32,000 cells/s
     light(estimator, clock, tasks=50)
     clock.now += 10 * WINDOW_S  # then idle
-    # What it can do, not what it was offered (lowered a little while full and small batches mixed).
-    assert 0.75 * 32_000 < estimator.cells_per_second() <= 32_000
+    assert estimator.cells_per_second() == pytest.approx(32_000)  # what it can do, not what it was offered
     saturated(estimator, clock, cells_per_task=64, task_s=0.004, tasks=500)  # slower now: 16,000 cells/s
     assert estimator.cells_per_second() == pytest.approx(16_000, rel=0.01)
+
+
+def test_a_server_filling_up_is_measured_on_its_first_full_tasks():
+    clock = Clock()
+    estimator = ExpectedWait(clock)
+    light(estimator, clock, tasks=20)  # 0.8 s of small batches: load is arriving
+    saturated(estimator, clock, cells_per_task=64, task_s=0.002, tasks=9)  # 18 ms of full tasks: not enough yet
+    assert estimator.wait_s(6_400) is None
+    saturated(estimator, clock, cells_per_task=64, task_s=0.002, tasks=2)  # the small ones still outnumber them
+    assert estimator.cells_per_second() == pytest.approx(32_000) and estimator.wait_s(6_400) == pytest.approx(0.2)
 
 
 def test_workers_add_up():

@@ -4,17 +4,20 @@ saturation, the summary and targets, and the plots. (`./scripts/bench all --quic
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 
-from bench import plots, report
-from bench.__main__ import _finite
+from bench import overload, plots, report
 from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
-from bench.generator import Replies, poisson_schedule
+from bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from bench.kernel import ideal
 from bench.sweep import point, saturated
+from common.config import load_config
 
 
 def lengths(name: str) -> np.ndarray:
@@ -132,4 +135,99 @@ def test_plots_and_json_are_written(tmp_path: Path):
     paths = plots.draw(result, tmp_path)
     assert [p.name for p in paths] == ["lstm-latency.png", "lstm-cdf.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
-    assert json.loads(json.dumps(_finite({"x": float("nan"), "y": [1.0, float("inf")]}))) == {"x": None, "y": [1.0, None]}
+    assert json.loads(json.dumps(report.finite({"x": float("nan"), "y": [1.0, float("inf")]}))) == {"x": None, "y": [1.0, None]}
+
+
+def _fake_server(socket: zmq.Socket, stop: threading.Event) -> None:
+    """Answers requests by id: 3 mod 10 never, 5 mod 10 twice, 7 mod 10 with OVERLOADED, the rest ok."""
+    while not stop.is_set():
+        if not socket.poll(50):
+            continue
+        client, body = socket.recv_multipart()
+        request_id = msgpack.unpackb(body)["id"]
+        if request_id % 10 == 3:
+            continue
+        if request_id % 10 == 7:
+            reply = {"id": request_id, "ok": False, "error": {"code": "OVERLOADED", "message": "estimated wait 300 ms"}}
+        else:
+            reply = {"id": request_id, "ok": True, "outputs": {}, "timing": {"total_us": 1500}}
+        for _ in range(2 if request_id % 10 == 5 else 1):
+            socket.send_multipart([client, msgpack.packb(reply)])
+
+
+def test_the_open_loop_counts_lost_doubled_and_refused_requests():
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    server = threading.Thread(target=_fake_server, args=(socket, stop))
+    server.start()
+    try:
+        due = poisson_schedule(2000.0, 0.1, np.random.default_rng(0))
+        frames = request_frames("m", [{"tokens": [1, 2]}] * len(due))
+        run = open_loop(f"tcp://127.0.0.1:{port}", frames, due, timeout=0.5)
+    finally:
+        stop.set()
+        server.join()
+        socket.close(linger=0)
+    ids = np.arange(len(due))
+    outcome = overload.outcomes(run)
+    assert np.array_equal(outcome == overload.UNANSWERED, ids % 10 == 3)
+    assert np.array_equal(outcome == "OVERLOADED", ids % 10 == 7)
+    assert run.duplicates == np.sum(ids % 10 == 5)
+    answered = outcome != overload.UNANSWERED
+    assert np.all(run.sent >= due) and np.all(run.received[answered] >= run.sent[answered])
+    assert np.isnan(run.received[~answered]).all()
+
+
+def overload_result(p99_ms: float, goodput: float, lost: int, wrong: bool = False) -> dict:
+    def factor(value: float) -> dict:
+        pct = {"p50": 200.0, "p90": 300.0, "p99": p99_ms, "max": p99_ms}
+        return {"factor": value, "offered_rps": 1000 * value, "latency_ms": pct, "server_ms": pct,
+                "generator_behind_ms": pct, "refused_share": 1 - 1 / value, "goodput_over_capacity": goodput,
+                "lost": lost, "duplicate_replies": 0, "cpu_s_per_s": {"manager": 0.7, "worker": 0.6, "generator": 0.2},
+                "verify": {"ok": not wrong, "wrong": ["h differs"] if wrong else []}}
+
+    capacity = {"requests_per_s": 1000.0, "cells_per_s": 22500.0, "mean_batch_size": 63.0, "window": 256,
+                "failed": 0, "estimated_cells_per_s": 23000.0, "cpu_s_per_s": {"manager": 0.6, "worker": 0.8}}
+    result = {"capacity": capacity, "capacity_after": {**capacity, "requests_per_s": 700.0},
+              "factors": [factor(f) for f in overload.FACTORS]}
+    result["targets"] = overload.goals(result)
+    return result
+
+
+def test_overload_goals_are_met_or_missed_per_factor():
+    good = overload_result(p99_ms=400.0, goodput=0.95, lost=0)
+    assert all(t["met"] for t in good["targets"]) and len(good["targets"]) == 3 * len(overload.FACTORS)
+    assert not overload.problems(good)
+    assert "| 10x | 10000 | 200 | 400 | 400 | 90% | 0.95 | 0 |" in overload.table(good)
+    assert "again after the loads: 700 req/s (0.70x); the machine's other load changed" in overload.table(good)
+    assert "CPU s/s manager 0.60, worker 0.80); the server's estimate: 23,000 cells/s" in overload.table(good)
+    slow = overload_result(p99_ms=600.0, goodput=0.8, lost=0)
+    missed = {t["what"].split(": ", 1)[1] for t in slow["targets"] if not t["met"]}
+    assert missed == {"accepted p99 ms", "goodput / capacity"}
+    assert not overload.problems(slow)  # missed goals are measurements, not failures
+
+
+def test_overload_fails_on_a_lost_request_or_a_wrong_answer():
+    lost = overload_result(p99_ms=400.0, goodput=0.95, lost=2)
+    assert not next(t for t in lost["targets"] if t["what"].endswith("lost requests"))["met"]
+    assert overload.problems(lost)[0] == "1.2x: 2 requests never answered, 0 answered twice"
+    wrong = overload.problems(overload_result(p99_ms=400.0, goodput=0.95, lost=0, wrong=True))
+    assert wrong == [f"{f:g}x: answers differ from the reference: h differs" for f in overload.FACTORS]
+    failed = overload_result(p99_ms=400.0, goodput=0.95, lost=0)
+    failed["capacity_after"] = {**failed["capacity"], "failed": 3}
+    assert overload.problems(failed) == ["the capacity run got 3 error replies"]
+
+
+def test_the_capacity_config_is_the_default_config_without_refusal_by_expected_wait(tmp_path: Path, monkeypatch):
+    copy = load_config(overload.capacity_config(tmp_path))
+    original = load_config(overload.DEFAULT_CONFIG)
+    assert original.server.max_queue_delay_ms > 0 and copy.server.max_queue_delay_ms == 0
+    assert copy.models == original.models and copy.scheduler == original.scheduler
+    odd = tmp_path / "odd" / "default.toml"  # weights written in a form the copy does not rewrite
+    odd.parent.mkdir()
+    odd.write_text(overload.DEFAULT_CONFIG.read_text().replace('weights = "../weights/', "weights = '../weights/")
+                   .replace('.pt"', ".pt'"))
+    monkeypatch.setattr(overload, "DEFAULT_CONFIG", odd)
+    with pytest.raises(SystemExit, match="could not be copied with max_queue_delay_ms = 0"):
+        overload.capacity_config(tmp_path)

@@ -1,0 +1,141 @@
+"""Admission by expected wait on a real server: once its capacity is measured, a flood far beyond
+it is refused with OVERLOADED (the message saying the estimated wait), requests whose deadline the
+estimate already exceeds get DEADLINE_EXCEEDED at admission, every accepted request is answered
+with the reference model's result, and every request gets exactly one reply.
+
+Nothing here is timed: the test waits for what the server reports (its `stats`, its replies)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
+
+from common.models import build_model
+
+LIMIT_MS = 50
+PROBE_DEADLINE_MS = LIMIT_MS // 2  # below any wait the server refuses for
+PROBE_EVERY = 25  # one request in this many carries PROBE_DEADLINE_MS
+TIMEOUT_MS = 60_000  # only a server that stopped answering waits this long
+OVERLOADED_MESSAGE = re.compile(rf"estimated wait (\d+) ms exceeds the server's limit of {LIMIT_MS} ms")
+DEADLINE_MESSAGE = re.compile(rf"estimated wait (\d+) ms exceeds the request's deadline_ms {PROBE_DEADLINE_MS}")
+
+
+class Flood:
+    """A raw DEALER socket that sends many requests at once and keeps every reply, so that a
+    missing or doubled reply shows (a client library would hide both)."""
+
+    def __init__(self, address: str):
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        for option in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+            self.socket.setsockopt(option, 0)
+        self.socket.connect(address)
+        self.sent: dict[int, dict[str, Any]] = {}
+        self.replies: dict[Any, list[dict[str, Any]]] = {}
+        self._asked = 0
+
+    def send(self, requests: list[dict[str, Any]]) -> None:
+        for request in requests:
+            request_id = len(self.sent)
+            self.sent[request_id] = request
+            self.socket.send(msgpack.packb({"id": request_id, "model": "lstm", **request}))
+
+    def _receive(self) -> dict[str, Any]:
+        assert self.socket.poll(TIMEOUT_MS), "the server stopped answering"
+        reply = msgpack.unpackb(self.socket.recv(), raw=False, strict_map_key=False)
+        self.replies.setdefault(reply["id"], []).append(reply)
+        return reply
+
+    def collect(self) -> None:
+        """Receive until every request sent has a reply."""
+        while len(self.replies.keys() & self.sent.keys()) < len(self.sent):
+            self._receive()
+
+    def stats(self) -> dict[str, Any]:
+        """The server's stats, asked on this socket: every reply the server sent before is in by then."""
+        self._asked += 1
+        key = f"stats {self._asked}"
+        self.socket.send(msgpack.packb({"id": key, "op": "stats"}))
+        while (reply := self._receive())["id"] != key:
+            pass
+        del self.replies[key]
+        return reply
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def lengths(rng: np.random.Generator, count: int) -> list[dict[str, Any]]:
+    return [{"inputs": {"tokens": rng.integers(0, 1000, size=int(n)).tolist()}} for n in rng.integers(30, 70, count)]
+
+
+def test_a_flood_is_refused_by_expected_wait_and_every_request_is_answered_once(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}")
+    model = build_model(config.models["lstm"])
+    state = model.load_weights()
+    rng = np.random.default_rng(7)
+    server = start_server(config, workers=1)
+    flood = Flood(server.address)
+    try:
+        # Until the server has measured its capacity on full batches it refuses nothing for the expected wait.
+        def measured() -> dict[str, Any] | None:
+            flood.send(lengths(rng, 200))
+            flood.collect()
+            admission = flood.stats()["admission"]
+            return admission if admission["cells_per_s"] else None
+
+        capacity = wait_until(measured, "a capacity measured on full batches")["cells_per_s"]
+
+        # Ten times what it runs within the limit, sent at once: the server reads it far faster than it runs it.
+        within_limit = capacity * LIMIT_MS / 1e3 / 50  # requests (50 tokens on average)
+        requests = lengths(rng, int(10 * within_limit) + 100)
+        for request in requests[::PROBE_EVERY]:
+            request["deadline_ms"] = PROBE_DEADLINE_MS
+        first = len(flood.sent)
+        flood.send(requests)
+        flood.collect()
+        after = flood.stats()
+    finally:
+        flood.close()
+        stop_server(server)
+
+    assert after["requests_in_flight"] == 0
+    assert sorted(flood.replies) == sorted(flood.sent), "a reply to a request never sent"
+    doubled = [request_id for request_id, replies in flood.replies.items() if len(replies) > 1]
+    assert not doubled, f"requests answered more than once: {doubled[:5]}"
+    outcomes: dict[str, int] = {}
+    for request_id, (reply,) in flood.replies.items():
+        request = flood.sent[request_id]
+        code = "ok" if reply["ok"] else reply["error"]["code"]
+        outcomes[code] = outcomes.get(code, 0) + 1
+        if code == "ok":
+            tokens = request["inputs"]["tokens"]
+            expected = model.reference(state, {"tokens": tokens})
+            for name in ("h", "c"):
+                got = np.frombuffer(reply["outputs"][name]["data"], dtype="<f4")
+                assert np.abs(got - expected[name]).max() <= 1e-5, (request_id, name)
+        elif code == "OVERLOADED":
+            wait = OVERLOADED_MESSAGE.search(reply["error"]["message"])
+            assert wait and int(wait.group(1)) >= LIMIT_MS, reply
+        elif code == "DEADLINE_EXCEEDED":
+            assert request.get("deadline_ms") == PROBE_DEADLINE_MS, reply
+        else:
+            raise AssertionError(f"unexpected reply {reply}")
+    refused_at_admission = [
+        int(match.group(1))
+        for (reply,) in flood.replies.values()
+        if not reply["ok"] and (match := DEADLINE_MESSAGE.search(reply["error"]["message"]))
+    ]
+    print(f"capacity {capacity:.0f} cells/s, flood of {len(requests)}: {outcomes}; "
+          f"{len(refused_at_admission)} refused at admission for their deadline")
+    flood_codes = {"ok" if r["ok"] else r["error"]["code"] for i, (r,) in flood.replies.items() if i >= first}
+    assert {"ok", "OVERLOADED"} <= flood_codes, outcomes
+    assert refused_at_admission and min(refused_at_admission) >= PROBE_DEADLINE_MS, refused_at_admission
+    # The server counted what the client saw: nothing was lost on either side.
+    assert {code: after["requests"].get(code, 0) for code in outcomes} == outcomes
+    assert after["admission"]["cells_per_s"] and after["admission"]["estimated_wait_ms"] == 0
