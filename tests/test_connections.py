@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import zmq
 
 from manager.connections import ClientConnections
@@ -25,50 +28,49 @@ def _connected(context: zmq.Context, address: str) -> zmq.Socket:
     return dealer
 
 
-def test_a_closed_connection_ends_its_client_only():
+@pytest.fixture
+def served() -> Iterator[tuple[zmq.Context, zmq.Socket, ClientConnections, str]]:
+    """A context, a ROUTER bound on loopback with its connections watched, and the address to connect to."""
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     connections = ClientConnections(router)
     try:
-        staying = _connected(context, f"tcp://127.0.0.1:{port}")
-        kept, _ = _receive(router, connections)
-        leaving = _connected(context, f"tcp://127.0.0.1:{port}")
-        gone, _ = _receive(router, connections)
-        leaving.close()
-        assert connections.monitor.poll(WAIT_MS), "the monitor never reported the disconnection"
-        assert connections.closed() == [gone]
-        assert connections.closed() == []
-        staying.close()
-        assert connections.monitor.poll(WAIT_MS)
-        assert connections.closed() == [kept]
+        yield context, router, connections, f"tcp://127.0.0.1:{port}"
     finally:
         connections.close()
         context.destroy(linger=0)
 
 
-def test_a_new_client_on_a_reused_descriptor_is_not_taken_for_the_old_one():
+def test_a_closed_connection_ends_its_client_only(served):
+    context, router, connections, address = served
+    staying = _connected(context, address)
+    kept, _ = _receive(router, connections)
+    leaving = _connected(context, address)
+    gone, _ = _receive(router, connections)
+    leaving.close()
+    assert connections.monitor.poll(WAIT_MS), "the monitor never reported the disconnection"
+    assert connections.closed() == [gone]
+    assert connections.closed() == []
+    staying.close()
+    assert connections.monitor.poll(WAIT_MS)
+    assert connections.closed() == [kept]
+
+
+def test_a_new_client_on_a_reused_descriptor_is_not_taken_for_the_old_one(served):
     """The old connection's disconnection is still unread when a new client's first message arrives
     on the same descriptor: only the old client has gone."""
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    connections = ClientConnections(router)
-    try:
-        first = _connected(context, f"tcp://127.0.0.1:{port}")
-        old, old_fd = _receive(router, connections)
-        first.close()
-        # Wait until the server has closed the old descriptor (its event is queued), without reading the event.
-        assert connections.monitor.poll(WAIT_MS), "the monitor never reported the disconnection"
-        second = _connected(context, f"tcp://127.0.0.1:{port}")
-        new, new_fd = _receive(router, connections)
-        assert new_fd == old_fd, "the kernel did not reuse the descriptor; this test needs it to"
-        assert connections.closed() == [old]
-        second.close()
-        assert connections.monitor.poll(WAIT_MS)
-        assert connections.closed() == [new]
-    finally:
-        connections.close()
-        context.destroy(linger=0)
+    context, router, connections, address = served
+    first = _connected(context, address)
+    old, old_fd = _receive(router, connections)
+    first.close()
+    # Wait until the server has closed the old descriptor (its event is queued), without reading the event.
+    assert connections.monitor.poll(WAIT_MS), "the monitor never reported the disconnection"
+    second = _connected(context, address)
+    new, new_fd = _receive(router, connections)
+    assert new_fd == old_fd, "the kernel did not reuse the descriptor; this test needs it to"
+    assert connections.closed() == [old]
+    second.close()
+    assert connections.monitor.poll(WAIT_MS)
+    assert connections.closed() == [new]
