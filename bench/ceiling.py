@@ -24,12 +24,13 @@ import zmq
 
 from bench.datasets import DATASETS
 from bench.generator import closed_loop, request_frames
-from bench.run import ROOT, _free_port, git, machine
+from bench.run import ROOT, git, machine
 from bench.sweep import ServedPolicy
 from bench.verify import verify
 from common.config import load_config
 from common.models import build_model, init_missing_weights
 from common.protocol import encode, tensor_to_map
+from manager.launcher import free_port_on
 
 WINDOW = 2000  # requests the generator keeps outstanding
 CHECKED = 40  # replies per row compared with the reference
@@ -122,7 +123,7 @@ def _echo(address: str, reply: dict[str, Any], ready: Any) -> None:
 
 def generator_alone(frames: list[bytes]) -> float:
     """Requests/s the generator reaches against an echo server (a reply like an LSTM's h and c)."""
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port_on('127.0.0.1')}"
     state = tensor_to_map(np.zeros(8, np.float32))
     timing = {"queue_us": 1, "compute_us": 1, "total_us": 1}
     reply = {"id": 0, "ok": True, "outputs": {"h": state, "c": state}, "timing": timing}
@@ -152,7 +153,7 @@ def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
 def run(quick: bool, out: Path) -> dict[str, Any]:
     scale = 5 if quick else 1
     with tempfile.TemporaryDirectory(prefix="batchmaker-ceiling-") as tmp:
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port_on('127.0.0.1')}"
         config_path = Path(tmp) / "ceiling.toml"
         config_path.write_text(
             f"""

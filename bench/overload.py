@@ -34,18 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 from bench.datasets import DATASETS
 from bench.generator import Replies, closed_loop, open_loop, poisson_schedule, request_frames
 from bench.progress import Progress
 from bench.report import finite, target, target_lines
-from bench.run import ROOT, _free_port, git, machine
+from bench.run import ROOT, git, machine
 from bench.sweep import ServedPolicy
 from bench.verify import verify
+from clients.loadgen import percentiles
 from common.config import load_config
 from common.models import build_model, init_missing_weights
 from common.protocol import OVERLOADED
+from manager.launcher import free_port_on
 
 DEFAULT_CONFIG = ROOT / "configs" / "default.toml"
 MODEL = "lstm"
@@ -70,7 +71,7 @@ QUICK = Length(capacity_requests=2000, seconds=3.0)
 
 
 def _serve(config: Path, policy: str) -> ServedPolicy:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port_on('127.0.0.1')}"
     return ServedPolicy(config, address, policy, MODEL, "--address", address)
 
 
@@ -93,15 +94,8 @@ def capacity_config(directory: Path) -> Path:
     return path
 
 
-def _cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    return {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
-
-
 def percentiles_ms(values: np.ndarray) -> dict[str, float]:
-    if not len(values):
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "max": math.nan}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(np.max(values))}
+    return {**percentiles(values), "max": float(np.max(values)) if len(values) else math.nan}
 
 
 def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: int) -> dict[str, Any]:
@@ -109,10 +103,9 @@ def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: 
     its processes used, and the server's own estimate of its capacity (cells per second) at the end."""
     frames = request_frames(MODEL, [inputs[i % len(inputs)] for i in range(count)])
     closed_loop(served.address, frames[: 2 * CAPACITY_WINDOW], CAPACITY_WINDOW)  # warm-up: plans of common lengths
-    processes = served.processes()
-    before, cpu_before = served.stats(), _cpu_seconds(processes)
+    before, cpu_before = served.stats(), served.cpu_seconds()
     run = closed_loop(served.address, frames, CAPACITY_WINDOW)
-    after, cpu_after = served.stats(), _cpu_seconds(processes)
+    after, cpu_after = served.stats(), served.cpu_seconds()
     seconds = float(np.nanmax(run.received))
     ok = sum(1 for reply in run.replies if reply is not None and reply["ok"])
     cells = after["nodes"] - before["nodes"]
@@ -126,7 +119,7 @@ def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: 
         "cells_per_s": cells / seconds,
         "mean_batch_size": cells / tasks if tasks else 0.0,
         "estimated_cells_per_s": after["admission"]["cells_per_s"],
-        "cpu_s_per_s": {role: (cpu_after[role] - cpu_before[role]) / seconds for role in processes},
+        "cpu_s_per_s": {role: (cpu_after[role] - cpu_before[role]) / seconds for role in cpu_before},
     }
 
 
@@ -141,15 +134,14 @@ def offer(
     served: ServedPolicy, inputs: list[dict[str, Any]], rate: float, seconds: float, seed: int
 ) -> dict[str, Any]:
     """Poisson arrivals at `rate` for `seconds` on `served`; what became of every request."""
-    processes = served.processes()
-    cpu_before = _cpu_seconds(processes)
+    cpu_before = served.cpu_seconds()
     load_before = os.getloadavg()[0]
     rng = np.random.default_rng(seed)
     due = poisson_schedule(rate, seconds, rng)
     order = rng.permutation(len(inputs))
     frames = request_frames(MODEL, [inputs[order[i % len(order)]] for i in range(len(due))])
     run = open_loop(served.address, frames, due)
-    cpu_after = _cpu_seconds(processes)
+    cpu_after = served.cpu_seconds()
     served.wait_idle()
     stats = served.stats()
     outcome = outcomes(run)
@@ -163,7 +155,7 @@ def offer(
     span = max(seconds, float(np.nanmax(run.received, initial=0.0)))
     last_answer = float(np.nanmax(run.received[ok], initial=0.0))
     goodput = ok.sum() / last_answer if last_answer else 0.0
-    cpu = {role: (cpu_after[role] - cpu_before[role]) / span for role in processes}
+    cpu = {role: (cpu_after[role] - cpu_before[role]) / span for role in cpu_before}
     cpu["generator"] = run.cpu_seconds / span
     return {
         "offered_rps": rate,

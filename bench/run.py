@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,17 +24,12 @@ from bench.verify import verify
 from common.config import load_config
 from common.models import build_model, init_missing_weights
 from common.models.base import Model
+from manager.launcher import free_port_on
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERATE = (0.25, 0.5)  # fractions of the reference policy's peak
 COUNTED_REQUESTS = 500  # requests unfolded to count cells per request
 DECODED_REQUESTS = 60  # requests decoded by the reference to count the steps of models that observe outputs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(preset: Preset, directory: Path) -> Path:
@@ -44,7 +38,7 @@ def write_config(preset: Preset, directory: Path) -> Path:
     path.write_text(
         f"""
 [server]
-address = "tcp://127.0.0.1:{_free_port()}"
+address = "tcp://127.0.0.1:{free_port_on("127.0.0.1")}"
 cpu_workers = 1
 threads_per_worker = 1
 max_queued_requests = 4000

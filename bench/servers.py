@@ -40,11 +40,11 @@ from bench.datasets import DATASETS
 from bench.generator import open_loop as raw_open_loop
 from bench.generator import poisson_schedule, request_frames
 from bench.progress import Progress
-from bench.run import ROOT, _free_port, git, machine
+from bench.run import ROOT, git, machine
 from bench.verify import compare
 from common.config import load_config
 from common.models import build_model, init_missing_weights
-from manager.launcher import ServerProcess, roles
+from manager.launcher import ServerProcess, free_port_on, roles
 
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 WINDOW = 128  # requests outstanding per server in the closed loop: two full batches
@@ -130,7 +130,7 @@ class Fleet:
 
 def _write_config(directory: Path) -> Path:
     path = directory / "servers.toml"
-    path.write_text(CONFIG.format(port=_free_port(), weights=ROOT / "weights"))
+    path.write_text(CONFIG.format(port=free_port_on("127.0.0.1"), weights=ROOT / "weights"))
     init_missing_weights(load_config(path))
     return path
 

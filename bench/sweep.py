@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
-import psutil
 
 from bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from clients import Client
@@ -56,16 +55,6 @@ class ServedPolicy:
         if leftovers:
             raise SystemExit(f"server processes left after stopping: {leftovers}")
         Path(self._log.name).unlink(missing_ok=True)
-
-    def processes(self) -> dict[str, psutil.Process]:
-        """The server's processes by role ("supervisor", "manager", "worker"), to account for their CPU time."""
-        supervisor = psutil.Process(self._server.pid)
-        found = {"supervisor": supervisor}
-        for child in supervisor.children():
-            command = child.cmdline()
-            role = command[command.index("-m") + 1] if "-m" in command else child.name()
-            found[role if role not in found else f"{role} {child.pid}"] = child
-        return found
 
     def stats(self) -> dict[str, Any]:
         with Client(self.address, timeout=10) as client:
