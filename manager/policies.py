@@ -22,7 +22,7 @@ from collections.abc import Hashable
 
 from common.config import Config, ConfigError
 from common.graph import CellTypeSpec
-from common.models.base import Model
+from common.models.base import Planner
 from common.plan import Unfolded
 from manager.agenda import AgendaScheduler
 from manager.dispatch import Dispatcher
@@ -41,7 +41,7 @@ class CellularPolicy:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
 
-    def unfold(self, model: Model, inputs: object) -> Unfolded:
+    def unfold(self, model: Planner, inputs: object) -> Unfolded:
         return model.plan(inputs)
 
     def admit(self, request: Request) -> None:
@@ -121,7 +121,7 @@ class PaddedPolicy(GroupPolicy):
         super().__init__(scheduler, table, group_sizes)
         self.bucket_width = bucket_width
 
-    def unfold(self, model: Model, inputs: object) -> Unfolded:
+    def unfold(self, model: Planner, inputs: object) -> Unfolded:
         return model.plan_padded(inputs, self.bucket_width)
 
     def queue_key(self, request: Request) -> Hashable:
@@ -140,7 +140,7 @@ def make_scheduler(
     )
 
 
-def make_policy(config: Config, models: dict[str, Model], scheduler: Scheduler, table: RequestTable) -> CellularPolicy:
+def make_policy(config: Config, models: dict[str, Planner], scheduler: Scheduler, table: RequestTable) -> CellularPolicy:
     """The configured policy; a baseline's group size defaults to each model's smallest largest
     batch size, so that one step of a group fits one task of every cell type."""
     settings = config.scheduler
@@ -156,7 +156,7 @@ def make_policy(config: Config, models: dict[str, Model], scheduler: Scheduler, 
     return PaddedPolicy(scheduler, table, sizes, settings.bucket_width)
 
 
-def check_policy(policy: str, models: dict[str, Model]) -> None:
+def check_policy(policy: str, models: dict[str, Planner]) -> None:
     """Refuse a policy that cannot serve every model: padding needs sequence models."""
     unpaddable = [name for name, model in models.items() if not model.can_pad]
     if policy == "padded" and unpaddable:

@@ -20,7 +20,7 @@ import zmq
 
 from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
-from common.models.base import Model, build_model, cell_layout
+from common.models.base import Planner, build_planner, cell_layout
 from common.protocol import (
     BAD_REQUEST,
     CANCELLED,
@@ -55,9 +55,9 @@ IDLE_POLL_MS = 100
 BACKLOG_POLL_MS = 5  # while replies wait for slow clients, how often they are retried
 
 
-def load_models(config: Config) -> tuple[dict[str, Model], list[CellTypeSpec], list[ValueKind]]:
-    """Models by name, every cell type sorted by key (the order workers use) and every value kind."""
-    models = {name: build_model(model_config) for name, model_config in config.models.items()}
+def load_models(config: Config) -> tuple[dict[str, Planner], list[CellTypeSpec], list[ValueKind]]:
+    """The models' planners by name, every cell type sorted by key (the order workers use) and every value kind."""
+    models = {name: build_planner(model_config) for name, model_config in config.models.items()}
     specs, kinds = cell_layout(list(models.values()))
     return models, specs, kinds
 

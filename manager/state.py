@@ -15,7 +15,7 @@ from common.graph import CellTypeSpec, ValueKind
 from common.plan import Unfolded
 
 if TYPE_CHECKING:
-    from common.models.base import Model
+    from common.models.base import Planner
     from manager.workers import WorkerHandle
 
 
@@ -52,7 +52,7 @@ class Request:
         "failures",
     )
 
-    def __init__(self, client: bytes, request_id: Any, model: Model, inputs: Any, unfolded: Unfolded, arrival: float):
+    def __init__(self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float):
         self.client = client
         self.request_id = request_id
         self.model = model

@@ -26,7 +26,7 @@ import zmq
 
 from common.auth import connect_socket
 from common.config import Config, with_policy
-from common.models import build_model
+from common.models.base import build_planner
 from common.protocol import decode, encode
 from common.worker_keys import worker_curve
 from manager.policies import check_policy
@@ -62,11 +62,12 @@ def resolve_devices(config: Config, workers: int | None) -> list[str]:
 
 
 def _gpu_count() -> int:
+    """torch's count of visible GPUs, asked of a child process: the supervisor itself never loads torch."""
+    probe = "import torch; print(torch.cuda.device_count())"
     try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # no usable CUDA runtime: serve on CPU workers
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+        return int(done.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.SubprocessError):  # no usable CUDA runtime: serve on CPU workers
         return 0
 
 
@@ -269,7 +270,7 @@ def serve(config: Config, address: str | None, workers: int | None, policy: str 
     """Run the server in the foreground until SIGINT/SIGTERM."""
     if policy is not None:
         config = with_policy(config, policy)
-    check_policy(config.scheduler.policy, {name: build_model(model) for name, model in config.models.items()})
+    check_policy(config.scheduler.policy, {name: build_planner(model) for name, model in config.models.items()})
     supervisor = Supervisor(config, address, workers)
     signal.signal(signal.SIGINT, supervisor.request_stop)
     signal.signal(signal.SIGTERM, supervisor.request_stop)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from common.config import CellTypeConfig, ModelConfig
 from common.models.base import save_weights
 from common.models.tree import load_vocabulary, ptb_to_tree
-from common.models.treelstm import TreeLSTMModel
+from common.models.treelstm_cells import TreeLSTMModel
 
 SST = ROOT / "data" / "sst"
 UNK = "<unk>"

@@ -11,7 +11,7 @@ import torch
 from common.config import AFFINITIES, POLICIES, ConfigError, load_config
 from common.models import build_model
 from common.models.base import Model, save_weights
-from common.models.lstm import LSTMModel
+from common.models.chain_cells import LSTMModel
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,12 +11,11 @@ import torch
 from common.config import CellTypeConfig, ConfigError, ModelConfig
 from common.models import kernels
 from common.models.base import Model
-from common.models.childsum import ChildSumTreeLSTMModel
-from common.models.gru import GRUModel
-from common.models.lstm import LSTMModel
-from common.models.seq2seq import Seq2SeqModel
+from common.models.chain_cells import GRUModel, LSTMModel
+from common.models.childsum_cells import ChildSumTreeLSTMModel
+from common.models.seq2seq_cells import Seq2SeqModel
 from common.models.tree import NO_WORD
-from common.models.treelstm import TreeLSTMModel
+from common.models.treelstm_cells import TreeLSTMModel
 
 TOLERANCE = 1e-5
 BATCH = 7

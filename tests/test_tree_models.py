@@ -15,9 +15,10 @@ from harness import Harness
 from common.config import CellTypeConfig, ModelConfig
 from common.graph import CellGraph, External, NodeOutput, Ragged, Zero
 from common.models.base import save_weights
-from common.models.childsum import ChildSumTreeLSTMModel
-from common.models.tree import NO_WORD, UNK_ID, TreeModel, load_vocabulary, parse_tree, ptb_to_tree
-from common.models.treelstm import TreeLSTMModel
+from common.models.childsum_cells import ChildSumTreeLSTMModel
+from common.models.tree import NO_WORD, UNK_ID, load_vocabulary, parse_tree, ptb_to_tree
+from common.models.tree_cells import TreeModel
+from common.models.treelstm_cells import TreeLSTMModel
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, tensor_to_map
 
 SST = ROOT / "data" / "sst"

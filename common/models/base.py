@@ -1,7 +1,14 @@
-"""The model interface: cell types, unfold function, cells with weights, reference.
+"""The model interface in two halves: a planner (numpy) and cells (torch).
 
-The manager only calls `unfold` and `describe` (no torch work on the hot path);
-workers call `make_cells`; tests and the demo call `reference`.
+A `Planner` is what the manager needs: cell types, `describe`, `unfold` and `plan`, `observe`,
+`outputs` and `can_pad`. A `Model` is a planner with cells: what workers build (`make_cells`),
+what tests and benchmarks compare with (`reference`), and the weights. This module imports
+torch only inside the methods that load or save weights, so that a manager serving the
+built-in models never loads it: their builder modules define `planner(config)` beside
+`build(config)` and hold no torch code (their cells live in `*_cells.py` modules), and the
+manager builds planners with `build_planner`. A model whose module defines only `build` is
+served as it always was: the manager then runs the whole model's planning half, and imports
+whatever that module imports.
 """
 
 from __future__ import annotations
@@ -10,24 +17,28 @@ import importlib
 import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from common.config import ConfigError, ModelConfig
 from common.graph import CellGraph, CellTypeSpec, ValueKind
-from common.models.kernels import FOLD_BUDGET_BYTES
 from common.plan import Unfolded, compile_graph
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 FOLD_KEY = "fold_input_projection"  # a built-in model's switch for folded input projections (kernels.py)
+FOLD_BUDGET_BYTES = 256 * 2**20  # tables a model may fold by default: vocabulary x gates x 4 bytes
+PLANNER_FUNCTION = "planner"  # a builder module's torch-free constructor of the model's planner
 
 
-class Model(ABC):
-    """A servable model: see docs/architecture.md, "Models"."""
+class Planner(ABC):
+    """What the manager needs of a model: its cell types, and how a request unfolds and ends
+    (docs/models.md, "The interface")."""
 
     kind: str = ""
 
@@ -102,6 +113,10 @@ class Model(ABC):
         """Turn the host copies of the result values (and what was observed) into the reply's outputs."""
         return results
 
+
+class Model(Planner):
+    """A servable model: its planner and its cells, weights and reference (torch, in workers and tests)."""
+
     @abstractmethod
     def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
         """Build every cell type's module (weights embedded) from a state dict."""
@@ -136,6 +151,8 @@ class Model(ABC):
         """A deterministic random state dict in this model's documented key layout."""
 
     def load_weights(self) -> dict[str, torch.Tensor]:
+        import torch
+
         path = self.config.weights
         if not path.exists():
             raise ConfigError(
@@ -166,20 +183,34 @@ class Model(ABC):
         """Unbatched reference: what the served model must return for these inputs."""
 
 
-def build_model(config: ModelConfig) -> Model:
-    """Import the configured builder ("package.module:function") and build the model."""
+def _builder(config: ModelConfig) -> tuple[Any, Any]:
+    """The module and function the config's builder ("package.module:function") names."""
     module_name, _, func_name = config.builder.partition(":")
     try:
-        builder = getattr(importlib.import_module(module_name), func_name)
+        module = importlib.import_module(module_name)
+        return module, getattr(module, func_name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"model {config.name!r}: cannot import builder {config.builder!r}: {exc}") from None
-    model = builder(config)
+
+
+def build_model(config: ModelConfig) -> Model:
+    """Import the configured builder and build the whole model (planner and cells)."""
+    model = _builder(config)[1](config)
     if not isinstance(model, Model):
         raise ConfigError(f"model {config.name!r}: builder {config.builder!r} did not return a Model")
     return model
 
 
-def cell_layout(models: list[Model]) -> tuple[list[CellTypeSpec], list[ValueKind]]:
+def build_planner(config: ModelConfig) -> Planner:
+    """The model's planner: by its module's `planner(config)` when it has one (no torch), else the whole model."""
+    module, build = _builder(config)
+    planner = getattr(module, PLANNER_FUNCTION, build)(config)
+    if not isinstance(planner, Planner):
+        raise ConfigError(f"model {config.name!r}: builder {config.builder!r} did not return a Model")
+    return planner
+
+
+def cell_layout(models: list[Planner]) -> tuple[list[CellTypeSpec], list[ValueKind]]:
     """Every cell type sorted by key and every value kind sorted by key: the order the manager
     and the workers both use to name cell types and arenas by index."""
     specs = sorted((spec for model in models for spec in model.cell_types.values()), key=lambda s: s.key)
@@ -193,6 +224,8 @@ def padded_length(length: int, bucket_width: int) -> int:
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(state, tmp)

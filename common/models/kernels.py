@@ -19,8 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FOLD_BUDGET_BYTES = 256 * 2**20  # tables a model may fold by default: vocabulary x gates x 4 bytes
-
 
 def table_bytes(vocab_size: int, rows: int) -> int:
     """Memory of a folded table of `rows`-wide float32 projections of every token."""

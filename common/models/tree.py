@@ -6,9 +6,8 @@ A request's `tree` is `{"tokens": [...], "parents": [...]}`: node i carries word
 child is the one with the smaller index, as `ptb_to_tree` numbers them.
 
 Both models unfold a tree in the same order (level by level, children before parents,
-see `Tree.levels`), may put a `classifier` cell (h -> logits) on the root, and keep their
-weights in one nn.Module whose state_dict is the weights file, so that a training script
-trains exactly the cells the workers serve and saves them with `state_dict()`.
+see `Tree.levels`) and may put a `classifier` cell (h -> logits) on the root. This module is
+their planner (numpy); their cells are in common/models/tree_cells.py.
 
 Cell priorities: the cell types a model lists later run later in every request
 (internal after leaf, the classifier last), and preferring them lets requests finish
@@ -24,24 +23,21 @@ import dataclasses
 import functools
 import re
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from common.config import ModelConfig
 from common.graph import CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.models.base import FOLD_KEY, Model, check_params, int_param
+from common.models.base import FOLD_KEY, Planner, check_params, int_param
 from common.plan import ZERO_REF, Unfolded, plan_of
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 TOKEN = ValueKind("int64", ())
 NO_WORD = -1  # the token of an internal node without a word
 UNK_ID = 0  # id of `<unk>` in a vocabulary file; ptb_to_tree maps unknown words to it
-EMBEDDING_KEY = "embedding.weight"
 # A bracket, or a label or word: SST words may hold non-ASCII spaces (U+00A0 in "2 1/2"), so only ASCII ones split.
 PTB_PIECE = re.compile(r"[()]|[^()\x20\t\r\n]+")
 CLASSIFIER = "classifier"
@@ -269,23 +265,14 @@ def ptb_to_tree(line: str, vocabulary: Mapping[str, int]) -> tuple[list[int], li
     return tokens, parents, labels
 
 
-# -- the model skeleton --------------------------------------------------------------------------
-
-
-def lstm_state(
-    i: torch.Tensor, o: torch.Tensor, u: torch.Tensor, carried: torch.Tensor | float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The end of every TreeLSTM node: c = σ(i)⊙tanh(u) + what the forget gates carried over from
-    the children, and h = σ(o)⊙tanh(c). The gates come in as pre-activations."""
-    c = torch.sigmoid(i) * torch.tanh(u) + carried
-    return torch.sigmoid(o) * torch.tanh(c), c
+# -- the planner ---------------------------------------------------------------------------------
 
 
 CellPorts = tuple[str, tuple[ValueKind, ...], tuple[ValueKind, ...], frozenset[int]]
 
 
-class TreeModel(Model):
-    """A TreeLSTM: the tree cells a subclass defines, over one embedding, and an optional root classifier.
+class TreePlanner(Planner):
+    """A TreeLSTM's planning: the tree cells a subclass defines, and an optional root classifier.
 
     Params: vocab_size, hidden_size, embedding_size (default hidden_size), num_classes
     (default 0: no classifier; else `logits` float32[num_classes] of the root is returned
@@ -323,33 +310,10 @@ class TreeModel(Model):
         """(cell name, inputs, outputs, ragged input ports) of each tree cell, in the order they run."""
 
     @abstractmethod
-    def tree_weights(self) -> nn.Module:
-        """A module holding the tree cells' weights under their documented state_dict keys."""
-
-    @abstractmethod
-    def tree_cell_modules(self, weights: nn.Module) -> dict[str, nn.Module]:
-        """The tree cells by name, sharing the parameters of `weights`."""
-
-    @abstractmethod
-    def tree_kernels(self, state: dict[str, torch.Tensor], fold: bool) -> dict[str, nn.Module]:
-        """The tree cells' serving kernels (common/models/kernels.py) by name, from the weights file's
-        tensors; the cells that read a word fold its input projection into a table when `fold`."""
-
-    @abstractmethod
-    def folded_bytes(self) -> int:
-        """Memory the folded tables would take."""
-
-    @abstractmethod
     def add_tree_node(self, graph: CellGraph, token: int, children: list[int]) -> int:
         """Add one tree node whose children are the graph nodes `children`; return its graph node."""
 
-    @abstractmethod
-    def reference_node(
-        self, weights: dict[str, torch.Tensor], token: int, children: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, c) of one node from its word and its children's (h, c), written from the equations."""
-
-    # -- the Model interface -----------------------------------------------------------------
+    # -- the Planner interface -----------------------------------------------------------------
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
         return self._cell_types
@@ -425,74 +389,3 @@ class TreeModel(Model):
         order (registers of children as 2 * position and 2 * position + 1, external token ids as
         external references numbered in plan order), ragged inputs (start, count, refs) if any, and
         the external token ids."""
-
-    def weights_module(self) -> nn.Module:
-        """All weights in one module: its state_dict is the weights file, in the documented layout."""
-        weights = self.tree_weights()
-        if self.num_classes:
-            weights.classifier = nn.Linear(self.hidden_size, self.num_classes)
-        return weights
-
-    def weights_from(self, state: dict[str, torch.Tensor]) -> nn.Module:
-        """`weights_module` holding `state`'s tensors themselves (no copy; unknown or missing keys raise)."""
-        with torch.device("meta"):
-            weights = self.weights_module()
-        weights.load_state_dict(state, assign=True)
-        return weights
-
-    def cell_modules(self, weights: nn.Module) -> dict[str, nn.Module]:
-        """Every cell by name, sharing the parameters of `weights` (a training script trains these)."""
-        cells = self.tree_cell_modules(weights)
-        if self.num_classes:
-            cells[CLASSIFIER] = weights.classifier
-        return cells
-
-    def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
-        kernels = self.tree_kernels(state, self.folds(self.folded_bytes()))
-        if self.num_classes:
-            kernels[CLASSIFIER] = self.weights_from(state).classifier
-        return {self.keys[name]: cell for name, cell in kernels.items()}
-
-    def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
-        return {self.keys[name]: cell for name, cell in self.cell_modules(self.weights_from(state)).items()}
-
-    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        with torch.device("meta"):
-            return {key: tuple(value.shape) for key, value in self.weights_module().state_dict().items()}
-
-    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
-        """N(0, 1) embeddings and U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the rest, as torch initializes them."""
-        generator = torch.Generator().manual_seed(seed)
-        shapes = self.weight_shapes()
-        state = {}
-        for key, shape in shapes.items():
-            if key == EMBEDDING_KEY:
-                state[key] = torch.randn(shape, generator=generator)
-            else:
-                fan_in = shapes[key.rpartition(".")[0] + ".weight"][1]
-                state[key] = (torch.rand(shape, generator=generator) * 2 - 1) * fan_in**-0.5
-        return state
-
-    def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
-        """One node at a time in float64, children before parents, from the equations (never the cells).
-
-        The recursion h_j, c_j = f(x_j, children's h and c) is evaluated bottom-up rather
-        than by recursive calls, so trees deeper than Python's recursion limit work too.
-        """
-        tree = self.parse(inputs)
-        weights = {key: value.double() for key, value in state.items()}
-        h: dict[int, torch.Tensor] = {}
-        c: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for i in tree.order:
-                kids = [(h[k], c[k]) for k in tree.children[i]]
-                h[i], c[i] = self.reference_node(weights, tree.tokens[i], kids)
-            result = {"h": h[tree.root], "c": c[tree.root]}
-            if self.num_classes:
-                result["logits"] = weights["classifier.weight"] @ h[tree.root] + weights["classifier.bias"]
-        return {name: value.numpy().astype(np.float32) for name, value in result.items()}
-
-
-def gate_blocks(matrix: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Split a stacked gate weight (or bias) into its named blocks of rows, for the references."""
-    return dict(zip(names, matrix.chunk(len(names), dim=0)))
