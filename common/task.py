@@ -27,17 +27,55 @@ row), and inline they need no slots to allocate and free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
 
 SLOT_DTYPE = np.dtype("<i8")
 
-SlotCopy = tuple[int, np.ndarray, int, np.ndarray]
-RemoteRows = tuple[int, int, np.ndarray, np.ndarray]  # (peer worker, peer arena, peer slots, positions)
-SlotList = tuple[int, np.ndarray]
-InlineValues = tuple[np.ndarray, bytes]  # (positions in the batch, raw rows)
-InputSlots = tuple[int, np.ndarray, np.ndarray | None, list[RemoteRows] | None, InlineValues | None]
+
+class RemoteRows(NamedTuple):
+    """Rows of an input produced on another worker of the host, read from that worker's arena."""
+
+    peer: int  # the worker's id
+    arena: int  # its arena's id
+    slots: np.ndarray  # rows there
+    positions: np.ndarray  # where they go in the gathered input
+
+
+class InlineValues(NamedTuple):
+    """External values sent inside the task, in the input's dtype and shape."""
+
+    positions: np.ndarray  # rows of the gathered input they replace
+    data: bytes  # the raw rows
+
+
+class TaskInput(NamedTuple):
+    """One cell input: its arena rows (padding rows read the zero slot), and for a ragged input the
+    batch row each belongs to (`segments`); values from peers and inline values go over them."""
+
+    arena: int
+    slots: np.ndarray
+    segments: np.ndarray | None
+    remote: list[RemoteRows] | None
+    values: InlineValues | None
+
+
+class SlotList(NamedTuple):
+    """Arena rows of one cell output (padding rows write the scratch slot)."""
+
+    arena: int
+    slots: np.ndarray
+
+
+class SlotCopy(NamedTuple):
+    """Rows the host must see, copied from a device arena to an io arena after compute."""
+
+    arena: int
+    slots: np.ndarray
+    io_arena: int
+    io_slots: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -45,7 +83,7 @@ class TaskMessage:
     task_id: int
     cell_index: int
     batch_size: int
-    inputs: list[InputSlots]
+    inputs: list[TaskInput]
     outputs: list[SlotList]
     downloads: list[SlotCopy]
 
@@ -60,28 +98,39 @@ def encode_task(message: TaskMessage) -> bytes:
             message.task_id,
             message.cell_index,
             message.batch_size,
-            [[a, _slots(s), _optional(g), _remote(r), _inline(v)] for a, s, g, r, v in message.inputs],
-            [[a, _slots(s)] for a, s in message.outputs],
-            [[a, _slots(s), b, _slots(t)] for a, s, b, t in message.downloads],
+            [_encode_input(*entry) for entry in message.inputs],
+            [[arena, _slots(slots)] for arena, slots in message.outputs],
+            [[arena, _slots(slots), io_arena, _slots(io_slots)] for arena, slots, io_arena, io_slots in message.downloads],
         ],
         use_bin_type=True,
     )
 
 
-def _optional(values: list[int] | np.ndarray | None) -> bytes | None:
-    return None if values is None else _slots(values)
-
-
-def _inline(values: InlineValues | None) -> list | None:
-    return None if values is None else [_slots(values[0]), values[1]]
-
-
-def _remote(rows: list[RemoteRows] | None) -> list | None:
-    return None if rows is None else [[w, a, _slots(s), _slots(p)] for w, a, s, p in rows]
+def _encode_input(
+    arena: int, slots: np.ndarray, segments: np.ndarray | None, remote: list[RemoteRows] | None, values: InlineValues | None
+) -> list:
+    """A TaskInput's fields in order (a plain tuple of them is accepted too)."""
+    return [
+        arena,
+        _slots(slots),
+        None if segments is None else _slots(segments),
+        None if remote is None else [[peer, a, _slots(s), _slots(p)] for peer, a, s, p in remote],
+        None if values is None else [_slots(values[0]), values[1]],
+    ]
 
 
 def _view(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=SLOT_DTYPE)
+
+
+def _decode_input(arena: int, slots: bytes, segments: bytes | None, remote: list | None, values: list | None) -> TaskInput:
+    return TaskInput(
+        arena,
+        _view(slots),
+        None if segments is None else _view(segments),
+        None if remote is None else [RemoteRows(w, a, _view(s), _view(p)) for w, a, s, p in remote],
+        None if values is None else InlineValues(_view(values[0]), values[1]),
+    )
 
 
 def decode_task(frame: bytes) -> TaskMessage:
@@ -90,22 +139,18 @@ def decode_task(frame: bytes) -> TaskMessage:
         task_id,
         cell_index,
         batch_size,
-        [
-            (
-                a,
-                _view(s),
-                None if g is None else _view(g),
-                None if r is None else [(w, b, _view(t), _view(p)) for w, b, t, p in r],
-                None if v is None else (_view(v[0]), v[1]),
-            )
-            for a, s, g, r, v in inputs
-        ],
-        [(a, _view(s)) for a, s in outputs],
-        [(a, _view(s), b, _view(t)) for a, s, b, t in downloads],
+        [_decode_input(*entry) for entry in inputs],
+        [SlotList(a, _view(s)) for a, s in outputs],
+        [SlotCopy(a, _view(s), b, _view(t)) for a, s, b, t in downloads],
     )
 
 
-IoRows = tuple[int, np.ndarray, bytes]  # (io arena, io slots, the rows' raw bytes, in the arena's dtype)
+class IoRows(NamedTuple):
+    """Downloaded rows a worker on another host sends in its notice."""
+
+    io_arena: int
+    io_slots: np.ndarray
+    data: bytes  # the rows' raw bytes, in the arena's dtype
 
 
 @dataclass(frozen=True)
@@ -123,10 +168,10 @@ class CompletionNotice:
 
 
 def encode_notice(notice: CompletionNotice) -> bytes:
-    rows = [[a, _slots(s), data] for a, s, data in notice.rows]
+    rows = [[io_arena, _slots(io_slots), data] for io_arena, io_slots, data in notice.rows]
     return msgpack.packb([notice.worker_id, notice.task_ids, notice.errors, notice.signal, rows], use_bin_type=True)
 
 
 def decode_notice(frame: bytes) -> CompletionNotice:
     worker_id, task_ids, errors, signal, rows = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    return CompletionNotice(worker_id, task_ids, errors, signal, [(a, _view(s), data) for a, s, data in rows])
+    return CompletionNotice(worker_id, task_ids, errors, signal, [IoRows(a, _view(s), data) for a, s, data in rows])

@@ -11,20 +11,17 @@ At completion it reads those host copies back and frees their io rows.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.graph import CellTypeSpec, ValueKind
 from common.plan import ZERO_REF
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import TaskMessage, encode_task
-from manager.state import Request, Task
-from manager.store import NodeColumns, PlanStore, RequestTable
-from manager.workers import WorkerHandle
-
-if TYPE_CHECKING:
-    from manager.scheduler import Ready
+from common.task import InlineValues, RemoteRows, SlotCopy, SlotList, TaskInput, TaskMessage, encode_task
+from manager.plan_store import NodeColumns, PlanStore
+from manager.records import Request, Task
+from manager.request_table import RequestTable
+from manager.worker_handle import WorkerHandle
 
 
 def _expand(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -51,16 +48,19 @@ class Dispatcher:
             limit = min(limit, worker.io_slots[kind].available // spec.outputs.count(kind))
         return limit
 
-    def submit(self, spec: CellTypeSpec, cell_index: int, taken: Ready, worker: WorkerHandle) -> Task:
+    def make_task(
+        self, spec: CellTypeSpec, cell_index: int, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle
+    ) -> Task:
+        """The batched task on `worker` of `counts[i]` nodes from node `first[i]` of the request at `rows[i]`:
+        rows placed, inputs and outputs resolved to slots, the message encoded."""
         table, store = self._table, self._store
-        rows, counts = taken.rows, taken.sizes
         count = int(counts.sum())
         size = spec.padded_size(count)
-        task = Task(self._next_task_id, spec, worker, size, rows, counts)
+        task = Task(self._next_task_id, spec, worker.worker_id, size, rows, counts)
         self._next_task_id += 1
         for row in rows[table.home[rows] != worker.worker_id]:
             self._place(table.requests[row], worker)
-        nodes = _expand(taken.first, counts)
+        nodes = _expand(first, counts)
         node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows
         reg_base = table.reg_base[node_rows]
         node_data = store.nodes.arrays["data"][nodes]  # the task's rows of the node matrix
@@ -82,8 +82,8 @@ class Dispatcher:
             external = refs <= -2
             if external.any():
                 at = table.ext_base[node_rows[external], table.kinds[kind]] + (-2 - refs[external])
-                inline = (np.flatnonzero(external), store.externals[kind].arrays["values"][at].tobytes())
-            inputs.append((arena, slots, None, remote, inline))
+                inline = InlineValues(np.flatnonzero(external), store.externals[kind].arrays["values"][at].tobytes())
+            inputs.append(TaskInput(arena, slots, None, remote, inline))
         outputs = []
         for port, kind in enumerate(spec.outputs):
             where = reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port]
@@ -91,7 +91,7 @@ class Dispatcher:
             slots[:count] = written = registers["write"][where]
             registers["slot"][where] = written
             registers["worker"][where] = worker.worker_id
-            outputs.append((worker.arena_id[kind], slots))
+            outputs.append(SlotList(worker.arena_id[kind], slots))
         downloads = self._downloads(task, nodes, node_data, node_rows, outputs, worker)
         message = TaskMessage(task.task_id, cell_index, size, inputs, outputs, downloads)
         worker.tasks[task.task_id] = task
@@ -105,16 +105,24 @@ class Dispatcher:
 
     def _place(self, request: Request, worker: WorkerHandle) -> None:
         """The request's next values go to its rows on `worker` (taken now, unless it has been there)."""
-        held = request.rows.get(worker)
+        held = request.rows.get(worker.worker_id)
         groups = request.unfolded.plan.register_groups
         if held is None:
-            held = request.rows[worker] = {kind: worker.slots[kind].take(len(regs)) for kind, regs in groups.items()}
+            held = request.rows[worker.worker_id] = {kind: worker.slots[kind].take(len(regs)) for kind, regs in groups.items()}
         write = self._store.registers.arrays["write"]
         base = self._table.reg_base[request.row]
         for kind, regs in groups.items():
             write[base + regs] = held[kind]
 
-    def _remote(self, positions: np.ndarray, owners: np.ndarray, slots: np.ndarray, worker: WorkerHandle, kind: ValueKind):
+    def release_rows(self, request: Request) -> None:
+        """Give back the arena rows a request holds on every worker."""
+        for worker_id, held in request.rows.items():
+            slots = self._workers[worker_id].slots
+            for kind, rows in held.items():
+                slots[kind].give(rows)
+        request.rows = {}
+
+    def _remote(self, positions: np.ndarray, owners: np.ndarray, slots: np.ndarray, worker: WorkerHandle, kind: ValueKind) -> list[RemoteRows] | None:
         """Inputs whose value lives on another worker of its host (whose task has completed): read from its arena."""
         elsewhere = owners != worker.worker_id
         if not elsewhere.any():
@@ -124,11 +132,11 @@ class Dispatcher:
             mine = np.flatnonzero(owners == peer)
             at = positions[mine]
             worker.rows_read_from[int(peer)] += len(at)
-            reads.append((int(peer), self._workers[int(peer)].arena_id[kind], slots[at].copy(), at))
+            reads.append(RemoteRows(int(peer), self._workers[int(peer)].arena_id[kind], slots[at].copy(), at))
             slots[at] = ZERO_SLOT
         return reads
 
-    def _ragged(self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle):
+    def _ragged(self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle) -> TaskInput:
         """A ragged input: every node's values flattened, with the batch row each belongs to."""
         store, table = self._store, self._table
         counts = node_data[:, NodeColumns.RAGGED_COUNT]
@@ -136,7 +144,7 @@ class Dispatcher:
         flat = _expand(starts, counts)
         arena = worker.arena_id[kind]
         if len(flat) == 0:
-            return (arena, np.zeros(0, np.int64), np.zeros(0, np.int64), None, None)
+            return TaskInput(arena, np.zeros(0, np.int64), np.zeros(0, np.int64), None, None)
         refs = store.ragged.arrays["refs"][flat, port]
         where = np.repeat(table.reg_base[node_rows], counts) + refs
         slots = store.registers.arrays["slot"][where].copy()
@@ -144,9 +152,9 @@ class Dispatcher:
         owners = store.registers.arrays["worker"][where]
         remote = self._remote(np.arange(len(flat)), owners, slots, worker, kind)
         segments = np.repeat(np.arange(len(node_data)), counts)
-        return (arena, slots, segments, remote, None)
+        return TaskInput(arena, slots, segments, remote, None)
 
-    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, worker: WorkerHandle) -> list:
+    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, worker: WorkerHandle) -> list[SlotCopy]:
         """Rows the host reads at completion (results, watched values): an io row each."""
         copied = np.flatnonzero(node_data[:, NodeColumns.HAS_COPIES])
         if not len(copied):
@@ -160,10 +168,10 @@ class Dispatcher:
                 kind = spec.outputs[port]
                 io_slot = worker.io_slots[kind].take_one()
                 device, io = copies.setdefault(kind, ([], []))
-                device.append(int(outputs[port][1][position]))
+                device.append(int(outputs[port].slots[position]))
                 io.append(io_slot)
                 task.reads.append((request, key, kind, io_slot))
-        return [(worker.arena_id[k], device, worker.io_arena_id[k], io) for k, (device, io) in copies.items()]
+        return [SlotCopy(worker.arena_id[k], device, worker.io_arena_id[k], io) for k, (device, io) in copies.items()]
 
     def complete(self, task: Task) -> list[tuple[Request, int, np.ndarray]]:
         """Read the task's host copies and free their io rows.
@@ -171,7 +179,7 @@ class Dispatcher:
         Results are stored on their requests; watched values are returned, in order,
         as (request, watch index, value) for the model to observe.
         """
-        worker = task.worker
+        worker = self._workers[task.worker_id]
         observed = []
         for request, key, kind, io_slot in task.reads:
             value = worker.io[kind][io_slot].copy()

@@ -26,10 +26,11 @@ from common.models.base import Planner
 from common.plan import Unfolded
 from manager.agenda import AgendaScheduler
 from manager.dispatch import Dispatcher
+from manager.plan_store import PlanStore
+from manager.records import Group, Lifecycle, Request, Task
+from manager.request_table import RequestTable
 from manager.scheduler import Scheduler
-from manager.state import Group, Lifecycle, Request, Task
-from manager.store import PlanStore, RequestTable
-from manager.workers import WorkerHandle
+from manager.worker_handle import WorkerHandle
 
 
 class CellularPolicy:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from manager.state import Request
+from manager.records import Request
 
 
 class RequestRegistry:

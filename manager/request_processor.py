@@ -15,10 +15,11 @@ from typing import Any
 from common.plan import Unfolded
 from common.protocol import INTERNAL, RequestError
 from manager.dispatch import Dispatcher
+from manager.plan_store import PlanStore
+from manager.records import Group, Lifecycle, Request, Task
+from manager.request_table import RequestTable
 from manager.scheduler import Scheduler
-from manager.state import Group, Lifecycle, Request, Task
-from manager.store import PlanStore, RequestTable
-from manager.workers import WorkerHandle
+from manager.worker_handle import WorkerHandle
 
 FinishFn = Callable[[Request, RequestError | None], None]
 
@@ -161,10 +162,7 @@ class RequestProcessor:
         """Nothing of it is in flight any more: its arena rows and plan go."""
         if self.active.pop(id(request), None) is None:
             return
-        for worker, held in request.rows.items():
-            for kind, slots in held.items():
-                worker.slots[kind].give(slots)
-        request.rows = {}
+        self._dispatcher.release_rows(request)
         self._store.release(request)
         self._table.remove(request.row)
 
@@ -177,8 +175,8 @@ class RequestProcessor:
         worker.tasks.clear()
         affected = []
         for request in list(self.active.values()):
-            if worker in request.rows:
-                del request.rows[worker]  # its rows went with it
+            if worker.worker_id in request.rows:
+                del request.rows[worker.worker_id]  # its rows went with it
                 if request.done:
                     self._forget_if_drained(request)
                 else:

@@ -26,9 +26,10 @@ import numpy as np
 
 from common.graph import CellTypeSpec
 from manager.dispatch import Dispatcher
-from manager.state import Request, Task
-from manager.store import NO_WORKER, NodeColumns, PlanStore, RequestTable
-from manager.workers import WorkerHandle
+from manager.plan_store import NodeColumns, PlanStore
+from manager.records import Request, Task
+from manager.request_table import NO_WORKER, RequestTable
+from manager.worker_handle import WorkerHandle
 
 FINISHED = np.iinfo(np.int64).max  # the `need` of a lane with nothing left to issue
 
@@ -204,7 +205,7 @@ class Scheduler:
     def _issue(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle) -> Task:
         """UpdateNodesDependency: the lanes advance, their requests count the issued nodes and are
         pinned to the worker; the dispatcher turns the waves into the task message."""
-        task = self._dispatcher.submit(queue.spec, queue.index, taken, worker)
+        task = self._dispatcher.make_task(queue.spec, queue.index, taken.rows, taken.sizes, taken.first, worker)
         self._advance(queue, taken)
         queue.running_tasks += 1
         table = self._table

@@ -39,14 +39,14 @@ from manager.admission import Admission
 from manager.dispatch import Dispatcher
 from manager.frontend import ClientFrontend, Incoming
 from manager.metrics import Metrics
+from manager.plan_store import make_tables
 from manager.policies import make_policy, make_scheduler
+from manager.records import Request
 from manager.registry import RequestRegistry
 from manager.request_processor import RequestProcessor
-from manager.state import Request
 from manager.stats import Stats, request_timing
-from manager.store import make_tables
+from manager.worker_handle import WorkerHandle
 from manager.worker_pool import WorkerPool
-from manager.workers import WorkerHandle
 
 log = logging.getLogger("batchmaker.manager")
 

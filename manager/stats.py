@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from manager.state import Task
+from manager.records import Task
 
 LATENCY_WINDOW = 20000
 

@@ -29,8 +29,8 @@ from common.hosts import default_host_id
 from common.protocol import BAD_REQUEST, RequestError, decode, encode
 from common.sockets import NOW, send, server_context
 from common.task import CompletionNotice, decode_notice
-from manager.state import Task
-from manager.workers import WorkerHandle
+from manager.records import Task
+from manager.worker_handle import WorkerHandle
 
 log = logging.getLogger("batchmaker.manager")
 

@@ -11,12 +11,12 @@ from common.config import Config
 from common.shm import SharedArray
 from common.task import decode_task
 from manager.dispatch import Dispatcher
+from manager.plan_store import make_tables
 from manager.policies import make_policy, make_scheduler
+from manager.records import Request, Task
 from manager.request_processor import RequestProcessor
 from manager.server import load_models
-from manager.state import Request, Task
-from manager.store import make_tables
-from manager.workers import WorkerHandle
+from manager.worker_handle import WorkerHandle
 
 
 class Harness:

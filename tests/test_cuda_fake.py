@@ -28,7 +28,7 @@ from common.graph import CellTypeSpec
 from common.models.base import build_model, cell_layout
 from common.task import SLOT_DTYPE, TaskMessage
 from worker.backend import arena_ids
-from worker.cpu import IssuedTask, run_task
+from worker.batched_task import IssuedTask, run_task
 from worker.cuda import TORCH_DTYPES
 from worker.device_tasks import DeviceCalls, DeviceTasks, Staging, staged_bytes
 

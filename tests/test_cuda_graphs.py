@@ -36,7 +36,7 @@ from common.models import build_model
 from common.models.seq2seq import decoding_mismatch
 from common.task import TaskMessage
 from worker.backend import TORCH_DTYPES, arena_ids
-from worker.cpu import gather
+from worker.batched_task import gather
 from worker.cuda_graphs import CapturedCell, as_tuple, capturable
 from worker.device_tasks import DeviceCalls, DeviceTasks, Staging
 

@@ -226,7 +226,7 @@ def test_unpinned_subgraph_moves_and_reads_the_first_workers_arena(harness):
     assert len(remote_inputs) == 2  # h and c of step 1 live on `first`
     assert all(peer == first.worker_id and positions.tolist() == [0] for (peer, _, _, positions), in remote_inputs)
     assert sorted(r[0][2].tolist()[0] for r in remote_inputs) == step1_rows
-    assert request.rows.keys() == {first, second}  # its next values are written on `second`
+    assert request.rows.keys() == {first.worker_id, second.worker_id}  # its next values are written on `second`
     while second.tasks:
         h.complete_oldest(second)
     assert h.finished and h.finished[0][1] is None

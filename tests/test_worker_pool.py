@@ -19,8 +19,8 @@ from common.protocol import decode, encode
 from common.shm import SharedArray
 from common.task import CompletionNotice, encode_notice
 from manager.server import load_models
+from manager.worker_handle import WorkerHandle
 from manager.worker_pool import WorkerPool
-from manager.workers import WorkerHandle
 from worker.backend import arena_ids
 
 ROWS = 64

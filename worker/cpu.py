@@ -23,29 +23,12 @@ from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
 from worker.backend import ArenaInfo, Backend, arena_ids, warm_up_tasks
+from worker.batched_task import IssuedTask, PeerArenas, resolve, run_task
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 _STALL = object()  # test hook: the stream blocks forever, like a hung device
-
-SlotCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-# (peer arena, its slots, positions in the batch); slots None: the source holds exactly the rows, gathered already
-RemoteInput = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
-Inline = tuple[torch.Tensor, torch.Tensor]  # (positions in the batch, rows)
-# arena, slots, segments, remote, inline
-InputRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[RemoteInput], Inline | None]
-
-
-@dataclass
-class IssuedTask:
-    """A task with its arenas and slot lists resolved to tensors, ready for the stream."""
-
-    task_id: int
-    cell: nn.Module
-    inputs: list[InputRows]
-    outputs: list[tuple[torch.Tensor, torch.Tensor]]
-    downloads: list[SlotCopy]
 
 
 @dataclass
@@ -54,83 +37,6 @@ class FailedTask:
 
     task_id: int
     error: str
-
-
-PeerArenas = dict[tuple[int, int], torch.Tensor]  # (worker id, arena id) -> tensor
-
-
-def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> IssuedTask:
-    """Turn a task message into tensors: the issuer's share of the work, done off the stream."""
-
-    def index(slots) -> torch.Tensor:
-        return torch.from_numpy(slots.copy())
-
-    return IssuedTask(
-        task.task_id,
-        cells[task.cell_index],
-        [
-            (
-                tensors[a],
-                index(s),
-                None if g is None else index(g),
-                [(peers[(w, b)], index(t), index(p)) for w, b, t, p in r or ()],
-                None if v is None else (index(v[0]), inline_rows(v[1], tensors[a])),
-            )
-            for a, s, g, r, v in task.inputs
-        ],
-        [(tensors[a], index(s)) for a, s in task.outputs],
-        [(tensors[a], index(s), tensors[b], index(t)) for a, s, b, t in task.downloads],
-    )
-
-
-def inline_rows(data: bytes, arena: torch.Tensor) -> torch.Tensor:
-    """External values sent in the task, as rows shaped like the arena's (on the host)."""
-    return torch.frombuffer(bytearray(data), dtype=arena.dtype).view(-1, *arena.shape[1:])
-
-
-def run_task(task: IssuedTask) -> None:
-    """Gather, compute, scatter: the body of every task on every backend.
-
-    Every tensor must already be on the arenas' device: nothing here moves data between
-    devices, so a misplaced index fails loudly instead of costing a hidden copy.
-    """
-    scatter(task, task.cell(*gather(task.inputs)))
-
-
-def gather(inputs: list[InputRows], into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The cell's arguments: each input's rows (own arena, then peers' and inline rows over them),
-    each followed by its segments if ragged. With `into`, the rows of input i are written into
-    `into[i]` (a captured cell's static input, which must keep its size and address) instead."""
-    batch = []
-    for i, (arena, slots, segments, remote, inline) in enumerate(inputs):
-        if into is None:
-            rows = arena.index_select(0, slots)
-        else:
-            rows = into[i]
-            if segments is not None:
-                raise ValueError(f"input {i} is ragged; a captured cell takes a fixed number of rows")
-            if slots.shape[0] != rows.shape[0]:
-                raise ValueError(f"input {i} has {slots.shape[0]} rows; its static input holds {rows.shape[0]}")
-            torch.index_select(arena, 0, slots, out=rows)
-        for source, source_slots, positions in remote:  # values another worker produced (its task has completed)
-            rows.index_copy_(0, positions, source if source_slots is None else source.index_select(0, source_slots))
-        if inline is not None:  # the requests' own inputs
-            positions, values = inline
-            rows.index_copy_(0, positions, values)
-        batch.append(rows)
-        if segments is not None:
-            batch.append(segments)
-    return batch
-
-
-def scatter(task: IssuedTask, results: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
-    """Write the cell's results to their slots, then copy the task's downloads."""
-    if isinstance(results, torch.Tensor):
-        results = (results,)
-    for (arena, slots), value in zip(task.outputs, results):
-        arena.index_copy_(0, slots, value)
-    for src, src_slots, dst, dst_slots in task.downloads:
-        dst.index_copy_(0, dst_slots, src.index_select(0, src_slots))
 
 
 class CpuBackend(Backend):

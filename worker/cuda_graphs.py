@@ -20,7 +20,7 @@ from torch import nn
 
 from common.graph import CellTypeSpec
 from worker.backend import TORCH_DTYPES
-from worker.cpu import IssuedTask, gather, scatter
+from worker.batched_task import IssuedTask, gather, scatter
 
 WARM_UP_RUNS = 3  # eager runs before capture, on the capture stream: cuBLAS handles and workspaces exist by then
 

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from common.graph import CellTypeSpec, ValueKind
-from common.task import TaskMessage
+from common.task import InlineValues, RemoteRows, TaskMessage
 from worker.backend import warm_up_tasks
-from worker.cpu import InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
+from worker.batched_task import Inline, InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
 from worker.cuda_graphs import Capture, CapturedCell, capture_cells
 
 log = logging.getLogger(__name__)
@@ -156,10 +156,7 @@ class DeviceTasks:
             for a, s, b, t in task.downloads
         ]
         staging.send()
-        inputs = [
-            (arena, slots, segments, self._local(remote), inline)
-            for arena, slots, segments, remote, inline in inputs
-        ]
+        inputs = [entry._replace(remote=self._local(entry.remote)) for entry in inputs]
         issued = IssuedTask(task.task_id, self._cells[task.cell_index], inputs, outputs, [])
         graph = self.graphs.get((task.cell_index, task.batch_size))
         if graph is None:
@@ -173,24 +170,34 @@ class DeviceTasks:
             downloads.append((arena.index_select(0, slots).to(torch.device("cpu"), non_blocking=True), io, io_slots))
         return downloads
 
-    def _input(self, staging: Staging, batch: int, a: int, s, g, r, v) -> InputRows:
-        arena = self._arena(a)
-        slots = self._slots(staging, s, arena.shape[0], "input")
-        width = len(s)  # a ragged input has any number of rows; a plain one has the batch's
-        segments = None if g is None else self._slots(staging, g, batch, "segment")
+    def _input(
+        self,
+        staging: Staging,
+        batch: int,
+        arena_id: int,
+        slots: np.ndarray,
+        segments: np.ndarray | None,
+        remote_rows: list[RemoteRows] | None,
+        values: InlineValues | None,
+    ) -> InputRows:
+        """A TaskInput's fields resolved to tensors on the device (slot lists staged, checked on the host)."""
+        arena = self._arena(arena_id)
+        width = len(slots)  # a ragged input has any number of rows; a plain one has the batch's
+        slots = self._slots(staging, slots, arena.shape[0], "input")
+        segments = None if segments is None else self._slots(staging, segments, batch, "segment")
         remote: list[RemoteInput] = []
-        for worker_id, peer_arena, peer_slots, positions in r or ():
+        for worker_id, peer_arena, peer_slots, positions in remote_rows or ():
             peer = self.peers.get((worker_id, peer_arena))
             if peer is None:
                 raise KeyError(f"arena {peer_arena} of worker {worker_id} is not open here")
             peer_rows = self._slots(staging, peer_slots, peer.shape[0], "peer slot")
-            remote.append((peer, peer_rows, self._slots(staging, positions, width, "position")))
+            remote.append(RemoteInput(peer, peer_rows, self._slots(staging, positions, width, "position")))
         inline = None
-        if v is not None:
-            positions, data = v
-            values = staging.put(np.frombuffer(data, dtype=np.uint8), arena.dtype, (-1, *arena.shape[1:]))
-            inline = (self._slots(staging, positions, width, "position"), values)
-        return arena, slots, segments, remote, inline
+        if values is not None:
+            positions, data = values
+            rows = staging.put(np.frombuffer(data, dtype=np.uint8), arena.dtype, (-1, *arena.shape[1:]))
+            inline = Inline(self._slots(staging, positions, width, "position"), rows)
+        return InputRows(arena, slots, segments, remote, inline)
 
     def _local(self, remote: list[RemoteInput]) -> list[RemoteInput]:
         """Rows of peers mapped on another device, gathered there and copied here, in stream order.
@@ -204,7 +211,7 @@ class DeviceTasks:
                 with self._calls.on_peer_stream(peer.device):
                     rows = peer.index_select(0, slots.to(peer.device, non_blocking=True))
                     peer, slots = rows.to(self._calls.device, non_blocking=True), None
-            local.append((peer, slots, positions))
+            local.append(RemoteInput(peer, slots, positions))
         return local
 
     def _slots(self, staging: Staging, values: np.ndarray, limit: int, what: str) -> torch.Tensor:

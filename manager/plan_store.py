@@ -1,96 +1,26 @@
-"""Where the manager keeps admitted requests: one row per request, their plans concatenated.
+"""The plan store: plans of admitted requests, concatenated.
 
-Per-request state that the scheduler reads for whole batches lives in numpy columns of the
-RequestTable (indexed by a request's row); per-node and per-register data lives in the
-PlanStore, where each request's plan arrays are copied next to the others at admission, so a
-task gathers the data of all its nodes with one fancy index, whatever requests they belong to.
-Both grow by doubling; the store compacts when its tail is full, moving live requests down.
+Per-node and per-register data of every admitted request lives here, each request's plan
+arrays copied next to the others at admission, so a task gathers the data of all its nodes
+with one fancy index, whatever requests they belong to; where a request's ranges start is in
+its request-table row. The store grows by doubling and compacts when its tail is full,
+moving live requests down.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.graph import CellTypeSpec, ValueKind
 from common.plan import ZERO_REF, Plan, Unfolded
 from common.slots import ZERO_SLOT
+from manager.request_table import NO_WORKER, RequestTable, grow_rows
 
 if TYPE_CHECKING:
-    from manager.state import Request
-
-NO_WORKER = -1
-
-
-def _grow(array: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
-    """`array` with room for at least `size` rows (doubling), new rows set to `fill`."""
-    if len(array) >= size:
-        return array
-    grown = np.full((max(size, 2 * len(array)), *array.shape[1:]), fill, dtype=array.dtype)
-    grown[: len(array)] = array
-    return grown
-
-
-class RequestTable:
-    """Columns over request rows; a row is reused once its request is forgotten (its generation changes)."""
-
-    COLUMNS: ClassVar[dict[str, tuple[type, int | float | bool]]] = {
-        "node_base": (np.int64, 0),
-        "reg_base": (np.int64, 0),
-        "ragged_base": (np.int64, 0),
-        "issued": (np.int64, 0),  # nodes issued to a worker
-        "completed": (np.int64, 0),  # nodes whose task completed
-        "inflight": (np.int64, 0),  # tasks in flight holding its nodes
-        "home": (np.int64, NO_WORKER),  # worker whose rows its next values are written to
-        "host": (np.int64, NO_WORKER),  # host number of the workers holding its values (all on one host)
-        "bound": (np.int64, NO_WORKER),  # the only worker it may run on (request affinity, baseline groups)
-        "runnable": (np.bool_, False),  # its lanes may be scheduled
-        "generation": (np.int64, 0),
-        "started": (np.float64, 0.0),  # first issue (perf_counter), 0 before
-    }
-
-    RESET = ("issued", "completed", "inflight", "home", "host", "bound", "started")  # the rest is set on admission
-
-    def __init__(self, kinds: list[ValueKind], capacity: int = 1024):
-        self.kinds = {kind: i for i, kind in enumerate(kinds)}  # column of each kind in ext_base and blocks
-        for name, (dtype, fill) in self.COLUMNS.items():
-            setattr(self, name, np.full(capacity, fill, dtype=dtype))
-        self.ext_base = np.zeros((capacity, len(kinds)), np.int64)  # where its external values start, per kind
-        self.blocks = np.zeros((capacity, len(kinds)), np.int64)  # arena rows it takes on a worker, per kind
-        self.requests: list[Request | None] = [None] * capacity
-        self._free = list(range(capacity - 1, -1, -1))
-
-    def add(self, request: Request) -> int:
-        if not self._free:
-            self._grow()
-        row = self._free.pop()
-        self.requests[row] = request
-        for name in self.RESET:
-            column = getattr(self, name)
-            column[row] = self.COLUMNS[name][1]
-        self.generation[row] += 1
-        self.blocks[row] = 0
-        for kind, registers in request.unfolded.plan.register_groups.items():
-            self.blocks[row, self.kinds[kind]] = len(registers)
-        request.row = row
-        return row
-
-    def remove(self, row: int) -> None:
-        self.requests[row] = None
-        self.runnable[row] = False
-        self.generation[row] += 1
-        self._free.append(row)
-
-    def _grow(self) -> None:
-        old = len(self.requests)
-        for name, (_, fill) in self.COLUMNS.items():
-            setattr(self, name, _grow(getattr(self, name), 2 * old, fill))
-        self.ext_base = _grow(self.ext_base, 2 * old)
-        self.blocks = _grow(self.blocks, 2 * old)
-        self.requests.extend([None] * old)
-        self._free.extend(range(2 * old - 1, old - 1, -1))
+    from manager.records import Request
 
 
 class _Log:
@@ -107,7 +37,7 @@ class _Log:
         """Make room for `count` more entries: compaction is done by the caller when worthwhile."""
         size = max(self.tail + count, 2 * (live + count))
         for name, (_, _, fill) in self.columns.items():
-            self.arrays[name] = _grow(self.arrays[name], size, fill)
+            self.arrays[name] = grow_rows(self.arrays[name], size, fill)
         self.capacity = len(self.arrays[name])
 
     def take(self, count: int) -> int:

@@ -12,8 +12,8 @@ from common.graph import ValueKind
 from common.protocol import BAD_REQUEST, INTERNAL, RequestError
 from common.shm import SharedArray
 from common.task import IoRows
-from manager.slots import SlotAllocator
-from manager.state import Task
+from manager.records import Task
+from manager.slot_allocator import SlotAllocator
 
 
 class WorkerHandle:

@@ -1,7 +1,7 @@
 """Run-time records of the manager: requests and batched tasks.
 
 A request is one Python object for its whole life, whatever its number of cells: what the
-scheduler reads per batch lives in the RequestTable's columns (manager.store) at its `row`.
+scheduler reads per batch lives in the RequestTable's columns (manager.request_table) at its `row`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from common.plan import Unfolded
 
 if TYPE_CHECKING:
     from common.models.base import Planner
-    from manager.workers import WorkerHandle
 
 
 class Lifecycle(enum.Enum):
@@ -64,8 +63,8 @@ class Request:
         self.state = Lifecycle.WAITING
         self.results: dict[str, np.ndarray] = {}
         self.results_pending = len(unfolded.plan.results)
-        # Arena rows it holds, per worker and kind (its registers' rows there)
-        self.rows: dict[WorkerHandle, dict[ValueKind, np.ndarray]] = {}
+        # Arena rows it holds, per worker id and kind (its registers' rows there)
+        self.rows: dict[int, dict[ValueKind, np.ndarray]] = {}
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.failures = 0  # workers lost while it had values there (replays so far)
 
@@ -91,20 +90,20 @@ class Task:
     `reads` are the host copies to take at completion: (request, result name or watch index, kind, io slot).
     """
 
-    __slots__ = ("task_id", "spec", "worker", "batch_size", "rows", "counts", "reads", "submitted", "message", "joining")
+    __slots__ = ("task_id", "spec", "worker_id", "batch_size", "rows", "counts", "reads", "submitted", "message", "joining")
 
     def __init__(
         self,
         task_id: int,
         spec: CellTypeSpec,
-        worker: WorkerHandle,
+        worker_id: int,
         batch_size: int,
         rows: np.ndarray,
         counts: np.ndarray,
     ):
         self.task_id = task_id
         self.spec = spec
-        self.worker = worker
+        self.worker_id = worker_id  # the worker it is sent to
         self.batch_size = batch_size
         self.rows = rows
         self.counts = counts

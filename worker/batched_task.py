@@ -1,0 +1,139 @@
+"""The body of a batched task on tensors, the same on every backend: a task message resolved to
+index tensors over the arenas (`resolve`), then gather, compute, scatter (`run_task`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.task import InlineValues, RemoteRows, TaskMessage
+
+
+class RemoteInput(NamedTuple):
+    """Rows another worker produced: its arena (or, with `slots` None, exactly the rows, gathered
+    already) and their positions in the batch."""
+
+    source: torch.Tensor
+    slots: torch.Tensor | None
+    positions: torch.Tensor
+
+
+class Inline(NamedTuple):
+    """A task's external values: their positions in the batch and the rows."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+
+
+class InputRows(NamedTuple):
+    """One cell input resolved to tensors (common.task.TaskInput on the arenas' device)."""
+
+    arena: torch.Tensor
+    slots: torch.Tensor
+    segments: torch.Tensor | None
+    remote: list[RemoteInput]
+    inline: Inline | None
+
+
+class TensorCopy(NamedTuple):
+    """A download resolved to tensors (common.task.SlotCopy): device rows copied to io rows."""
+
+    arena: torch.Tensor
+    slots: torch.Tensor
+    io_arena: torch.Tensor
+    io_slots: torch.Tensor
+
+
+@dataclass
+class IssuedTask:
+    """A task with its arenas and slot lists resolved to tensors, ready for the stream."""
+
+    task_id: int
+    cell: nn.Module
+    inputs: list[InputRows]
+    outputs: list[tuple[torch.Tensor, torch.Tensor]]
+    downloads: list[TensorCopy]
+
+
+PeerArenas = dict[tuple[int, int], torch.Tensor]  # (worker id, arena id) -> tensor
+
+
+def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> IssuedTask:
+    """Turn a task message into tensors: the issuer's share of the work, done off the stream."""
+
+    def index(slots) -> torch.Tensor:
+        return torch.from_numpy(slots.copy())
+
+    def input_rows(
+        arena_id: int, slots: np.ndarray, segments: np.ndarray | None, remote: list[RemoteRows] | None, values: InlineValues | None
+    ) -> InputRows:  # a TaskInput's fields
+        arena = tensors[arena_id]
+        return InputRows(
+            arena,
+            index(slots),
+            None if segments is None else index(segments),
+            [RemoteInput(peers[(peer, peer_arena)], index(rows), index(at)) for peer, peer_arena, rows, at in remote or ()],
+            None if values is None else Inline(index(values[0]), inline_rows(values[1], arena)),
+        )
+
+    return IssuedTask(
+        task.task_id,
+        cells[task.cell_index],
+        [input_rows(*entry) for entry in task.inputs],
+        [(tensors[arena], index(slots)) for arena, slots in task.outputs],
+        [TensorCopy(tensors[a], index(s), tensors[io], index(io_slots)) for a, s, io, io_slots in task.downloads],
+    )
+
+
+def inline_rows(data: bytes, arena: torch.Tensor) -> torch.Tensor:
+    """External values sent in the task, as rows shaped like the arena's (on the host)."""
+    return torch.frombuffer(bytearray(data), dtype=arena.dtype).view(-1, *arena.shape[1:])
+
+
+def run_task(task: IssuedTask) -> None:
+    """Gather, compute, scatter: the body of every task on every backend.
+
+    Every tensor must already be on the arenas' device: nothing here moves data between
+    devices, so a misplaced index fails loudly instead of costing a hidden copy.
+    """
+    scatter(task, task.cell(*gather(task.inputs)))
+
+
+def gather(inputs: list[InputRows], into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The cell's arguments: each input's rows (own arena, then peers' and inline rows over them),
+    each followed by its segments if ragged. With `into`, the rows of input i are written into
+    `into[i]` (a captured cell's static input, which must keep its size and address) instead."""
+    batch = []
+    for i, (arena, slots, segments, remote, inline) in enumerate(inputs):
+        if into is None:
+            rows = arena.index_select(0, slots)
+        else:
+            rows = into[i]
+            if segments is not None:
+                raise ValueError(f"input {i} is ragged; a captured cell takes a fixed number of rows")
+            if slots.shape[0] != rows.shape[0]:
+                raise ValueError(f"input {i} has {slots.shape[0]} rows; its static input holds {rows.shape[0]}")
+            torch.index_select(arena, 0, slots, out=rows)
+        for source, source_slots, positions in remote:  # values another worker produced (its task has completed)
+            rows.index_copy_(0, positions, source if source_slots is None else source.index_select(0, source_slots))
+        if inline is not None:  # the requests' own inputs
+            positions, values = inline
+            rows.index_copy_(0, positions, values)
+        batch.append(rows)
+        if segments is not None:
+            batch.append(segments)
+    return batch
+
+
+def scatter(task: IssuedTask, results: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+    """Write the cell's results to their slots, then copy the task's downloads."""
+    if isinstance(results, torch.Tensor):
+        results = (results,)
+    for (arena, slots), value in zip(task.outputs, results):
+        arena.index_copy_(0, slots, value)
+    for src, src_slots, dst, dst_slots in task.downloads:
+        dst.index_copy_(0, dst_slots, src.index_select(0, src_slots))
