@@ -94,7 +94,6 @@ class Dispatcher:
             outputs.append(SlotList(worker.arena_id[kind], slots))
         downloads = self._downloads(task, nodes, node_data, node_rows, outputs, worker)
         message = TaskMessage(task.task_id, cell_index, size, inputs, outputs, downloads)
-        worker.tasks[task.task_id] = task
         task.submitted = now = time.perf_counter()
         starting = table.started[rows] == 0
         if starting.any():

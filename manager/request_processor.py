@@ -3,25 +3,26 @@
 Admitting a request gives it a row in the request table and copies its plan into the plan
 store (no Python object per cell); its policy then releases its lanes to the scheduler. At a
 task's completion the processor reads the host copies, lets the model observe watched values,
-answers the requests whose results are all in, and forgets requests that are answered and have
-nothing left in flight, freeing their arena rows.
+concludes the requests whose results are all in, and forgets requests that are concluded and
+have nothing left in flight, freeing their arena rows. What it concludes (answers, errors,
+replays) it keeps as outcomes until the batching core takes them (manager.core).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from typing import Any
 
 from common.plan import Unfolded
 from common.protocol import INTERNAL, RequestError
 from manager.dispatch import Dispatcher
+from manager.outcomes import Answered, Failed, Outcome, Replayed
 from manager.plan_store import PlanStore
 from manager.records import Group, Lifecycle, Request, Task
 from manager.request_table import RequestTable
 from manager.scheduler import Scheduler
+from manager.stats import request_timing
 from manager.worker_handle import WorkerHandle
-
-FinishFn = Callable[[Request, RequestError | None], None]
 
 
 class RequestProcessor:
@@ -31,15 +32,14 @@ class RequestProcessor:
         store: PlanStore,
         scheduler: Scheduler,
         dispatcher: Dispatcher,
-        finish: FinishFn,
         policy,
     ):
         self._table = table
         self._store = store
         self._scheduler = scheduler
         self._dispatcher = dispatcher
-        self._finish = finish
         self._policy = policy
+        self._outcomes: list[Outcome] = []
         self.active: dict[int, Request] = {}  # by id(request), in arrival order, until forgotten
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
 
@@ -54,6 +54,11 @@ class RequestProcessor:
         self.unsubmitted_nodes += unfolded.plan.nodes
         self._policy.admit(request)
         return request
+
+    def take_outcomes(self) -> list[Outcome]:
+        """What was concluded since the last call, in order."""
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
 
     def task_submitted(self, task: Task) -> None:
         self.unsubmitted_nodes -= task.nodes
@@ -111,7 +116,10 @@ class RequestProcessor:
 
     def _answer(self, request: Request) -> None:
         self._end(request)
-        self._finish(request, None)
+        earliest = self.earliest_running_arrival()
+        timing = request_timing(request.arrival, float(self._table.started[request.row]), time.perf_counter())
+        outputs = request.model.outputs(request.unfolded, request.results)
+        self._outcomes.append(Answered(request, outputs, timing, earliest is not None and earliest < request.arrival))
         self._forget_if_drained(request)
 
     def _end_group(self, group: Group) -> None:
@@ -130,7 +138,7 @@ class RequestProcessor:
             return
         held = request.state is Lifecycle.HELD
         self._end(request)
-        self._finish(request, error)
+        self._outcomes.append(Failed(request, error))
         self._forget_if_drained(request)
         self._leave_group(request, held)
 
@@ -166,13 +174,12 @@ class RequestProcessor:
         self._store.release(request)
         self._table.remove(request.row)
 
-    def worker_lost(self, worker: WorkerHandle) -> list[Request]:
-        """Write off a dead worker's tasks; return the unanswered requests that had values there."""
+    def worker_lost(self, worker: WorkerHandle, tasks: list[Task]) -> list[Request]:
+        """Write off a dead worker's tasks in flight; return the unanswered requests that had values there."""
         table = self._table
-        for task in worker.tasks.values():
+        for task in tasks:
             self._scheduler.task_completed(task)
             table.inflight[task.rows] -= 1
-        worker.tasks.clear()
         affected = []
         for request in list(self.active.values()):
             if worker.worker_id in request.rows:
@@ -184,7 +191,8 @@ class RequestProcessor:
         return affected
 
     def replay(self, request: Request) -> Request:
-        """Start a request over from its inputs; the old record is dropped without a reply."""
+        """Start a request over from its inputs; the old record is dropped without a reply, and the
+        new one is an outcome (Replayed) for the registry to track in its place."""
         held = request.state is Lifecycle.HELD
         self._end(request)
         self._forget_if_drained(request)
@@ -193,6 +201,7 @@ class RequestProcessor:
         replayed = self.admit(request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival)
         replayed.deadline = request.deadline
         replayed.failures = request.failures
+        self._outcomes.append(Replayed(replayed))
         return replayed
 
     def earliest_running_arrival(self) -> float | None:

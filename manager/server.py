@@ -3,10 +3,11 @@
 Each turn of the loop takes completion notices first (they free workers and rows) and
 schedules right away, then worker control messages, client messages and departed clients,
 then deadlines and the watchdog, and finally runs Schedule for every worker with few tasks in
-flight, so that newly arrived requests join the very next batched tasks. The parts live in
-their own modules: the client frontend (manager.frontend), the workers (manager.worker_pool),
-the live requests (manager.registry) and the core that admits, schedules and finishes them
-(manager.request_processor, manager.scheduler, manager.dispatch); see docs/architecture.md.
+flight, so that newly arrived requests join the very next batched tasks. The loop is I/O
+around the batching core (manager.core), which owns every live request and returns what
+happened: the loop sends tasks to workers (manager.worker_pool), turns outcomes into replies
+to clients (manager.frontend) and records each event once (manager.stats); see
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -21,30 +22,13 @@ import zmq
 from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
 from common.models.base import Planner, build_planner, cell_layout
-from common.protocol import (
-    BAD_REQUEST,
-    CANCELLED,
-    DEADLINE_EXCEEDED,
-    INTERNAL,
-    OPS,
-    OVERLOADED,
-    PROTOCOL_VERSION,
-    UNKNOWN_MODEL,
-    WORKER_LOST,
-    RequestError,
-    error_reply,
-)
+from common.protocol import BAD_REQUEST, INTERNAL, OPS, OVERLOADED, PROTOCOL_VERSION, RequestError, error_reply
 from common.sockets import server_context
-from manager.admission import Admission
-from manager.dispatch import Dispatcher
+from manager.core import BatchingCore
 from manager.frontend import ClientFrontend, Incoming
 from manager.metrics import Metrics
-from manager.plan_store import make_tables
-from manager.policies import make_policy, make_scheduler
-from manager.records import Request
-from manager.registry import RequestRegistry
-from manager.request_processor import RequestProcessor
-from manager.stats import Stats, request_timing
+from manager.outcomes import Answered, Failed, Outcome
+from manager.stats import Stats
 from manager.worker_handle import WorkerHandle
 from manager.worker_pool import WorkerPool
 
@@ -76,31 +60,25 @@ class Manager:
         self.expected_workers = expected_workers
         server = config.server
         self.idle_tasks = config.scheduler.idle_tasks
-        self.stats = Stats()
-        self.requests = RequestRegistry()
-        self.admission = Admission(server.max_queue_delay_ms)
         self._stopping = False
         self._draining_until: float | None = None
         self._drain_timeout = server.drain_timeout_ms / 1e3
         self._parent_pid = parent_pid
         self._next_watch = 0.0
 
-        self.metrics: Metrics | None = None
+        metrics = None
         if server.metrics_address:
-            self.metrics = Metrics(list(self.models), [spec.key for spec in self.specs])
+            metrics = Metrics(list(self.models), [spec.key for spec in self.specs])
             host, _, port = server.metrics_address.rpartition(":")
-            bound = self.metrics.serve(host, int(port))
+            bound = metrics.serve(host, int(port))
             log.info("metrics on http://%s:%d/metrics", host, bound)
+        self.stats = Stats(metrics)
         self._context = server_context()
         self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)
 
-        self.table, self.store = make_tables(self.specs, self.kinds)
-        self.dispatcher = Dispatcher(self.table, self.store, self.workers)
-        self.scheduler = make_scheduler(config, self.specs, self.table, self.store, self.dispatcher)
-        self.policy = make_policy(config, self.models, self.scheduler, self.table)
-        self.processor = RequestProcessor(self.table, self.store, self.scheduler, self.dispatcher, self._finish, self.policy)
+        self.core = BatchingCore(config, self.models, self.specs, self.kinds, self.workers)
         log.info("serving %s on %s", ", ".join(self.models), client_address)
 
     # -- event loop ----------------------------------------------------------------------------
@@ -108,7 +86,7 @@ class Manager:
         """First call: drain (refuse new requests, finish the accepted ones). Second call: stop at once."""
         if self._draining_until is None:
             self._draining_until = time.monotonic() + self._drain_timeout
-            log.info("draining: %d requests in flight", len(self.requests))
+            log.info("draining: %d requests in flight", len(self.core.requests))
         else:
             self._stopping = True
 
@@ -123,7 +101,7 @@ class Manager:
             poller.register(socket, zmq.POLLIN)
         try:
             while not self._stopping:
-                events = dict(poller.poll(self.requests.wait_ms(BACKLOG_POLL_MS if self.frontend.backlogged else IDLE_POLL_MS)))
+                events = dict(poller.poll(self.core.wait_ms(BACKLOG_POLL_MS if self.frontend.backlogged else IDLE_POLL_MS)))
                 if self.frontend.backlogged:
                     self.frontend.flush()
                 if completions in events:
@@ -135,13 +113,11 @@ class Manager:
                 if self.frontend.socket in events:
                     self._clients()
                 if departures in events or self.frontend.departures_known:  # after clients: they may read the monitor
-                    for request in self.requests.of_clients(self.frontend.departed()):
-                        self.processor.fail(request, RequestError(CANCELLED, "the client disconnected"))
-                for request in self.requests.expired():
-                    self.processor.fail(request, RequestError(DEADLINE_EXCEEDED, "the request's deadline passed"))
+                    self._conclude(self.core.clients_gone(self.frontend.departed()))
+                self._conclude(self.core.expire())
                 self._watch_workers()
                 self._schedule_idle_workers()
-                if self.draining and (not self.requests or time.monotonic() > self._draining_until):
+                if self.draining and (not self.core.requests or time.monotonic() > self._draining_until):
                     break
                 if not events and self._parent_pid is not None and os.getppid() != self._parent_pid:
                     log.warning("parent process %d is gone; exiting", self._parent_pid)
@@ -152,41 +128,44 @@ class Manager:
     def _schedule_idle_workers(self) -> None:
         for worker in self.workers.values():
             while worker.in_flight <= self.idle_tasks:
-                tasks = self.policy.schedule(worker)
+                tasks = self.core.schedule(worker)
                 if not tasks:
                     break
                 self.pool.send(worker, tasks)
                 for task in tasks:
                     self.stats.task_submitted(task)
-                    self.processor.task_submitted(task)
-                    if self.metrics is not None:
-                        self.metrics.task_submitted(task.spec.key, task.nodes)
 
     def _completions(self) -> None:
         for worker, notice in self.pool.notices():
-            for task_id in notice.task_ids:
-                task = worker.tasks.pop(task_id, None)
-                if task is not None:
-                    worker.tasks_completed += 1
-                    self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted)
-                    self.processor.task_completed(task, notice.errors.get(task_id))
+            self._conclude(self.core.complete(worker, notice))
 
     def _shutdown(self) -> None:
-        for request in self.requests.all():
-            self.processor.fail(request, RequestError(INTERNAL, "the server is shutting down"))
+        self._conclude(self.core.shutdown())
         self.pool.close()
         self.frontend.close()
         self._context.term()
-        if self.metrics is not None:
-            self.metrics.close()
+        self.stats.close()
+
+    def _conclude(self, outcomes: list[Outcome]) -> None:
+        """Reply to the requests the core concluded about, and record each outcome."""
+        for outcome in outcomes:
+            self.stats.concluded(outcome)
+            request = outcome.request
+            if isinstance(outcome, Answered):
+                reply = {"id": request.request_id, "ok": True, "outputs": outcome.outputs, "timing": outcome.timing}
+                self.frontend.reply(request.client, reply)
+            elif isinstance(outcome, Failed):
+                error = outcome.error
+                log.info("request %r (%s) ended: %s %s", request.request_id, request.model.name, error.code, error.message,
+                         extra={"request_id": request.request_id, "model": request.model.name, "outcome": error.code})
+                self.frontend.reply(request.client, error_reply(request.request_id, error.code, error.message))
 
     # -- workers -------------------------------------------------------------------------------
     def _worker_control(self) -> None:
         restarted, exited = self.pool.control_messages()
-        self.scheduler.several_workers = len(self.workers) > 1
-        if self.metrics is not None:
-            for _ in restarted:
-                self.metrics.worker_restarted()
+        self.core.workers_changed()
+        for _ in restarted:
+            self.stats.worker_restarted()
         for worker, reason in exited:
             self._worker_lost(worker, reason)
 
@@ -202,34 +181,14 @@ class Manager:
         self._completions()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
-        if self.metrics is not None:
-            self.metrics.set_liveness(now)
-            self.metrics.set_readiness(len(self.workers), self.expected_workers, self.draining)
-            for key, ready in self.scheduler.ready_nodes().items():
-                self.metrics.set_queue_depth(key, ready)
-            for worker in self.workers.values():
-                capacity = sum(a.capacity for a in worker.slots.values())
-                self.metrics.set_worker(str(worker.worker_id), worker.in_flight, worker.slots_in_use(), capacity)
+        self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)
 
     def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
-        """Forget a dead worker and replay, on the others, every request that had values there;
-        a request that has lost its worker more than `max_replays` times fails instead."""
+        """Forget a dead worker; the core replays (or fails) the requests that had values there."""
         log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
         self.pool.remove(worker)
-        self.scheduler.several_workers = len(self.workers) > 1
-        self.stats.worker_losses += 1
-        if self.metrics is not None:
-            self.metrics.remove_worker(str(worker.worker_id))
-        for request in self.processor.worker_lost(worker):
-            request.failures += 1
-            if request.failures > self.config.server.max_replays:
-                message = f"it lost its worker {request.failures} times (last: {reason}); it is not replayed again"
-                self.processor.fail(request, RequestError(INTERNAL, message))
-            elif not self.workers:
-                self.processor.fail(request, RequestError(WORKER_LOST, f"its worker was lost ({reason}) and none remains"))
-            else:
-                self.requests.add(self.processor.replay(request))
-                self.stats.replayed += 1
+        self.stats.worker_lost(worker.worker_id)
+        self._conclude(self.core.worker_lost(worker, reason))
 
     # -- clients -------------------------------------------------------------------------------
     def _clients(self) -> None:
@@ -246,9 +205,7 @@ class Manager:
                 self._refuse(incoming, RequestError(INTERNAL, f"{type(exc).__name__}: {exc}"))
 
     def _refuse(self, incoming: Incoming, error: RequestError) -> None:
-        self.stats.request_answered(error.code, None, False)
-        if self.metrics is not None:
-            self.metrics.request_refused(error.code)
+        self.stats.request_refused(error.code)
         self.frontend.reply(incoming.client, error_reply(incoming.request_id, error.code, error.message))
 
     def _handle(self, incoming: Incoming) -> None:
@@ -267,64 +224,18 @@ class Manager:
         elif op == "cancel":
             if "target" not in message:
                 raise RequestError(BAD_REQUEST, "cancel lacks 'target' (the id of an earlier request)")
-            request = self.requests.get(incoming.client, message["target"])
-            if request is not None:
-                self.processor.fail(request, RequestError(CANCELLED, "cancelled by the client"))
-            self._answer(incoming, {"cancelled": request is not None})
+            outcomes = self.core.cancel(incoming.client, message["target"])
+            if outcomes is not None:
+                self._conclude(outcomes)
+            self._answer(incoming, {"cancelled": outcomes is not None})
 
     def _answer(self, incoming: Incoming, fields: dict[str, Any]) -> None:
         self.frontend.reply(incoming.client, {"id": incoming.request_id, "ok": True, **fields})
 
     def _infer(self, incoming: Incoming) -> None:
-        message, client, request_id = incoming.message, incoming.client, incoming.request_id
-        server = self.config.server
         if self.draining:
             raise RequestError(OVERLOADED, "the server is draining before it stops; send the request elsewhere")
-        name = message.get("model")
-        if not isinstance(name, str):
-            raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
-        model = self.models.get(name)
-        if model is None:
-            raise RequestError(UNKNOWN_MODEL, f"no model named {name!r}; this server has {', '.join(self.models)}")
-        if "inputs" not in message:
-            raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
-        if (client, request_id) in self.requests:
-            raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
-        deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
-        _optional_int(message, "priority")
-        if len(self.requests) >= server.max_queued_requests:
-            raise RequestError(
-                OVERLOADED, f"{len(self.requests)} requests in flight (limit {server.max_queued_requests}); retry later"
-            )
-        deadline_ms = deadline_ms if deadline_ms is not None else server.default_deadline_ms or None
-        self.admission.check(self.processor.unsubmitted_nodes, deadline_ms)  # before the plan: refusals stay cheap
-        unfolded = self.policy.unfold(model, message["inputs"])
-        queued = self.processor.unsubmitted_nodes
-        if queued + unfolded.plan.nodes > server.max_queued_nodes:
-            raise RequestError(OVERLOADED, f"{queued} cells queued (limit {server.max_queued_nodes}); retry later")
-        request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, incoming.arrival)
-        if deadline_ms is not None:
-            request.deadline = incoming.arrival + deadline_ms / 1e3
-        self.requests.add(request)
-
-    def _finish(self, request: Request, error: RequestError | None) -> None:
-        """Answer a request: its results, or the error that ended it."""
-        self.requests.remove(request)
-        if error is not None:
-            self.stats.request_answered(error.code, None, False)
-            if self.metrics is not None:
-                self.metrics.request_finished(request.model.name, error.code, None, None)
-            log.info("request %r (%s) ended: %s %s", request.request_id, request.model.name, error.code, error.message,
-                     extra={"request_id": request.request_id, "model": request.model.name, "outcome": error.code})
-            self.frontend.reply(request.client, error_reply(request.request_id, error.code, error.message))
-            return
-        earliest = self.processor.earliest_running_arrival()
-        timing = request_timing(request.arrival, float(self.table.started[request.row]), time.perf_counter())
-        self.stats.request_answered("ok", timing, earliest is not None and earliest < request.arrival)
-        if self.metrics is not None:
-            self.metrics.request_finished(request.model.name, "ok", timing["total_us"] / 1e6, timing["queue_us"] / 1e6)
-        outputs = request.model.outputs(request.unfolded, request.results)
-        self.frontend.reply(request.client, {"id": request.request_id, "ok": True, "outputs": outputs, "timing": timing})
+        self.core.admit(incoming.client, incoming.request_id, incoming.message, incoming.arrival)
 
     # -- introspection ---------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:
@@ -366,11 +277,8 @@ class Manager:
             **self.stats.snapshot(),
             "policy": self.config.scheduler.policy,
             "host": self.pool.host,
-            "requests_in_flight": len(self.requests),
-            "requests_waiting_for_a_batch": self.policy.queued_requests(),
+            **self.core.snapshot(),
             "unreachable_clients": self.frontend.unreachable_clients,
-            "admission": self.admission.snapshot(self.processor.unsubmitted_nodes),
-            "ready_nodes": self.scheduler.ready_nodes(),
             "workers": {
                 str(w.worker_id): {
                     "tasks_in_flight": w.in_flight,
@@ -388,12 +296,3 @@ class Manager:
             },
         }
 
-
-def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None) -> int | None:
-    value = message.get(field)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {value!r}")
-    return value

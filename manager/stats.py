@@ -1,4 +1,7 @@
-"""Counters and latency samples behind the `stats` op.
+"""Counters and latency samples behind the `stats` op, and the one place that records events.
+
+The event loop reports each event once, here; the Prometheus metrics (manager.metrics), when
+served, are updated from the same calls, so the loop never speaks to them itself.
 
 Besides throughput and latency, two counters make cellular batching observable:
 `joining_tasks` (tasks holding nodes of requests that were already running
@@ -9,17 +12,24 @@ together with the first nodes of newly started requests) and `leaving_requests`
 from __future__ import annotations
 
 import collections
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from manager.outcomes import Failed, Outcome, Replayed
 from manager.records import Task
+
+if TYPE_CHECKING:
+    from manager.metrics import Metrics
+    from manager.worker_handle import WorkerHandle
 
 LATENCY_WINDOW = 20000
 
 
 class Stats:
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
         self.requests: collections.Counter[str] = collections.Counter()
         self.tasks = 0
         self.nodes = 0
@@ -38,16 +48,68 @@ class Stats:
         self.padded_rows += task.batch_size - count
         self.batch_sizes[task.spec.key][count] += 1
         self.joining_tasks += task.joining
+        if self.metrics is not None:
+            self.metrics.task_submitted(task.spec.key, count)
 
     def request_received(self) -> None:
         self.requests["received"] += 1
 
-    def request_answered(self, outcome: str, timing: dict[str, int] | None, left_early: bool) -> None:
-        self.requests[outcome] += 1
-        if timing is not None:
-            self._latency.append((timing["total_us"], timing["queue_us"], timing["compute_us"]))
-        if left_early:
-            self.leaving_requests += 1
+    def request_refused(self, code: str) -> None:
+        """A request answered with an error before it was admitted."""
+        self.requests[code] += 1
+        if self.metrics is not None:
+            self.metrics.request_refused(code)
+
+    def concluded(self, outcome: Outcome) -> None:
+        """What the batching core concluded about an admitted request."""
+        if isinstance(outcome, Replayed):
+            self.replayed += 1
+            return
+        name = outcome.request.model.name
+        if isinstance(outcome, Failed):
+            self.requests[outcome.error.code] += 1
+            if self.metrics is not None:
+                self.metrics.request_finished(name, outcome.error.code, None, None)
+            return
+        timing = outcome.timing  # Answered
+        self.requests["ok"] += 1
+        self._latency.append((timing["total_us"], timing["queue_us"], timing["compute_us"]))
+        self.leaving_requests += outcome.left_early
+        if self.metrics is not None:
+            self.metrics.request_finished(name, "ok", timing["total_us"] / 1e6, timing["queue_us"] / 1e6)
+
+    def worker_lost(self, worker_id: int) -> None:
+        self.worker_losses += 1
+        if self.metrics is not None:
+            self.metrics.remove_worker(str(worker_id))
+
+    def worker_restarted(self) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_restarted()
+
+    def sample(
+        self,
+        now: float,
+        workers: dict[int, WorkerHandle],
+        expected_workers: int,
+        draining: bool,
+        ready_nodes: Callable[[], dict[str, int]],
+    ) -> None:
+        """Set the gauges that are sampled rather than counted (once per watch interval, when metrics are served)."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.set_liveness(now)
+        metrics.set_readiness(len(workers), expected_workers, draining)
+        for key, ready in ready_nodes().items():
+            metrics.set_queue_depth(key, ready)
+        for worker in workers.values():
+            capacity = sum(a.capacity for a in worker.slots.values())
+            metrics.set_worker(str(worker.worker_id), worker.in_flight, worker.slots_in_use(), capacity)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     def snapshot(self) -> dict[str, Any]:
         latency: dict[str, Any] = {}

@@ -1,6 +1,7 @@
-"""An in-process manager core (request processor, scheduler, dispatcher) with workers whose
-arenas are real shared memory but whose stream is the test itself: tasks complete when the
-test says so. Used to check scheduling decisions step by step."""
+"""The batching core the server runs (manager.core), with workers whose arenas are real shared
+memory but whose stream is the test itself: tasks complete when the test says so. Used to check
+scheduling decisions step by step; requests are admitted, scheduled, completed and cancelled
+through the core's own methods, as the event loop calls them."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ import dataclasses
 from typing import Any
 
 from common.config import Config
+from common.protocol import RequestError
 from common.shm import SharedArray
-from common.task import decode_task
-from manager.dispatch import Dispatcher
-from manager.plan_store import make_tables
-from manager.policies import make_policy, make_scheduler
+from common.task import CompletionNotice, decode_task
+from manager.core import BatchingCore
+from manager.outcomes import Answered, Failed, Outcome
 from manager.records import Request, Task
-from manager.request_processor import RequestProcessor
 from manager.server import load_models
 from manager.worker_handle import WorkerHandle
 
@@ -33,23 +33,13 @@ class Harness:
         self.models, self.specs, self.kinds = load_models(config)
         self._shared: list[SharedArray] = []
         self.workers = [self._worker(i, rows, host) for i, host in enumerate(hosts or [0] * workers)]
-        self.sent: list[tuple[WorkerHandle, Any]] = []
-        self.table, self.store = make_tables(self.specs, self.kinds)
-        self.dispatcher = Dispatcher(self.table, self.store, {w.worker_id: w for w in self.workers})
         scheduling = dataclasses.replace(config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity)
         config = dataclasses.replace(config, scheduler=scheduling)
-        self.scheduler = make_scheduler(config, self.specs, self.table, self.store, self.dispatcher)
-        self.scheduler.several_workers = len(self.workers) > 1
-        self.policy = make_policy(config, self.models, self.scheduler, self.table)
-        self.finished: list[tuple[Request, Any]] = []
-        self.processor = RequestProcessor(
-            self.table,
-            self.store,
-            self.scheduler,
-            self.dispatcher,
-            lambda r, e: self.finished.append((r, e)),
-            self.policy,
-        )
+        self.core = BatchingCore(config, self.models, self.specs, self.kinds, {w.worker_id: w for w in self.workers})
+        self.core.workers_changed()
+        self.table, self.scheduler, self.processor = self.core.table, self.core.scheduler, self.core.processor
+        self.sent: list[tuple[WorkerHandle, Any]] = []
+        self.finished: list[tuple[Request, RequestError | None]] = []  # answers (error None) and errors, in order
         self._next_id = 0
         self.task_requests: dict[int, list[Request]] = {}
 
@@ -64,15 +54,13 @@ class Harness:
 
     def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0) -> Request:
         self._next_id += 1
-        m = self.models[model]
         request_id = name if name is not None else self._next_id
-        return self.processor.admit(b"client", request_id, m, inputs, self.policy.unfold(m, inputs), arrival)
+        return self.core.admit(b"client", request_id, {"model": model, "inputs": inputs}, arrival)
 
     def schedule(self, worker: WorkerHandle) -> int:
         """Schedule(worker) as the manager runs it: the tasks formed are sent (here: recorded)."""
-        tasks = self.policy.schedule(worker)
+        tasks = self.core.schedule(worker)
         for task in tasks:
-            self.processor.task_submitted(task)
             self.sent.append((worker, decode_task(task.message)))
             self.task_requests[task.task_id] = self.processor.requests_of(task)
         return len(tasks)
@@ -86,11 +74,21 @@ class Harness:
         return [task for w in workers for task in w.tasks.values()]
 
     def complete_oldest(self, worker: WorkerHandle) -> Task:
-        """The worker's stream finishes its oldest task (FIFO)."""
-        task_id = min(worker.tasks)
-        task = worker.tasks.pop(task_id)
-        self.processor.task_completed(task, None)
+        """The worker's stream finishes its oldest task (FIFO) and says so in a notice."""
+        task = worker.tasks[min(worker.tasks)]
+        self._record(self.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0)))
         return task
+
+    def cancel(self, request: Request) -> None:
+        """The client cancels the request."""
+        self._record(self.core.cancel(request.client, request.request_id) or [])
+
+    def _record(self, outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            if isinstance(outcome, Answered):
+                self.finished.append((outcome.request, None))
+            elif isinstance(outcome, Failed):
+                self.finished.append((outcome.request, outcome.error))
 
     def slots_in_use(self) -> int:
         return sum(w.slots_in_use() for w in self.workers)

@@ -12,7 +12,7 @@ from harness import Harness
 from test_tree_models import TREE_MODELS
 
 from common.config import ConfigError
-from common.protocol import CANCELLED, RequestError
+from common.protocol import CANCELLED
 
 
 def tokens(n: int) -> dict:
@@ -102,7 +102,7 @@ def test_a_request_cancelled_while_waiting_for_a_batch_never_runs(tmp_path: Path
     try:
         h.admit("lstm", tokens(3), "a")
         gone = h.admit("lstm", tokens(4), "b")
-        h.processor.fail(gone, RequestError(CANCELLED, "cancelled by the client"))
+        h.cancel(gone)
         rounds = run_all(h)
         assert all(ids == {"a"} for _, ids, _ in rounds) and len(rounds) == 5
         assert [(r.request_id, e.code if e else None) for r, e in h.finished] == [("b", CANCELLED), ("a", None)]
@@ -121,7 +121,7 @@ def test_a_failed_member_does_not_hold_its_group(tmp_path: Path):
         h.complete_oldest(worker)
         h.complete_oldest(worker)  # "short" has its answer, held for the group
         assert h.finished == []
-        h.processor.fail(doomed, RequestError(CANCELLED, "cancelled by the client"))
+        h.cancel(doomed)
         assert [(r.request_id, e is None) for r, e in h.finished] == [("long", False), ("short", True)]
         run_all(h)
         assert h.slots_in_use() == 0

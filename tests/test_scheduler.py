@@ -10,7 +10,7 @@ import pytest
 from conftest import write_config
 from harness import Harness
 
-from common.protocol import CANCELLED, RequestError
+from common.protocol import CANCELLED
 
 
 def lstm_models(batch_sizes: str = "[1, 2, 3, 4]", layers: int = 1, cells: str = "") -> str:
@@ -166,7 +166,7 @@ def test_failed_request_drops_unsubmitted_nodes_and_frees_slots(harness):
     doomed = h.admit("lstm", {"tokens": list(range(1, 20))})
     kept = h.admit("lstm", {"tokens": [1, 2, 3]})
     h.schedule(worker)
-    h.processor.fail(doomed, RequestError(CANCELLED, "test"))
+    h.cancel(doomed)
     assert h.finished[0][0] is doomed and h.finished[0][1].code == CANCELLED
     while worker.tasks:
         h.complete_oldest(worker)

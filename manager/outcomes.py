@@ -1,0 +1,38 @@
+"""What the batching core concluded about a request, for the event loop to act on: answer it,
+send it its error, or count it as started over (manager.core)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common.protocol import RequestError
+from manager.records import Request
+
+
+@dataclass(frozen=True)
+class Answered:
+    """The request's outputs are known: reply with them."""
+
+    request: Request
+    outputs: dict[str, Any]
+    timing: dict[str, int]  # queue_us, compute_us, total_us
+    left_early: bool  # answered while a request that arrived before it was still running
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ended with an error: reply with it."""
+
+    request: Request
+    error: RequestError
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The request lost its worker and starts over from its inputs as this new record (no reply)."""
+
+    request: Request
+
+
+Outcome = Answered | Failed | Replayed

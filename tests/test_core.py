@@ -1,0 +1,118 @@
+"""The batching core's API on its own: what each call returns, with workers the test drives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import write_config
+from harness import Harness
+
+from common.protocol import BAD_REQUEST, CANCELLED, INTERNAL, OVERLOADED, UNKNOWN_MODEL, WORKER_LOST, RequestError
+from common.task import CompletionNotice
+from manager.outcomes import Answered, Failed, Replayed
+
+LSTM = """
+[models.lstm]
+builder = "common.models.lstm:build"
+weights = "lstm.pt"
+vocab_size = 100
+embedding_size = 8
+hidden_size = 8
+batch_sizes = [1, 2, 4]
+"""
+
+
+@pytest.fixture
+def harness(tmp_path: Path):
+    made = []
+
+    def make(server: str = "", **kwargs) -> Harness:
+        h = Harness(write_config(tmp_path, LSTM, server=server), **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_admission_refuses_with_a_clear_error_and_admits_nothing(harness):
+    h = harness(server="max_queued_requests = 1\nmax_queued_nodes = 5")
+    core = h.core
+    cases = [
+        ({"inputs": {"tokens": [1]}}, BAD_REQUEST, "lacks 'model'"),
+        ({"model": "gru", "inputs": {}}, UNKNOWN_MODEL, "no model named 'gru'"),
+        ({"model": "lstm"}, BAD_REQUEST, "lacks 'inputs'"),
+        ({"model": "lstm", "inputs": {"tokens": [1]}, "deadline_ms": -1}, BAD_REQUEST, "'deadline_ms' must be"),
+        ({"model": "lstm", "inputs": {"tokens": [1] * 6}}, OVERLOADED, "cells queued"),
+    ]
+    for message, code, text in cases:
+        with pytest.raises(RequestError, match=text) as refused:
+            core.admit(b"c", 1, message, 0.0)
+        assert refused.value.code == code
+    assert len(core.requests) == 0 and core.processor.unsubmitted_nodes == 0
+    core.admit(b"c", 1, {"model": "lstm", "inputs": {"tokens": [1, 2]}}, 0.0)
+    with pytest.raises(RequestError, match="already in flight"):
+        core.admit(b"c", 1, {"model": "lstm", "inputs": {"tokens": [1]}}, 0.0)
+    with pytest.raises(RequestError, match="requests in flight"):
+        core.admit(b"c", 2, {"model": "lstm", "inputs": {"tokens": [1]}}, 0.0)
+
+
+def test_complete_returns_the_answer_once_and_the_registry_forgets_the_request(harness):
+    h = harness()
+    worker = h.workers[0]
+    request = h.admit("lstm", {"tokens": [1, 2]})
+    assert h.schedule(worker) == 2
+    first, second = sorted(worker.tasks)
+    assert h.core.complete(worker, CompletionNotice(worker.worker_id, [first], {}, 1)) == []
+    [answered] = h.core.complete(worker, CompletionNotice(worker.worker_id, [second, 999], {}, 2))  # 999: unknown
+    assert isinstance(answered, Answered) and answered.request is request
+    assert set(answered.outputs) == {"h", "c"} and answered.timing["total_us"] >= 0
+    assert len(h.core.requests) == 0 and not worker.tasks and h.slots_in_use() == 0
+
+
+def test_a_task_that_failed_on_the_worker_fails_its_requests(harness):
+    h = harness()
+    worker = h.workers[0]
+    request = h.admit("lstm", {"tokens": [1]})
+    h.schedule(worker)
+    [task_id] = worker.tasks
+    [failed] = h.core.complete(worker, CompletionNotice(worker.worker_id, [task_id], {task_id: "boom"}, 1))
+    assert isinstance(failed, Failed) and failed.request is request
+    assert failed.error.code == INTERNAL and "boom" in failed.error.message
+
+
+def test_cancel_returns_the_error_outcome_or_none_for_an_unknown_request(harness):
+    h = harness()
+    request = h.admit("lstm", {"tokens": [1, 2, 3]}, name="x")
+    assert h.core.cancel(b"c", "x") is None and h.core.cancel(b"client", "y") is None
+    [failed] = h.core.cancel(b"client", "x")
+    assert failed.request is request and failed.error.code == CANCELLED
+    assert h.core.cancel(b"client", "x") is None
+
+
+def test_a_lost_worker_replays_its_requests_on_the_others_then_fails_them_past_the_limit(harness):
+    h = harness(workers=2, server="max_replays = 1")
+    first, second = h.workers
+    request = h.admit("lstm", {"tokens": [1, 2, 3]})
+    h.schedule(first)
+    del h.core.workers[first.worker_id]  # the pool forgets it first
+    [replayed] = h.core.worker_lost(first, "silent")
+    assert isinstance(replayed, Replayed) and replayed.request is not request
+    assert replayed.request.failures == 1 and h.core.requests.get(b"client", request.request_id) is replayed.request
+    h.schedule(second)
+    del h.core.workers[second.worker_id]
+    [failed] = h.core.worker_lost(second, "silent")
+    assert isinstance(failed, Failed) and failed.error.code == INTERNAL and "2 times" in failed.error.message
+    assert len(h.core.requests) == 0
+
+
+def test_a_lost_last_worker_fails_its_requests_with_worker_lost(harness):
+    h = harness()
+    worker = h.workers[0]
+    h.admit("lstm", {"tokens": [1, 2]})
+    h.schedule(worker)
+    del h.core.workers[worker.worker_id]
+    [failed] = h.core.worker_lost(worker, "exited")
+    assert isinstance(failed, Failed) and failed.error.code == WORKER_LOST

@@ -1,0 +1,199 @@
+"""The batching core's parts on their own: compile_graph, the slot allocator, the plan store's
+compaction and the registry of live requests."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from common.plan import ZERO_REF, Unfolded, compile_graph, external_ref
+from common.protocol import INTERNAL, RequestError
+from common.slots import FIRST_FREE_SLOT
+from manager.plan_store import NodeColumns, make_tables
+from manager.records import Request
+from manager.registry import RequestRegistry
+from manager.slot_allocator import SlotAllocator
+
+TOKEN = ValueKind("int64", ())
+STATE = ValueKind("float32", (4,))
+STEP = CellTypeSpec("m/step", (TOKEN, STATE), (STATE,), (1, 2, 4), 0)
+SPECS = {STEP.key: STEP}
+
+
+def chain(length: int) -> CellGraph:
+    graph = CellGraph()
+    h = ZERO
+    for token in range(length):
+        h = NodeOutput(graph.add_node(STEP.key, graph.add_external(np.int64(token + 10)), h), 0)
+    graph.results = {"h": h}
+    return graph
+
+
+# -- compile_graph ------------------------------------------------------------------------------
+
+
+def test_a_chain_compiles_to_one_lane_of_single_node_waves_that_reuse_one_register():
+    unfolded = compile_graph(chain(4), SPECS, "m")
+    plan = unfolded.plan
+    assert plan.lane_cells == ("m/step",) and plan.lane_bounds.tolist() == [0, 4]
+    assert plan.depth.tolist() == [0, 1, 2, 3] and plan.need.tolist() == [0, 1, 2, 3]
+    assert plan.wave_end.tolist() == [1, 2, 3, 4]
+    assert plan.registers == 1  # the state is overwritten in place
+    assert plan.inputs[:, 0].tolist() == [external_ref(i) for i in range(4)]
+    assert plan.inputs[0, 1] == ZERO_REF and plan.inputs[1:, 1].tolist() == [0, 0, 0]
+    assert plan.copies == {3: (("h", 0),)} and plan.has_copies.tolist() == [False, False, False, True]
+    assert unfolded.externals[TOKEN].tolist() == [10, 11, 12, 13]
+
+
+def test_independent_nodes_share_a_wave():
+    graph = CellGraph()
+    first = graph.add_node(STEP.key, graph.add_external(np.int64(1)), ZERO)
+    second = graph.add_node(STEP.key, graph.add_external(np.int64(2)), ZERO)
+    graph.results = {"a": NodeOutput(first, 0), "b": NodeOutput(second, 0)}
+    plan = compile_graph(graph, SPECS, "m").plan
+    assert plan.depth.tolist() == [0, 0] and plan.wave_end.tolist() == [2, 2] and plan.need.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "build, problem",
+    [
+        (lambda g: g.add_node("m/other", ZERO, ZERO), "unknown cell type"),
+        (lambda g: g.add_node(STEP.key, ZERO), "gives 1 inputs"),
+        (lambda g: g.add_node(STEP.key, ZERO, NodeOutput(5, 0)), "not an earlier node"),
+        (lambda g: g.add_node(STEP.key, NodeOutput(0, 0), ZERO), "wrong kind"),
+    ],
+)
+def test_a_graph_the_model_should_not_have_made_is_an_internal_error(build, problem):
+    graph = chain(1)
+    build(graph)
+    with pytest.raises(RequestError, match=problem) as raised:
+        compile_graph(graph, SPECS, "m")
+    assert raised.value.code == INTERNAL
+
+
+def test_a_graph_without_results_or_watched_outputs_is_refused():
+    graph = chain(2)
+    graph.results = {}
+    with pytest.raises(RequestError, match="neither results nor watched outputs"):
+        compile_graph(graph, SPECS, "m")
+
+
+# -- the slot allocator ---------------------------------------------------------------------------
+
+
+def test_the_allocator_hands_out_low_rows_first_and_never_the_reserved_ones():
+    slots = SlotAllocator(8)
+    assert slots.capacity == 8 - FIRST_FREE_SLOT and slots.available == slots.capacity
+    taken = slots.take(3)
+    assert taken.tolist() == [2, 3, 4] and slots.in_use == 3
+    assert slots.take_one() == 5
+    slots.give(taken)
+    slots.give_one(5)
+    assert slots.available == slots.capacity and slots.in_use == 0
+    assert sorted(slots.take(slots.capacity).tolist()) == list(range(FIRST_FREE_SLOT, 8))
+
+
+def test_asking_more_rows_than_are_free_is_refused_and_changes_nothing():
+    slots = SlotAllocator(4)
+    with pytest.raises(RuntimeError, match="3 rows asked of an arena with 2 free"):
+        slots.take(3)
+    assert slots.available == 2
+
+
+# -- the plan store ------------------------------------------------------------------------------
+
+
+class Model:
+    name = "m"
+
+
+def admitted(table, store, live: list[Request], length: int) -> Request:
+    unfolded: Unfolded = compile_graph(chain(length), SPECS, "m")
+    request = Request(b"c", len(live), Model(), {}, unfolded, 0.0)
+    table.add(request)
+    store.add(request, live)
+    live.append(request)
+    return request
+
+
+def nodes_of(table, store, request: Request) -> np.ndarray:
+    base = table.node_base[request.row]
+    return store.nodes.arrays["data"][base : base + request.unfolded.plan.nodes]
+
+
+def test_compaction_moves_live_requests_down_and_keeps_their_data():
+    table, store = make_tables([STEP], [TOKEN, STATE])
+    live: list[Request] = []
+    capacity = store.nodes.capacity
+    requests = [admitted(table, store, live, 1000) for _ in range(capacity // 1000)]
+    expected = {id(r): (nodes_of(table, store, r).copy(), store.externals[TOKEN].arrays["values"][
+        table.ext_base[r.row, table.kinds[TOKEN]] : table.ext_base[r.row, table.kinds[TOKEN]] + 1000].copy())
+        for r in requests}
+    kept = requests[2]
+    for gone in requests[:2] + requests[3:]:  # all but one end: the store is mostly free, but not at its tail
+        store.release(gone)
+        table.remove(gone.row)
+        live.remove(gone)
+    newcomer = admitted(table, store, live, 1000)  # no room at the tail: the store compacts
+    assert store.nodes.capacity == capacity  # mostly free after compaction: it did not grow
+    assert store.nodes.tail == store.nodes.live == 1000 * len(live)
+    assert table.node_base[kept.row] == 0  # moved down to the bottom
+    for request in live[:-1]:
+        data, tokens = expected[id(request)]
+        assert (nodes_of(table, store, request) == data).all()
+        start = table.ext_base[request.row, table.kinds[TOKEN]]
+        assert (store.externals[TOKEN].arrays["values"][start : start + 1000] == tokens).all()
+    assert nodes_of(table, store, newcomer)[:, NodeColumns.NEED].tolist() == list(range(1000))
+
+
+def test_a_store_that_is_mostly_live_grows_instead_of_compacting_again_and_again():
+    table, store = make_tables([STEP], [TOKEN, STATE])
+    live: list[Request] = []
+    capacity = store.nodes.capacity
+    for _ in range(capacity // 1000 + 1):
+        admitted(table, store, live, 1000)
+    assert store.nodes.capacity >= 2 * 1000 * len(live) > capacity
+    assert all(nodes_of(table, store, r)[:, NodeColumns.NEED].tolist() == list(range(1000)) for r in live)
+
+
+# -- the registry ----------------------------------------------------------------------------------
+
+
+def request(client: bytes, request_id: int, deadline: float | None = None) -> Request:
+    made = Request(client, request_id, Model(), {}, compile_graph(chain(1), SPECS, "m"), 0.0)
+    made.deadline = deadline
+    return made
+
+
+def test_the_registry_finds_requests_by_client_and_id_and_by_client():
+    registry = RequestRegistry()
+    a, b, c = request(b"x", 1), request(b"x", 2), request(b"y", 1)
+    for r in (a, b, c):
+        registry.add(r)
+    assert len(registry) == 3 and (b"x", 2) in registry and registry.get(b"y", 1) is c
+    assert registry.of_clients([b"x"]) == [a, b] and registry.of_clients([]) == []
+    registry.remove(a)
+    assert registry.get(b"x", 1) is None and len(registry) == 2
+
+
+def test_a_replay_replaces_its_record_and_removing_the_old_one_keeps_the_new():
+    registry = RequestRegistry()
+    old, new = request(b"x", 1), request(b"x", 1)
+    registry.add(old)
+    registry.add(new)
+    registry.remove(old)
+    assert registry.get(b"x", 1) is new
+
+
+def test_deadlines_come_due_in_order_and_answered_requests_are_skipped():
+    registry = RequestRegistry()
+    now = time.perf_counter()
+    late, early, answered, future = request(b"x", 1, now - 1), request(b"x", 2, now - 2), request(b"x", 3, now - 3), request(b"x", 4, now + 3600)
+    answered.state = answered.state.DONE
+    for r in (late, early, answered, future):
+        registry.add(r)
+    assert list(registry.expired()) == [early, late]
+    assert 0 < registry.wait_ms(10**9) <= 3600 * 1000 and registry.wait_ms(5) == 5
