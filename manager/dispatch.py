@@ -94,11 +94,7 @@ class Dispatcher:
             outputs.append(SlotList(worker.arena_id[kind], slots))
         downloads = self._downloads(task, nodes, node_data, node_rows, outputs, worker)
         message = TaskMessage(task.task_id, cell_index, size, inputs, outputs, downloads)
-        task.submitted = now = time.perf_counter()
-        starting = table.started[rows] == 0
-        if starting.any():
-            table.started[rows[starting]] = now
-            task.joining = not starting.all()
+        task.submitted = time.perf_counter()
         task.message = encode_task(message)
         return task
 

@@ -3,15 +3,13 @@ send it its error, or count it as started over (manager.core)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from common.protocol import RequestError
 from manager.records import Request
 
 
-@dataclass(frozen=True)
-class Answered:
+class Answered(NamedTuple):
     """The request's outputs are known: reply with them."""
 
     request: Request
@@ -20,16 +18,14 @@ class Answered:
     left_early: bool  # answered while a request that arrived before it was still running
 
 
-@dataclass(frozen=True)
-class Failed:
+class Failed(NamedTuple):
     """The request ended with an error: reply with it."""
 
     request: Request
     error: RequestError
 
 
-@dataclass(frozen=True)
-class Replayed:
+class Replayed(NamedTuple):
     """The request lost its worker and starts over from its inputs as this new record (no reply)."""
 
     request: Request

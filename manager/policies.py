@@ -106,7 +106,7 @@ class GroupPolicy(CellularPolicy):
                 for request in members:
                     request.group = group
                     request.state = Lifecycle.RUNNING
-                    self._table.bound[request.row] = worker.worker_id
+                    self._table.bind(request.row, worker.worker_id)
                     self.scheduler.release(request)
                 return True
         return False

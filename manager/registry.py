@@ -1,5 +1,7 @@
-"""The registry of live requests: every request accepted and not yet answered, by client and id,
-with the deadlines of those that have one (a heap, so the event loop sleeps until the next)."""
+"""The registry of unanswered requests, an index beside the request table (which holds every
+admitted request until it is forgotten): each request accepted and not yet answered, by client
+and id, with the deadlines of those that have one (a heap, so the event loop sleeps until the
+next). The batching core alone writes it, from the outcomes it returns."""
 
 from __future__ import annotations
 

@@ -40,7 +40,6 @@ class RequestProcessor:
         self._dispatcher = dispatcher
         self._policy = policy
         self._outcomes: list[Outcome] = []
-        self.active: dict[int, Request] = {}  # by id(request), in arrival order, until forgotten
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
 
     def admit(
@@ -49,8 +48,7 @@ class RequestProcessor:
         """Track a validated request; its policy decides when its cells run."""
         request = Request(client, request_id, model, inputs, unfolded, arrival)
         self._table.add(request)
-        self._store.add(request, self.active.values())
-        self.active[id(request)] = request
+        self._store.add(request, self._table.others(request))
         self.unsubmitted_nodes += unfolded.plan.nodes
         self._policy.admit(request)
         return request
@@ -68,8 +66,7 @@ class RequestProcessor:
         observed = self._dispatcher.complete(task)
         self._scheduler.task_completed(task)
         table, rows = self._table, task.rows
-        table.inflight[rows] -= 1
-        table.completed[rows] += task.counts
+        table.task_ended(rows, task.counts)
         members = [table.requests[row] for row in rows] if error is not None or self._policy.groups else []
         if error is not None:
             for request in members:
@@ -159,8 +156,9 @@ class RequestProcessor:
         table, row = self._table, request.row
         if table.runnable[row] or request.state is Lifecycle.WAITING:
             self.unsubmitted_nodes -= request.unfolded.plan.nodes - int(table.issued[row])
-            table.generation[row] += 1  # its lanes in the scheduler's queues are stale from now on
-        table.runnable[row] = False
+            table.stop_lanes(row)
+        else:
+            table.set_runnable(row, False)
 
     def _forget_if_drained(self, request: Request) -> None:
         if self._table.inflight[request.row] == 0:
@@ -168,20 +166,18 @@ class RequestProcessor:
 
     def _forget(self, request: Request) -> None:
         """Nothing of it is in flight any more: its arena rows and plan go."""
-        if self.active.pop(id(request), None) is None:
-            return
-        self._dispatcher.release_rows(request)
-        self._store.release(request)
-        self._table.remove(request.row)
+        if self._table.remove(request):
+            self._dispatcher.release_rows(request)
+            self._store.release(request)
 
     def worker_lost(self, worker: WorkerHandle, tasks: list[Task]) -> list[Request]:
         """Write off a dead worker's tasks in flight; return the unanswered requests that had values there."""
         table = self._table
         for task in tasks:
             self._scheduler.task_completed(task)
-            table.inflight[task.rows] -= 1
+            table.task_ended(task.rows, None)
         affected = []
-        for request in list(self.active.values()):
+        for request in list(table.live.values()):
             if worker.worker_id in request.rows:
                 del request.rows[worker.worker_id]  # its rows went with it
                 if request.done:
@@ -206,7 +202,7 @@ class RequestProcessor:
 
     def earliest_running_arrival(self) -> float | None:
         """Arrival time of the oldest request not yet answered (for the 'leaving' statistic)."""
-        for request in self.active.values():
+        for request in self._table.live.values():
             if not request.done:
                 return request.arrival
         return None

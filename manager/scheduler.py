@@ -105,8 +105,7 @@ class Scheduler:
         """Queue a request's lanes; its cells run from now on."""
         plan = request.unfolded.plan
         row = request.row
-        generation = int(self._table.generation[row])
-        self._table.runnable[row] = True
+        generation = self._table.set_runnable(row, True)
         bounds = plan.lane_bounds
         for lane, key in enumerate(plan.lane_cells):
             start = int(bounds[lane])
@@ -208,14 +207,9 @@ class Scheduler:
         task = self._dispatcher.make_task(queue.spec, queue.index, taken.rows, taken.sizes, taken.first, worker)
         self._advance(queue, taken)
         queue.running_tasks += 1
-        table = self._table
-        rows = taken.rows
-        table.issued[rows] += taken.sizes
-        table.inflight[rows] += 1
-        table.home[rows] = worker.worker_id
-        table.host[rows] = worker.host_number
+        task.joining = self._table.task_issued(taken.rows, taken.sizes, worker.worker_id, worker.host_number, task.submitted)
         if self._request_affinity:
-            table.bound[rows] = worker.worker_id
+            self._table.bind(taken.rows, worker.worker_id)
         return task
 
     def _advance(self, queue: CellTypeQueue, taken: Ready) -> None:

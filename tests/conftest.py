@@ -201,3 +201,19 @@ batch_sizes = [1, 2, 4, 8, 16, 32]
 priority = 1
 batch_sizes = [1, 2, 4, 8, 16]
 """
+
+
+@pytest.fixture
+def make_harness(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Harnesses (tests/harness.py) on configs of these models in `tmp_path`, closed after the test."""
+    from harness import Harness
+
+    made: list[Harness] = []
+
+    def make(models: str, server: str = "", **kwargs: Any) -> Harness:
+        made.append(Harness(write_config(tmp_path, models, server=server), **kwargs))
+        return made[-1]
+
+    yield make
+    for harness in made:
+        harness.close()

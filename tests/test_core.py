@@ -2,39 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from conftest import write_config
-from harness import Harness
+from conftest import SMALL_LSTM
 
 from common.protocol import BAD_REQUEST, CANCELLED, INTERNAL, OVERLOADED, UNKNOWN_MODEL, WORKER_LOST, RequestError
 from common.task import CompletionNotice
 from manager.outcomes import Answered, Failed, Replayed
 
-LSTM = """
-[models.lstm]
-builder = "common.models.lstm:build"
-weights = "lstm.pt"
-vocab_size = 100
-embedding_size = 8
-hidden_size = 8
-batch_sizes = [1, 2, 4]
-"""
-
 
 @pytest.fixture
-def harness(tmp_path: Path):
-    made = []
-
-    def make(server: str = "", **kwargs) -> Harness:
-        h = Harness(write_config(tmp_path, LSTM, server=server), **kwargs)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
+def harness(make_harness):
+    return lambda **kwargs: make_harness(SMALL_LSTM, **kwargs)
 
 
 def test_admission_refuses_with_a_clear_error_and_admits_nothing(harness):

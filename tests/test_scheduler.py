@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_config
-from harness import Harness
 
 from common.protocol import CANCELLED
 
@@ -28,17 +25,11 @@ batch_sizes = {batch_sizes}
 
 
 @pytest.fixture
-def harness(tmp_path: Path):
-    made = []
+def harness(make_harness):
+    def make(models: str | None = None, **kwargs):
+        return make_harness(models or lstm_models(), **kwargs)
 
-    def make(models: str = lstm_models(), **kwargs) -> Harness:
-        h = Harness(write_config(tmp_path, models), **kwargs)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
+    return make
 
 
 def test_figure5_requests_join_and_leave(harness):

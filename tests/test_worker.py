@@ -17,7 +17,8 @@ from common.models import build_model
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import CompletionNotice, TaskMessage, decode_notice, decode_task, encode_task
 from worker.backend import arena_ids
-from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, InProgressFIFO, Poller, load_cells
+from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, load_cells
+from worker.notices import InProgressFIFO, Poller
 
 ROWS = 64
 

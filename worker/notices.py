@@ -1,0 +1,132 @@
+"""Completion notices: the in-progress FIFO of tasks issued to the stream, and the poller thread
+that turns the stream's signal counter into notices and heartbeats for the manager."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from common.auth import CurveClient, connect_socket
+from common.task import CompletionNotice, IoRows, encode_notice
+from worker.backend import Backend
+
+IDLE_WAIT_S = 0.05
+HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
+
+IoSlots = list[tuple[int, np.ndarray]]  # (io arena, io slots) of a task's downloads
+
+
+class InProgressFIFO:
+    """Tasks issued to the stream and not yet reported complete, in stream order, each with the
+    io rows its notice must carry (none on the manager's host)."""
+
+    def __init__(self) -> None:
+        self._tasks: collections.deque[tuple[int, IoSlots]] = collections.deque()
+        self._issued = threading.Event()
+
+    def push(self, task_id: int, sent_rows: IoSlots) -> None:
+        self._tasks.append((task_id, sent_rows))
+        self._issued.set()
+
+    def pop(self) -> tuple[int, IoSlots]:
+        return self._tasks.popleft()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def wait_for_work(self, timeout: float) -> None:
+        self._issued.clear()
+        if not self._tasks:
+            self._issued.wait(timeout)
+
+
+class Poller(threading.Thread):
+    """Turns signal-counter increments into completion notices for the manager.
+
+    Every message carries the counter, and one is sent at least every HEARTBEAT_S, so the
+    manager sees both that this process is alive and whether its stream makes progress.
+    Where the stream is a thread of this process (CPU), the stream sends the completion
+    notices itself and this thread only sends heartbeats.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        address: str,
+        worker_id: int,
+        backend: Backend,
+        fifo: InProgressFIFO,
+        curve: CurveClient | None,
+    ):
+        super().__init__(name="poller", daemon=True)
+        self._context = context
+        self._address = address
+        self._curve = curve
+        self._socket = self._connect()
+        self._stream_socket: zmq.Socket | None = None  # created on the stream thread, used only there
+        self._worker_id = worker_id
+        self._backend = backend
+        self._fifo = fifo
+        self.stopping = threading.Event()
+
+    def _connect(self) -> zmq.Socket:
+        return connect_socket(self._context, zmq.PUSH, self._address, self._curve, linger_ms=1000)
+
+    def run(self) -> None:
+        if self._backend.report_from_stream(self._report_completion):
+            self._heartbeats()
+        else:
+            self._watch_signal()
+        self._socket.close()
+
+    def _report_completion(self, finished: int) -> None:
+        """Called on the stream thread after each task (CPU): one notice per task, on its own socket."""
+        if self._stream_socket is None:
+            self._stream_socket = self._connect()
+        self._stream_socket.send(self._notice(1, finished))
+
+    def _notice(self, count: int, signal: int) -> bytes:
+        """The completion notice for the next `count` tasks of the in-progress FIFO."""
+        task_ids, errors, rows = [], {}, []
+        for _ in range(count):
+            task_id, sent_rows = self._fifo.pop()
+            error = self._backend.finish(task_id)
+            task_ids.append(task_id)
+            if error is not None:
+                errors[task_id] = error
+            else:
+                rows += [IoRows(arena, slots, self._backend.read_io(arena, slots)) for arena, slots in sent_rows]
+        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows))
+
+    def _heartbeat(self, signal: int) -> bytes:
+        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal))
+
+    def close_stream_socket(self) -> None:
+        if self._stream_socket is not None:
+            self._stream_socket.close()
+
+    def _heartbeats(self) -> None:
+        while not self.stopping.wait(HEARTBEAT_S):
+            self._socket.send(self._heartbeat(self._backend.signal()))
+
+    def _watch_signal(self) -> None:
+        done = 0
+        last_sent = 0.0
+        while not self.stopping.is_set():
+            finished = self._backend.signal()
+            if finished > done:
+                self._socket.send(self._notice(finished - done, finished))
+                done = finished
+                last_sent = time.monotonic()
+                continue
+            if time.monotonic() - last_sent >= HEARTBEAT_S:
+                self._socket.send(self._heartbeat(done))
+                last_sent = time.monotonic()
+            if not self._fifo:
+                self._fifo.wait_for_work(IDLE_WAIT_S)
+            else:
+                self._backend.wait_for_signal(done, IDLE_WAIT_S)
