@@ -30,7 +30,6 @@ from .servers import (
     ServerSet,
     as_addresses,
     connection_closed,
-    is_draining_refusal,
     is_probe,
 )
 
@@ -195,6 +194,7 @@ class Client:
         frame = encode(message)
         deadline = time.monotonic() + self.timeout
         holder = self._send(frame, request_id, server, deadline)
+        refused_by: set[Server] = set()  # servers that answered it with a retryable error
         try:
             while True:
                 now = time.monotonic()
@@ -217,12 +217,14 @@ class Client:
                         if self._servers.probe_answered(owner, reply) and holder is None:
                             holder = self._send(frame, request_id, None, deadline)
                     elif reply["id"] == request_id:
-                        if self._refused_while_draining(owner, holder, reply):
-                            owner.outstanding.discard(request_id)
-                            self.resent += 1
-                            holder = self._send(frame, request_id, None, deadline)
-                        else:
+                        if reply.get("ok") is False and owner is not holder:
+                            continue  # an error from a server the request already left
+                        target = self._servers.retry_target(owner, reply, refused_by)
+                        if target is None:
                             return check(reply)
+                        owner.outstanding.discard(request_id)
+                        self.resent += 1
+                        holder = self._send(frame, request_id, target, deadline)
                 if self._servers.failover:
                     holder = self._check_health(frame, request_id, holder, deadline)
         finally:
@@ -241,13 +243,6 @@ class Client:
         socket.send(frame, zmq.NOBLOCK)
         self._servers.sent(server, request_id, time.monotonic())
         return server
-
-    def _refused_while_draining(self, server: Server, holder: Server | None, reply: dict[str, Any]) -> bool:
-        """Whether this is a draining server's refusal that another server can take instead."""
-        if not (self._servers.failover and server is holder and is_draining_refusal(reply)):
-            return False
-        self._servers.draining(server)
-        return self._servers.any_up
 
     def _lose(
         self, server: Server, reason: str, frame: bytes, request_id: RequestId, holder: Server | None, deadline: float

@@ -29,6 +29,7 @@ from common.protocol import (
     OPS,
     OVERLOADED,
     PROTOCOL_VERSION,
+    UNAVAILABLE,
     UNKNOWN_MODEL,
     WORKER_LOST,
     RequestError,
@@ -52,6 +53,7 @@ log = logging.getLogger("batchmaker.manager")
 
 WATCH_INTERVAL_S = 0.1  # how often workers are pinged and checked
 IDLE_POLL_MS = 100
+SHUTDOWN_LINGER_MS = 2000  # how long the messages sent on stopping may take to leave
 BACKLOG_POLL_MS = 5  # while replies wait for slow clients, how often they are retried
 
 
@@ -143,9 +145,6 @@ class Manager:
                 self._schedule_idle_workers()
                 if self.draining and (not self.requests or time.monotonic() > self._draining_until):
                     break
-                if not events and self._parent_pid is not None and os.getppid() != self._parent_pid:
-                    log.warning("parent process %d is gone; exiting", self._parent_pid)
-                    break
         finally:
             self._shutdown()
 
@@ -171,9 +170,18 @@ class Manager:
                     self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted)
                     self.processor.task_completed(task, notice.errors.get(task_id))
 
+    def _check_parent(self) -> None:
+        """A manager whose supervisor is gone drains like on SIGTERM: what it accepted is finished
+        (its orphaned workers keep serving it meanwhile) or answered UNAVAILABLE, never dropped."""
+        if not self.draining and self._parent_pid is not None and os.getppid() != self._parent_pid:
+            log.warning("parent process %d is gone; draining, then exiting", self._parent_pid)
+            self.stop()
+
     def _shutdown(self) -> None:
         for request in self.requests.all():
-            self.processor.fail(request, RequestError(INTERNAL, "the server is shutting down"))
+            self.processor.fail(request, RequestError(UNAVAILABLE, "the server stopped before finishing the request; send it elsewhere"))
+        for socket in (self.pool.control, self.frontend.socket):  # let the last answers and stop orders leave
+            socket.setsockopt(zmq.LINGER, SHUTDOWN_LINGER_MS)
         self.pool.close()
         self.frontend.close()
         self._context.term()
@@ -199,6 +207,7 @@ class Manager:
         if now < self._next_watch:
             return
         self._next_watch = now + WATCH_INTERVAL_S
+        self._check_parent()
         self._completions()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
@@ -226,7 +235,8 @@ class Manager:
                 message = f"it lost its worker {request.failures} times (last: {reason}); it is not replayed again"
                 self.processor.fail(request, RequestError(INTERNAL, message))
             elif not self.workers:
-                self.processor.fail(request, RequestError(WORKER_LOST, f"its worker was lost ({reason}) and none remains"))
+                code = UNAVAILABLE if self.draining else WORKER_LOST  # a stopping server's loss is not the request's
+                self.processor.fail(request, RequestError(code, f"its worker was lost ({reason}) and none remains"))
             else:
                 self.requests.add(self.processor.replay(request))
                 self.stats.replayed += 1

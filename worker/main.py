@@ -238,7 +238,15 @@ class Worker:
         self._last_heard = time.monotonic()
 
     def request_stop(self, *_: object) -> None:
+        """SIGTERM/SIGINT: stop, unless it is the supervisor's death (PDEATHSIG) reaching a registered
+        worker, which keeps serving its manager's drain until the manager stops it or falls silent."""
+        if self._orphaned() and self._manager_timeout:
+            log.warning("parent process %d is gone; serving the manager until it stops", self._parent_pid)
+            return
         self._stop = True
+
+    def _orphaned(self) -> bool:
+        return self._parent_pid is not None and os.getppid() != self._parent_pid
 
     def _register(self) -> int:
         """Register; returns the worker id. The manager refusing this worker's CURVE key shows only
@@ -295,8 +303,9 @@ class Worker:
             self._backend.attach_peer(int(worker_id), arenas)
 
     def _check_alive(self) -> None:
-        """Exit when the supervisor that started us is gone, or the manager has fallen silent."""
-        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+        """Exit when the supervisor that started us is gone before we registered, or the manager has
+        fallen silent (an orphaned manager drains, then tells its workers to stop)."""
+        if self._orphaned() and not self._manager_timeout:
             log.warning("parent process %d is gone; exiting", self._parent_pid)
             self._stop = True
         elif self._manager_timeout and time.monotonic() - self._last_heard > self._manager_timeout:
