@@ -97,13 +97,13 @@ class Fleet:
         self.servers: list[ServerProcess] = []
         self._logs: list[IO] = []
 
-    def start(self, hosts: list[str]) -> list[ServerProcess]:
-        """One server per host, started together; returned once all are ready."""
+    def start(self, hosts: list[str], ports: list[int | None] | None = None) -> list[ServerProcess]:
+        """One server per host (on the given ports, else free ones), started together; returned once all are ready."""
         started = []
-        for host in hosts:
+        for host, port in zip(hosts, ports or [None] * len(hosts), strict=True):
             log = (self.directory / f"{host}-{len(self._logs)}.log").open("w")
             self._logs.append(log)
-            started.append((ServerProcess(self.config, host, log), log.name))
+            started.append((ServerProcess(self.config, host, log, port), log.name))
         self.servers += [server for server, _ in started]
         for server, log_name in started:
             try:

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from common.protocol import OVERLOADED, UNAVAILABLE
+from common.protocol import OVERLOADED, UNAVAILABLE, WORKER_LOST
 
 UP, DRAINING, ASIDE = "up", "draining", "aside"
 PROBE_PREFIX = "\x00probe-"  # health probes use string ids no caller picks by accident
@@ -25,7 +25,7 @@ DEFAULT_HEALTH_INTERVAL = 1.0
 DEFAULT_HEALTH_TIMEOUT = 2.0
 
 RequestId = int | str
-RETRYABLE_CODES = (OVERLOADED, UNAVAILABLE)  # the request did not run there: another server may take it
+RETRYABLE_CODES = (OVERLOADED, UNAVAILABLE, WORKER_LOST)  # it did not run to its end there: another server may take it
 
 
 def as_addresses(address: str | Sequence[str]) -> list[str]:

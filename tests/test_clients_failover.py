@@ -19,7 +19,7 @@ from conftest import free_port
 from clients import AsyncClient, Client, ServerError, ServerLost
 from clients.cli import main as cli_main
 from clients.servers import ASIDE, DRAINING, UP, ServerSet
-from common.protocol import INVALID_INPUT, OVERLOADED, UNAVAILABLE, decode, encode, error_reply
+from common.protocol import INVALID_INPUT, OVERLOADED, UNAVAILABLE, WORKER_LOST, decode, encode, error_reply
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3}
 DRAINING_MESSAGE = "the server is draining before it stops; send the request elsewhere"
@@ -27,6 +27,7 @@ REFUSALS = {
     "unavailable": (UNAVAILABLE, "the server stopped before finishing the request; send it elsewhere"),
     "overloaded": (OVERLOADED, "estimated wait 900 ms exceeds the server's limit of 500 ms"),
     "invalid": (INVALID_INPUT, "token 7 is outside the vocabulary"),
+    "worker_lost": (WORKER_LOST, "its worker was lost (process exited with status -9) and none remains"),
 }
 
 
@@ -46,7 +47,8 @@ class FakeServer:
     "silent" reads nothing (a hung host); "draining" refuses infer requests as a
     stopping manager does and says so in health; "unavailable" answers them as a
     manager that stopped before finishing them, "overloaded" as one that refuses
-    them at admission, and "invalid" as one that finds them wrong. `close` drops the connection.
+    them at admission, "worker_lost" as one whose only worker died, and "invalid" as
+    one that finds them wrong. `close` drops the connection.
     Each infer reply names the server that computed it.
     """
 

@@ -1,4 +1,4 @@
-"""The retry rule of clients with several servers: a retryable error (OVERLOADED, UNAVAILABLE) is
+"""The retry rule of clients with several servers: a retryable error (OVERLOADED, UNAVAILABLE, WORKER_LOST) is
 resent to another server, each server gets a request once, then the caller gets the last error;
 other errors, and every error with one address, reach the caller as they are."""
 
@@ -43,7 +43,7 @@ def test_retry_target_leaves_other_errors_and_a_single_server_alone() -> None:
     assert single.retry_target(single.servers[0], refusal(UNAVAILABLE), set()) is None
 
 
-@pytest.mark.parametrize("mode", ["unavailable", "overloaded"])
+@pytest.mark.parametrize("mode", ["unavailable", "overloaded", "worker_lost"])
 def test_async_resends_retryable_errors_to_another_server(servers: list[FakeServer], mode: str) -> None:
     refusing, answering = start(servers, mode, "answer")
 
