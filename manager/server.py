@@ -36,7 +36,7 @@ from common.protocol import (
     error_reply,
 )
 from common.sockets import server_context
-from manager.admission import Admission
+from manager.admission import Admission, warm_up_capacity
 from manager.dispatch import Dispatcher
 from manager.frontend import ClientFrontend, Incoming
 from manager.metrics import Metrics
@@ -192,11 +192,17 @@ class Manager:
     def _worker_control(self) -> None:
         restarted, exited = self.pool.control_messages()
         self.scheduler.several_workers = len(self.workers) > 1
+        self._assume_capacity()
         if self.metrics is not None:
             for _ in restarted:
                 self.metrics.worker_restarted()
         for worker, reason in exited:
             self._worker_lost(worker, reason)
+
+    def _assume_capacity(self) -> None:
+        """Until admission has measured the capacity, it quotes the one the workers timed at warm-up."""
+        timings = [worker.full_task_s for worker in self.workers.values()]
+        self.admission.estimator.assume(warm_up_capacity(timings, {spec.key: spec.max_batch for spec in self.specs}))
 
     def _watch_workers(self) -> None:
         """Every WATCH_INTERVAL_S: the watchdog, and the metrics that are sampled rather than counted.
@@ -226,6 +232,7 @@ class Manager:
         log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
         self.pool.remove(worker)
         self.scheduler.several_workers = len(self.workers) > 1
+        self._assume_capacity()
         self.stats.worker_losses += 1
         if self.metrics is not None:
             self.metrics.remove_worker(str(worker.worker_id))

@@ -57,6 +57,7 @@ class WorkerHandle:
         self.rows_read_from: collections.Counter[int] = collections.Counter()  # rows its tasks read from each peer
         self.rows_in_notices = 0  # result rows that reached the manager inside its notices
         self.arenas = registration.get("arenas", [])  # as announced, for peers to open
+        self.full_task_s = registration.get("full_task_s")  # timed at its warm-up, for admission (unchecked)
         now = time.monotonic()
         self.registered_at = now
         self.first_task_delay: float | None = None  # seconds from registration to its first task

@@ -8,6 +8,8 @@ increments into completion notices (docs/architecture.md, "The worker").
 
 from __future__ import annotations
 
+import statistics
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -74,6 +76,29 @@ def warm_up_tasks(specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int
             yield TaskMessage(-1, cell_index, size, inputs, outputs, [])
 
 
+FULL_TASK_RUNS = 5  # timings of each cell type's full task at warm-up: the median is kept
+
+
+def time_full_tasks(
+    specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int]], run: Callable[[TaskMessage], None]
+) -> dict[str, float]:
+    """Seconds one task of each cell type takes at its largest batch (the median of FULL_TASK_RUNS), run by
+    `run` as serving runs it: the step cost the manager's admission by expected wait assumes until it has
+    timed full tasks of its own, so that a cold server bounds its queue from the first request."""
+    timed = {}
+    for task in warm_up_tasks(specs, ids):
+        spec = specs[task.cell_index]
+        if task.batch_size != spec.max_batch:
+            continue
+        runs = []
+        for _ in range(FULL_TASK_RUNS):
+            began = time.perf_counter()
+            run(task)
+            runs.append(time.perf_counter() - began)
+        timed[spec.key] = statistics.median(runs)
+    return timed
+
+
 class Backend(ABC):
     device: str
 
@@ -92,6 +117,11 @@ class Backend(ABC):
     @abstractmethod
     def warm_up(self) -> None:
         """Materialize every (cell type, batch size) once before serving."""
+
+    def full_task_seconds(self) -> dict[str, float]:
+        """Seconds per task of each cell type at its largest batch, timed at warm-up (time_full_tasks);
+        empty where the backend does not time them."""
+        return {}
 
     @abstractmethod
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:

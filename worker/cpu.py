@@ -22,7 +22,7 @@ from torch import nn
 from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
-from worker.backend import ArenaInfo, Backend, arena_ids, warm_up_tasks
+from worker.backend import ArenaInfo, Backend, arena_ids, time_full_tasks, warm_up_tasks
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ class CpuBackend(Backend):
         self._peer_memory: dict[int, list[SharedArray]] = {}
         self._counter = SharedArray("int64", (1,))
         self._errors: dict[int, str] = {}
+        self._full_task_s: dict[str, float] = {}
         self._advanced = threading.Condition()
         self._report: Callable[[int], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -171,7 +172,14 @@ class CpuBackend(Backend):
     def warm_up(self) -> None:
         with torch.inference_mode():
             for task in warm_up_tasks(self._specs, self._ids):
-                run_task(resolve(task, self._tensors, self._cells, self._peers))
+                self._run_now(task)
+            self._full_task_s = time_full_tasks(self._specs, self._ids, self._run_now)
+
+    def _run_now(self, task: TaskMessage) -> None:
+        run_task(resolve(task, self._tensors, self._cells, self._peers))
+
+    def full_task_seconds(self) -> dict[str, float]:
+        return self._full_task_s
 
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
         self.detach_peer(worker_id)

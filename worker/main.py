@@ -265,6 +265,7 @@ class Worker:
                         "cells": self._cell_keys,
                         "arenas": [arena.to_wire() for arena in self._backend.arenas],
                         "signal": self._backend.signal_name,
+                        "full_task_s": self._backend.full_task_seconds(),
                     }
                 )
             )
