@@ -51,7 +51,7 @@ from bench.presets import LSTM, SEQ2SEQ, TREELSTM
 from bench.progress import Progress
 from bench.report import finite
 from bench.run import ROOT, git, machine
-from bench.servers import HOSTS, Fleet
+from bench.servers import HOSTS, SERVER, Fleet
 from bench.verify import TOLERANCE, mismatch
 from clients import ServerError
 from clients.servers import Server, is_probe
@@ -76,15 +76,7 @@ def _small(toml: str) -> str:
     return toml.replace("_size = 256", "_size = 64").replace("-h256", "-h64")
 
 
-CONFIG = """
-[server]
-address = "tcp://127.0.0.1:{port}"
-cpu_workers = 1
-threads_per_worker = 1
-max_queued_requests = 4000
-max_queue_delay_ms = 0
-drain_timeout_ms = 10000
-""" + "".join(_small(toml) for toml in (LSTM, SEQ2SEQ, TREELSTM))
+CONFIG = SERVER + "drain_timeout_ms = 10000\n" + "".join(_small(toml) for toml in (LSTM, SEQ2SEQ, TREELSTM))
 
 
 class TallyingClient(RecordingClient):

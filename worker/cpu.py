@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 _STALL = object()  # test hook: the stream blocks forever, like a hung device
+WARM_UP_TASK_TIMEOUT_S = 60.0  # a full task timed at warm-up that takes longer has a stream that is stuck
 
 SlotCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # (peer arena, its slots, positions in the batch); slots None: the source holds exactly the rows, gathered already
@@ -172,11 +173,16 @@ class CpuBackend(Backend):
     def warm_up(self) -> None:
         with torch.inference_mode():
             for task in warm_up_tasks(self._specs, self._ids):
-                self._run_now(task)
-            self._full_task_s = time_full_tasks(self._specs, self._ids, self._run_now)
+                run_task(resolve(task, self._tensors, self._cells, self._peers))
+        self._full_task_s = time_full_tasks(self._specs, self._ids, self._through_stream)
 
-    def _run_now(self, task: TaskMessage) -> None:
-        run_task(resolve(task, self._tensors, self._cells, self._peers))
+    def _through_stream(self, task: TaskMessage) -> None:
+        """Run one task the way serving does (issued, run on the stream, its completion awaited), before
+        serving starts: the manager reads the signal counter's changes, never its value."""
+        seen = self.signal()
+        self.issue(task)
+        self.wait_for_signal(seen, WARM_UP_TASK_TIMEOUT_S)
+        self.finish(task.task_id)
 
     def full_task_seconds(self) -> dict[str, float]:
         return self._full_task_s
