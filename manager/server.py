@@ -107,12 +107,16 @@ class Manager:
 
     # -- event loop ----------------------------------------------------------------------------
     def stop(self, *_: object) -> None:
-        """First call: drain (refuse new requests, finish the accepted ones). Second call: stop at once."""
+        """First call: drain (refuse new requests, finish the accepted ones). Second call: stop at once,
+        unless the supervisor is gone: its death signals once (PDEATHSIG) and is seen by the parent check too."""
         if self._draining_until is None:
             self._draining_until = time.monotonic() + self._drain_timeout
             log.info("draining: %d requests in flight", len(self.requests))
-        else:
+        elif not self._orphaned():
             self._stopping = True
+
+    def _orphaned(self) -> bool:
+        return self._parent_pid is not None and os.getppid() != self._parent_pid
 
     @property
     def draining(self) -> bool:
@@ -173,7 +177,7 @@ class Manager:
     def _check_parent(self) -> None:
         """A manager whose supervisor is gone drains like on SIGTERM: what it accepted is finished
         (its orphaned workers keep serving it meanwhile) or answered UNAVAILABLE, never dropped."""
-        if not self.draining and self._parent_pid is not None and os.getppid() != self._parent_pid:
+        if not self.draining and self._orphaned():
             log.warning("parent process %d is gone; draining, then exiting", self._parent_pid)
             self.stop()
 

@@ -2,7 +2,8 @@
 with SIGKILL (as `kill -9` of its process group does: the manager and workers have groups of their own).
 
 The orphaned manager drains like on SIGTERM, its workers serving it meanwhile; what it cannot finish
-within `drain_timeout_ms` is answered UNAVAILABLE, which clients with several addresses send elsewhere.
+(the drain runs out, or its worker is lost meanwhile) is answered UNAVAILABLE, which clients with
+several addresses send elsewhere.
 """
 
 from __future__ import annotations
@@ -92,16 +93,20 @@ def one_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.
                 process.kill()
 
 
+def outcomes(results: list) -> Counter[str]:
+    return Counter(result.code if isinstance(result, ServerError) else type(result).__name__ for result in results)
+
+
 @pytest.mark.parametrize("one_server", [60_000], indirect=True)
-def test_an_orphaned_manager_finishes_what_it_holds(one_server: ServerProcess) -> None:
+def test_an_orphaned_manager_answers_what_it_holds(one_server: ServerProcess) -> None:
     results, unanswered = asyncio.run(burst_then_kill(one_server, 200, stall_worker=False))
-    assert unanswered > 0
-    assert all(not isinstance(result, BaseException) for result in results), Counter(map(repr, results))
+    codes = outcomes(results)
+    assert unanswered > 0 and set(codes) <= {"Reply", UNAVAILABLE}, codes  # finished, or sent elsewhere; none lost
 
 
 @pytest.mark.parametrize("one_server", [1_500], indirect=True)
 def test_an_orphaned_manager_that_cannot_finish_answers_unavailable(one_server: ServerProcess) -> None:
     results, _ = asyncio.run(burst_then_kill(one_server, 50, stall_worker=True))
-    codes = Counter(result.code if isinstance(result, ServerError) else type(result).__name__ for result in results)
+    codes = outcomes(results)
     assert set(codes) <= {"Reply", UNAVAILABLE} and codes[UNAVAILABLE] > 0, codes  # never INTERNAL, none lost
     assert all(UNAVAILABLE in str(result) for result in results if isinstance(result, ServerError))
