@@ -39,6 +39,7 @@ class ModelConfig:
     params: dict[str, Any]
     default_cell: CellTypeConfig
     cells: dict[str, CellTypeConfig]
+    config_path: Path | None = None  # the file the table is in: its folder is on the builder's import path
 
     def cell_config(self, cell_type: str) -> CellTypeConfig:
         return self.cells.get(cell_type, self.default_cell)
@@ -306,7 +307,8 @@ def _parse_model(name: str, table: dict[str, Any], path: Path) -> ModelConfig:
         cells[cell_name] = _parse_cell(cell_table, cell_where, path, default_cell)
     params = {k: v for k, v in table.items() if k not in {"builder", "weights", "batch_sizes", "priority", "cells"}}
     return ModelConfig(
-        name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells
+        name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells,
+        config_path=path,
     )
 
 
@@ -315,3 +317,10 @@ def with_policy(config: Config, policy: str) -> Config:
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+
+
+def with_metrics_address(config: Config, address: str) -> Config:
+    """The config with its metrics address replaced (`batchmaker serve --metrics-address`)."""
+    if address and ":" not in address:
+        raise ConfigError(f'--metrics-address must look like "127.0.0.1:9100" (or "" for none), got {address!r}')
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, metrics_address=address))

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.config import ConfigError
 from common.graph import CellTypeSpec, ValueKind
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import SLOT_DTYPE, TaskMessage
@@ -72,6 +73,18 @@ def warm_up_tasks(specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int
             ]
             outputs = [(ids[kind][0], np.full(size, SCRATCH_SLOT, dtype=SLOT_DTYPE)) for kind in spec.outputs]
             yield TaskMessage(-1, cell_index, size, inputs, outputs, [])
+
+
+def warm_up_failure(spec: CellTypeSpec, batch_size: int, exc: Exception) -> ConfigError:
+    """A cell that fails on zero rows is the model's fault: say which cell type and what it must return."""
+    def kinds(values: tuple[ValueKind, ...]) -> str:
+        return ", ".join(f"{kind.dtype}[batch, {', '.join(map(str, kind.shape))}]".replace(", ]", "]") for kind in values)
+
+    return ConfigError(
+        f"cell type {spec.key!r} failed its warm-up run at batch size {batch_size} "
+        f"({type(exc).__name__}: {str(exc)[:300]}); its cell must take ({kinds(spec.inputs)}) and return "
+        f"({kinds(spec.outputs)}), each with the batch first (docs/models.md, \"Rules a cell must follow\")"
+    )
 
 
 class Backend(ABC):
