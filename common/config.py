@@ -7,6 +7,7 @@ so that a typo fails at start-up instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,6 +276,13 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
 
 
 def _parse_cell(table: dict[str, Any], where: str, path: Path, default: CellTypeConfig | None) -> CellTypeConfig:
+    if "batch_sizes" not in table and default is None:
+        close = difflib.get_close_matches("batch_sizes", [str(key) for key in table], n=1)
+        typo = f" ({close[0]!r} is there: a typo?)" if close else ""
+        raise ConfigError(
+            f"{path}: [{where}] batch_sizes is required{typo}: the batch sizes its cells run at, "
+            "e.g. batch_sizes = [1, 2, 4, 8, 16, 32, 64]"
+        )
     sizes = table.get("batch_sizes", default.batch_sizes if default else None)
     if (
         not isinstance(sizes, (list, tuple))

@@ -187,7 +187,20 @@ def test_bad_batch_sizes(tmp_path: Path, sizes: str) -> None:
 
 def test_model_without_batch_sizes(tmp_path: Path) -> None:
     text = MODEL.replace("batch_sizes = [1, 2, 4]\n", "")
-    config_error(tmp_path, text, "models.lstm", "batch_sizes")
+    config_error(tmp_path, text, "[models.lstm] batch_sizes is required: the batch sizes its cells run at")
+
+
+def test_a_misspelt_batch_sizes_is_named_as_a_typo(tmp_path: Path) -> None:
+    text = MODEL.replace("batch_sizes = [1, 2, 4]", "batch_size = [1, 2, 4]")
+    config_error(tmp_path, text, "[models.lstm] batch_sizes is required ('batch_size' is there: a typo?)")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_readme_names_every_weight_of_the_chain_models(tmp_path: Path, kind: str) -> None:
+    config = load_config(write(tmp_path, MODEL.replace("common.models.lstm:build", f"common.models.{kind}:build")))
+    readme = (ROOT / "README.md").read_text()
+    for key in build_model(config.models["lstm"]).weight_shapes():
+        assert f"`{key}`" in readme, f"README.md does not name {key}"
 
 
 @pytest.mark.parametrize("priority", ["1.5", '"high"', "true", "[1]"])

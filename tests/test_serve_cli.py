@@ -83,6 +83,7 @@ def test_a_builder_beside_the_config_imports_in_every_process_and_random_weights
         with Client(address, timeout=30) as client:
             assert client.models()["models"]["mine"]["random_weights"] is True
             assert client.infer("mine", {"tokens": [1, 2, 3]}).outputs["h"].shape == (8,)
+            assert_documented(client.stats())
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as reply:
             assert b"batchmaker_" in reply.read()
     finally:
@@ -116,3 +117,12 @@ def test_a_cell_returning_the_wrong_shape_fails_warm_up_naming_its_cell_type(tmp
     assert "return (float32[batch, 8])" in text, text
     assert "leaked shared_memory" not in text and "Traceback" not in text, text
 
+
+
+def assert_documented(stats: dict) -> None:
+    """Every field of a real `stats` reply, and of its workers, is explained in docs/protocol.md."""
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    stats_table = doc[doc.index("The `stats` reply") :]
+    fields = [*stats, *next(iter(stats["workers"].values()))]
+    undocumented = [field for field in fields if field not in ("id", "ok") and f"`{field}`" not in stats_table]
+    assert not undocumented, f"docs/protocol.md does not explain {undocumented}"
