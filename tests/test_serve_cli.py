@@ -4,6 +4,7 @@ random weights are announced, the metrics option works, and a cell of the wrong 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -11,12 +12,14 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import torch
 from conftest import ROOT, free_port
 from test_startup_errors import user_env
 
 from clients import Client
 from manager.launcher import stop_server, wait_until_ready
 
+BATCHMAKER = str(Path(sys.executable).parent / "batchmaker")
 ELMAN_TABLE = """
 [server]
 address = "tcp://127.0.0.1:{port}"
@@ -61,7 +64,7 @@ def user_config(folder: Path, builder: str) -> tuple[Path, str]:
 
 def batchmaker(*args: str, cwd: Path, log: Path) -> subprocess.Popen:
     """The `batchmaker` command as installed (unlike `python -m`, it does not put the working directory on sys.path)."""
-    command = [str(Path(sys.executable).parent / "batchmaker"), *args]
+    command = [BATCHMAKER, *args]
     return subprocess.Popen(command, cwd=cwd, env=user_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -84,6 +87,18 @@ def test_a_builder_beside_the_config_imports_in_every_process_and_random_weights
             assert client.models()["models"]["mine"]["random_weights"] is True
             assert client.infer("mine", {"tokens": [1, 2, 3]}).outputs["h"].shape == (8,)
             assert_documented(client.stats())
+            served = client.infer("mine", {"tokens": torch.tensor([1, 2, 3])}).outputs["h"]  # a tensor, as a user has it
+        printed = subprocess.run(
+            [BATCHMAKER, "infer", "--address", address, "--model", "mine", "--tokens", "1 2 3", "--json"],
+            capture_output=True, text=True, timeout=120, check=True,
+        )
+        assert json.loads(printed.stdout)["outputs"]["h"] == served.tolist()
+        other_vocabulary = subprocess.run(
+            [BATCHMAKER, "infer", "--address", address, "--model", "mine", "--text", "the committee approved the report"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )
+        assert "with the vocabulary" in other_vocabulary.stderr and "8192 words" in other_vocabulary.stderr
+        assert "--vocab FILE" in other_vocabulary.stderr, other_vocabulary.stderr
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as reply:
             assert b"batchmaker_" in reply.read()
     finally:
