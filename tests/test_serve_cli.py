@@ -14,27 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from conftest import ROOT, free_port
+from test_custom_model import ELMAN
 from test_startup_errors import user_env
 
 from clients import Client
 from manager.launcher import stop_server, wait_until_ready
 
 BATCHMAKER = str(Path(sys.executable).parent / "batchmaker")
-ELMAN_TABLE = """
-[server]
-address = "tcp://127.0.0.1:{port}"
-cpu_workers = 2
-arena_rows = 1024
-io_rows = 1024
-
-[models.mine]
-builder = "{builder}"
-weights = "mine.pt"
-vocab_size = 100
-hidden_size = 8
-batch_sizes = [1, 2, 4]
-"""
-
 WRONG_SHAPE = '''
 from torch import nn
 from mycell import ElmanModel
@@ -56,10 +42,10 @@ def build(config):
 
 
 def user_config(folder: Path, builder: str) -> tuple[Path, str]:
-    port = free_port()
+    address = f"tcp://127.0.0.1:{free_port()}"
     path = folder / "mine.toml"
-    path.write_text(ELMAN_TABLE.format(port=port, builder=builder))
-    return path, f"tcp://127.0.0.1:{port}"
+    path.write_text(f'[server]\naddress = "{address}"\ncpu_workers = 2\n' + ELMAN.replace("examples.elman:build", builder))
+    return path, address
 
 
 def batchmaker(*args: str, cwd: Path, log: Path) -> subprocess.Popen:
@@ -84,17 +70,17 @@ def test_a_builder_beside_the_config_imports_in_every_process_and_random_weights
     try:
         wait_until_ready(address, server, timeout=120)
         with Client(address, timeout=30) as client:
-            assert client.models()["models"]["mine"]["random_weights"] is True
-            assert client.infer("mine", {"tokens": [1, 2, 3]}).outputs["h"].shape == (8,)
+            assert client.models()["models"]["elman"]["random_weights"] is True
+            assert client.infer("elman", {"tokens": [1, 2, 3]}).outputs["h"].shape == (16,)
             assert_documented(client.stats())
-            served = client.infer("mine", {"tokens": torch.tensor([1, 2, 3])}).outputs["h"]  # a tensor, as a user has it
+            served = client.infer("elman", {"tokens": torch.tensor([1, 2, 3])}).outputs["h"]  # a tensor, as a user has it
         printed = subprocess.run(
-            [BATCHMAKER, "infer", "--address", address, "--model", "mine", "--tokens", "1 2 3", "--json"],
+            [BATCHMAKER, "infer", "--address", address, "--model", "elman", "--tokens", "1 2 3", "--json"],
             capture_output=True, text=True, timeout=120, check=True,
         )
         assert json.loads(printed.stdout)["outputs"]["h"] == served.tolist()
         other_vocabulary = subprocess.run(
-            [BATCHMAKER, "infer", "--address", address, "--model", "mine", "--text", "the committee approved the report"],
+            [BATCHMAKER, "infer", "--address", address, "--model", "elman", "--text", "the committee approved the report"],
             capture_output=True, text=True, timeout=120, check=False,
         )
         assert "with the vocabulary" in other_vocabulary.stderr and "8192 words" in other_vocabulary.stderr
@@ -104,7 +90,7 @@ def test_a_builder_beside_the_config_imports_in_every_process_and_random_weights
     finally:
         assert stop_server(server) == []
     text = log.read_text()
-    assert "model 'mine' SERVES RANDOM WEIGHTS" in text and "cannot import" not in text, text
+    assert "model 'elman' SERVES RANDOM WEIGHTS" in text and "cannot import" not in text, text
 
 
 def test_a_builder_in_the_working_directory_imports(tmp_path: Path):
@@ -114,7 +100,7 @@ def test_a_builder_in_the_working_directory_imports(tmp_path: Path):
     try:
         wait_until_ready(address, server, timeout=120)
         with Client(address, timeout=30) as client:
-            reply = client.infer("mine", {"tokens": [4, 5]})
+            reply = client.infer("elman", {"tokens": [4, 5]})
         assert np.isfinite(reply.outputs["h"]).all()
     finally:
         assert stop_server(server) == []
@@ -128,8 +114,8 @@ def test_a_cell_returning_the_wrong_shape_fails_warm_up_naming_its_cell_type(tmp
     log = tmp_path / "serve.log"
     assert run_to_end("serve", str(config), cwd=tmp_path, log=log) == 1
     text = log.read_text()
-    assert "cell type 'mine/step' failed its warm-up run at batch size 1" in text, text
-    assert "return (float32[batch, 8])" in text, text
+    assert "cell type 'elman/step' failed its warm-up run at batch size 1" in text, text
+    assert "return (float32[batch, 16])" in text, text
     assert "leaked shared_memory" not in text and "Traceback" not in text, text
 
 

@@ -8,36 +8,21 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import torch
 from conftest import ROOT, free_port
+from test_config import MODEL
 from torch import nn
 
 SERVE_TIMEOUT_S = 120  # a failure before any process starts takes about a second; this bounds a hang
 
 
 def write_config(folder: Path, weights: str = "trained.pt", server: str = "", model: str = "") -> Path:
+    """A config of the user's, model "mylstm", in `folder`; `server` and `model` add keys to those tables."""
+    table = MODEL.replace("[models.lstm]", "[models.mylstm]").replace('"lstm.pt"', f'"{weights}"')
     path = folder / "lstm.toml"
-    path.write_text(
-        textwrap.dedent(
-            f"""
-            [server]
-            address = "tcp://127.0.0.1:{free_port()}"
-            {server}
-            [models.mylstm]
-            builder = "common.models.lstm:build"
-            weights = "{weights}"
-            vocab_size = 50
-            embedding_size = 8
-            hidden_size = 16
-            max_length = 20
-            batch_sizes = [1, 2, 4]
-            {model}
-            """
-        )
-    )
+    path.write_text(f'[server]\naddress = "tcp://127.0.0.1:{free_port()}"\n{server}\n{table}{model}\n')
     return path
 
 
