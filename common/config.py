@@ -40,7 +40,8 @@ class ModelConfig:
     params: dict[str, Any]
     default_cell: CellTypeConfig
     cells: dict[str, CellTypeConfig]
-    config_path: Path | None = None  # the file the table is in: its folder is on the builder's import path
+    # The file the table was read from (its folder is on the builder's import path): where, not what, so not compared.
+    config_path: Path | None = field(default=None, compare=False)
 
     def cell_config(self, cell_type: str) -> CellTypeConfig:
         return self.cells.get(cell_type, self.default_cell)

@@ -168,23 +168,22 @@ def build_model(config: ModelConfig) -> Model:
     try:
         model = builder(config)
     except ConfigError as exc:
-        raise ConfigError(f"{config.config_path}: {exc}" if config.config_path else str(exc)) from None
+        if config.config_path is None:
+            raise
+        raise ConfigError(f"{config.config_path}: {exc}") from None
     if not isinstance(model, Model):
         raise ConfigError(f"{where} builder {config.builder!r} did not return a Model")
     return model
 
 
-def import_paths(config: ModelConfig) -> list[str]:
-    """Where builders are found beside the installed packages: the config file's folder, the working directory."""
-    folders = [str(config.config_path.parent)] if config.config_path else []
-    return [*folders, os.getcwd()]
-
-
 def _import_builder(config: ModelConfig, where: str) -> Any:
     """The builder function, with the config's folder and the working directory on the import path
-    (after the installed packages, so they never shadow one)."""
-    folders = import_paths(config)
-    sys.path.extend(folder for folder in folders if folder not in sys.path)
+    (after the installed packages, so they never shadow one): every process that builds models
+    (supervisor, manager, workers) finds a user's module there without PYTHONPATH."""
+    folders = [*([str(config.config_path.parent)] if config.config_path else []), os.getcwd()]
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
     module_name, _, func_name = config.builder.partition(":")
     try:
         module = importlib.import_module(module_name)
