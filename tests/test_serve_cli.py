@@ -50,8 +50,8 @@ def user_config(folder: Path, builder: str) -> tuple[Path, str]:
 
 def batchmaker(*args: str, cwd: Path, log: Path) -> subprocess.Popen:
     """The `batchmaker` command as installed (unlike `python -m`, it does not put the working directory on sys.path)."""
-    command = [BATCHMAKER, *args]
-    return subprocess.Popen(command, cwd=cwd, env=user_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    with log.open("w") as output:  # the child has its own copy of the descriptor
+        return subprocess.Popen([BATCHMAKER, *args], cwd=cwd, env=user_env(), stdout=output, stderr=subprocess.STDOUT)
 
 
 def run_to_end(*args: str, cwd: Path, log: Path) -> int:
