@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import numpy as np
 import zmq
 
 from common.auth import apply_curve_client
@@ -51,12 +52,32 @@ class Reply:
 
 def infer_message(model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None) -> dict[str, Any]:
     """Build an infer request, leaving out optional fields so the server applies its defaults."""
+    if isinstance(inputs, dict):
+        inputs = {name: wire_value(name, value) for name, value in inputs.items()}
     message: dict[str, Any] = {"op": "infer", "model": model, "inputs": inputs}
     if deadline_ms is not None:
         message["deadline_ms"] = deadline_ms
     if priority is not None:
         message["priority"] = priority
     return message
+
+
+def wire_value(name: str, value: Any) -> Any:
+    """An input as the wire carries it: array-likes of other libraries (a torch tensor, through its
+    `__array__`) become numpy arrays, so the client needs none of them installed."""
+    if isinstance(value, dict):
+        return {key: wire_value(f"{name}.{key}", item) for key, item in value.items()}
+    if isinstance(value, (np.ndarray, np.generic, list, tuple, str, bytes, int, float, bool)) or value is None:
+        return value
+    if not hasattr(value, "__array__"):
+        return value  # the encoder refuses it, naming its type
+    try:
+        return np.asarray(value)
+    except (TypeError, RuntimeError, ValueError) as exc:  # e.g. a tensor on a GPU, or one that requires grad
+        raise TypeError(
+            f"input {name!r}: cannot read the {type(value).__name__} as a numpy array ({exc}); "
+            "pass value.detach().cpu().numpy()"
+        ) from None
 
 
 def read_reply(frame: bytes) -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ so that a typo fails at start-up instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ class ModelConfig:
     params: dict[str, Any]
     default_cell: CellTypeConfig
     cells: dict[str, CellTypeConfig]
+    # The file the table was read from (its folder is on the builder's import path): where, not what, so not compared.
+    config_path: Path | None = field(default=None, compare=False)
 
     def cell_config(self, cell_type: str) -> CellTypeConfig:
         return self.cells.get(cell_type, self.default_cell)
@@ -274,6 +277,13 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
 
 
 def _parse_cell(table: dict[str, Any], where: str, path: Path, default: CellTypeConfig | None) -> CellTypeConfig:
+    if "batch_sizes" not in table and default is None:
+        close = difflib.get_close_matches("batch_sizes", [str(key) for key in table], n=1)
+        typo = f" ({close[0]!r} is there: a typo?)" if close else ""
+        raise ConfigError(
+            f"{path}: [{where}] batch_sizes is required{typo}: the batch sizes its cells run at, "
+            "e.g. batch_sizes = [1, 2, 4, 8, 16, 32, 64]"
+        )
     sizes = table.get("batch_sizes", default.batch_sizes if default else None)
     if (
         not isinstance(sizes, (list, tuple))
@@ -306,7 +316,8 @@ def _parse_model(name: str, table: dict[str, Any], path: Path) -> ModelConfig:
         cells[cell_name] = _parse_cell(cell_table, cell_where, path, default_cell)
     params = {k: v for k, v in table.items() if k not in {"builder", "weights", "batch_sizes", "priority", "cells"}}
     return ModelConfig(
-        name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells
+        name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells,
+        config_path=path,
     )
 
 
@@ -315,3 +326,10 @@ def with_policy(config: Config, policy: str) -> Config:
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+
+
+def with_metrics_address(config: Config, address: str) -> Config:
+    """The config with its metrics address replaced (`batchmaker serve --metrics-address`)."""
+    if address and ":" not in address:
+        raise ConfigError(f'--metrics-address must look like "127.0.0.1:9100" (or "" for none), got {address!r}')
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, metrics_address=address))

@@ -17,7 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_format == "json":
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
         setup_logging("supervisor")
-    return serve(load_config(args.config), args.address, args.workers, args.policy)
+    return serve(load_config(args.config), args.address, args.workers, args.policy, args.metrics_address)
 
 
 def _init_weights(args: argparse.Namespace) -> int:
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="client address, overriding the config")
     serve.add_argument("--workers", type=int, help="number of CPU workers, overriding the config")
     serve.add_argument("--policy", choices=POLICIES, help="batching policy, overriding the config")
+    serve.add_argument(
+        "--metrics-address", metavar="HOST:PORT", help='Prometheus /metrics address, overriding the config ("" for none)'
+    )
     serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
     serve.set_defaults(handler=_serve)
 

@@ -9,7 +9,7 @@ import signal
 
 import zmq
 
-from common.config import POLICIES, ConfigError, load_config, with_policy
+from common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
 from common.logs import setup_logging
 from manager.server import Manager
 
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-address", required=True, help="address workers register at")
     parser.add_argument("--expected-workers", type=int, default=1, help="workers configured (for health)")
     parser.add_argument("--policy", choices=POLICIES, help="batching policy (default: from the config)")
+    parser.add_argument("--metrics-address", help="HOST:PORT of /metrics, or \"\" for none (default: from the config)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)
     setup_logging("manager")
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.policy is not None:
             config = with_policy(config, args.policy)
+        if args.metrics_address is not None:
+            config = with_metrics_address(config, args.metrics_address)
         manager = Manager(
             config, args.address or config.server.address, args.worker_address, args.expected_workers, args.parent_pid
         )
@@ -38,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except zmq.ZMQError as exc:
         log.error("cannot open the manager's sockets: %s", exc)
+        return 2
+    except OSError as exc:  # the metrics port, taken since the supervisor checked it
+        log.error("cannot serve metrics on %s: %s", config.server.metrics_address, exc)
         return 2
     # Requests allocate many small cyclic objects; collect them rarely, and never rescan start-up state.
     gc.collect()

@@ -352,6 +352,8 @@ class Manager:
         described = {}
         for name, model in self.models.items():
             entry = model.describe()
+            if model.random_weights:
+                entry["random_weights"] = True
             entry["cell_types"] = {
                 spec.key: {"batch_sizes": list(spec.batch_sizes), "priority": spec.priority}
                 for spec in model.cell_types.values()

@@ -25,11 +25,10 @@ import psutil
 import zmq
 
 from common.auth import connect_socket
-from common.config import Config, with_policy
-from common.models import build_model
+from common.config import Config, with_metrics_address, with_policy
 from common.protocol import decode, encode
 from common.worker_keys import worker_curve
-from manager.policies import check_policy
+from manager.preflight import check_before_start
 
 log = logging.getLogger("batchmaker.supervisor")
 
@@ -124,6 +123,8 @@ class Supervisor:
             str(len(self.devices)),
             "--policy",
             self.config.scheduler.policy,
+            "--metrics-address",
+            self.config.server.metrics_address,
         )
         for slot in self.slots:
             self._spawn_worker(slot)
@@ -265,11 +266,15 @@ def _signal(process: psutil.Process, signum: int) -> None:
         pass
 
 
-def serve(config: Config, address: str | None, workers: int | None, policy: str | None = None) -> int:
+def serve(
+    config: Config, address: str | None, workers: int | None, policy: str | None = None, metrics_address: str | None = None
+) -> int:
     """Run the server in the foreground until SIGINT/SIGTERM."""
     if policy is not None:
         config = with_policy(config, policy)
-    check_policy(config.scheduler.policy, {name: build_model(model) for name, model in config.models.items()})
+    if metrics_address is not None:
+        config = with_metrics_address(config, metrics_address)
+    check_before_start(config, address or config.server.address)
     supervisor = Supervisor(config, address, workers)
     signal.signal(signal.SIGINT, supervisor.request_stop)
     signal.signal(signal.SIGTERM, supervisor.request_stop)

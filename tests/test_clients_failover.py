@@ -409,7 +409,7 @@ def test_sync_cancel_goes_to_the_server_of_the_timed_out_request(servers: list[F
 
 def test_cli_takes_several_addresses(servers: list[FakeServer], capsys: pytest.CaptureFixture[str]) -> None:
     a, b = start(servers, "draining", "answer")
-    argv = ["infer", "--address", a.address, "--address", b.address, "--model", "m", "--json", '{"n": 4}']
+    argv = ["infer", "--address", a.address, "--address", b.address, "--model", "m", "--inputs", '{"n": 4}']
     for _ in range(2):
         assert cli_main(argv) == 0
         assert 'server: "s1"' in capsys.readouterr().out

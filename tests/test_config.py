@@ -187,7 +187,20 @@ def test_bad_batch_sizes(tmp_path: Path, sizes: str) -> None:
 
 def test_model_without_batch_sizes(tmp_path: Path) -> None:
     text = MODEL.replace("batch_sizes = [1, 2, 4]\n", "")
-    config_error(tmp_path, text, "models.lstm", "batch_sizes")
+    config_error(tmp_path, text, "[models.lstm] batch_sizes is required: the batch sizes its cells run at")
+
+
+def test_a_misspelt_batch_sizes_is_named_as_a_typo(tmp_path: Path) -> None:
+    text = MODEL.replace("batch_sizes = [1, 2, 4]", "batch_size = [1, 2, 4]")
+    config_error(tmp_path, text, "[models.lstm] batch_sizes is required ('batch_size' is there: a typo?)")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_readme_names_every_weight_of_the_chain_models(tmp_path: Path, kind: str) -> None:
+    config = load_config(write(tmp_path, MODEL.replace("common.models.lstm:build", f"common.models.{kind}:build")))
+    readme = (ROOT / "README.md").read_text()
+    for key in build_model(config.models["lstm"]).weight_shapes():
+        assert f"`{key}`" in readme, f"README.md does not name {key}"
 
 
 @pytest.mark.parametrize("priority", ["1.5", '"high"', "true", "[1]"])
@@ -361,7 +374,8 @@ def test_load_weights_with_shapes_that_disagree_with_the_config(tmp_path: Path) 
         wider.load_weights()
     message = str(excinfo.value)
     assert str(wider.config.weights) in message
-    assert "batchmaker init-weights" in message, f"the message should say how to fix it: {message}"
+    assert "Set the sizes in [models.lstm] to those the weights were trained with" in message, message
+    assert "delete" not in message and "init-weights" not in message, f"the advice must keep the user's file: {message}"
 
 
 def test_load_weights_lacking_a_layer(tmp_path: Path) -> None:

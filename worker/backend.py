@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.config import ConfigError
 from common.graph import CellTypeSpec, ValueKind
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import SLOT_DTYPE, TaskMessage
@@ -97,6 +98,18 @@ def time_full_tasks(
             runs.append(time.perf_counter() - began)
         timed[spec.key] = statistics.median(runs)
     return timed
+
+
+def warm_up_failure(spec: CellTypeSpec, batch_size: int, exc: Exception) -> ConfigError:
+    """A cell that fails on zero rows is the model's fault: say which cell type and what it must return."""
+    def kinds(values: tuple[ValueKind, ...]) -> str:
+        return ", ".join(f"{kind.dtype}[batch, {', '.join(map(str, kind.shape))}]".replace(", ]", "]") for kind in values)
+
+    return ConfigError(
+        f"cell type {spec.key!r} failed its warm-up run at batch size {batch_size} "
+        f"({type(exc).__name__}: {str(exc)[:300]}); its cell must take ({kinds(spec.inputs)}) and return "
+        f"({kinds(spec.outputs)}), each with the batch first (docs/models.md, \"Rules a cell must follow\")"
+    )
 
 
 class Backend(ABC):

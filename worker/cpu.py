@@ -22,7 +22,7 @@ from torch import nn
 from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
-from worker.backend import ArenaInfo, Backend, arena_ids, time_full_tasks, warm_up_tasks
+from worker.backend import ArenaInfo, Backend, arena_ids, time_full_tasks, warm_up_failure, warm_up_tasks
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,10 @@ class CpuBackend(Backend):
     def warm_up(self) -> None:
         with torch.inference_mode():
             for task in warm_up_tasks(self._specs, self._ids):
-                run_task(resolve(task, self._tensors, self._cells, self._peers))
+                try:
+                    run_task(resolve(task, self._tensors, self._cells, self._peers))
+                except Exception as exc:
+                    raise warm_up_failure(self._specs[task.cell_index], task.batch_size, exc) from exc
         self._full_task_s = time_full_tasks(self._specs, self._ids, self._through_stream)
 
     def _through_stream(self, task: TaskMessage) -> None:

@@ -409,7 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         backend = make_backend(
             args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs
         )
-        backend.warm_up()
+        try:
+            backend.warm_up()
+        except BaseException:
+            backend.close()  # its shared memory, which would otherwise outlive the worker
+            raise
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG_ERROR

@@ -6,8 +6,12 @@ workers call `make_cells`; tests and the demo call `reference`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+import math
+import os
+import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ import torch
 from common.config import ConfigError, ModelConfig
 from common.graph import CellGraph, CellTypeSpec, ValueKind
 from common.models.kernels import FOLD_BUDGET_BYTES
+from common.models.weights import is_random, read_weights
 from common.plan import Unfolded, compile_graph
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
@@ -131,35 +136,23 @@ class Model(ABC):
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the weights file, by key, with the shape this config needs."""
 
-    @abstractmethod
     def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
-        """A deterministic random state dict in this model's documented key layout."""
+        """A deterministic random state dict in this model's documented key layout: by default every
+        tensor of `weight_shapes()`, uniform in +-1/sqrt(fan-in) as torch.nn initializes its layers."""
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            key: (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1] if shape else 1)
+            for key, shape in self.weight_shapes().items()
+        }
+
+    @functools.cached_property
+    def random_weights(self) -> bool:
+        """Whether the weights file holds the random weights `batchmaker init-weights` writes."""
+        return is_random(self.config.weights)
 
     def load_weights(self) -> dict[str, torch.Tensor]:
-        path = self.config.weights
-        if not path.exists():
-            raise ConfigError(
-                f"weights file {path} for model {self.name!r} does not exist; "
-                f"create it with: batchmaker init-weights CONFIG"
-            )
-        remedy = "fix the config's sizes, or delete the file and run: batchmaker init-weights CONFIG"
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many unrelated types for a file that is not its own
-            raise ConfigError(f"weights file {path} is not a torch weights file ({exc}); {remedy}") from None
-        if not isinstance(state, dict):
-            raise ConfigError(f"weights file {path} does not hold a state dict; {remedy}")
-        expected = self.weight_shapes()
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ConfigError(f"weights file {path} lacks {missing} needed by model {self.name!r}; {remedy}")
-        for key, shape in expected.items():
-            if tuple(state[key].shape) != shape:
-                raise ConfigError(
-                    f"weights file {path}: {key} has shape {tuple(state[key].shape)}, "
-                    f"the config asks for {shape}; {remedy}"
-                )
-        return {key: state[key].float() for key in expected}
+        """The weights file's tensors this model needs, in float32 (ConfigError with the remedy otherwise)."""
+        return read_weights(self)
 
     @abstractmethod
     def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
@@ -167,16 +160,43 @@ class Model(ABC):
 
 
 def build_model(config: ModelConfig) -> Model:
-    """Import the configured builder ("package.module:function") and build the model."""
+    """Import the configured builder ("package.module:function") and build the model.
+
+    Errors name the config file: the builder's own ConfigErrors (a missing or misspelt key) too."""
+    where = f"{config.config_path or 'CONFIG'}: [models.{config.name}]"
+    builder = _import_builder(config, where)
+    try:
+        model = builder(config)
+    except ConfigError as exc:
+        if config.config_path is None:
+            raise
+        raise ConfigError(f"{config.config_path}: {exc}") from None
+    if not isinstance(model, Model):
+        raise ConfigError(f"{where} builder {config.builder!r} did not return a Model")
+    return model
+
+
+def _import_builder(config: ModelConfig, where: str) -> Any:
+    """The builder function, with the config's folder and the working directory on the import path
+    (after the installed packages, so they never shadow one): every process that builds models
+    (supervisor, manager, workers) finds a user's module there without PYTHONPATH."""
+    folders = [*([str(config.config_path.parent)] if config.config_path else []), os.getcwd()]
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
     module_name, _, func_name = config.builder.partition(":")
     try:
-        builder = getattr(importlib.import_module(module_name), func_name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"model {config.name!r}: cannot import builder {config.builder!r}: {exc}") from None
-    model = builder(config)
-    if not isinstance(model, Model):
-        raise ConfigError(f"model {config.name!r}: builder {config.builder!r} did not return a Model")
-    return model
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{where} cannot import builder {config.builder!r}: {exc}. Modules are looked up in the config's "
+            f"folder and the working directory ({', '.join(folders)}) and on PYTHONPATH: move the module to one "
+            "of these, or add its folder to PYTHONPATH"
+        ) from None
+    builder = getattr(module, func_name, None)
+    if not callable(builder):
+        raise ConfigError(f"{where} cannot import builder {config.builder!r}: {module.__file__} defines no function {func_name!r}")
+    return builder
 
 
 def cell_layout(models: list[Model]) -> tuple[list[CellTypeSpec], list[ValueKind]]:
