@@ -126,6 +126,24 @@ def wait_idle(client: Client, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+class CountingList(list):
+    """A list that counts the entries read from it: how much work a check did, without a clock."""
+
+    read = 0
+
+    def __iter__(self):
+        for entry in super().__iter__():
+            self.read += 1
+            yield entry
+
+    def __contains__(self, value: object) -> bool:
+        return any(entry == value for entry in self)
+
+    def __getitem__(self, index):
+        self.read += 1
+        return super().__getitem__(index)
+
+
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0, interval: float = 0.01) -> Any:
     """The first truthy value of `predicate()`; fails naming `what` if none comes within the (generous) timeout."""
     deadline = time.monotonic() + timeout

@@ -222,15 +222,15 @@ def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.nda
         raise RequestError(BAD_REQUEST, f"inputs lack {key!r}")
     raw = inputs[key]
     if is_tensor_map(raw):
-        array = map_to_tensor(raw, key)
-        if array.dtype.kind not in "iu" or array.ndim != 1:
+        array = map_to_tensor(raw, key, rank=1)
+        if array.dtype.kind not in "iu":
             raise RequestError(INVALID_INPUT, f"{key} must be a 1-D integer tensor, got {array.dtype}{list(array.shape)}")
     elif isinstance(raw, list):
+        if len(raw) > max_length:  # before any scan of the list: refusing a long one costs nothing
+            raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")
         if not set(map(type, raw)) <= {int}:  # bool is not an int here, nor are int subclasses
             raise RequestError(INVALID_INPUT, f"{key} must be a list of integer token ids")
         if raw and 0 <= min(raw) and max(raw) < vocab_size:  # the common case, checked on the list (cheaper)
-            if len(raw) > max_length:
-                raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")
             return np.array(raw, dtype=np.int64)
         try:
             array = np.array(raw, dtype=np.int64)

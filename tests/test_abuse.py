@@ -1,0 +1,92 @@
+"""Attacks by a client without credentials, thrown at a served config.
+
+Each attack must be refused cheaply, must leave the event loop responsive (a health probe sent
+right behind it is answered within the probe's timeout), must leave the manager's memory bounded,
+and must leave well-formed requests beside it answered correctly. Cheapness is asserted by counting
+the entries a check reads, never by the clock.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import psutil
+import pytest
+from conftest import SMALL_LSTM, CountingList, start_server, stop_server, write_config
+from test_hardening import RawSocket, check_good_request
+
+from common.models import build_model
+from common.models.base import token_ids
+from common.models.tree import parse_tree
+from common.protocol import INVALID_INPUT, RequestError
+
+PROBE_TIMEOUT_MS = 10_000  # what a liveness probe would allow; a stalled loop misses it
+RSS_BOUND = 64 << 20  # growth of the manager's memory over all the attacks of a test
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    config = write_config(tmp_path_factory.mktemp("abuse"), SMALL_LSTM)
+    server = start_server(config, workers=1)
+    model = build_model(config.models["lstm"])
+    yield server, model, model.load_weights()
+    stop_server(server)
+
+
+def manager_rss(server) -> int:
+    return psutil.Process(server.supervisor.manager.pid).memory_info().rss
+
+
+def answers(raw: RawSocket, count: int) -> dict:
+    """The next `count` replies by id, each within the probe's timeout."""
+    replies = {}
+    for _ in range(count):
+        assert raw.socket.poll(PROBE_TIMEOUT_MS), f"no reply within {PROBE_TIMEOUT_MS} ms; got {replies}"
+        reply = msgpack.unpackb(raw.socket.recv(), raw=False, strict_map_key=False)
+        replies[reply["id"]] = reply
+    return replies
+
+
+def assert_probe_and_good_request_beside(raw: RawSocket, served, attack: bytes, attack_id: str) -> dict:
+    """Send the attack, then a health probe, at once; both answered; then a good request answered right."""
+    _, model, state = served
+    raw.socket.send(attack)
+    raw.socket.send(msgpack.packb({"id": "probe", "op": "health"}))
+    replies = answers(raw, 2)
+    assert replies["probe"]["ok"] and replies["probe"]["status"] == "ready", replies
+    check_good_request(raw, model, state, [5, 6, 7, 8])
+    return replies[attack_id]
+
+
+# -- tensor maps ------------------------------------------------------------------------------------
+
+
+def test_a_shape_of_many_huge_dimensions_is_invalid_input_and_the_loop_stays_responsive(served):
+    raw = RawSocket(served[0].address)
+    before = manager_rss(served[0])
+    for count in (5_000, 40_000):
+        tokens = {"dtype": "int64", "shape": [2**64 - 1] * count, "data": b"\x00" * 8}
+        attack = msgpack.packb({"id": "crafted", "model": "lstm", "inputs": {"tokens": tokens}})
+        refusal = assert_probe_and_good_request_beside(raw, served, attack, "crafted")
+        assert refusal["error"]["code"] == INVALID_INPUT, refusal
+        assert len(refusal["error"]["message"]) < 200, refusal
+    assert manager_rss(served[0]) - before < RSS_BOUND
+
+
+# -- lengths before scans -----------------------------------------------------------------------------
+
+
+def test_a_token_list_over_the_length_limit_is_refused_before_it_is_scanned():
+    tokens = CountingList([1] * 100_000)
+    with pytest.raises(RequestError) as excinfo:
+        token_ids({"tokens": tokens}, "tokens", vocab_size=10, max_length=400)
+    assert excinfo.value.code == INVALID_INPUT and "at most 400" in excinfo.value.message
+    assert tokens.read == 0
+
+
+@pytest.mark.parametrize("key", ["tokens", "parents"])
+def test_a_tree_over_the_node_limit_is_refused_before_it_is_scanned(key: str):
+    tree = {"tokens": [1, 2, 3], "parents": [-1, 0, 0], key: CountingList([1] * 100_000)}
+    with pytest.raises(RequestError) as excinfo:
+        parse_tree({"tree": tree}, vocab_size=10, max_nodes=500, binary=False)
+    assert excinfo.value.code == INVALID_INPUT and "at most 500" in excinfo.value.message
+    assert tree[key].read == 0
