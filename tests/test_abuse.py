@@ -11,11 +11,11 @@ from __future__ import annotations
 import msgpack
 import psutil
 import pytest
-from conftest import SMALL_LSTM, CountingList, start_server, stop_server, write_config
+from conftest import SMALL_LSTM, SMALL_SEQ2SEQ, CountingList, start_server, stop_server, write_config
 from test_hardening import RawSocket, check_good_request
 
 from common.models import build_model
-from common.models.base import token_ids
+from common.models.base import PlanCache, token_ids
 from common.models.tree import parse_tree
 from common.protocol import INVALID_INPUT, RequestError
 
@@ -90,3 +90,51 @@ def test_a_tree_over_the_node_limit_is_refused_before_it_is_scanned(key: str):
         parse_tree({"tree": tree}, vocab_size=10, max_nodes=500, binary=False)
     assert excinfo.value.code == INVALID_INPUT and "at most 500" in excinfo.value.message
     assert tree[key].read == 0
+
+
+# -- reply amplification ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"model": "m" * 500_000},
+        {"op": "o" * 500_000},
+        {"model": "lstm", "inputs": {"tokens": [1]}, "deadline_ms": ["d" * 1000] * 400},
+        {"model": "lstm", "inputs": {"tokens": {"dtype": "x" * 500_000, "shape": [1], "data": b"\x00"}}},
+    ],
+    ids=["model", "op", "deadline", "dtype"],
+)
+def test_a_refusal_is_never_much_larger_than_a_plain_reply(served, fields: dict):
+    raw = RawSocket(served[0].address)
+    attack = msgpack.packb({"id": "amplified", **fields})
+    refusal = assert_probe_and_good_request_beside(raw, served, attack, "amplified")
+    assert not refusal["ok"] and len(msgpack.packb(refusal)) < 400, refusal
+
+
+def test_a_long_string_id_is_refused_and_not_echoed(served):
+    raw = RawSocket(served[0].address)
+    reply = raw.exchange(msgpack.packb({"id": "i" * 100_000, "op": "health"}))
+    assert reply["id"] is None and reply["error"]["code"] == "BAD_REQUEST" and "256" in reply["error"]["message"]
+    assert raw.exchange(msgpack.packb({"id": "i" * 256, "op": "health"}))["ok"]
+
+
+# -- plan caches ------------------------------------------------------------------------------------------
+
+
+def test_plan_caches_keep_the_most_recently_used_plans_and_count_misses(tmp_path):
+    model = build_model(write_config(tmp_path, SMALL_SEQ2SEQ).models["seq2seq"])
+    model.plan_cache = PlanCache(size=4)
+    for length in range(1, 41):  # every shape a client can choose: each a miss, the cache stays at 4
+        model.plan({"tokens": [1] * length, "max_len": 5})
+    assert model.plan_cache.snapshot() == {"plans": 4, "size": 4, "misses": 40}
+    for length, misses in ((37, 40), (1, 41), (37, 41), (38, 42)):  # 37 used again outlives 38, unused
+        model.plan({"tokens": [1] * length, "max_len": 5})
+        assert model.plan_cache.misses == misses, length
+
+
+def test_stats_report_each_plan_cache(served):
+    with served[0].client() as client:
+        client.infer("lstm", {"tokens": [1, 2, 3]})
+        caches = client.stats()["plan_caches"]
+    assert caches["lstm"]["misses"] >= 1 and caches["lstm"]["plans"] <= caches["lstm"]["size"]

@@ -6,9 +6,11 @@ workers call `make_cells`; tests and the demo call `reference`.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch
 from common.config import ConfigError, ModelConfig
 from common.graph import CellGraph, CellTypeSpec, ValueKind
 from common.models.kernels import FOLD_BUDGET_BYTES
-from common.plan import Unfolded, compile_graph
+from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 log = logging.getLogger(__name__)
@@ -26,10 +28,38 @@ log = logging.getLogger(__name__)
 FOLD_KEY = "fold_input_projection"  # a built-in model's switch for folded input projections (kernels.py)
 
 
+PLAN_CACHE_SIZE = 512  # plans a model keeps; a seq2seq plan of 400 + 200 steps is ~74 KB: ~38 MB at most
+
+
+class PlanCache:
+    """Compiled plans by request shape, the least recently used dropped beyond `size`: the shapes
+    come from clients, so an unbounded cache would let them fill the manager's memory."""
+
+    def __init__(self, size: int = PLAN_CACHE_SIZE):
+        self.size = size
+        self.misses = 0
+        self._plans: collections.OrderedDict[Hashable, Plan] = collections.OrderedDict()
+
+    def get(self, key: Hashable, compile_plan: Callable[[], Plan]) -> Plan:
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        self.misses += 1
+        plan = self._plans[key] = compile_plan()
+        if len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+        return plan
+
+    def snapshot(self) -> dict[str, int]:
+        return {"plans": len(self._plans), "size": self.size, "misses": self.misses}
+
+
 class Model(ABC):
     """A servable model: see docs/architecture.md, "Models"."""
 
     kind: str = ""
+    plan_cache: PlanCache | None = None  # models whose requests come in few shapes reuse their plans (`plan`)
 
     def __init__(self, config: ModelConfig):
         self.config = config
