@@ -74,7 +74,6 @@ class ServerConfig:
     arena_rows: int = 16384
     io_rows: int = 16384
     max_message_bytes: int = 1024 * 1024  # a client frame over this closes its connection (docs/deploy.md, "Limits")
-    max_clients: int = 1000  # client connections at once; beyond it new connections are closed at once
     max_backlog_bytes: int = 64 * 1024 * 1024  # replies one client may leave unread before it counts as gone
     default_deadline_ms: int = 0  # 0: requests without deadline_ms have none
     heartbeat_timeout_ms: int = 3000  # a worker silent this long is taken for dead
@@ -202,7 +201,6 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         arena_rows=_positive_int(table, "arena_rows", defaults.arena_rows, "server", path, minimum=16),
         io_rows=_positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
         max_message_bytes=_positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
-        max_clients=_positive_int(table, "max_clients", defaults.max_clients, "server", path),
         max_backlog_bytes=_positive_int(table, "max_backlog_bytes", defaults.max_backlog_bytes, "server", path, 1024),
         default_deadline_ms=_positive_int(
             table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
