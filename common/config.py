@@ -246,7 +246,8 @@ def _key_files(server: dict[str, Any], key: str, kind: type, path: Path) -> Any:
 def check_worker_address(address: str, server: ServerConfig, where: str) -> None:
     """Worker sockets other machines can reach take only workers holding an allowed CURVE key,
     unless the config says explicitly that they need none."""
-    if not is_loopback(address) and server.worker_curve is None and not server.insecure_workers:
+    reachable = address != "auto" and not is_loopback(address)  # auto: an ipc path in a private directory
+    if reachable and server.worker_curve is None and not server.insecure_workers:
         raise ConfigError(
             f"{where} {address!r} can be reached from other machines, and anyone who reaches it could register "
             "as a worker: add a [server.worker_curve] table (CurveZMQ keys for workers, see docs/deploy.md) "
