@@ -29,6 +29,7 @@ from common.auth import connect_socket
 from common.config import Config, with_policy
 from common.models import build_model
 from common.protocol import decode, encode
+from common.shm import remove_stale_segments
 from common.worker_keys import worker_curve
 from manager.main import SUPERVISOR_TOKEN_ENV
 from manager.policies import check_policy
@@ -117,6 +118,8 @@ class Supervisor:
         )
 
     def start(self) -> None:
+        for name in remove_stale_segments():
+            log.info("removed stale shared memory %s (its process is gone)", name)
         self.manager = self._spawn(
             "manager",
             "--address",
