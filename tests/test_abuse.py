@@ -8,6 +8,9 @@ the entries a check reads, never by the clock.
 
 from __future__ import annotations
 
+import socket
+import struct
+
 import msgpack
 import psutil
 import pytest
@@ -15,6 +18,7 @@ from conftest import SMALL_LSTM, SMALL_SEQ2SEQ, CountingList, start_server, stop
 from test_hardening import RawSocket, check_good_request
 
 from clients import Client
+from common.auth import generate_keypair
 from common.models import build_model
 from common.models.base import PlanCache, token_ids
 from common.models.tree import parse_tree
@@ -161,3 +165,50 @@ def test_batchmaker_serve_ignores_the_test_suites_crash_hooks(tmp_path, monkeypa
         assert launcher.stop_server(server) == []
         log.close()
     assert "ignoring BATCHMAKER_TEST_CRASH_TOKEN" in (tmp_path / "serve.log").read_text()
+
+
+# -- unfinished multipart messages ----------------------------------------------------------------------------
+
+
+def zmtp_flood(address: str, parts: int, part_bytes: int) -> int:
+    """Speak ZMTP 3.0 by hand, as no libzmq client would: greet with the NULL mechanism, then send
+    `parts` frames of `part_bytes`, each flagged MORE, never the last. Returns the bytes the server took
+    before it closed the connection (all of them if it never did)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        try:
+            raw.sendall(b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
+            ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+            raw.sendall(b"\x04" + bytes([len(ready)]) + ready)
+            part = b"\x03" + struct.pack(">Q", part_bytes) + b"x" * part_bytes  # MORE | LONG
+            for _ in range(parts):
+                raw.sendall(part)
+                sent += len(part)
+        except OSError:  # reset or broken pipe: the server closed the connection
+            pass
+    return sent
+
+
+def test_with_curve_a_hand_written_peer_gets_no_unfinished_frame_buffered(tmp_path):
+    """libzmq queues an unfinished message's frames without counting them against the high-water
+    mark, and a peer writing the wire protocol by hand can send them to the server (a libzmq client
+    keeps them in its own process). With CURVE the handshake fails first: nothing is buffered."""
+    keys = tmp_path / "keys"
+    generate_keypair(keys, "server")
+    client_public, client_secret = generate_keypair(keys, "client")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "client.key").write_bytes(client_public.read_bytes())
+    curve = f'[server.curve]\nsecret_key = "{keys / "server.key_secret"}"\nallowed_clients = "{allowed}"\n'
+    server = start_server(write_config(tmp_path, SMALL_LSTM, server=curve), workers=1)
+    try:
+        before = manager_rss(server)
+        sent = zmtp_flood(server.address, parts=150, part_bytes=1 << 20)
+        assert sent < 150 << 20, "the server read a flood from a peer without a key"
+        assert manager_rss(server) - before < RSS_BOUND
+        with Client(server.address, timeout=10, curve=(client_secret, keys / "server.key")) as client:
+            assert client.health()["status"] == "ready"
+            assert client.infer("lstm", {"tokens": [1, 2, 3]}).outputs["h"].shape == (64,)
+    finally:
+        stop_server(server)
