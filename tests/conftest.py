@@ -180,6 +180,18 @@ def lstm_server(lstm_config: Config) -> Iterator[RunningServer]:
     stop_server(server)
 
 
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Any, dict]]:
+    """One served SMALL_LSTM for a module's attacks, with its model and weights to check answers against."""
+    from common.models import build_model
+
+    config = write_config(tmp_path_factory.mktemp("fuzz"), SMALL_LSTM)
+    server = start_server(config, workers=1)
+    model = build_model(config.models["lstm"])
+    yield server, model, model.load_weights()
+    stop_server(server)
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """The project's shared data folder, or a clean skip where this checkout has none beside it."""

@@ -29,15 +29,6 @@ PROBE_TIMEOUT_MS = 10_000  # what a liveness probe would allow; a stalled loop m
 RSS_BOUND = 64 << 20  # growth of the manager's memory over all the attacks of a test
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("abuse"), SMALL_LSTM)
-    server = start_server(config, workers=1)
-    model = build_model(config.models["lstm"])
-    yield server, model, model.load_weights()
-    stop_server(server)
-
-
 def manager_rss(server) -> int:
     return psutil.Process(server.supervisor.manager.pid).memory_info().rss
 
@@ -66,16 +57,16 @@ def assert_probe_and_good_request_beside(raw: RawSocket, served, attack: bytes, 
 # -- tensor maps ------------------------------------------------------------------------------------
 
 
-def test_a_shape_of_many_huge_dimensions_is_invalid_input_and_the_loop_stays_responsive(served):
-    raw = RawSocket(served[0].address)
-    before = manager_rss(served[0])
+def test_a_shape_of_many_huge_dimensions_is_invalid_input_and_the_loop_stays_responsive(fuzz_server):
+    raw = RawSocket(fuzz_server[0].address)
+    before = manager_rss(fuzz_server[0])
     for count in (5_000, 40_000):
         tokens = {"dtype": "int64", "shape": [2**64 - 1] * count, "data": b"\x00" * 8}
         attack = msgpack.packb({"id": "crafted", "model": "lstm", "inputs": {"tokens": tokens}})
-        refusal = assert_probe_and_good_request_beside(raw, served, attack, "crafted")
+        refusal = assert_probe_and_good_request_beside(raw, fuzz_server, attack, "crafted")
         assert refusal["error"]["code"] == INVALID_INPUT, refusal
         assert len(refusal["error"]["message"]) < 200, refusal
-    assert manager_rss(served[0]) - before < RSS_BOUND
+    assert manager_rss(fuzz_server[0]) - before < RSS_BOUND
 
 
 # -- lengths before scans -----------------------------------------------------------------------------
@@ -111,15 +102,15 @@ def test_a_tree_over_the_node_limit_is_refused_before_it_is_scanned(key: str):
     ],
     ids=["model", "op", "deadline", "dtype"],
 )
-def test_a_refusal_is_never_much_larger_than_a_plain_reply(served, fields: dict):
-    raw = RawSocket(served[0].address)
+def test_a_refusal_is_never_much_larger_than_a_plain_reply(fuzz_server, fields: dict):
+    raw = RawSocket(fuzz_server[0].address)
     attack = msgpack.packb({"id": "amplified", **fields})
-    refusal = assert_probe_and_good_request_beside(raw, served, attack, "amplified")
+    refusal = assert_probe_and_good_request_beside(raw, fuzz_server, attack, "amplified")
     assert not refusal["ok"] and len(msgpack.packb(refusal)) < 400, refusal
 
 
-def test_a_long_string_id_is_refused_and_not_echoed(served):
-    raw = RawSocket(served[0].address)
+def test_a_long_string_id_is_refused_and_not_echoed(fuzz_server):
+    raw = RawSocket(fuzz_server[0].address)
     reply = raw.exchange(msgpack.packb({"id": "i" * 100_000, "op": "health"}))
     assert reply["id"] is None and reply["error"]["code"] == "BAD_REQUEST" and "256" in reply["error"]["message"]
     assert raw.exchange(msgpack.packb({"id": "i" * 256, "op": "health"}))["ok"]
@@ -139,8 +130,8 @@ def test_plan_caches_keep_the_most_recently_used_plans_and_count_misses(tmp_path
         assert model.plan_cache.misses == misses, length
 
 
-def test_stats_report_each_plan_cache(served):
-    with served[0].client() as client:
+def test_stats_report_each_plan_cache(fuzz_server):
+    with fuzz_server[0].client() as client:
         client.infer("lstm", {"tokens": [1, 2, 3]})
         caches = client.stats()["plan_caches"]
     assert caches["lstm"]["misses"] >= 1 and caches["lstm"]["plans"] <= caches["lstm"]["size"]
