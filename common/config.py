@@ -76,7 +76,8 @@ class ServerConfig:
     threads_per_worker: int = 1
     arena_rows: int = 16384
     io_rows: int = 16384
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = 1024 * 1024  # a client frame over this closes its connection (docs/deploy.md, "Limits")
+    max_backlog_bytes: int = 64 * 1024 * 1024  # replies one client may leave unread before it counts as gone
     default_deadline_ms: int = 0  # 0: requests without deadline_ms have none
     heartbeat_timeout_ms: int = 3000  # a worker silent this long is taken for dead
     hang_timeout_ms: int = 10000  # a worker whose stream does not advance this long, with tasks in flight, is hung
@@ -203,6 +204,7 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         arena_rows=_positive_int(table, "arena_rows", defaults.arena_rows, "server", path, minimum=16),
         io_rows=_positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
         max_message_bytes=_positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
+        max_backlog_bytes=_positive_int(table, "max_backlog_bytes", defaults.max_backlog_bytes, "server", path, 1024),
         default_deadline_ms=_positive_int(
             table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
         ),
@@ -247,7 +249,8 @@ def _key_files(server: dict[str, Any], key: str, kind: type, path: Path) -> Any:
 def check_worker_address(address: str, server: ServerConfig, where: str) -> None:
     """Worker sockets other machines can reach take only workers holding an allowed CURVE key,
     unless the config says explicitly that they need none."""
-    if not is_loopback(address) and server.worker_curve is None and not server.insecure_workers:
+    reachable = address != "auto" and not is_loopback(address)  # auto: an ipc path in a private directory
+    if reachable and server.worker_curve is None and not server.insecure_workers:
         raise ConfigError(
             f"{where} {address!r} can be reached from other machines, and anyone who reaches it could register "
             "as a worker: add a [server.worker_curve] table (CurveZMQ keys for workers, see docs/deploy.md) "

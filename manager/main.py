@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 
 import zmq
@@ -14,6 +15,8 @@ from common.logs import setup_logging
 from manager.server import Manager
 
 log = logging.getLogger("batchmaker.manager")
+
+SUPERVISOR_TOKEN_ENV = "BATCHMAKER_SUPERVISOR_TOKEN"  # hex; the supervisor signs its worker_exited messages with it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)
     setup_logging("manager")
+    token = bytes.fromhex(os.environ.pop(SUPERVISOR_TOKEN_ENV, ""))  # out of the environment: no child inherits it
     try:
         config = load_config(args.config)
         if args.policy is not None:
@@ -34,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_address is not None:
             config = with_metrics_address(config, args.metrics_address)
         manager = Manager(
-            config, args.address or config.server.address, args.worker_address, args.expected_workers, args.parent_pid
+            config,
+            args.address or config.server.address,
+            args.worker_address,
+            args.expected_workers,
+            args.parent_pid,
+            token,
         )
     except ConfigError as exc:
         log.error("%s", exc)

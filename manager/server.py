@@ -33,6 +33,7 @@ from common.protocol import (
     UNKNOWN_MODEL,
     WORKER_LOST,
     RequestError,
+    echo,
     error_reply,
 )
 from common.sockets import server_context
@@ -72,6 +73,7 @@ class Manager:
         worker_address: str,
         expected_workers: int,
         parent_pid: int | None = None,
+        supervisor_token: bytes = b"",
     ):
         self.config = config
         self.models, self.specs, self.kinds = load_models(config)
@@ -94,7 +96,7 @@ class Manager:
             bound = self.metrics.serve(host, int(port))
             log.info("metrics on http://%s:%d/metrics", host, bound)
         self._context = server_context()
-        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health)
+        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health, supervisor_token)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)
 
@@ -276,7 +278,7 @@ class Manager:
         message = incoming.message
         op = message.get("op", "infer")
         if op not in OPS:
-            raise RequestError(BAD_REQUEST, f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+            raise RequestError(BAD_REQUEST, f"unknown op {echo(op)}; expected one of {', '.join(OPS)}")
         if op == "infer":
             self._infer(incoming)
         elif op == "models":
@@ -306,7 +308,7 @@ class Manager:
             raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
         model = self.models.get(name)
         if model is None:
-            raise RequestError(UNKNOWN_MODEL, f"no model named {name!r}; this server has {', '.join(self.models)}")
+            raise RequestError(UNKNOWN_MODEL, f"no model named {echo(name)}; this server has {', '.join(self.models)}")
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
         if (client, request_id) in self.requests:
@@ -394,6 +396,7 @@ class Manager:
             "unreachable_clients": self.frontend.unreachable_clients,
             "admission": self.admission.snapshot(self.processor.unsubmitted_nodes),
             "ready_nodes": self.scheduler.ready_nodes(),
+            "plan_caches": {name: m.plan_cache.snapshot() for name, m in self.models.items() if m.plan_cache},
             "workers": {
                 str(w.worker_id): {
                     "tasks_in_flight": w.in_flight,
@@ -418,5 +421,5 @@ def _optional_int(message: dict[str, Any], field: str, minimum: int | None = Non
         return None
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
         bound = f" >= {minimum}" if minimum is not None else ""
-        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {value!r}")
+        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {echo(value)}")
     return value

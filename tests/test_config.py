@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.addresses import is_loopback
 from common.config import AFFINITIES, POLICIES, ConfigError, load_config
 from common.models import build_model
 from common.models.base import Model, save_weights
@@ -463,3 +464,23 @@ def test_worker_keys_table_errors(tmp_path: Path) -> None:
     config_error(tmp_path, WORKER_KEYS + 'allowed_clients = "keys/clients"\n' + MODEL,
                  "[server.worker_curve] has unknown key(s) ['allowed_clients']")
     config_error(tmp_path, '[server]\ninsecure_workers = "yes"\n' + MODEL, "insecure_workers must be true or false")
+
+
+@pytest.mark.parametrize(
+    ("address", "local"),
+    [
+        ("ipc:///tmp/x", True),
+        ("inproc://x", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://10.0.0.1:5555", False),
+        ("ws://0.0.0.0:5555", False),
+        ("tipc://{5560,0,0}", False),
+        ("udp://0.0.0.0:5555", False),
+        ("epgm://eth0;239.192.1.1:5555", False),
+    ],
+)
+def test_only_ipc_inproc_and_loopback_tcp_are_local(address: str, local: bool):
+    assert is_loopback(address) is local

@@ -95,6 +95,7 @@ class Poller(threading.Thread):
         context: zmq.Context,
         address: str,
         worker_id: int,
+        key: bytes,
         backend: Backend,
         fifo: InProgressFIFO,
         curve: CurveClient | None,
@@ -106,6 +107,7 @@ class Poller(threading.Thread):
         self._socket = self._connect()
         self._stream_socket: zmq.Socket | None = None  # created on the stream thread, used only there
         self._worker_id = worker_id
+        self._key = key  # given at registration: proves to the manager that the notices are ours
         self._backend = backend
         self._fifo = fifo
         self.stopping = threading.Event()
@@ -137,10 +139,10 @@ class Poller(threading.Thread):
                 errors[task_id] = error
             else:
                 rows += [(arena, slots, self._backend.read_io(arena, slots)) for arena, slots in sent_rows]
-        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows))
+        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows, self._key))
 
     def _heartbeat(self, signal: int) -> bytes:
-        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal))
+        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal, key=self._key))
 
     def close_stream_socket(self) -> None:
         if self._stream_socket is not None:
@@ -227,6 +229,7 @@ class Worker:
         self._host = host
         self._curve = curve
         self._local = True  # on the manager's host: the manager reads results from the io arenas
+        self._notice_key = b""  # the manager's proof of who sends our notices, given at registration
         self._context = server_context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -294,6 +297,7 @@ class Worker:
                 self._attach_peers(reply.get("peers", {}))
                 self._manager_timeout = reply["manager_timeout_s"]
                 self._local = reply["local"]
+                self._notice_key = reply["notice_key"]
                 return reply["worker_id"]
             self._check_alive()
         hint = " (check that this worker has the manager's public key)" if self._curve is not None else ""
@@ -318,7 +322,7 @@ class Worker:
         where = "the manager's host" if self._local else "another host than the manager's: results travel in notices"
         log.info("worker %d registered as %d on %s, on %s", self._index, worker_id, self._backend.device, where)
         address = completion_address(self._manager)
-        poller = Poller(self._context, address, worker_id, self._backend, self._fifo, self._curve)
+        poller = Poller(self._context, address, worker_id, self._notice_key, self._backend, self._fifo, self._curve)
         poller.start()
         try:
             self._issue_loop()

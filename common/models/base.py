@@ -6,6 +6,7 @@ workers call `make_cells`; tests and the demo call `reference`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import logging
@@ -13,6 +14,7 @@ import math
 import os
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from common.config import ConfigError, ModelConfig
 from common.graph import CellGraph, CellTypeSpec, ValueKind
 from common.models.kernels import FOLD_BUDGET_BYTES
 from common.models.weights import is_random, read_weights
-from common.plan import Unfolded, compile_graph
+from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 log = logging.getLogger(__name__)
@@ -31,10 +33,38 @@ log = logging.getLogger(__name__)
 FOLD_KEY = "fold_input_projection"  # a built-in model's switch for folded input projections (kernels.py)
 
 
+PLAN_CACHE_SIZE = 512  # plans a model keeps; a seq2seq plan of 400 + 200 steps is ~74 KB: ~38 MB at most
+
+
+class PlanCache:
+    """Compiled plans by request shape, the least recently used dropped beyond `size`: the shapes
+    come from clients, so an unbounded cache would let them fill the manager's memory."""
+
+    def __init__(self, size: int = PLAN_CACHE_SIZE):
+        self.size = size
+        self.misses = 0
+        self._plans: collections.OrderedDict[Hashable, Plan] = collections.OrderedDict()
+
+    def get(self, key: Hashable, compile_plan: Callable[[], Plan]) -> Plan:
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        self.misses += 1
+        plan = self._plans[key] = compile_plan()
+        if len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+        return plan
+
+    def snapshot(self) -> dict[str, int]:
+        return {"plans": len(self._plans), "size": self.size, "misses": self.misses}
+
+
 class Model(ABC):
     """A servable model: see docs/architecture.md, "Models"."""
 
     kind: str = ""
+    plan_cache: PlanCache | None = None  # models whose requests come in few shapes reuse their plans (`plan`)
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -242,15 +272,15 @@ def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.nda
         raise RequestError(BAD_REQUEST, f"inputs lack {key!r}")
     raw = inputs[key]
     if is_tensor_map(raw):
-        array = map_to_tensor(raw, key)
-        if array.dtype.kind not in "iu" or array.ndim != 1:
+        array = map_to_tensor(raw, key, rank=1)
+        if array.dtype.kind not in "iu":
             raise RequestError(INVALID_INPUT, f"{key} must be a 1-D integer tensor, got {array.dtype}{list(array.shape)}")
     elif isinstance(raw, list):
+        if len(raw) > max_length:  # before any scan of the list: refusing a long one costs nothing
+            raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")
         if not set(map(type, raw)) <= {int}:  # bool is not an int here, nor are int subclasses
             raise RequestError(INVALID_INPUT, f"{key} must be a list of integer token ids")
         if raw and 0 <= min(raw) and max(raw) < vocab_size:  # the common case, checked on the list (cheaper)
-            if len(raw) > max_length:
-                raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")
             return np.array(raw, dtype=np.int64)
         try:
             array = np.array(raw, dtype=np.int64)
