@@ -449,3 +449,18 @@ def test_worker_keys_table_errors(tmp_path: Path) -> None:
     config_error(tmp_path, WORKER_KEYS + 'allowed_clients = "keys/clients"\n' + MODEL,
                  "[server.worker_curve] has unknown key(s) ['allowed_clients']")
     config_error(tmp_path, '[server]\ninsecure_workers = "yes"\n' + MODEL, "insecure_workers must be true or false")
+
+
+# -- [server] cross_gpu_reads -------------------------------------------------------------------------------
+
+
+def test_cross_gpu_reads_are_always_allowed_unless_set(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MODEL)).server.cross_gpu_reads == "always"
+    for value in ("peer-access", "never"):
+        text = f'[server]\ncross_gpu_reads = "{value}"\n' + MODEL
+        assert load_config(write(tmp_path, text)).server.cross_gpu_reads == value
+
+
+@pytest.mark.parametrize("value", ['"sometimes"', "true", '""'])
+def test_an_unknown_cross_gpu_reads_is_refused(tmp_path: Path, value: str) -> None:
+    config_error(tmp_path, f"[server]\ncross_gpu_reads = {value}\n" + MODEL, "cross_gpu_reads")

@@ -191,7 +191,8 @@ def test_a_peer_is_found_by_its_gpu_not_by_its_index(small):
     it this worker refuses to read it (an index taken at face value would have called it the same GPU)."""
     announced = peer_arenas(small, uuid_index=1)
     for access, opened in ((frozenset({(0, 1)}), True), (frozenset(), False)):
-        with fake_backend(small, FakeRuntime(peer_access=access)) as (backend, runtime, _):
+        runtime = FakeRuntime(peer_access=access)
+        with fake_backend(small, runtime, cross_gpu_reads="peer-access") as (backend, _, _):
             backend.attach_peer(ACCESSIBLE_PEER, announced)
             assert bool(runtime.opened) is opened
             assert all(device == 0 for _, device in runtime.opened)
@@ -239,8 +240,8 @@ def test_a_peer_that_cannot_be_opened_is_not_read_and_the_worker_lives(small, re
         ("never", frozenset({(0, 1)}), None),
     ],
 )
-def test_cross_gpu_reads_follow_peer_access_unless_forced(small, setting: str, access, mapped_on: int | None):
-    """Without peer access a read would need a CUDA context on the peer's GPU: refused unless forced."""
+def test_cross_gpu_reads_follow_the_setting(small, setting: str, access, mapped_on: int | None):
+    """Without peer access a read needs a CUDA context on the peer's GPU: "peer-access" refuses it."""
     announced = peer_arenas(small, uuid_index=1)
     runtime = FakeRuntime(peer_access=access)
     with fake_backend(small, runtime, cross_gpu_reads=setting) as (backend, _, _):

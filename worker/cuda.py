@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.config import CROSS_GPU_READS
 from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
@@ -86,9 +87,6 @@ class StreamCalls(DeviceCalls):
         return True
 
 
-CROSS_GPU_READS = ("peer-access", "always", "never")
-
-
 class CudaBackend(Backend):
     def __init__(
         self,
@@ -99,7 +97,7 @@ class CudaBackend(Backend):
         arena_rows: int,
         io_rows: int,
         cuda_graphs: bool = False,
-        cross_gpu_reads: str = "peer-access",
+        cross_gpu_reads: str = "always",
         runtime: CudaRuntime | None = None,
     ):
         if cross_gpu_reads not in CROSS_GPU_READS:
@@ -179,8 +177,8 @@ class CudaBackend(Backend):
     def _mapping_device(self, exporter: int) -> torch.device:
         """Map a peer's arena into this worker's own context where the GPUs allow peer access: it is then
         read by this stream's kernels, and no context is created on the peer's GPU. Without peer access it
-        would be mapped on the peer's GPU (a CUDA context there, hundreds of MB) and read through staged
-        copies (`DeviceTasks._local`): only with server.cross_gpu_reads = "always"."""
+        is mapped on the peer's GPU (a CUDA context there, hundreds of MB) and read through staged copies
+        (`DeviceTasks._local`), unless server.cross_gpu_reads refuses it."""
         own = self._dev.index
         if exporter == own:
             return self._dev
@@ -189,6 +187,10 @@ class CudaBackend(Backend):
         if self._runtime.can_access_peer(own, exporter):
             return self._dev
         if self._cross_gpu_reads == "always":
+            log.warning(
+                "GPU %d has no peer access from GPU %d: reading its arenas costs a CUDA context there and staged "
+                "copies (server.cross_gpu_reads = \"peer-access\" refuses it)", exporter, own,
+            )  # fmt: skip
             return torch.device("cuda", exporter)
         raise PeerUnreadable(f"GPU {exporter} has no peer access from GPU {own} (server.cross_gpu_reads)")
 

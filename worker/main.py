@@ -198,8 +198,9 @@ def make_backend(
     rows: int,
     io_rows: int,
     cuda_graphs: bool = False,
+    cross_gpu_reads: str = "always",
 ) -> Backend:
-    """The backend of `device`; `cuda_graphs` (GPU workers only) replays captured cells."""
+    """The backend of `device`; `cuda_graphs` and `cross_gpu_reads` apply to GPU workers only."""
     if device == "cpu":
         from worker.cpu import CpuBackend
 
@@ -209,7 +210,7 @@ def make_backend(
     if device.startswith("cuda"):
         from worker.cuda import CudaBackend
 
-        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs)
+        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs, cross_gpu_reads)
     raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")
 
 
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         specs, cells, kinds = load_cells(config, args.device)
         server = config.server
         backend = make_backend(
-            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs
+            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs,
+            server.cross_gpu_reads,
         )
         backend.warm_up()
     except ConfigError as exc:
