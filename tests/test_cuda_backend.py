@@ -34,7 +34,6 @@ from common.task import TaskMessage
 from worker import cuda
 from worker.backend import DeviceFault
 from worker.cuda import CudaBackend
-from worker.cuda_runtime import CudaRuntime
 from worker.device_tasks import consecutive_runs
 from worker.main import InProgressFIFO, Poller
 
@@ -253,23 +252,6 @@ def test_cross_gpu_reads_follow_the_setting(small, setting: str, access, mapped_
 def test_an_unknown_cross_gpu_reads_setting_is_refused(small):
     with pytest.raises(ValueError, match="cross_gpu_reads must be one of"), fake_backend(small, cross_gpu_reads="sometimes"):
         pass
-
-
-def test_ipc_handles_are_opened_without_the_exporters_event(monkeypatch: pytest.MonkeyPatch):
-    """torch opens the exporter's IPC event at every open and never destroys it: the backend does not ask
-    for it (its arenas were complete before it registered)."""
-    opened = []
-
-    def new_shared_cuda(*args):
-        opened.append(args)
-        return torch.UntypedStorage(12 * 4)
-
-    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", new_shared_cuda, raising=False)
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    handle = ["memory", 48, 0, "counter", 0, "event", True]
-    tensor = CudaRuntime().open(handle, 1, torch.float32, (4, 3))
-    assert opened == [(1, "memory", 48, 0, "counter", 0, "event", False)]
-    assert tuple(tensor.shape) == (4, 3)
 
 
 # -- warm-up ------------------------------------------------------------------------------------------------

@@ -48,10 +48,9 @@ class CudaRuntime:
     def pin(self, array: HostArray) -> None:
         """Page-lock memory allocated elsewhere (an io arena in shared memory), so the device copies into it
         asynchronously, straight where the manager reads it."""
-        cudart = torch.cuda.cudart()
-        status = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
-        if status != cudart.cudaError.success:
-            raise RuntimeError(f"cudaHostRegister of {array.nbytes} bytes failed: {status}")
+        status = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0))
+        if status != 0:  # cudaSuccess
+            raise RuntimeError(f"cudaHostRegister of {array.nbytes} bytes failed with cudaError {status}")
 
     def unpin(self, array: HostArray) -> None:
         torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
