@@ -127,7 +127,8 @@ class DeviceTasks:
         self.peers.update(own)
         try:
             with self._calls.on_stream(), torch.inference_mode():
-                tasks = [serving_like(task, self._specs[task.cell_index], self._ids) for task in warm_up_tasks(self._specs, self._ids)]
+                plain = warm_up_tasks(self._specs, self._ids)
+                tasks = [serving_like(task, self._specs[task.cell_index], self._ids) for task in plain]
                 for task in tasks:
                     self._run(task)
                 if capture is not None:
