@@ -46,9 +46,8 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, runtime: FakeRuntime, blocking: bool):
+    def __init__(self, runtime: FakeRuntime):
         self._runtime = runtime
-        self.blocking = blocking
         self.stream: FakeStream | None = None
         self._at = 0
 
@@ -117,8 +116,8 @@ class FakeRuntime(CudaRuntime):
             self._current[index] = before
             self._active.pop()
 
-    def event(self, blocking: bool = False) -> FakeEvent:
-        return FakeEvent(self, blocking)
+    def event(self) -> FakeEvent:
+        return FakeEvent(self)
 
     def synchronize(self, device: torch.device) -> None:
         self.check()

@@ -30,9 +30,8 @@ class CudaRuntime:
     def use(self, stream: Any) -> AbstractContextManager:
         return torch.cuda.stream(stream)
 
-    def event(self, blocking: bool = False) -> Any:
-        """`blocking` events release the calling thread (and the GIL) in `synchronize` instead of spinning."""
-        return torch.cuda.Event(blocking=blocking)
+    def event(self) -> Any:
+        return torch.cuda.Event()
 
     def synchronize(self, device: torch.device) -> None:
         """Wait for every stream of the device, the legacy default stream included."""
