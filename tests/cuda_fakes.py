@@ -141,8 +141,10 @@ class FakeRuntime(CudaRuntime):
             stream.done += 1
 
     def sleep(self, cycles: int) -> None:
-        """Holds the stream made current last: what is enqueued on it waits for `run`."""
-        self._active[-1].held = True
+        """A kernel that holds the stream made current last: it and what follows it wait for `run`."""
+        stream = self._active[-1]
+        stream.held = True
+        self.enqueue("sleep", stream.device)
 
     # -- host memory
     def pinned(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -366,3 +366,17 @@ def test_the_poller_stops_on_a_device_fault_for_the_worker_to_exit(small, tmp_pa
     finally:
         receiver.close()
         context.term()
+
+
+def test_a_detached_peer_is_unmapped_only_after_the_stream_passes_its_last_reads(small):
+    announced = peer_arenas(small, uuid_index=0)
+    with fake_backend(small) as (backend, runtime, _):
+        backend.attach_peer(ACCESSIBLE_PEER, announced)
+        backend.stall()  # reads of the peer may still be queued
+        backend.detach_peer(ACCESSIBLE_PEER)
+        assert not backend._tasks.peers and len(backend._retired) == 1
+        backend.detach_peer(DISTANT_PEER)
+        assert len(backend._retired) == 1  # the stream has not moved
+        runtime.run(backend._calls.stream)
+        backend.detach_peer(DISTANT_PEER)
+        assert backend._retired == []
