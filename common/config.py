@@ -18,6 +18,9 @@ from common.addresses import is_loopback
 DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
 AFFINITIES = ("subgraph", "request")
+# Reads of another GPU's arenas: also staged through a CUDA context on the other GPU where the two have no
+# peer access; only where they have it; none at all.
+CROSS_GPU_READS = ("always", "peer-access", "never")
 
 
 class ConfigError(ValueError):
@@ -90,6 +93,7 @@ class ServerConfig:
     unreachable_client_ms: int = 30000  # a client that reads none of its waiting replies this long is taken for gone
     metrics_address: str = ""  # "host:port" for the Prometheus /metrics endpoint; empty: off
     cuda_graphs: bool = False  # GPU workers replay each cell as a captured CUDA graph (worker/cuda_graphs.py)
+    cross_gpu_reads: str = "always"  # which other GPUs' arenas a GPU worker reads: CROSS_GPU_READS
     curve: CurveConfig | None = None
     worker_curve: WorkerCurveConfig | None = None
     insecure_workers: bool = False  # a worker_address other machines can reach, without worker_curve
@@ -195,6 +199,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     cuda_graphs = _bool(table, "cuda_graphs", defaults.cuda_graphs, "server", path)
     if cuda_graphs and (devices == "cpu" or (isinstance(devices, tuple) and "cpu" in devices)):
         raise ConfigError(f"{path}: [server] cuda_graphs = true needs GPU workers, but devices is {devices!r}")
+    cross_gpu_reads = _string(table, "cross_gpu_reads", defaults.cross_gpu_reads, "server", path)
+    if cross_gpu_reads not in CROSS_GPU_READS:
+        raise ConfigError(f"{path}: [server] cross_gpu_reads must be one of {', '.join(CROSS_GPU_READS)}, got {cross_gpu_reads!r}")
     server = ServerConfig(
         address=_string(table, "address", defaults.address, "server", path),
         worker_address=_string(table, "worker_address", defaults.worker_address, "server", path),
@@ -223,6 +230,7 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         ),
         metrics_address=metrics_address,
         cuda_graphs=cuda_graphs,
+        cross_gpu_reads=cross_gpu_reads,
         curve=_key_files(table, "curve", CurveConfig, path),
         worker_curve=_key_files(table, "worker_curve", WorkerCurveConfig, path),
         insecure_workers=_bool(table, "insecure_workers", defaults.insecure_workers, "server", path),

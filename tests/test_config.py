@@ -484,3 +484,18 @@ def test_worker_keys_table_errors(tmp_path: Path) -> None:
 )
 def test_only_ipc_inproc_and_loopback_tcp_are_local(address: str, local: bool):
     assert is_loopback(address) is local
+
+
+# -- [server] cross_gpu_reads -------------------------------------------------------------------------------
+
+
+def test_cross_gpu_reads_are_always_allowed_unless_set(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MODEL)).server.cross_gpu_reads == "always"
+    for value in ("peer-access", "never"):
+        text = f'[server]\ncross_gpu_reads = "{value}"\n' + MODEL
+        assert load_config(write(tmp_path, text)).server.cross_gpu_reads == value
+
+
+@pytest.mark.parametrize("value", ['"sometimes"', "true", '""'])
+def test_an_unknown_cross_gpu_reads_is_refused(tmp_path: Path, value: str) -> None:
+    config_error(tmp_path, f"[server]\ncross_gpu_reads = {value}\n" + MODEL, "cross_gpu_reads")

@@ -23,6 +23,12 @@ from common.graph import CellTypeSpec, ValueKind
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import SLOT_DTYPE, TaskMessage
 
+
+class DeviceFault(RuntimeError):
+    """The device failed (a device-side assert, an illegal address): its context is unusable, so the worker
+    exits and is restarted, and the manager replays its requests elsewhere."""
+
+
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 
 

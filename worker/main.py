@@ -38,7 +38,7 @@ from common.protocol import decode, encode
 from common.sockets import NOW, receive, server_context
 from common.task import CompletionNotice, TaskMessage, decode_task, encode_notice
 from common.worker_keys import worker_curve
-from worker.backend import Backend
+from worker.backend import Backend, DeviceFault
 
 log = logging.getLogger("batchmaker.worker")
 
@@ -47,6 +47,7 @@ IDLE_WAIT_S = 0.05
 HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
 EXIT_CONFIG_ERROR = 2
 EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a device or model fault, not the config)
+EXIT_DEVICE_FAULT = 4  # the device failed while serving: its context is unusable, a fresh process is needed
 TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
 # Fault tests: with test hooks on, a task carrying this token id inline kills the worker, as a poisonous request would.
 # Unset, none does (-1, say, is a real inline value: a Child-Sum node without a word).
@@ -111,6 +112,7 @@ class Poller(threading.Thread):
         self._backend = backend
         self._fifo = fifo
         self.stopping = threading.Event()
+        self.fault: DeviceFault | None = None  # the device failed: the worker must exit
 
     def _connect(self) -> zmq.Socket:
         return connect_socket(self._context, zmq.PUSH, self._address, self._curve, linger_ms=1000)
@@ -119,7 +121,10 @@ class Poller(threading.Thread):
         if self._backend.report_from_stream(self._report_completion):
             self._heartbeats()
         else:
-            self._watch_signal()
+            try:
+                self._watch_signal()
+            except DeviceFault as exc:
+                self.fault = exc
         self._socket.close()
 
     def _report_completion(self, finished: int) -> None:
@@ -195,8 +200,9 @@ def make_backend(
     rows: int,
     io_rows: int,
     cuda_graphs: bool = False,
+    cross_gpu_reads: str = "always",
 ) -> Backend:
-    """The backend of `device`; `cuda_graphs` (GPU workers only) replays captured cells."""
+    """The backend of `device`; `cuda_graphs` and `cross_gpu_reads` apply to GPU workers only."""
     if device == "cpu":
         from worker.cpu import CpuBackend
 
@@ -206,7 +212,7 @@ def make_backend(
     if device.startswith("cuda"):
         from worker.cuda import CudaBackend
 
-        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs)
+        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs, cross_gpu_reads)
     raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")
 
 
@@ -325,7 +331,7 @@ class Worker:
         poller = Poller(self._context, address, worker_id, self._notice_key, self._backend, self._fifo, self._curve)
         poller.start()
         try:
-            self._issue_loop()
+            self._issue_loop(poller)
         finally:
             poller.stopping.set()
             poller.join(timeout=2)
@@ -333,10 +339,12 @@ class Worker:
             poller.close_stream_socket()
             self._socket.close()
             self._context.term()
+        if poller.fault is not None:
+            raise poller.fault
 
-    def _issue_loop(self) -> None:
+    def _issue_loop(self, poller: Poller) -> None:
         socket = self._socket
-        while not self._stop:
+        while not self._stop and poller.fault is None:
             if socket.poll(500):
                 self._last_heard = time.monotonic()
                 self._drain(socket)
@@ -411,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         specs, cells, kinds = load_cells(config, args.device)
         server = config.server
         backend = make_backend(
-            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs
+            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs,
+            server.cross_gpu_reads,
         )
         try:
             backend.warm_up()
@@ -432,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, worker.request_stop)
     try:
         worker.run()
+    except DeviceFault as exc:
+        log.error("%s; exiting, to be restarted: the manager replays this worker's requests", exc)
+        return EXIT_DEVICE_FAULT
     except (TimeoutError, RuntimeError) as exc:
         log.error("%s", exc)
         return 1
