@@ -357,7 +357,7 @@ def test_the_poller_stops_on_a_device_fault_for_the_worker_to_exit(small, tmp_pa
             fifo.push(1, [])
             backend.issue(lstm_task(1, small, backend))
             runtime.fail()
-            poller = Poller(context, address, worker_id=7, backend=backend, fifo=fifo, curve=None)
+            poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
             poller.start()
             poller.join(timeout=60)
             assert not poller.is_alive()
