@@ -126,8 +126,17 @@ def connect_dealer(
     return socket
 
 
-def timeout_error(address: str, timeout: float, request_id: Any, parked: bool) -> TimeoutError:
-    hint = "no server was up to take it (all set aside or draining)" if parked else "is the server running?"
+def timeout_error(address: str, timeout: float, request_id: Any, parked: bool, closed: int = 0) -> TimeoutError:
+    """`closed`: how often the server closed this client's connection while it waited."""
+    if parked:
+        hint = "no server was up to take it (all set aside or draining)"
+    elif closed:
+        hint = (
+            f"the server closed the connection {closed} time(s): it may be serving its server.max_clients "
+            "connections already, or the request was larger than its server.max_message_bytes"
+        )
+    else:
+        hint = "is the server running?"
     return TimeoutError(f"no reply from {address} within {timeout:g} s to request {request_id!r}; {hint}")
 
 
@@ -167,10 +176,9 @@ class Client:
         for server, socket in zip(self._servers.servers, self._sockets):
             self._poller.register(socket, zmq.POLLIN)
             self._owners[socket] = (server, False)
-            if self._servers.failover:
-                monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._poller.register(monitor, zmq.POLLIN)
-                self._owners[monitor] = (server, True)
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._poller.register(monitor, zmq.POLLIN)
+            self._owners[monitor] = (server, True)
         self._tick_s = min(health_interval, health_timeout) / 4
 
     def infer(
@@ -216,19 +224,24 @@ class Client:
         deadline = time.monotonic() + self.timeout
         holder = self._send(frame, request_id, server, deadline)
         refused_by: set[Server] = set()  # servers that answered it with a retryable error
+        closed = 0  # how often a lone server closed the connection meanwhile (libzmq reconnects on its own)
         try:
             while True:
                 now = time.monotonic()
                 if now >= deadline:
                     if holder is not None:
                         self._remember_timed_out(request_id, holder)
-                    raise timeout_error(self.address, self.timeout, request_id, parked=holder is None)
+                    raise timeout_error(self.address, self.timeout, request_id, holder is None, closed)
                 wait = deadline - now if not self._servers.failover else min(deadline - now, self._tick_s)
                 for socket, _ in self._poller.poll(max(1, int(wait * 1000))):
                     owner, is_monitor = self._owners[socket]
                     if is_monitor:
-                        if connection_closed(socket.recv_multipart()):
+                        if not connection_closed(socket.recv_multipart()):
+                            continue
+                        if self._servers.failover:
                             holder = self._lose(owner, "its connection closed", frame, request_id, holder, deadline)
+                        else:
+                            closed += 1
                         continue
                     reply = read_reply(socket.recv())
                     if reply is None:
@@ -297,7 +310,7 @@ class Client:
 
     def close(self) -> None:
         for socket, (_, is_monitor) in self._owners.items():
-            if not is_monitor and self._servers.failover:
+            if not is_monitor:
                 socket.disable_monitor()
         for socket in self._owners:
             socket.close(linger=0)

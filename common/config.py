@@ -81,6 +81,7 @@ class ServerConfig:
     io_rows: int = 16384
     max_message_bytes: int = 1024 * 1024  # a client frame over this closes its connection (docs/deploy.md, "Limits")
     max_backlog_bytes: int = 64 * 1024 * 1024  # replies one client may leave unread before it counts as gone
+    max_clients: int = 1024  # live client connections; one more is closed when accepted (docs/deploy.md, "Limits")
     default_deadline_ms: int = 0  # 0: requests without deadline_ms have none
     heartbeat_timeout_ms: int = 3000  # a worker silent this long is taken for dead
     hang_timeout_ms: int = 10000  # a worker whose stream does not advance this long, with tasks in flight, is hung
@@ -212,6 +213,7 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         io_rows=_positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
         max_message_bytes=_positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
         max_backlog_bytes=_positive_int(table, "max_backlog_bytes", defaults.max_backlog_bytes, "server", path, 1024),
+        max_clients=_positive_int(table, "max_clients", defaults.max_clients, "server", path),
         default_deadline_ms=_positive_int(
             table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
         ),

@@ -8,6 +8,8 @@ the client reads again. A client whose backlog has not moved for `unreachable_cl
 grown past its bound (in replies, or in bytes: `max_backlog_bytes`), is taken for gone: its backlog
 is dropped and its requests are cancelled, as for a client that disconnected.
 
+A connection beyond `max_clients` live ones is closed as soon as it is accepted (manager/connections.py).
+
 A frame over `max_message_bytes` closes its connection before it is read (ZMQ_MAXMSGSIZE): libzmq
 buffers every frame it accepts, so the limit must be the socket's, not the decoder's.
 
@@ -88,7 +90,7 @@ class ClientFrontend:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.bind(address)
-        self.connections = ClientConnections(self.socket)
+        self.connections = ClientConnections(self.socket, server.max_clients)
 
     def receive(self) -> Iterator[Incoming]:
         """The messages waiting on the socket, their envelopes checked, until none is left or READ_S has
@@ -101,11 +103,11 @@ class ClientFrontend:
                     frames = receive(self.socket, NOW)
                 except zmq.Again:
                     return
-                yield self._envelope(frames, time.perf_counter())
+                if self.connections.seen(frames[0].bytes, frames[-1]):
+                    yield self._envelope(frames, time.perf_counter())
 
     def _envelope(self, frames: list[zmq.Frame], arrival: float) -> Incoming:
         client = frames[0].bytes
-        self.connections.seen(client, frames[-1])
         message: Any = None
         try:
             if len(frames) != 2:

@@ -394,6 +394,8 @@ class Manager:
             "requests_in_flight": len(self.requests),
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
             "unreachable_clients": self.frontend.unreachable_clients,
+            "client_connections": self.frontend.connections.live,
+            "refused_connections": self.frontend.connections.refused,
             "admission": self.admission.snapshot(self.processor.unsubmitted_nodes),
             "ready_nodes": self.scheduler.ready_nodes(),
             "plan_caches": {name: m.plan_cache.snapshot() for name, m in self.models.items() if m.plan_cache},

@@ -138,6 +138,17 @@ def test_non_positive_or_ill_typed_cpu_workers(tmp_path: Path, value: str) -> No
     config_error(tmp_path, f"[server]\ncpu_workers = {value}\n" + MODEL, "cpu_workers")
 
 
+@pytest.mark.parametrize("value", ["0", "-1", '"2"', "1.5", "true"])
+def test_max_clients_must_be_a_positive_integer(tmp_path: Path, value: str) -> None:
+    message = config_error(tmp_path, f"[server]\nmax_clients = {value}\n" + MODEL, "max_clients")
+    assert "must be an integer >= 1" in message
+
+
+def test_max_clients_defaults_to_1024_and_takes_a_value(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MODEL)).server.max_clients == 1024
+    assert load_config(write(tmp_path, "[server]\nmax_clients = 1\n" + MODEL)).server.max_clients == 1
+
+
 def test_bad_server_strings_and_limits(tmp_path: Path) -> None:
     config_error(tmp_path, '[server]\naddress = ""\n' + MODEL, "address")
     config_error(tmp_path, "[server]\naddress = 5555\n" + MODEL, "address")

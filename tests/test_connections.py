@@ -35,7 +35,7 @@ def served() -> Iterator[tuple[zmq.Context, zmq.Socket, ClientConnections, str]]
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    connections = ClientConnections(router)
+    connections = ClientConnections(router, max_clients=8)
     try:
         yield context, router, connections, f"tcp://127.0.0.1:{port}"
     finally:
