@@ -29,7 +29,7 @@ import psutil
 from bench.generator import spawned
 from clients import AsyncClient, ServerError
 from clients.loadgen import percentiles
-from clients.servers import ASIDE, RequestId, Server, is_draining_refusal, is_probe
+from clients.servers import ASIDE, RequestId, Server, is_probe, is_stopping
 from clients.sync_client import infer_message, to_infer_reply
 from manager.launcher import cpu_seconds
 
@@ -122,7 +122,7 @@ class RecordingClient(AsyncClient):
         if not is_probe(reply["id"]):
             if reply.get("ok") is True:
                 self.answers[reply["id"]] += 1
-            elif is_draining_refusal(reply):
+            elif is_stopping(reply):
                 self.refusals.append((time.monotonic() - self.start, server.address))
         super()._on_reply(server, reply)
 

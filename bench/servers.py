@@ -51,14 +51,15 @@ WINDOW = 128  # requests outstanding per server in the closed loop: two full bat
 STEADY = 0.4  # the open-loop rate, as a fraction of the lowest closed-loop throughput: one server left keeps up
 WORKLOAD = "LSTM hidden 64 on WMT lengths, one CPU worker per server"
 
-CONFIG = """
+SERVER = """
 [server]
 address = "tcp://127.0.0.1:{port}"
 cpu_workers = 1
 threads_per_worker = 1
 max_queued_requests = 4000
 max_queue_delay_ms = 0
-
+"""  # each server of a fleet: one CPU worker, refusal by expected wait off
+CONFIG = SERVER + """
 [models.lstm]
 builder = "common.models.lstm:build"
 weights = "{weights}/servers-lstm-h64.pt"
@@ -97,13 +98,13 @@ class Fleet:
         self.servers: list[ServerProcess] = []
         self._logs: list[IO] = []
 
-    def start(self, hosts: list[str]) -> list[ServerProcess]:
-        """One server per host, started together; returned once all are ready."""
+    def start(self, hosts: list[str], ports: list[int | None] | None = None) -> list[ServerProcess]:
+        """One server per host (on the given ports, else free ones), started together; returned once all are ready."""
         started = []
-        for host in hosts:
+        for host, port in zip(hosts, ports or [None] * len(hosts), strict=True):
             log = (self.directory / f"{host}-{len(self._logs)}.log").open("w")
             self._logs.append(log)
-            started.append((ServerProcess(self.config, host, log), log.name))
+            started.append((ServerProcess(self.config, host, log, port), log.name))
         self.servers += [server for server, _ in started]
         for server, log_name in started:
             try:

@@ -33,7 +33,6 @@ from .servers import (
     ServerSet,
     as_addresses,
     connection_closed,
-    is_draining_refusal,
     is_probe,
 )
 from .sync_client import (
@@ -53,13 +52,14 @@ from .sync_client import (
 class _Call:
     """A request awaiting its reply: its frame (kept to send it again), the server holding it, its last send."""
 
-    __slots__ = ("frame", "future", "server", "sent")
+    __slots__ = ("frame", "future", "server", "sent", "refused_by")
 
     def __init__(self, frame: bytes, future: asyncio.Future[dict[str, Any]]):
         self.frame = frame
         self.future = future
         self.server: Server | None = None  # None while no server is up to take it
         self.sent: asyncio.Future[Any] | None = None
+        self.refused_by: set[Server] = set()  # servers that answered it with a retryable error
 
 
 class AsyncClient:
@@ -249,15 +249,14 @@ class AsyncClient:
         call = self._pending.get(request_id)
         if call is None or call.future.done():
             return
-        if self._servers.failover and is_draining_refusal(reply):
-            if call.server is not server:
-                return  # the request was already sent elsewhere
-            self._servers.draining(server)
-            if self._servers.any_up:
-                server.outstanding.discard(request_id)
-                self.resent += 1
-                self._dispatch(request_id, call)
-                return
+        if reply.get("ok") is False and call.server is not server:
+            return  # an error from a server the request already left
+        target = self._servers.retry_target(server, reply, call.refused_by)
+        if target is not None:
+            server.outstanding.discard(request_id)
+            self.resent += 1
+            self._dispatch(request_id, call, target)
+            return
         call.future.set_result(reply)
 
     async def _watch_connection(self, server: Server, monitor: zmq.asyncio.Socket) -> None:

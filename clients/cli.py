@@ -20,6 +20,7 @@ from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, Client, Reply
 from .text import DEFAULT_VOCAB, Vocabulary
 
 PREVIEW_VALUES = 8
+QUICK_TIMEOUT = 3.0  # models, health, stats: a live server answers at once, so silence means none is there
 
 
 class UsageError(Exception):
@@ -34,7 +35,11 @@ def add_client_commands(subparsers: Any) -> None:
         action="append",
         help=f"server address; repeat it to spread requests over several servers (default: {DEFAULT_ADDRESS})",
     )
-    connection.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for the reply")
+    connection.add_argument(
+        "--timeout",
+        type=float,
+        help=f"seconds to wait for the reply (default: {DEFAULT_TIMEOUT:g} for infer, {QUICK_TIMEOUT:g} for the others)",
+    )
     connection.add_argument(
         "--curve",
         nargs=2,
@@ -47,14 +52,17 @@ def add_client_commands(subparsers: Any) -> None:
     source = infer.add_mutually_exclusive_group()
     source.add_argument("--tokens", help='token ids separated by spaces, e.g. "1 2 3"')
     source.add_argument("--text", help="an English sentence, turned into ids with --vocab")
-    infer.add_argument("--vocab", type=Path, default=DEFAULT_VOCAB, help="vocabulary for --text (default: %(default)s)")
     infer.add_argument(
-        "--json",
+        "--vocab", type=Path, default=DEFAULT_VOCAB, help="vocabulary file for --text, one word per line (default: %(default)s)"
+    )
+    infer.add_argument(
+        "--inputs",
         dest="inputs_json",
-        metavar="INPUTS_JSON",
+        metavar="JSON",
         help='inputs as a JSON object, merged over --tokens/--text, e.g. \'{"max_len": 20}\' or '
         '\'{"tree": {"tokens": [5, 7, -1], "parents": [2, 2, -1]}}\'',
     )
+    infer.add_argument("--json", action="store_true", help="print the whole reply as one JSON object, every value in full")
     infer.add_argument("--deadline-ms", type=int, help="give up if not answered within this many milliseconds")
     infer.add_argument("--priority", type=int, help="request priority")
     infer.set_defaults(client_command="infer")
@@ -74,15 +82,23 @@ def run_client_command(args: argparse.Namespace) -> int:
         client = _connect(args)
         with client:
             if args.client_command == "infer":
-                print(_format_infer_reply(client.infer(args.model, inputs, args.deadline_ms, args.priority)))
+                reply = client.infer(args.model, inputs, args.deadline_ms, args.priority)
+                print(_infer_json(reply) if args.json else _format_infer_reply(reply))
             else:
                 reply = getattr(client, args.client_command)()
                 shown = {key: value for key, value in reply.items() if key not in ("id", "ok")}
                 print(json.dumps(_jsonable(shown), indent=2))
     except ServerError as exc:
-        return _fail(exc.code, exc.message)
+        return _fail(exc.code, exc.message + _vocabulary_hint(args, exc))
     except TimeoutError as exc:
-        return _fail("TIMEOUT", str(exc))
+        if args.client_command == "infer":
+            return _fail("TIMEOUT", str(exc))
+        address = " or ".join(args.address or [DEFAULT_ADDRESS])
+        return _fail(
+            "NO_SERVER",
+            f"no server at {address}: nothing answered {args.client_command} within {_timeout(args):g} s; "
+            "start one with `batchmaker serve CONFIG`, or name its address with --address (--timeout waits longer)",
+        )
     except UsageError as exc:
         return _fail("USAGE", str(exc))
     return 0
@@ -94,9 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_client_command(parser.parse_args(argv))
 
 
+def _timeout(args: argparse.Namespace) -> float:
+    if args.timeout is not None:
+        return args.timeout
+    return DEFAULT_TIMEOUT if args.client_command == "infer" else QUICK_TIMEOUT
+
+
 def _connect(args: argparse.Namespace) -> Client:
     try:
-        return Client(args.address or DEFAULT_ADDRESS, args.timeout, curve=args.curve)
+        return Client(args.address or DEFAULT_ADDRESS, _timeout(args), curve=args.curve)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -117,13 +139,28 @@ def _infer_inputs(args: argparse.Namespace) -> dict[str, Any]:
         try:
             extra = json.loads(args.inputs_json)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"--json is not valid JSON: {exc}") from None
+            raise UsageError(f"--inputs is not valid JSON: {exc}") from None
         if not isinstance(extra, dict):
-            raise UsageError("--json must be a JSON object mapping input names to values")
+            raise UsageError("--inputs must be a JSON object mapping input names to values")
         inputs.update(extra)
     if not inputs:
-        raise UsageError("give the inputs with --tokens, --text or --json")
+        raise UsageError("give the inputs with --tokens, --text or --inputs")
     return inputs
+
+
+def _vocabulary_hint(args: argparse.Namespace, error: ServerError) -> str:
+    """--text picks ids from a vocabulary the model may not share: say which, when the ids are refused."""
+    if getattr(args, "text", None) is None or error.code != "INVALID_INPUT":
+        return ""
+    return (
+        f" (--text turned the sentence into ids with the vocabulary {args.vocab}, {len(Vocabulary(args.vocab))} words; "
+        "give the model's own with --vocab FILE, or its ids with --tokens)"
+    )
+
+
+def _infer_json(reply: Reply) -> str:
+    """The reply for scripts: outputs in full (arrays as nested lists) and the timing."""
+    return json.dumps(_jsonable({"outputs": reply.outputs, "timing": reply.timing}))
 
 
 def _format_infer_reply(reply: Reply) -> str:
@@ -151,6 +188,8 @@ def _jsonable(value: Any) -> Any:
         return {str(key): _jsonable(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(item) for item in value]
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
     return value
 
 

@@ -11,13 +11,13 @@ sent elsewhere). Servers that are not up are probed with `health` every
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from common.protocol import OVERLOADED
+from common.protocol import OVERLOADED, UNAVAILABLE, WORKER_LOST
 
 UP, DRAINING, ASIDE = "up", "draining", "aside"
 PROBE_PREFIX = "\x00probe-"  # health probes use string ids no caller picks by accident
@@ -25,6 +25,7 @@ DEFAULT_HEALTH_INTERVAL = 1.0
 DEFAULT_HEALTH_TIMEOUT = 2.0
 
 RequestId = int | str
+RETRYABLE_CODES = (OVERLOADED, UNAVAILABLE, WORKER_LOST)  # it did not run to its end there: another server may take it
 
 
 def as_addresses(address: str | Sequence[str]) -> list[str]:
@@ -44,15 +45,21 @@ def is_probe(request_id: RequestId) -> bool:
     return isinstance(request_id, str) and request_id.startswith(PROBE_PREFIX)
 
 
-def is_draining_refusal(reply: dict[str, Any]) -> bool:
-    """An OVERLOADED answer from a server that is stopping: the request was not run, so it may go elsewhere."""
-    error = reply.get("error")
-    return (
-        reply.get("ok") is False
-        and isinstance(error, dict)
-        and error.get("code") == OVERLOADED
-        and "draining" in str(error.get("message", ""))
-    )
+def _error(reply: dict[str, Any]) -> dict[str, Any]:
+    error = reply.get("error") if reply.get("ok") is False else None
+    return error if isinstance(error, dict) else {}
+
+
+def is_retryable(reply: dict[str, Any]) -> bool:
+    """An error answer for a request that did not run (refused, or its server stopped): it may go elsewhere."""
+    return _error(reply).get("code") in RETRYABLE_CODES
+
+
+def is_stopping(reply: dict[str, Any]) -> bool:
+    """An answer saying its server is stopping (UNAVAILABLE, or OVERLOADED while draining): send it nothing new."""
+    error = _error(reply)
+    code = error.get("code")
+    return code == UNAVAILABLE or (code == OVERLOADED and "draining" in str(error.get("message", "")))
 
 
 class Server:
@@ -93,8 +100,9 @@ class ServerSet:
     def any_up(self) -> bool:
         return any(server.state == UP for server in self.servers)
 
-    def pick(self) -> Server | None:
-        """The up server with the fewest outstanding requests, ties taken in turn; None if none is up."""
+    def pick(self, exclude: Collection[Server] = ()) -> Server | None:
+        """The up server with the fewest outstanding requests, ties taken in turn; None if none is up
+        (or only servers in `exclude`)."""
         if not self.failover:
             return self.servers[0]
         start = next(self._rotation)
@@ -102,9 +110,25 @@ class ServerSet:
         count = len(self.servers)
         for offset in range(count):
             server = self.servers[(start + offset) % count]
-            if server.state == UP and (best is None or len(server.outstanding) < len(best.outstanding)):
+            if server.state != UP or server in exclude:
+                continue
+            if best is None or len(server.outstanding) < len(best.outstanding):
                 best = server
         return best
+
+    def retry_target(self, server: Server, reply: dict[str, Any], refused: set[Server]) -> Server | None:
+        """Where to resend a request `server` answered with `reply`, or None to give the caller that reply.
+
+        Only a retryable error is resent, and never to a server that already refused the
+        request: each server gets it once, then the caller gets the last error. `refused`
+        (the request's own set) records `server`; a server that says it is stopping gets
+        nothing new."""
+        if not (self.failover and is_retryable(reply)):
+            return None
+        if is_stopping(reply):
+            self.draining(server)
+        refused.add(server)
+        return self.pick(refused)
 
     @staticmethod
     def sent(server: Server, request_id: RequestId, now: float) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import numpy as np
 import zmq
 
 from common.auth import apply_curve_client
@@ -30,7 +31,6 @@ from .servers import (
     ServerSet,
     as_addresses,
     connection_closed,
-    is_draining_refusal,
     is_probe,
 )
 
@@ -52,12 +52,32 @@ class Reply:
 
 def infer_message(model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None) -> dict[str, Any]:
     """Build an infer request, leaving out optional fields so the server applies its defaults."""
+    if isinstance(inputs, dict):
+        inputs = {name: wire_value(name, value) for name, value in inputs.items()}
     message: dict[str, Any] = {"op": "infer", "model": model, "inputs": inputs}
     if deadline_ms is not None:
         message["deadline_ms"] = deadline_ms
     if priority is not None:
         message["priority"] = priority
     return message
+
+
+def wire_value(name: str, value: Any) -> Any:
+    """An input as the wire carries it: array-likes of other libraries (a torch tensor, through its
+    `__array__`) become numpy arrays, so the client needs none of them installed."""
+    if isinstance(value, dict):
+        return {key: wire_value(f"{name}.{key}", item) for key, item in value.items()}
+    if isinstance(value, (np.ndarray, np.generic, list, tuple, str, bytes, int, float, bool)) or value is None:
+        return value
+    if not hasattr(value, "__array__"):
+        return value  # the encoder refuses it, naming its type
+    try:
+        return np.asarray(value)
+    except (TypeError, RuntimeError, ValueError) as exc:  # e.g. a tensor on a GPU, or one that requires grad
+        raise TypeError(
+            f"input {name!r}: cannot read the {type(value).__name__} as a numpy array ({exc}); "
+            "pass value.detach().cpu().numpy()"
+        ) from None
 
 
 def read_reply(frame: bytes) -> dict[str, Any] | None:
@@ -106,8 +126,17 @@ def connect_dealer(
     return socket
 
 
-def timeout_error(address: str, timeout: float, request_id: Any, parked: bool) -> TimeoutError:
-    hint = "no server was up to take it (all set aside or draining)" if parked else "is the server running?"
+def timeout_error(address: str, timeout: float, request_id: Any, parked: bool, closed: int = 0) -> TimeoutError:
+    """`closed`: how often the server closed this client's connection while it waited."""
+    if parked:
+        hint = "no server was up to take it (all set aside or draining)"
+    elif closed:
+        hint = (
+            f"the server closed the connection {closed} time(s): it may be serving its server.max_clients "
+            "connections already, or the request was larger than its server.max_message_bytes"
+        )
+    else:
+        hint = "is the server running?"
     return TimeoutError(f"no reply from {address} within {timeout:g} s to request {request_id!r}; {hint}")
 
 
@@ -147,10 +176,9 @@ class Client:
         for server, socket in zip(self._servers.servers, self._sockets):
             self._poller.register(socket, zmq.POLLIN)
             self._owners[socket] = (server, False)
-            if self._servers.failover:
-                monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._poller.register(monitor, zmq.POLLIN)
-                self._owners[monitor] = (server, True)
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._poller.register(monitor, zmq.POLLIN)
+            self._owners[monitor] = (server, True)
         self._tick_s = min(health_interval, health_timeout) / 4
 
     def infer(
@@ -195,19 +223,25 @@ class Client:
         frame = encode(message)
         deadline = time.monotonic() + self.timeout
         holder = self._send(frame, request_id, server, deadline)
+        refused_by: set[Server] = set()  # servers that answered it with a retryable error
+        closed = 0  # how often a lone server closed the connection meanwhile (libzmq reconnects on its own)
         try:
             while True:
                 now = time.monotonic()
                 if now >= deadline:
                     if holder is not None:
                         self._remember_timed_out(request_id, holder)
-                    raise timeout_error(self.address, self.timeout, request_id, parked=holder is None)
+                    raise timeout_error(self.address, self.timeout, request_id, holder is None, closed)
                 wait = deadline - now if not self._servers.failover else min(deadline - now, self._tick_s)
                 for socket, _ in self._poller.poll(max(1, int(wait * 1000))):
                     owner, is_monitor = self._owners[socket]
                     if is_monitor:
-                        if connection_closed(socket.recv_multipart()):
+                        if not connection_closed(socket.recv_multipart()):
+                            continue
+                        if self._servers.failover:
                             holder = self._lose(owner, "its connection closed", frame, request_id, holder, deadline)
+                        else:
+                            closed += 1
                         continue
                     reply = read_reply(socket.recv())
                     if reply is None:
@@ -217,12 +251,14 @@ class Client:
                         if self._servers.probe_answered(owner, reply) and holder is None:
                             holder = self._send(frame, request_id, None, deadline)
                     elif reply["id"] == request_id:
-                        if self._refused_while_draining(owner, holder, reply):
-                            owner.outstanding.discard(request_id)
-                            self.resent += 1
-                            holder = self._send(frame, request_id, None, deadline)
-                        else:
+                        if reply.get("ok") is False and owner is not holder:
+                            continue  # an error from a server the request already left
+                        target = self._servers.retry_target(owner, reply, refused_by)
+                        if target is None:
                             return check(reply)
+                        owner.outstanding.discard(request_id)
+                        self.resent += 1
+                        holder = self._send(frame, request_id, target, deadline)
                 if self._servers.failover:
                     holder = self._check_health(frame, request_id, holder, deadline)
         finally:
@@ -241,13 +277,6 @@ class Client:
         socket.send(frame, zmq.NOBLOCK)
         self._servers.sent(server, request_id, time.monotonic())
         return server
-
-    def _refused_while_draining(self, server: Server, holder: Server | None, reply: dict[str, Any]) -> bool:
-        """Whether this is a draining server's refusal that another server can take instead."""
-        if not (self._servers.failover and server is holder and is_draining_refusal(reply)):
-            return False
-        self._servers.draining(server)
-        return self._servers.any_up
 
     def _lose(
         self, server: Server, reason: str, frame: bytes, request_id: RequestId, holder: Server | None, deadline: float
@@ -281,7 +310,7 @@ class Client:
 
     def close(self) -> None:
         for socket, (_, is_monitor) in self._owners.items():
-            if not is_monitor and self._servers.failover:
+            if not is_monitor:
                 socket.disable_monitor()
         for socket in self._owners:
             socket.close(linger=0)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 
 def is_loopback(address: str) -> bool:
-    """Whether only this machine can reach `address` (ipc://, inproc:// or a loopback tcp:// host)."""
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return not address.startswith("tcp://") or host in ("localhost", "::1") or host.startswith("127.")
+    """Whether only this machine can reach `address`: ipc://, inproc:// or a loopback tcp:// host.
+    Every other transport (ws://, tipc://, pgm://, udp://, ...) is taken as reachable from elsewhere."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return scheme == "tcp" and (host in ("localhost", "::1") or host.startswith("127."))
 
 
 def completion_address(worker_address: str) -> str:

@@ -95,6 +95,12 @@ def load_secret_key(path: Path) -> tuple[bytes, bytes]:
     public_key, secret_key = _load(path)
     if secret_key is None:
         raise ValueError(f"{path} holds no secret key; pass the NAME.key_secret file, not the public NAME.key")
+    mode = Path(path).stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(
+            f"secret key file {path} may be read by other users (mode {mode:04o}); "
+            f"allow its owner only: chmod 600 {path}"
+        )
     return public_key, secret_key
 
 

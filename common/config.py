@@ -7,6 +7,7 @@ so that a typo fails at start-up instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,9 @@ from common.addresses import is_loopback
 DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
 AFFINITIES = ("subgraph", "request")
+# Reads of another GPU's arenas: also staged through a CUDA context on the other GPU where the two have no
+# peer access; only where they have it; none at all.
+CROSS_GPU_READS = ("always", "peer-access", "never")
 
 
 class ConfigError(ValueError):
@@ -39,6 +43,8 @@ class ModelConfig:
     params: dict[str, Any]
     default_cell: CellTypeConfig
     cells: dict[str, CellTypeConfig]
+    # The file the table was read from (its folder is on the builder's import path): where, not what, so not compared.
+    config_path: Path | None = field(default=None, compare=False)
 
     def cell_config(self, cell_type: str) -> CellTypeConfig:
         return self.cells.get(cell_type, self.default_cell)
@@ -73,7 +79,9 @@ class ServerConfig:
     threads_per_worker: int = 1
     arena_rows: int = 16384
     io_rows: int = 16384
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = 1024 * 1024  # a client frame over this closes its connection (docs/deploy.md, "Limits")
+    max_backlog_bytes: int = 64 * 1024 * 1024  # replies one client may leave unread before it counts as gone
+    max_clients: int = 1024  # live client connections; one more is closed when accepted (docs/deploy.md, "Limits")
     default_deadline_ms: int = 0  # 0: requests without deadline_ms have none
     heartbeat_timeout_ms: int = 3000  # a worker silent this long is taken for dead
     hang_timeout_ms: int = 10000  # a worker whose stream does not advance this long, with tasks in flight, is hung
@@ -86,6 +94,7 @@ class ServerConfig:
     unreachable_client_ms: int = 30000  # a client that reads none of its waiting replies this long is taken for gone
     metrics_address: str = ""  # "host:port" for the Prometheus /metrics endpoint; empty: off
     cuda_graphs: bool = False  # GPU workers replay each cell as a captured CUDA graph (worker/cuda_graphs.py)
+    cross_gpu_reads: str = "always"  # which other GPUs' arenas a GPU worker reads: CROSS_GPU_READS
     curve: CurveConfig | None = None
     worker_curve: WorkerCurveConfig | None = None
     insecure_workers: bool = False  # a worker_address other machines can reach, without worker_curve
@@ -191,6 +200,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     cuda_graphs = _bool(table, "cuda_graphs", defaults.cuda_graphs, "server", path)
     if cuda_graphs and (devices == "cpu" or (isinstance(devices, tuple) and "cpu" in devices)):
         raise ConfigError(f"{path}: [server] cuda_graphs = true needs GPU workers, but devices is {devices!r}")
+    cross_gpu_reads = _string(table, "cross_gpu_reads", defaults.cross_gpu_reads, "server", path)
+    if cross_gpu_reads not in CROSS_GPU_READS:
+        raise ConfigError(f"{path}: [server] cross_gpu_reads must be one of {', '.join(CROSS_GPU_READS)}, got {cross_gpu_reads!r}")
     server = ServerConfig(
         address=_string(table, "address", defaults.address, "server", path),
         worker_address=_string(table, "worker_address", defaults.worker_address, "server", path),
@@ -200,6 +212,8 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         arena_rows=_positive_int(table, "arena_rows", defaults.arena_rows, "server", path, minimum=16),
         io_rows=_positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
         max_message_bytes=_positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
+        max_backlog_bytes=_positive_int(table, "max_backlog_bytes", defaults.max_backlog_bytes, "server", path, 1024),
+        max_clients=_positive_int(table, "max_clients", defaults.max_clients, "server", path),
         default_deadline_ms=_positive_int(
             table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
         ),
@@ -218,6 +232,7 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         ),
         metrics_address=metrics_address,
         cuda_graphs=cuda_graphs,
+        cross_gpu_reads=cross_gpu_reads,
         curve=_key_files(table, "curve", CurveConfig, path),
         worker_curve=_key_files(table, "worker_curve", WorkerCurveConfig, path),
         insecure_workers=_bool(table, "insecure_workers", defaults.insecure_workers, "server", path),
@@ -244,7 +259,8 @@ def _key_files(server: dict[str, Any], key: str, kind: type, path: Path) -> Any:
 def check_worker_address(address: str, server: ServerConfig, where: str) -> None:
     """Worker sockets other machines can reach take only workers holding an allowed CURVE key,
     unless the config says explicitly that they need none."""
-    if not is_loopback(address) and server.worker_curve is None and not server.insecure_workers:
+    reachable = address != "auto" and not is_loopback(address)  # auto: an ipc path in a private directory
+    if reachable and server.worker_curve is None and not server.insecure_workers:
         raise ConfigError(
             f"{where} {address!r} can be reached from other machines, and anyone who reaches it could register "
             "as a worker: add a [server.worker_curve] table (CurveZMQ keys for workers, see docs/deploy.md) "
@@ -274,6 +290,13 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
 
 
 def _parse_cell(table: dict[str, Any], where: str, path: Path, default: CellTypeConfig | None) -> CellTypeConfig:
+    if "batch_sizes" not in table and default is None:
+        close = difflib.get_close_matches("batch_sizes", [str(key) for key in table], n=1)
+        typo = f" ({close[0]!r} is there: a typo?)" if close else ""
+        raise ConfigError(
+            f"{path}: [{where}] batch_sizes is required{typo}: the batch sizes its cells run at, "
+            "e.g. batch_sizes = [1, 2, 4, 8, 16, 32, 64]"
+        )
     sizes = table.get("batch_sizes", default.batch_sizes if default else None)
     if (
         not isinstance(sizes, (list, tuple))
@@ -306,7 +329,8 @@ def _parse_model(name: str, table: dict[str, Any], path: Path) -> ModelConfig:
         cells[cell_name] = _parse_cell(cell_table, cell_where, path, default_cell)
     params = {k: v for k, v in table.items() if k not in {"builder", "weights", "batch_sizes", "priority", "cells"}}
     return ModelConfig(
-        name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells
+        name=name, builder=builder, weights=weights, params=params, default_cell=default_cell, cells=cells,
+        config_path=path,
     )
 
 
@@ -315,3 +339,10 @@ def with_policy(config: Config, policy: str) -> Config:
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+
+
+def with_metrics_address(config: Config, address: str) -> Config:
+    """The config with its metrics address replaced (`batchmaker serve --metrics-address`)."""
+    if address and ":" not in address:
+        raise ConfigError(f'--metrics-address must look like "127.0.0.1:9100" (or "" for none), got {address!r}')
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, metrics_address=address))

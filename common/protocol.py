@@ -7,6 +7,7 @@ module with the server. Nothing received is ever unpickled or evaluated.
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
 import msgpack
@@ -22,6 +23,7 @@ OVERLOADED = "OVERLOADED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 CANCELLED = "CANCELLED"
 WORKER_LOST = "WORKER_LOST"
+UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 ERROR_CODES = (
     BAD_REQUEST,
@@ -31,6 +33,7 @@ ERROR_CODES = (
     DEADLINE_EXCEEDED,
     CANCELLED,
     WORKER_LOST,
+    UNAVAILABLE,
     INTERNAL,
 )
 
@@ -40,6 +43,21 @@ OPS = ("infer", "models", "health", "stats", "cancel")
 WIRE_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+MAX_RANK = 32  # dimensions a tensor map may have (numpy's own limit is 64); served inputs have one
+ECHO_CHARS = 80  # at most this much of a client's value is echoed in an error message
+
+_echo = reprlib.Repr()
+_echo.maxstring = _echo.maxother = _echo.maxlong = ECHO_CHARS
+_echo.maxlist = _echo.maxtuple = _echo.maxdict = _echo.maxset = 8
+_echo.maxlevel = 3
+
+
+def echo(value: Any) -> str:
+    """A client's value as an error message shows it: a repr cut short, at a cost bounded by the cut
+    rather than by the value, so that a refusal never costs or weighs more than what it refuses."""
+    text = _echo.repr(value)
+    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
 
 
 class RequestError(Exception):
@@ -104,22 +122,39 @@ def is_tensor_map(value: Any) -> bool:
     return isinstance(value, dict) and {"dtype", "shape", "data"} <= value.keys()
 
 
-def map_to_tensor(value: Any, name: str = "tensor") -> np.ndarray:
-    """Decode a tensor map, checking dtype, shape and byte count against each other."""
+def map_to_tensor(value: Any, name: str = "tensor", rank: int | None = None) -> np.ndarray:
+    """Decode a tensor map, checking dtype, shape and byte count against each other.
+
+    `rank`, when given, is the number of dimensions the input must have. The shape is checked
+    before its product is taken: its length first, then each dimension against what the data can
+    hold, so that a hostile shape costs at most MAX_RANK comparisons of small integers."""
     if not is_tensor_map(value):
         raise RequestError(BAD_REQUEST, f"{name} must be a tensor map with dtype, shape and data")
     dtype, shape, data = value["dtype"], value["shape"], value["data"]
-    if dtype not in WIRE_DTYPES:
-        raise RequestError(BAD_REQUEST, f"{name}: unsupported dtype {dtype!r}; use one of {', '.join(WIRE_DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise RequestError(BAD_REQUEST, f"{name}: shape must be a list of non-negative integers")
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise RequestError(BAD_REQUEST, f"{name}: unsupported dtype {echo(dtype)}; use one of {', '.join(WIRE_DTYPES)}")
     if not isinstance(data, bytes):
         raise RequestError(BAD_REQUEST, f"{name}: data must be binary")
+    if not isinstance(shape, list):
+        raise RequestError(BAD_REQUEST, f"{name}: shape must be a list of non-negative integers")
+    if rank is not None and len(shape) != rank:
+        raise RequestError(INVALID_INPUT, f"{name} must have {rank} dimension(s), its shape has {len(shape)}")
+    if len(shape) > MAX_RANK:
+        raise RequestError(INVALID_INPUT, f"{name}: shape has {len(shape)} dimensions, at most {MAX_RANK} are allowed")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise RequestError(BAD_REQUEST, f"{name}: shape must be a list of non-negative integers")
     np_dtype = np.dtype(dtype).newbyteorder("<")
-    expected = math.prod(shape) * np_dtype.itemsize  # exact integers: a huge shape cannot wrap around
+    elements = len(data) // np_dtype.itemsize
+    if 0 not in shape and max(shape, default=0) > elements:  # an empty tensor may have any other dimensions
+        raise RequestError(INVALID_INPUT, f"{name}: shape {echo(shape)} cannot fit in {len(data)} bytes of {dtype}")
+    expected = math.prod(shape) * np_dtype.itemsize  # cheap: at most MAX_RANK factors of 64 bits
     if expected != len(data):
-        raise RequestError(BAD_REQUEST, f"{name}: shape {shape} of {dtype} needs {expected} bytes, got {len(data)}")
-    return np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np.dtype(dtype), copy=False)
+        raise RequestError(INVALID_INPUT, f"{name}: shape {echo(shape)} of {dtype} needs {expected} bytes, got {len(data)}")
+    try:
+        array = np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    except ValueError:  # an empty tensor whose other dimensions numpy cannot index
+        raise RequestError(INVALID_INPUT, f"{name}: shape {echo(shape)} is too large") from None
+    return array.astype(np.dtype(dtype), copy=False)
 
 
 def decode_outputs(outputs: dict[str, Any]) -> dict[str, Any]:

@@ -7,11 +7,39 @@ the task message, and completions arrive as notices: the manager maps no counter
 
 from __future__ import annotations
 
+import os
+import secrets
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 import numpy as np
 
 _created_here: set[str] = set()
+PREFIX = "batchmaker-"  # then the creating process's pid: a segment whose creator is gone is stale
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
+    """Unlink this project's segments whose creating process no longer runs (a killed server's,
+    left in a container's /dev/shm that outlives it); return their names. Segments of servers
+    still running keep their creators, so several servers may share one /dev/shm."""
+    removed = []
+    for path in directory.glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX) :].partition("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class SharedArray:
@@ -23,7 +51,8 @@ class SharedArray:
         nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize)
         self.owner = name is None
         if self.owner:
-            self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
             _created_here.add(self._shm.name)
         else:
             self._shm = shared_memory.SharedMemory(name=name)

@@ -16,8 +16,10 @@ A task: slot lists, plus the requests' own inputs.
 * downloads: [[arena, slots, io_arena, io_slots], ...] rows the host must see (results,
              stop decisions), copied to the io arena after compute
 
-A completion notice: [worker_id, task ids, errors, signal, rows], rows being
+A completion notice: [worker_id, key, task ids, errors, signal, rows], rows being
 [[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty).
+`key` is the secret the manager gave the worker when it registered: the notice socket does not
+say who sent a message, and without it any peer could complete another worker's tasks.
 
 Slot lists travel as little-endian int64 bytes so both sides can view them without copying.
 External values travel inline rather than through arena rows: they are small (a token per
@@ -158,20 +160,52 @@ class CompletionNotice:
     """What a worker reports: tasks its stream finished (in stream order), the errors of those that
     failed, and its signal counter; a notice without tasks is a heartbeat. A worker on another host
     than the manager, which cannot map its io arenas, also sends the rows its finished tasks copied
-    there (`rows`); a worker on the manager's host sends none."""
+    there (`rows`); a worker on the manager's host sends none. `key` proves who sent it."""
 
     worker_id: int
     task_ids: list[int]
     errors: dict[int, str]
     signal: int
     rows: list[IoRows] = field(default_factory=list)
+    key: bytes = b""
 
 
 def encode_notice(notice: CompletionNotice) -> bytes:
     rows = [[io_arena, _slots(io_slots), data] for io_arena, io_slots, data in notice.rows]
-    return msgpack.packb([notice.worker_id, notice.task_ids, notice.errors, notice.signal, rows], use_bin_type=True)
+    fields = [notice.worker_id, notice.key, notice.task_ids, notice.errors, notice.signal, rows]
+    return msgpack.packb(fields, use_bin_type=True)
 
 
 def decode_notice(frame: bytes) -> CompletionNotice:
-    worker_id, task_ids, errors, signal, rows = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    return CompletionNotice(worker_id, task_ids, errors, signal, [IoRows(a, _view(s), data) for a, s, data in rows])
+    """Decode a notice, checking every field's type: raises ValueError for anything else."""
+    try:
+        fields = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ValueError(f"not msgpack ({type(exc).__name__})") from None
+    if not isinstance(fields, list) or len(fields) != 6:
+        raise ValueError("not a list of six fields")
+    worker_id, key, task_ids, errors, signal, rows = fields
+    if not (_is_int(worker_id) and _is_int(signal) and isinstance(key, bytes)):
+        raise ValueError("ill-typed worker id, key or signal")
+    if not isinstance(task_ids, list) or not all(map(_is_int, task_ids)):
+        raise ValueError("task ids are not a list of integers")
+    if not isinstance(errors, dict) or not all(_is_int(k) and isinstance(v, str) for k, v in errors.items()):
+        raise ValueError("errors are not a map of task ids to text")
+    if not isinstance(rows, list) or not all(_is_io_rows(entry) for entry in rows):
+        raise ValueError("rows are not [io arena, slots, data] entries")
+    return CompletionNotice(worker_id, task_ids, errors, signal, [IoRows(a, _view(s), data) for a, s, data in rows], key)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_io_rows(entry: object) -> bool:
+    return (
+        isinstance(entry, list)
+        and len(entry) == 3
+        and _is_int(entry[0])
+        and isinstance(entry[1], bytes)
+        and len(entry[1]) % SLOT_DTYPE.itemsize == 0
+        and isinstance(entry[2], bytes)
+    )

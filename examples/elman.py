@@ -92,10 +92,6 @@ class ElmanModel(Model):
             "rnn.bias_hh": (size,),
         }
 
-    def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
-        generator = torch.Generator().manual_seed(seed)
-        return {key: torch.randn(shape, generator=generator) * 0.3 for key, shape in self.weight_shapes().items()}
-
     def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
         """The same equations, one token at a time, written out by hand."""
         tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)

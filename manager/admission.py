@@ -7,8 +7,9 @@ to a worker (the request processor counts them); completions are fed in per task
 and the bookkeeping cost O(1) per request (amortised over the window).
 
 Until the capacity has been measured (a cold start, or a server never loaded enough to fill its
-batches) there is no estimate and requests are admitted: a missing measurement must not turn
-clients away.
+batches) the workers' own timing of full tasks at warm-up stands in for it (warm_up_capacity), so a
+cold server offered a flood bounds its queue from the first request. Without either there is no
+estimate and requests are admitted: a missing measurement must not turn clients away.
 See docs/protocol.md (errors) for what clients are told.
 """
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
 
 from common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
 
@@ -48,6 +50,7 @@ class ExpectedWait:
         self._tasks_by_worker: collections.Counter[Hashable] = collections.Counter()  # full ones, in the window
         self._last_completion: dict[Hashable, float] = {}
         self._capacity: float | None = None  # cells per second, measured on nearly full tasks
+        self._assumed: float | None = None  # cells per second, from the workers' warm-up, until measured
 
     def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float) -> None:
         """Record a task of `cells` cells (of a cell type batching up to `largest_batch`), submitted at
@@ -64,13 +67,21 @@ class ExpectedWait:
         if self._busy_s >= MIN_BUSY_S:
             self._capacity = self._cells / self._busy_s * len(self._tasks_by_worker)
 
+    def assume(self, cells_per_second: float | None) -> None:
+        """The capacity to quote until one is measured (None: none)."""
+        self._assumed = cells_per_second
+
     def cells_per_second(self) -> float | None:
-        """The server's capacity in cells per second; None until measured on nearly full tasks."""
-        return self._capacity
+        """The server's capacity in cells per second: measured on nearly full tasks, else the one assumed."""
+        return self._capacity if self._capacity is not None else self._assumed
+
+    def assumed_cells_per_second(self) -> float | None:
+        return self._assumed
 
     def wait_s(self, queued_cells: int) -> float | None:
-        """Seconds until `queued_cells` cells have run at capacity; None while it is unmeasured."""
-        return None if self._capacity is None else queued_cells / self._capacity
+        """Seconds until `queued_cells` cells have run at capacity; None while there is no capacity."""
+        rate = self.cells_per_second()
+        return None if rate is None else queued_cells / rate
 
     def _expire(self, now: float) -> None:
         horizon = now - self._window_s
@@ -123,9 +134,25 @@ class Admission:
         rate = self.estimator.cells_per_second()
         return {
             "cells_per_s": rate,
+            "warm_up_cells_per_s": self.estimator.assumed_cells_per_second(),
             "estimated_wait_ms": None if rate is None else queued_cells / rate * 1e3,
             "max_queue_delay_ms": self.max_queue_delay_s * 1e3,
         }
+
+
+def warm_up_capacity(timings: Iterable[Any], max_batch: Mapping[str, int]) -> float | None:
+    """Cells per second the workers' warm-up timings imply (each a map of cell type to the seconds of a
+    task at its largest batch): per worker, its cell types in turn, an equal share of cells each; the
+    workers side by side. A worker whose timing is missing or malformed counts nothing; None if none counts."""
+    total = 0.0
+    for timed in timings:
+        if not isinstance(timed, dict) or set(timed) != set(max_batch):
+            continue
+        seconds = list(timed.values())
+        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 for s in seconds):
+            continue
+        total += len(max_batch) / sum(timed[key] / max_batch[key] for key in max_batch)
+    return total or None
 
 
 def _ms(seconds: float) -> str:

@@ -10,6 +10,8 @@ from clients.cli import add_client_commands, run_client_command
 from common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
 from common.logs import setup_logging
 
+TEST_HOOK_PREFIX = "BATCHMAKER_TEST_"  # fault-injection switches of worker/main.py, for the test suite only
+
 
 def _serve(args: argparse.Namespace) -> int:
     from manager.supervisor import serve
@@ -17,7 +19,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_format == "json":
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
         setup_logging("supervisor")
-    return serve(load_config(args.config), args.address, args.workers, args.policy)
+    _drop_test_hooks()
+    return serve(load_config(args.config), args.address, args.workers, args.policy, args.metrics_address)
+
+
+def _drop_test_hooks() -> None:
+    """`batchmaker serve` is how the server runs in production: no worker it starts may stall or
+    crash on purpose, whatever the environment says (the tests start the supervisor themselves)."""
+    for name in [name for name in os.environ if name.startswith(TEST_HOOK_PREFIX)]:
+        del os.environ[name]
+        print(f"batchmaker serve: ignoring {name}: test hooks are for the test suite", file=sys.stderr)
 
 
 def _init_weights(args: argparse.Namespace) -> int:
@@ -40,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="client address, overriding the config")
     serve.add_argument("--workers", type=int, help="number of CPU workers, overriding the config")
     serve.add_argument("--policy", choices=POLICIES, help="batching policy, overriding the config")
+    serve.add_argument(
+        "--metrics-address", metavar="HOST:PORT", help='Prometheus /metrics address, overriding the config ("" for none)'
+    )
     serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
     serve.set_defaults(handler=_serve)
 

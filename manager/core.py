@@ -25,12 +25,14 @@ from common.protocol import (
     DEADLINE_EXCEEDED,
     INTERNAL,
     OVERLOADED,
+    UNAVAILABLE,
     UNKNOWN_MODEL,
     WORKER_LOST,
     RequestError,
+    echo,
 )
 from common.task import CompletionNotice
-from manager.admission import Admission
+from manager.admission import Admission, warm_up_capacity
 from manager.dispatch import Dispatcher
 from manager.outcomes import Outcome, Replayed
 from manager.plan_store import make_tables
@@ -53,6 +55,7 @@ class BatchingCore:
         """`workers`: the registered workers by id, kept up to date by whoever registers them (the
         worker pool); `workers_changed` and `worker_lost` tell the core when the set changed."""
         self._server = config.server
+        self._max_batches = {spec.key: spec.max_batch for spec in specs}
         self.models = models
         self.workers = workers
         self.requests = RequestRegistry()
@@ -73,7 +76,7 @@ class BatchingCore:
             raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
         model = self.models.get(name)
         if model is None:
-            raise RequestError(UNKNOWN_MODEL, f"no model named {name!r}; this server has {', '.join(self.models)}")
+            raise RequestError(UNKNOWN_MODEL, f"no model named {echo(name)}; this server has {', '.join(self.models)}")
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
         if (client, request_id) in self.requests:
@@ -110,7 +113,8 @@ class BatchingCore:
         return self._fail(list(self.requests.expired()), RequestError(DEADLINE_EXCEEDED, "the request's deadline passed"))
 
     def shutdown(self) -> list[Outcome]:
-        return self._fail(self.requests.all(), RequestError(INTERNAL, "the server is shutting down"))
+        message = "the server stopped before finishing the request; send it elsewhere"
+        return self._fail(self.requests.all(), RequestError(UNAVAILABLE, message))
 
     def wait_ms(self, longest: int) -> int:
         """How long the event loop may sleep before the next deadline (at most `longest`)."""
@@ -136,12 +140,17 @@ class BatchingCore:
         return self._outcomes()
 
     def workers_changed(self) -> None:
-        """Workers registered or left: placement is checked only while there are several."""
+        """Workers registered or left: placement is checked only while there are several, and until
+        admission has measured the capacity, it quotes the one the workers timed at warm-up."""
         self.scheduler.several_workers = len(self.workers) > 1
+        timings = [worker.full_task_s for worker in self.workers.values()]
+        self.admission.estimator.assume(warm_up_capacity(timings, self._max_batches))
 
-    def worker_lost(self, worker: WorkerHandle, reason: str) -> list[Outcome]:
+    def worker_lost(self, worker: WorkerHandle, reason: str, draining: bool = False) -> list[Outcome]:
         """Forget a dead worker (already gone from `workers`) and replay, on the others, every request
-        that had values there; one that has lost its worker more than `max_replays` times fails."""
+        that had values there; one that has lost its worker more than `max_replays` times fails, and
+        with no worker left they all do (UNAVAILABLE while `draining`: a stopping server's loss is not
+        the request's)."""
         self.workers_changed()
         tasks = list(worker.tasks.values())
         worker.tasks.clear()
@@ -151,7 +160,8 @@ class BatchingCore:
                 message = f"it lost its worker {request.failures} times (last: {reason}); it is not replayed again"
                 self.processor.fail(request, RequestError(INTERNAL, message))
             elif not self.workers:
-                self.processor.fail(request, RequestError(WORKER_LOST, f"its worker was lost ({reason}) and none remains"))
+                code = UNAVAILABLE if draining else WORKER_LOST
+                self.processor.fail(request, RequestError(code, f"its worker was lost ({reason}) and none remains"))
             else:
                 self.processor.replay(request)
         return self._outcomes()
@@ -189,6 +199,6 @@ def _optional_int(message: dict[str, Any], field: str, minimum: int | None = Non
         return None
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
         bound = f" >= {minimum}" if minimum is not None else ""
-        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {value!r}")
+        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {echo(value)}")
     return value
 

@@ -5,8 +5,13 @@ No reply is dropped while its client is connected. A ROUTER socket silently drop
 peer whose send queue is full (its high-water mark), so the socket is ROUTER_MANDATORY: a full
 queue makes the send fail instead, and the reply waits in that client's backlog, in order, until
 the client reads again. A client whose backlog has not moved for `unreachable_client_ms`, or has
-grown past its bound, is taken for gone: its backlog is dropped and its requests are cancelled,
-as for a client that disconnected.
+grown past its bound (in replies, or in bytes: `max_backlog_bytes`), is taken for gone: its backlog
+is dropped and its requests are cancelled, as for a client that disconnected.
+
+A connection beyond `max_clients` live ones is closed as soon as it is accepted (manager/connections.py).
+
+A frame over `max_message_bytes` closes its connection before it is read (ZMQ_MAXMSGSIZE): libzmq
+buffers every frame it accepts, so the limit must be the socket's, not the decoder's.
 
 Messages are read in bursts: all those waiting, for up to READ_S (`receive`), since a request
 waiting unread in the socket is one the server's admission cannot see. Replies made meanwhile, and
@@ -36,7 +41,7 @@ from manager.connections import ClientConnections
 
 log = logging.getLogger("batchmaker.manager")
 
-SOCKET_LIMIT_FACTOR = 4
+MAX_ID_CHARS = 256  # a longer string id is refused: every reply and log line echoes it
 BACKLOG_MARGIN = 10_000  # replies to refused requests a non-reading client may have waiting, beyond its admitted ones
 READ_S = 0.002  # a burst of client messages lasts this long at most: workers hold several tasks, more than this
 
@@ -53,8 +58,8 @@ class Incoming:
 
 
 def echo_id(value: Any) -> Any:
-    """A request id fit to echo back: an int or a str, else None."""
-    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+    """A request id fit to echo back: an int or a str of at most MAX_ID_CHARS, else None."""
+    if (isinstance(value, str) and len(value) <= MAX_ID_CHARS) or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     return None
 
@@ -66,7 +71,9 @@ class ClientFrontend:
         # Every reply answers a message the client sent: admitted requests are bounded, refusals are not,
         # so a client that sends without reading can hold this many replies before it counts as gone.
         self._max_backlog = server.max_queued_requests + BACKLOG_MARGIN
+        self._max_backlog_bytes = server.max_backlog_bytes
         self._backlog: dict[bytes, collections.deque[bytes]] = {}
+        self._backlog_bytes: dict[bytes, int] = {}
         self._stuck_since: dict[bytes, float] = {}  # when its backlog last moved
         self._unreachable: list[bytes] = []
         self._abandoned: set[bytes] = set()  # given up on: replies they cannot take are dropped, not queued
@@ -79,13 +86,11 @@ class ClientFrontend:
             self._curve.apply(self.socket)
         elif not is_loopback(address):
             log.warning("serving %s without authentication: configure [server.curve]", address)
-        # Frames over max_message_bytes get a BAD_REQUEST from the decoder; the socket itself drops the
-        # connection only past a hard ceiling well above it, to bound what a peer can make us buffer.
-        self.socket.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT_FACTOR * self.max_message_bytes)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.bind(address)
-        self.connections = ClientConnections(self.socket)
+        self.connections = ClientConnections(self.socket, server.max_clients)
 
     def receive(self) -> Iterator[Incoming]:
         """The messages waiting on the socket, their envelopes checked, until none is left or READ_S has
@@ -98,11 +103,11 @@ class ClientFrontend:
                     frames = receive(self.socket, NOW)
                 except zmq.Again:
                     return
-                yield self._envelope(frames, time.perf_counter())
+                if self.connections.seen(frames[0].bytes, frames[-1]):
+                    yield self._envelope(frames, time.perf_counter())
 
     def _envelope(self, frames: list[zmq.Frame], arrival: float) -> Incoming:
         client = frames[0].bytes
-        self.connections.seen(client, frames[-1])
         message: Any = None
         try:
             if len(frames) != 2:
@@ -113,7 +118,7 @@ class ClientFrontend:
             if "id" not in message:
                 raise RequestError(BAD_REQUEST, "request lacks 'id' (an int or a string)")
             if echo_id(message["id"]) is None:
-                raise RequestError(BAD_REQUEST, "'id' must be an int or a string")
+                raise RequestError(BAD_REQUEST, f"'id' must be an int or a string of at most {MAX_ID_CHARS} characters")
         except RequestError as exc:
             request_id = echo_id(message.get("id")) if isinstance(message, dict) else None
             return Incoming(client, request_id, None, exc, arrival)
@@ -144,10 +149,12 @@ class ClientFrontend:
         backlog = self._backlog.get(client)
         if backlog is not None:  # behind earlier replies: keep the order
             backlog.append(body)
-            if len(backlog) > self._max_backlog:
-                self._give_up(client, f"{len(backlog)} replies unread")
+            self._backlog_bytes[client] += len(body)
+            if len(backlog) > self._max_backlog or self._backlog_bytes[client] > self._max_backlog_bytes:
+                self._give_up(client, f"{len(backlog)} replies of {self._backlog_bytes[client]} bytes unread")
         elif not self._send(client, body) and client not in self._abandoned:
             self._backlog[client] = collections.deque([body])
+            self._backlog_bytes[client] = len(body)
             self._stuck_since[client] = time.monotonic()
 
     def _send(self, client: bytes, body: bytes) -> bool:
@@ -180,18 +187,22 @@ class ClientFrontend:
         for client, backlog in list(self._backlog.items()):
             sent = 0
             while backlog and self._send(client, backlog[0]):
-                backlog.popleft()
+                self._backlog_bytes[client] -= len(backlog.popleft())
                 sent += 1
             if not backlog:
-                del self._backlog[client], self._stuck_since[client]
+                self._forget_backlog(client)
             elif sent:
                 self._stuck_since[client] = now
             elif now - self._stuck_since[client] > self._unreachable_s:
                 self._give_up(client, f"nothing read for {now - self._stuck_since[client]:.0f} s")
 
+    def _forget_backlog(self, client: bytes) -> int:
+        """Drop a client's backlog; return how many replies it held."""
+        del self._stuck_since[client], self._backlog_bytes[client]
+        return len(self._backlog.pop(client))
+
     def _give_up(self, client: bytes, why: str) -> None:
-        dropped = len(self._backlog.pop(client))
-        del self._stuck_since[client]
+        dropped = self._forget_backlog(client)
         log.warning("client %s is unreachable (%s): %d replies dropped, its requests cancelled", client.hex(), why, dropped)
         self._unreachable.append(client)
         self._abandoned.add(client)
@@ -202,7 +213,7 @@ class ClientFrontend:
         closed = self.connections.closed()
         for client in closed:
             if client in self._backlog:
-                del self._backlog[client], self._stuck_since[client]
+                self._forget_backlog(client)
             self._abandoned.discard(client)
         gone, self._unreachable = closed + self._unreachable, []
         return gone

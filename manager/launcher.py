@@ -94,11 +94,11 @@ def free_port_on(host: str) -> int:
 class ServerProcess:
     """`batchmaker serve` with one CPU worker on an address of its own (e.g. 127.0.0.2, 127.0.0.3: loopback
     addresses standing for hosts), so that one client can be pointed at several servers and one of them
-    killed or drained."""
+    killed or drained. `port` (default: a free one) lets a replacement take the address of one that stopped."""
 
-    def __init__(self, config: Path, host: str, log: IO | int | None):
+    def __init__(self, config: Path, host: str, log: IO | int | None, port: int | None = None):
         self.host = host
-        self.address = f"tcp://{host}:{free_port_on(host)}"
+        self.address = f"tcp://{host}:{port or free_port_on(host)}"
         self.process = launch(config, log, "--address", self.address, "--workers", "1")
 
     def wait_ready(self, timeout: float = 120.0) -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 
 import zmq
 
-from common.config import POLICIES, ConfigError, load_config, with_policy
+from common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
 from common.logs import setup_logging
 from manager.server import Manager
 
 log = logging.getLogger("batchmaker.manager")
+
+SUPERVISOR_TOKEN_ENV = "BATCHMAKER_SUPERVISOR_TOKEN"  # hex; the supervisor signs its worker_exited messages with it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,21 +26,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-address", required=True, help="address workers register at")
     parser.add_argument("--expected-workers", type=int, default=1, help="workers configured (for health)")
     parser.add_argument("--policy", choices=POLICIES, help="batching policy (default: from the config)")
+    parser.add_argument("--metrics-address", help="HOST:PORT of /metrics, or \"\" for none (default: from the config)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)
     setup_logging("manager")
+    token = bytes.fromhex(os.environ.pop(SUPERVISOR_TOKEN_ENV, ""))  # out of the environment: no child inherits it
     try:
         config = load_config(args.config)
         if args.policy is not None:
             config = with_policy(config, args.policy)
+        if args.metrics_address is not None:
+            config = with_metrics_address(config, args.metrics_address)
         manager = Manager(
-            config, args.address or config.server.address, args.worker_address, args.expected_workers, args.parent_pid
+            config,
+            args.address or config.server.address,
+            args.worker_address,
+            args.expected_workers,
+            args.parent_pid,
+            token,
         )
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
     except zmq.ZMQError as exc:
         log.error("cannot open the manager's sockets: %s", exc)
+        return 2
+    except OSError as exc:  # the metrics port, taken since the supervisor checked it
+        log.error("cannot serve metrics on %s: %s", config.server.metrics_address, exc)
         return 2
     # Requests allocate many small cyclic objects; collect them rarely, and never rescan start-up state.
     gc.collect()

@@ -56,11 +56,38 @@ BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 .. 1024
 LIVENESS_TIMEOUT_S = 10.0  # an event loop that has not turned for this long is reported dead
 
 
+MAX_CONNECTIONS = 8  # scrapes and probes served at once; more connections are closed unanswered
+CONNECTION_TIMEOUT_S = 5.0  # a connection that sends nothing for this long is closed
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them: a peer that opens connections and
+    sends nothing cannot pile up threads in the manager's process."""
+
     daemon_threads = True  # a slow scraper must not keep the manager from exiting
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S
+
     def log_message(self, format: str, *args: Any) -> None:
         """Probes arrive every few seconds; logging each would bury the manager's own messages."""
 

@@ -22,7 +22,7 @@ import zmq
 from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
 from common.models.base import Planner, build_planner, cell_layout
-from common.protocol import BAD_REQUEST, INTERNAL, OPS, OVERLOADED, PROTOCOL_VERSION, RequestError, error_reply
+from common.protocol import BAD_REQUEST, INTERNAL, OPS, OVERLOADED, PROTOCOL_VERSION, RequestError, echo, error_reply
 from common.sockets import server_context
 from manager.core import BatchingCore
 from manager.frontend import ClientFrontend, Incoming
@@ -36,6 +36,7 @@ log = logging.getLogger("batchmaker.manager")
 
 WATCH_INTERVAL_S = 0.1  # how often workers are pinged and checked
 IDLE_POLL_MS = 100
+SHUTDOWN_LINGER_MS = 2000  # how long the messages sent on stopping may take to leave
 BACKLOG_POLL_MS = 5  # while replies wait for slow clients, how often they are retried
 
 
@@ -54,6 +55,7 @@ class Manager:
         worker_address: str,
         expected_workers: int,
         parent_pid: int | None = None,
+        supervisor_token: bytes = b"",
     ):
         self.config = config
         self.models, self.specs, self.kinds = load_models(config)
@@ -74,7 +76,7 @@ class Manager:
             log.info("metrics on http://%s:%d/metrics", host, bound)
         self.stats = Stats(metrics)
         self._context = server_context()
-        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health)
+        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health, supervisor_token)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)
 
@@ -83,12 +85,16 @@ class Manager:
 
     # -- event loop ----------------------------------------------------------------------------
     def stop(self, *_: object) -> None:
-        """First call: drain (refuse new requests, finish the accepted ones). Second call: stop at once."""
+        """First call: drain (refuse new requests, finish the accepted ones). Second call: stop at once,
+        unless the supervisor is gone: its death signals once (PDEATHSIG) and is seen by the parent check too."""
         if self._draining_until is None:
             self._draining_until = time.monotonic() + self._drain_timeout
             log.info("draining: %d requests in flight", len(self.core.requests))
-        else:
+        elif not self._orphaned():
             self._stopping = True
+
+    def _orphaned(self) -> bool:
+        return self._parent_pid is not None and os.getppid() != self._parent_pid
 
     @property
     def draining(self) -> bool:
@@ -119,9 +125,6 @@ class Manager:
                 self._schedule_idle_workers()
                 if self.draining and (not self.core.requests or time.monotonic() > self._draining_until):
                     break
-                if not events and self._parent_pid is not None and os.getppid() != self._parent_pid:
-                    log.warning("parent process %d is gone; exiting", self._parent_pid)
-                    break
         finally:
             self._shutdown()
 
@@ -139,8 +142,17 @@ class Manager:
         for worker, notice in self.pool.notices():
             self._conclude(self.core.complete(worker, notice))
 
+    def _check_parent(self) -> None:
+        """A manager whose supervisor is gone drains like on SIGTERM: what it accepted is finished
+        (its orphaned workers keep serving it meanwhile) or answered UNAVAILABLE, never dropped."""
+        if not self.draining and self._orphaned():
+            log.warning("parent process %d is gone; draining, then exiting", self._parent_pid)
+            self.stop()
+
     def _shutdown(self) -> None:
         self._conclude(self.core.shutdown())
+        for socket in (self.pool.control, self.frontend.socket):  # let the last answers and stop orders leave
+            socket.setsockopt(zmq.LINGER, SHUTDOWN_LINGER_MS)
         self.pool.close()
         self.frontend.close()
         self._context.term()
@@ -178,6 +190,7 @@ class Manager:
         if now < self._next_watch:
             return
         self._next_watch = now + WATCH_INTERVAL_S
+        self._check_parent()
         self._completions()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
@@ -188,7 +201,7 @@ class Manager:
         log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
         self.pool.remove(worker)
         self.stats.worker_lost(worker.worker_id)
-        self._conclude(self.core.worker_lost(worker, reason))
+        self._conclude(self.core.worker_lost(worker, reason, self.draining))
 
     # -- clients -------------------------------------------------------------------------------
     def _clients(self) -> None:
@@ -212,7 +225,7 @@ class Manager:
         message = incoming.message
         op = message.get("op", "infer")
         if op not in OPS:
-            raise RequestError(BAD_REQUEST, f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+            raise RequestError(BAD_REQUEST, f"unknown op {echo(op)}; expected one of {', '.join(OPS)}")
         if op == "infer":
             self._infer(incoming)
         elif op == "models":
@@ -242,6 +255,8 @@ class Manager:
         described = {}
         for name, model in self.models.items():
             entry = model.describe()
+            if model.random_weights:
+                entry["random_weights"] = True
             entry["cell_types"] = {
                 spec.key: {"batch_sizes": list(spec.batch_sizes), "priority": spec.priority}
                 for spec in model.cell_types.values()
@@ -279,6 +294,9 @@ class Manager:
             "host": self.pool.host,
             **self.core.snapshot(),
             "unreachable_clients": self.frontend.unreachable_clients,
+            "client_connections": self.frontend.connections.live,
+            "refused_connections": self.frontend.connections.refused,
+            "plan_caches": {name: m.plan_cache.snapshot() for name, m in self.models.items() if m.plan_cache},
             "workers": {
                 str(w.worker_id): {
                     "tasks_in_flight": w.in_flight,

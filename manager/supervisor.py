@@ -14,6 +14,7 @@ import collections
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -25,11 +26,12 @@ import psutil
 import zmq
 
 from common.auth import connect_socket
-from common.config import Config, with_policy
-from common.models.base import build_planner
+from common.config import Config, with_metrics_address, with_policy
 from common.protocol import decode, encode
+from common.shm import remove_stale_segments
 from common.worker_keys import worker_curve
-from manager.policies import check_policy
+from manager.main import SUPERVISOR_TOKEN_ENV
+from manager.preflight import check_before_start
 
 log = logging.getLogger("batchmaker.supervisor")
 
@@ -102,12 +104,13 @@ class Supervisor:
         self._stopping = False
         self._aborting = False
         self._notices: zmq.Socket | None = None
+        self._token = secrets.token_bytes(16)  # signs worker_exited: only the manager, our child, knows it
 
-    def _spawn(self, module: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         command = [sys.executable, "-m", module, "--config", str(self.config.path), "--parent-pid", str(os.getpid())]
         # A process group of their own: a terminal's Ctrl-C reaches only the supervisor, which stops them in order.
         # _die_with_parent makes one system call and takes no lock, so it is safe after fork in a threaded parent.
-        return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent, process_group=0)  # noqa: PLW1509
+        return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent, process_group=0, env=env)  # noqa: PLW1509
 
     def _spawn_worker(self, slot: WorkerSlot) -> None:
         slot.process = self._spawn(
@@ -115,6 +118,8 @@ class Supervisor:
         )
 
     def start(self) -> None:
+        for name in remove_stale_segments():
+            log.info("removed stale shared memory %s (its process is gone)", name)
         self.manager = self._spawn(
             "manager",
             "--address",
@@ -125,6 +130,9 @@ class Supervisor:
             str(len(self.devices)),
             "--policy",
             self.config.scheduler.policy,
+            "--metrics-address",
+            self.config.server.metrics_address,
+            env={**os.environ, SUPERVISOR_TOKEN_ENV: self._token.hex()},
         )
         for slot in self.slots:
             self._spawn_worker(slot)
@@ -186,7 +194,7 @@ class Supervisor:
         process = slot.process
         if process is not None and process.poll() is not None:
             log.warning("worker %d (pid %d) exited with status %s", slot.index, process.pid, process.returncode)
-            self._tell_manager({"op": "worker_exited", "pid": process.pid, "status": process.returncode})
+            self._tell_manager({"op": "worker_exited", "pid": process.pid, "status": process.returncode, "token": self._token})
             slot.process = None
             while slot.restarts and now - slot.restarts[0] > RESTART_WINDOW_S:
                 slot.restarts.popleft()
@@ -266,11 +274,15 @@ def _signal(process: psutil.Process, signum: int) -> None:
         pass
 
 
-def serve(config: Config, address: str | None, workers: int | None, policy: str | None = None) -> int:
+def serve(
+    config: Config, address: str | None, workers: int | None, policy: str | None = None, metrics_address: str | None = None
+) -> int:
     """Run the server in the foreground until SIGINT/SIGTERM."""
     if policy is not None:
         config = with_policy(config, policy)
-    check_policy(config.scheduler.policy, {name: build_planner(model) for name, model in config.models.items()})
+    if metrics_address is not None:
+        config = with_metrics_address(config, metrics_address)
+    check_before_start(config, address or config.server.address)
     supervisor = Supervisor(config, address, workers)
     signal.signal(signal.SIGINT, supervisor.request_stop)
     signal.signal(signal.SIGTERM, supervisor.request_stop)

@@ -3,17 +3,45 @@
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from typing import Any
 
 import numpy as np
 
 from common.graph import ValueKind
-from common.protocol import BAD_REQUEST, INTERNAL, RequestError
+from common.protocol import BAD_REQUEST, INTERNAL, RequestError, echo
 from common.shm import SharedArray
+from common.slots import FIRST_FREE_SLOT
 from common.task import IoRows
 from manager.records import Task
 from manager.slot_allocator import SlotAllocator
+
+
+def check_registration(message: dict[str, Any], max_rows: dict[str, int]) -> None:
+    """Types and bounds of what a registering worker says of itself, before anything is allocated
+    for it: `max_rows` bounds each space's announced rows (the configured arena_rows and io_rows)."""
+    if not _is_int(message.get("index")) or not (message.get("pid") is None or _is_int(message.get("pid"))):
+        raise RequestError(BAD_REQUEST, "the registration's index and pid must be integers")
+    if not isinstance(message.get("device", ""), str):
+        raise RequestError(BAD_REQUEST, "the registration's device must be a string")
+    arenas = message.get("arenas")
+    if not isinstance(arenas, list) or len(arenas) > 2 * len(max_rows) * 1024:
+        raise RequestError(BAD_REQUEST, "the registration's arenas must be a list")
+    for arena in arenas:
+        if not isinstance(arena, dict) or arena.get("space") not in max_rows:
+            raise RequestError(BAD_REQUEST, f"malformed arenas in the registration: {echo(arena)}")
+        limit, rows = max_rows[arena["space"]], arena.get("rows")
+        if not _is_int(arena.get("id")) or not isinstance(arena.get("kind"), str):
+            raise RequestError(BAD_REQUEST, f"malformed arenas in the registration: {echo(arena)}")
+        if not _is_int(rows) or not FIRST_FREE_SLOT < rows <= limit:
+            raise RequestError(
+                BAD_REQUEST, f"an arena of {echo(rows)} rows was announced; {arena['space']} arenas have at most {limit}"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class WorkerHandle:
@@ -32,6 +60,7 @@ class WorkerHandle:
     ):
         self.worker_id = worker_id
         self.identity = identity
+        self.notice_key = secrets.token_bytes(16)  # its notices must carry it (common/task.py)
         self.index = registration.get("index")
         self.pid = registration.get("pid")  # only meaningful on the manager's host
         self.device = registration.get("device", "?")
@@ -57,6 +86,7 @@ class WorkerHandle:
         self.rows_read_from: collections.Counter[int] = collections.Counter()  # rows its tasks read from each peer
         self.rows_in_notices = 0  # result rows that reached the manager inside its notices
         self.arenas = registration.get("arenas", [])  # as announced, for peers to open
+        self.full_task_s = registration.get("full_task_s")  # timed at its warm-up, for admission (unchecked)
         now = time.monotonic()
         self.registered_at = now
         self.first_task_delay: float | None = None  # seconds from registration to its first task

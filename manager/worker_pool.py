@@ -12,6 +12,7 @@ what happens to their requests is the manager's business.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
 import os
 import signal
@@ -26,11 +27,11 @@ from common.auth import CurveServer
 from common.config import ConfigError, ServerConfig, check_worker_address
 from common.graph import CellTypeSpec, ValueKind
 from common.hosts import default_host_id
-from common.protocol import BAD_REQUEST, RequestError, decode, encode
+from common.protocol import BAD_REQUEST, RequestError, decode, echo, encode
 from common.sockets import NOW, send, server_context
 from common.task import CompletionNotice, decode_notice
 from manager.records import Task
-from manager.worker_handle import WorkerHandle
+from manager.worker_handle import WorkerHandle, check_registration
 
 log = logging.getLogger("batchmaker.manager")
 
@@ -45,8 +46,14 @@ class WorkerPool:
         kinds: list[ValueKind],
         server: ServerConfig,
         health: Callable[[], dict[str, Any]],
+        supervisor_token: bytes = b"",
     ):
+        """`supervisor_token` is the secret the supervisor that started this process signs its
+        messages with; without one, no message is taken as the supervisor's."""
         check_worker_address(address, server, "the worker address")
+        self._supervisor_token = supervisor_token
+        self._max_rows = {"device": server.arena_rows, "io": server.io_rows}
+        self.dropped_messages = 0  # malformed or unproven messages on the worker sockets
         self.workers: dict[int, WorkerHandle] = {}
         self.host = default_host_id()
         self._hosts: dict[str, int] = {self.host: 0}  # host identity -> host number
@@ -94,10 +101,17 @@ class WorkerPool:
                 frame = self.completions.recv(NOW)
             except zmq.Again:
                 return
-            notice = decode_notice(frame)
+            try:
+                notice = decode_notice(frame)
+            except ValueError as exc:
+                self._drop(f"a malformed completion notice ({exc})")
+                continue
             worker = self.workers.get(notice.worker_id)
             if worker is None:
                 continue  # from a worker already written off
+            if not hmac.compare_digest(notice.key, worker.notice_key):
+                self._drop(f"a completion notice for worker {notice.worker_id} without its key")
+                continue
             worker.heard_from(notice.signal, time.monotonic())
             if notice.rows:
                 try:
@@ -119,18 +133,25 @@ class WorkerPool:
                 identity, frame = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return restarted, exited
-            except ValueError:
-                continue  # not a two-frame message: not one of our workers
+            except ValueError:  # not a two-frame message: not one of our workers
+                self._drop("a message of more than one frame on the worker control socket")
+                continue
             try:
                 message = decode(frame)
             except RequestError:
+                message = None
+            if not isinstance(message, dict):
+                self._drop("a malformed message on the worker control socket")
                 continue
             op = message.get("op")
             if op == "health":  # the supervisor's readiness check, on the private socket
                 self.control.send_multipart([identity, b"health", encode(self._health())])
             elif op == "worker_exited":  # from the supervisor, which saw a process of this host end
+                if not self._from_supervisor(message):
+                    self._drop("a worker_exited message not signed by the supervisor")
+                    continue
                 exited += [
-                    (worker, f"process exited with status {message.get('status')}")
+                    (worker, f"process exited with status {echo(message.get('status'))}")
                     for worker in self.workers.values()
                     if worker.local and worker.pid == message.get("pid")
                 ]
@@ -141,20 +162,31 @@ class WorkerPool:
                 if worker is not None:
                     self.seen.add((worker.host, worker.index))
 
+    def _from_supervisor(self, message: dict[str, Any]) -> bool:
+        token = message.get("token")
+        return bool(self._supervisor_token) and isinstance(token, bytes) and hmac.compare_digest(token, self._supervisor_token)
+
+    def _drop(self, what: str) -> None:
+        """A message on the worker sockets that no worker of ours sent as it is: counted, logged, ignored."""
+        self.dropped_messages += 1
+        log.warning("dropped %s (%d dropped so far)", what, self.dropped_messages)
+
     def _register(self, identity: bytes, message: dict[str, Any]) -> WorkerHandle | None:
         try:
             if message.get("op") != "register":
-                raise RequestError(BAD_REQUEST, f"unknown worker op {message.get('op')!r}")
+                raise RequestError(BAD_REQUEST, f"unknown worker op {echo(message.get('op'))}")
             if message.get("cells") != self._cells:
-                raise RequestError(BAD_REQUEST, f"worker serves cells {message.get('cells')}, the manager {self._cells}")
+                raise RequestError(BAD_REQUEST, f"worker serves cells {echo(message.get('cells'))}, the manager {self._cells}")
             host = message.get("host")
             if not isinstance(host, str) or not host:
                 raise RequestError(BAD_REQUEST, "worker did not say which host it runs on")
-            number = self._hosts.setdefault(host, len(self._hosts))
+            check_registration(message, self._max_rows)
+            number = self._hosts.get(host, len(self._hosts))
             try:
                 worker = WorkerHandle(self._next_worker_id, identity, message, self._kinds, number, host == self.host)
             except (KeyError, TypeError, ValueError) as exc:
-                raise RequestError(BAD_REQUEST, f"malformed arenas in the registration: {exc!r}") from None
+                raise RequestError(BAD_REQUEST, f"malformed arenas in the registration: {echo(exc)}") from None
+            self._hosts[host] = number
         except RequestError as exc:
             log.error("worker registration refused: %s", exc.message)
             self.control.send_multipart([identity, b"registered", encode({"ok": False, "error": exc.message})])
@@ -172,6 +204,7 @@ class WorkerPool:
             "local": worker.local,
             "peers": {str(w.worker_id): w.arenas for w in neighbours},
             "manager_timeout_s": MANAGER_SILENCE_S,
+            "notice_key": worker.notice_key,
         }
         self.control.send_multipart([identity, b"registered", encode(reply)])
         announcement = encode({str(worker.worker_id): worker.arenas})

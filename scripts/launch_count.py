@@ -69,9 +69,11 @@ def counted_task(task_id: int, cell_index: int, spec, ids, batch: int, downloads
     return TaskMessage(task_id, cell_index, batch, inputs, task.outputs, task.downloads if downloads else [])
 
 
-def phases(tasks, cell, task: TaskMessage) -> Counter[str]:
-    """Operations of one task: before the cell's forward (gather), inside it (cell), after it."""
+def phases(tasks, calls: FakeCalls, cell, task: TaskMessage) -> Counter[str]:
+    """Operations of one task: before the cell's forward (gather), inside it (cell), after it (with the
+    copies to the host, which the CUDA runtime makes rather than an aten operation)."""
     counter = LaunchCounter()
+    copies = calls.downloads
     before = cell.register_forward_pre_hook(lambda *_: setattr(counter, "phase", "cell"))
     after = cell.register_forward_hook(lambda *_: setattr(counter, "phase", "after"))
     try:
@@ -83,6 +85,7 @@ def phases(tasks, cell, task: TaskMessage) -> Counter[str]:
         after.remove()
     if tasks.finish(task.task_id) is not None:
         raise RuntimeError(f"task {task.task_id} failed")
+    counter.counts["after"] += calls.downloads - copies
     return counter.counts
 
 
@@ -91,11 +94,12 @@ def count_launches(batch: int, config: Path) -> list[Launches]:
     specs, cells, _ = layout
     rows = []
     with fake_cuda():
-        tasks, ids = fake_tasks(layout, FakeCalls())
+        calls = FakeCalls()
+        tasks, ids = fake_tasks(layout, calls)
         for index, spec in enumerate(specs):
             cell = cells[index]  # moved to the fake device in place
-            plain = phases(tasks, cell, counted_task(2 * index, index, spec, ids, batch, downloads=False))
-            full = phases(tasks, cell, counted_task(2 * index + 1, index, spec, ids, batch, downloads=True))
+            plain = phases(tasks, calls, cell, counted_task(2 * index, index, spec, ids, batch, downloads=False))
+            full = phases(tasks, calls, cell, counted_task(2 * index + 1, index, spec, ids, batch, downloads=True))
             if (plain["gather"], plain["cell"]) != (full["gather"], full["cell"]):
                 raise RuntimeError(f"{spec.key}: downloads changed the gather or the cell")
             rows.append(

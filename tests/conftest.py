@@ -126,6 +126,24 @@ def wait_idle(client: Client, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+class CountingList(list):
+    """A list that counts the entries read from it: how much work a check did, without a clock."""
+
+    read = 0
+
+    def __iter__(self):
+        for entry in super().__iter__():
+            self.read += 1
+            yield entry
+
+    def __contains__(self, value: object) -> bool:
+        return any(entry == value for entry in self)
+
+    def __getitem__(self, index):
+        self.read += 1
+        return super().__getitem__(index)
+
+
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0, interval: float = 0.01) -> Any:
     """The first truthy value of `predicate()`; fails naming `what` if none comes within the (generous) timeout."""
     deadline = time.monotonic() + timeout
@@ -159,6 +177,18 @@ def lstm_config(tmp_path: Path) -> Config:
 def lstm_server(lstm_config: Config) -> Iterator[RunningServer]:
     server = start_server(lstm_config, workers=1)
     yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Any, dict]]:
+    """One served SMALL_LSTM for a module's attacks, with its model and weights to check answers against."""
+    from common.models import build_model
+
+    config = write_config(tmp_path_factory.mktemp("fuzz"), SMALL_LSTM)
+    server = start_server(config, workers=1)
+    model = build_model(config.models["lstm"])
+    yield server, model, model.load_weights()
     stop_server(server)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from common.config import ConfigError, load_config
 from common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
-from manager.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait
+from manager.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait, warm_up_capacity
 
 FULL = 64  # the largest batch size of the cell type in these tests
 
@@ -121,10 +121,41 @@ def test_admission_refuses_a_deadline_the_estimate_cannot_meet():
 def test_snapshot_reports_rate_and_wait():
     clock = Clock()
     admission = Admission(250, ExpectedWait(clock))
-    assert admission.snapshot(100) == {"cells_per_s": None, "estimated_wait_ms": None, "max_queue_delay_ms": 250}
+    assert admission.snapshot(100) == {
+        "cells_per_s": None, "warm_up_cells_per_s": None, "estimated_wait_ms": None, "max_queue_delay_ms": 250
+    }
     saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # 25,000 cells/s
     snapshot = admission.snapshot(2_500)
     assert snapshot["cells_per_s"] == pytest.approx(25_000) and snapshot["estimated_wait_ms"] == pytest.approx(100)
+
+
+def test_warm_up_timings_give_the_capacity_of_full_tasks():
+    assert warm_up_capacity([{"lstm": 0.01}], {"lstm": 64}) == pytest.approx(6_400)
+    # Two cell types, an equal share of cells each: 64 cells take 0.01 s of one and 0.03 s of the other.
+    two = {"encoder": 0.01, "decoder": 0.03}
+    assert warm_up_capacity([two], {"encoder": 64, "decoder": 64}) == pytest.approx(2 * 64 / 0.04)
+    assert warm_up_capacity([two, two], {"encoder": 64, "decoder": 64}) == pytest.approx(2 * 2 * 64 / 0.04)
+
+
+@pytest.mark.parametrize(
+    "timed", [None, {}, {"other": 0.01}, {"lstm": 0}, {"lstm": -1.0}, {"lstm": True}, {"lstm": "fast"}, [0.01]]
+)
+def test_a_missing_or_malformed_warm_up_timing_counts_nothing(timed: object):
+    assert warm_up_capacity([timed], {"lstm": 64}) is None
+    assert warm_up_capacity([timed, {"lstm": 0.01}], {"lstm": 64}) == pytest.approx(6_400)
+
+
+def test_the_assumed_capacity_bounds_a_cold_start_until_one_is_measured():
+    clock = Clock()
+    admission = Admission(250, ExpectedWait(clock))
+    admission.estimator.assume(10_000)
+    with pytest.raises(RequestError) as refused:  # 3,000 cells queued: 300 ms at 10,000 cells/s
+        admission.check(3_000, None)
+    assert refused.value.code == OVERLOADED and "estimated wait 300 ms" in refused.value.message
+    saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # measured: 25,000 cells/s
+    admission.check(3_000, None)  # 120 ms
+    assert admission.snapshot(0)["cells_per_s"] == pytest.approx(25_000)
+    assert admission.snapshot(0)["warm_up_cells_per_s"] == 10_000
 
 
 def write(tmp_path: Path, server: str) -> Path:

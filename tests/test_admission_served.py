@@ -139,3 +139,22 @@ def test_a_flood_is_refused_by_expected_wait_and_every_request_is_answered_once(
     # The server counted what the client saw: nothing was lost on either side.
     assert {code: after["requests"].get(code, 0) for code in outcomes} == outcomes
     assert after["admission"]["cells_per_s"] and after["admission"]["estimated_wait_ms"] == 0
+
+
+def test_a_cold_server_refuses_a_flood_by_expected_wait_from_its_first_request(tmp_path: Path):
+    """Its workers timed their full tasks at warm-up: admission quotes that capacity before any task has run."""
+    config = write_config(tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}")
+    server = start_server(config, workers=1)
+    flood = Flood(server.address)
+    try:
+        cold = flood.stats()
+        assert cold["tasks"] == 0 and cold["admission"]["cells_per_s"] == cold["admission"]["warm_up_cells_per_s"] > 0
+        within_limit = cold["admission"]["cells_per_s"] * LIMIT_MS / 1e3 / 50  # requests (50 tokens on average)
+        flood.send(lengths(np.random.default_rng(8), int(10 * within_limit) + 100))
+        flood.collect()
+    finally:
+        flood.close()
+        stop_server(server)
+    codes = [reply["error"]["code"] if not reply["ok"] else "ok" for (reply,) in flood.replies.values()]
+    assert set(codes) == {"ok", "OVERLOADED"}
+    assert codes.count("ok") < len(codes) / 2  # bounded from the start: most of ten times the limit is refused

@@ -162,3 +162,12 @@ def test_keygen_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
     with pytest.raises(SystemExit):
         keygen_main([str(directory), "--name", "../elsewhere"])
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660])
+def test_a_secret_key_file_others_may_read_is_refused(keys: Keys, mode: int) -> None:
+    keys.server_secret.chmod(mode)
+    with pytest.raises(ValueError, match=f"mode {mode:04o}.*chmod 600"):
+        load_secret_key(keys.server_secret)
+    keys.server_secret.chmod(0o400)
+    assert load_secret_key(keys.server_secret)

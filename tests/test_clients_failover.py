@@ -19,10 +19,16 @@ from conftest import free_port
 from clients import AsyncClient, Client, ServerError, ServerLost
 from clients.cli import main as cli_main
 from clients.servers import ASIDE, DRAINING, UP, ServerSet
-from common.protocol import OVERLOADED, decode, encode, error_reply
+from common.protocol import INVALID_INPUT, OVERLOADED, UNAVAILABLE, WORKER_LOST, decode, encode, error_reply
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3}
 DRAINING_MESSAGE = "the server is draining before it stops; send the request elsewhere"
+REFUSALS = {
+    "unavailable": (UNAVAILABLE, "the server stopped before finishing the request; send it elsewhere"),
+    "overloaded": (OVERLOADED, "estimated wait 900 ms exceeds the server's limit of 500 ms"),
+    "invalid": (INVALID_INPUT, "token 7 is outside the vocabulary"),
+    "worker_lost": (WORKER_LOST, "its worker was lost (process exited with status -9) and none remains"),
+}
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -39,7 +45,10 @@ class FakeServer:
 
     Modes: "answer" replies at once; "hold" keeps infer requests until `release`;
     "silent" reads nothing (a hung host); "draining" refuses infer requests as a
-    stopping manager does and says so in health. `close` drops the connection.
+    stopping manager does and says so in health; "unavailable" answers them as a
+    manager that stopped before finishing them, "overloaded" as one that refuses
+    them at admission, "worker_lost" as one whose only worker died, and "invalid" as
+    one that finds them wrong. `close` drops the connection.
     Each infer reply names the server that computed it.
     """
 
@@ -101,11 +110,14 @@ class FakeServer:
         request_id = message["id"]
         op = message.get("op", "infer")
         if op == "health":
-            return {"id": request_id, "ok": True, "status": "draining" if self.mode == "draining" else "ready"}
+            stopping = self.mode in ("draining", "unavailable")
+            return {"id": request_id, "ok": True, "status": "draining" if stopping else "ready"}
         if op == "cancel":
             return {"id": request_id, "ok": True, "cancelled": True}
         if self.mode == "draining":
             return error_reply(request_id, OVERLOADED, DRAINING_MESSAGE)
+        if self.mode in REFUSALS:
+            return error_reply(request_id, *REFUSALS[self.mode])
         return {"id": request_id, "ok": True, "outputs": {"server": self.name, "echo": message["inputs"]["n"]}}
 
 
@@ -397,7 +409,7 @@ def test_sync_cancel_goes_to_the_server_of_the_timed_out_request(servers: list[F
 
 def test_cli_takes_several_addresses(servers: list[FakeServer], capsys: pytest.CaptureFixture[str]) -> None:
     a, b = start(servers, "draining", "answer")
-    argv = ["infer", "--address", a.address, "--address", b.address, "--model", "m", "--json", '{"n": 4}']
+    argv = ["infer", "--address", a.address, "--address", b.address, "--model", "m", "--inputs", '{"n": 4}']
     for _ in range(2):
         assert cli_main(argv) == 0
         assert 'server: "s1"' in capsys.readouterr().out

@@ -293,5 +293,5 @@ def test_cli_against_fake_server(server: FakeServer, capsys: pytest.CaptureFixtu
     assert cli_main(["infer", "--address", server.address, "--model", "missing", "--tokens", "1"]) == 1
     assert capsys.readouterr().err.startswith("error UNKNOWN_MODEL: ")
 
-    assert cli_main(["infer", "--address", server.address, "--model", "lstm", "--json", "[1]"]) == 1
+    assert cli_main(["infer", "--address", server.address, "--model", "lstm", "--inputs", "[1]"]) == 1
     assert capsys.readouterr().err.startswith("error USAGE: ")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.addresses import is_loopback
 from common.config import AFFINITIES, POLICIES, ConfigError, load_config
 from common.models import build_model
 from common.models.base import Model, save_weights
@@ -137,6 +138,17 @@ def test_non_positive_or_ill_typed_cpu_workers(tmp_path: Path, value: str) -> No
     config_error(tmp_path, f"[server]\ncpu_workers = {value}\n" + MODEL, "cpu_workers")
 
 
+@pytest.mark.parametrize("value", ["0", "-1", '"2"', "1.5", "true"])
+def test_max_clients_must_be_a_positive_integer(tmp_path: Path, value: str) -> None:
+    message = config_error(tmp_path, f"[server]\nmax_clients = {value}\n" + MODEL, "max_clients")
+    assert "must be an integer >= 1" in message
+
+
+def test_max_clients_defaults_to_1024_and_takes_a_value(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MODEL)).server.max_clients == 1024
+    assert load_config(write(tmp_path, "[server]\nmax_clients = 1\n" + MODEL)).server.max_clients == 1
+
+
 def test_bad_server_strings_and_limits(tmp_path: Path) -> None:
     config_error(tmp_path, '[server]\naddress = ""\n' + MODEL, "address")
     config_error(tmp_path, "[server]\naddress = 5555\n" + MODEL, "address")
@@ -187,7 +199,20 @@ def test_bad_batch_sizes(tmp_path: Path, sizes: str) -> None:
 
 def test_model_without_batch_sizes(tmp_path: Path) -> None:
     text = MODEL.replace("batch_sizes = [1, 2, 4]\n", "")
-    config_error(tmp_path, text, "models.lstm", "batch_sizes")
+    config_error(tmp_path, text, "[models.lstm] batch_sizes is required: the batch sizes its cells run at")
+
+
+def test_a_misspelt_batch_sizes_is_named_as_a_typo(tmp_path: Path) -> None:
+    text = MODEL.replace("batch_sizes = [1, 2, 4]", "batch_size = [1, 2, 4]")
+    config_error(tmp_path, text, "[models.lstm] batch_sizes is required ('batch_size' is there: a typo?)")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_readme_names_every_weight_of_the_chain_models(tmp_path: Path, kind: str) -> None:
+    config = load_config(write(tmp_path, MODEL.replace("common.models.lstm:build", f"common.models.{kind}:build")))
+    readme = (ROOT / "README.md").read_text()
+    for key in build_model(config.models["lstm"]).weight_shapes():
+        assert f"`{key}`" in readme, f"README.md does not name {key}"
 
 
 @pytest.mark.parametrize("priority", ["1.5", '"high"', "true", "[1]"])
@@ -361,7 +386,8 @@ def test_load_weights_with_shapes_that_disagree_with_the_config(tmp_path: Path) 
         wider.load_weights()
     message = str(excinfo.value)
     assert str(wider.config.weights) in message
-    assert "batchmaker init-weights" in message, f"the message should say how to fix it: {message}"
+    assert "Set the sizes in [models.lstm] to those the weights were trained with" in message, message
+    assert "delete" not in message and "init-weights" not in message, f"the advice must keep the user's file: {message}"
 
 
 def test_load_weights_lacking_a_layer(tmp_path: Path) -> None:
@@ -449,3 +475,38 @@ def test_worker_keys_table_errors(tmp_path: Path) -> None:
     config_error(tmp_path, WORKER_KEYS + 'allowed_clients = "keys/clients"\n' + MODEL,
                  "[server.worker_curve] has unknown key(s) ['allowed_clients']")
     config_error(tmp_path, '[server]\ninsecure_workers = "yes"\n' + MODEL, "insecure_workers must be true or false")
+
+
+@pytest.mark.parametrize(
+    ("address", "local"),
+    [
+        ("ipc:///tmp/x", True),
+        ("inproc://x", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://10.0.0.1:5555", False),
+        ("ws://0.0.0.0:5555", False),
+        ("tipc://{5560,0,0}", False),
+        ("udp://0.0.0.0:5555", False),
+        ("epgm://eth0;239.192.1.1:5555", False),
+    ],
+)
+def test_only_ipc_inproc_and_loopback_tcp_are_local(address: str, local: bool):
+    assert is_loopback(address) is local
+
+
+# -- [server] cross_gpu_reads -------------------------------------------------------------------------------
+
+
+def test_cross_gpu_reads_are_always_allowed_unless_set(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MODEL)).server.cross_gpu_reads == "always"
+    for value in ("peer-access", "never"):
+        text = f'[server]\ncross_gpu_reads = "{value}"\n' + MODEL
+        assert load_config(write(tmp_path, text)).server.cross_gpu_reads == value
+
+
+@pytest.mark.parametrize("value", ['"sometimes"', "true", '""'])
+def test_an_unknown_cross_gpu_reads_is_refused(tmp_path: Path, value: str) -> None:
+    config_error(tmp_path, f"[server]\ncross_gpu_reads = {value}\n" + MODEL, "cross_gpu_reads")

@@ -2,8 +2,9 @@
 
 torch's FakeTensorMode creates tensors on "cuda" in a CPU-only build, with shapes, dtypes
 and devices but no data, and raises on an operation that mixes devices, as a GPU would.
-`DeviceTasks` (worker/device_tasks.py) runs here exactly as in the CUDA backend; only its
-`DeviceCalls` (stream, pinned staging, counter) are stand-ins. Warm-up, the issue path
+`DeviceTasks` (worker/device_tasks.py) runs here exactly as in the CUDA backend, through the
+backend's own `StreamCalls`; only the CUDA runtime under them is a stand-in (tests/cuda_fakes.py),
+which records the stream of every operation and refuses unpinned copies. Warm-up, the issue path
 (staging, gathers, inline inputs, peers' rows with and without peer access, scatters,
 downloads) and every built-in model's cells run with all arenas and weights on "cuda".
 """
@@ -14,11 +15,11 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from cuda_fakes import FakeRuntime
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 from torch.overrides import TorchFunctionMode
@@ -29,8 +30,8 @@ from common.models.base import build_model, cell_layout
 from common.task import SLOT_DTYPE, TaskMessage
 from worker.backend import arena_ids
 from worker.batched_task import IssuedTask, run_task
-from worker.cuda import TORCH_DTYPES
-from worker.device_tasks import DeviceCalls, DeviceTasks, Staging, staged_bytes
+from worker.cuda import TORCH_DTYPES, StreamCalls
+from worker.device_tasks import DeviceTasks, staged_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda", 0)
@@ -39,38 +40,31 @@ ROWS = 256
 ACCESSIBLE_PEER, DISTANT_PEER = 7, 8  # a peer mapped on this GPU (peer access), and one mapped on its own
 
 
-class FakeCalls(DeviceCalls):
-    """Device calls that keep count instead of touching a device."""
+class FakeCalls(StreamCalls):
+    """The CUDA backend's device calls on a fake runtime, counting what they enqueued."""
 
-    device = DEVICE
-
-    def __init__(self) -> None:
-        self.signals = 0
-        self.sent = 0
+    def __init__(self, runtime: FakeRuntime | None = None) -> None:
+        super().__init__(DEVICE, runtime or FakeRuntime())
         self.peer_streams: list[torch.device] = []
-        self.delivered: list[tuple[tuple[int, ...], int]] = []
-
-    def on_stream(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
     def on_peer_stream(self, device: torch.device) -> contextlib.AbstractContextManager:
         self.peer_streams.append(device)
-        return contextlib.nullcontext()
+        return super().on_peer_stream(device)
 
-    def staging(self, nbytes: int) -> Staging:
-        device = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-        return Staging(np.zeros(nbytes, dtype=np.uint8), device, self._send)
+    def count(self, what: str) -> int:
+        return sum(call.what == what for call in self.runtime.calls)
 
-    def _send(self) -> None:
-        self.sent += 1
+    @property
+    def signals(self) -> int:
+        return self.count("signal")
 
-    def signal(self) -> None:
-        self.signals += 1
+    @property
+    def sent(self) -> int:
+        return self.count("upload")
 
-    def deliver(self, rows: torch.Tensor, io: np.ndarray, slots: np.ndarray) -> None:
-        assert rows.device.type == "cpu", f"downloaded rows are on {rows.device}"
-        assert tuple(rows.shape) == (len(slots), *io.shape[1:])
-        self.delivered.append((tuple(rows.shape), len(slots)))
+    @property
+    def downloads(self) -> int:
+        return self.count("download")
 
 
 class GuardFreeIndexing(TorchFunctionMode):
@@ -165,6 +159,7 @@ def fake_tasks(layout, calls: FakeCalls) -> tuple[DeviceTasks, dict]:
         device_id, io_id = ids[kind]
         arenas[device_id] = torch.zeros((ROWS, *kind.shape), dtype=TORCH_DTYPES[kind.dtype], device=DEVICE)
         io[io_id] = np.zeros((ROWS, *kind.shape), dtype=kind.dtype)
+        calls.runtime.pin(io[io_id])
     tasks = DeviceTasks(calls, [on_fake_device(cell) for cell in cells], specs, ids, arenas, io)
     for (worker_id, device) in ((ACCESSIBLE_PEER, DEVICE), (DISTANT_PEER, PEER_DEVICE)):
         for arena_id, arena in arenas.items():
@@ -234,7 +229,7 @@ def test_every_cell_serves_a_task_on_the_device(layout, batch: int):
             assert calls.signals == task_id
             assert tasks.finish(task_id) is None, spec.key
     assert calls.sent == len(specs)
-    assert len(calls.delivered) == sum(len(spec.outputs) for spec in specs)
+    assert calls.downloads == sum(len(spec.outputs) for spec in specs)
     # Rows of the peer mapped on its own GPU are gathered on that GPU's stream; the other peer's need no stream.
     float_inputs = sum(1 for spec in specs for kind in spec.inputs if kind.dtype != "int64")
     assert calls.peer_streams == [PEER_DEVICE] * float_inputs
@@ -282,17 +277,6 @@ def test_staging_holds_exactly_what_the_task_sends(layout):
             assert tasks.finish(cell_index) is None
             assert staging._used == staged_bytes(task), spec.key
             del calls.staging
-
-
-def test_peers_are_mapped_on_this_gpu_where_peer_access_allows(monkeypatch):
-    """Mapped here, a peer's arena is read by this stream's kernels and no context is made on its GPU."""
-    from worker.cuda import CudaBackend
-
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda device, peer: (device, peer) == (0, 1))
-    backend = SimpleNamespace(_dev=DEVICE)
-    assert CudaBackend._mapping_device(backend, 0) == DEVICE  # another worker on the same GPU
-    assert CudaBackend._mapping_device(backend, 1) == DEVICE  # peer access
-    assert CudaBackend._mapping_device(backend, 2) == torch.device("cuda", 2)  # read on its GPU, then copied
 
 
 def test_cells_made_from_weights_on_the_gpu_keep_everything_there():

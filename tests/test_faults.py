@@ -264,14 +264,14 @@ def test_cuda_arenas_open_in_a_peer_process():
 
     if torch.cuda.device_count() < 1:
         pytest.skip("no CUDA device")
-    from worker.cuda import export_ipc_handle
+    from worker.cuda_runtime import CudaRuntime
 
     arena = torch.arange(12, dtype=torch.float32, device="cuda:0").reshape(4, 3)
-    handle = export_ipc_handle(arena)
+    handle = CudaRuntime().export(arena)
     script = (
-        "import sys, torch, msgpack; from worker.cuda import open_ipc_handle;"
+        "import sys, torch, msgpack; from worker.cuda_runtime import CudaRuntime;"
         "h = msgpack.unpackb(sys.stdin.buffer.read());"
-        "t = open_ipc_handle(h, torch.float32, (4, 3)); print(float(t[2].sum()))"
+        "t = CudaRuntime().open(h, 0, torch.float32, (4, 3)); print(float(t[2].sum()))"
     )
     import msgpack
 

@@ -83,3 +83,32 @@ def test_a_burst_ends_when_its_time_is_up_and_the_next_reads_the_rest(sockets):
     assert first == [0]
     rest = read_all(frontend, 2)
     assert [i for burst in rest for i in burst] == [1, 2]
+
+
+
+def test_a_client_whose_unread_replies_pass_the_byte_bound_is_taken_for_gone():
+    """A backlog bounded by count alone lets one client hold count x reply size: it is bounded by bytes too."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    context = zmq.Context()
+    frontend = ClientFrontend(context, address, ServerConfig(address=address, max_backlog_bytes=1 << 20))
+    client = context.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.setsockopt(zmq.RCVHWM, 1)
+    client.connect(address)
+    try:
+        send(client, 0, 1)
+        assert frontend.socket.poll(10_000)
+        (incoming,) = frontend.receive()
+        reply = {"id": 0, "ok": True, "blob": b"x" * 10_000}
+        sent = 0
+        while not frontend.departures_known:
+            frontend.reply(incoming.client, reply)
+            sent += 1
+            # the socket's queue takes its high-water mark of 1000; then 1 MB of backlog at most
+            assert sent < 1000 + 110, f"{sent} unread replies and the client is not given up on"
+        assert frontend.departed() == [incoming.client] and frontend.unreachable_clients == 1
+        assert not frontend.backlogged
+    finally:
+        client.close()
+        frontend.close()
+        context.term()

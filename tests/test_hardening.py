@@ -17,19 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients import AsyncClient, Client, ServerError
 from common.auth import generate_keypair
-from common.models import build_model
 from common.protocol import ERROR_CODES
 
 # -- fuzzing -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("fuzz"), SMALL_LSTM)
-    server = start_server(config, workers=1)
-    model = build_model(config.models["lstm"])
-    yield server, model, model.load_weights()
-    stop_server(server)
 
 
 class RawSocket:

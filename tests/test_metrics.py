@@ -10,7 +10,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from manager.metrics import Metrics
+from manager.metrics import MAX_CONNECTIONS, Metrics
 
 
 @pytest.fixture
@@ -134,3 +134,23 @@ def test_serve_binds_the_given_host_only(metrics: Metrics) -> None:
         c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
     ]
     assert listening == ["127.0.0.1"]
+
+
+def test_idle_connections_are_capped_and_timed_out(metrics: Metrics) -> None:
+    """Connections that send nothing hold at most MAX_CONNECTIONS threads, each for CONNECTION_TIMEOUT_S."""
+    port = metrics.serve("127.0.0.1", 0)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as extra:
+            try:
+                extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+                answer = extra.recv(1024)
+            except ConnectionResetError:  # closed before our request arrived
+                answer = b""
+            assert answer == b"", "a connection beyond the cap was served"
+        for connection in idle:  # each closed by the server once its timeout passes
+            assert connection.recv(1) == b""
+        scrape(port)  # the slots are free again
+    finally:
+        for connection in idle:
+            connection.close()

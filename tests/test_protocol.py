@@ -7,10 +7,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import CountingList
 
 from common.protocol import (
     BAD_REQUEST,
+    ECHO_CHARS,
     ERROR_CODES,
+    INVALID_INPUT,
+    MAX_RANK,
     WIRE_DTYPES,
     RequestError,
     decode,
@@ -152,10 +156,10 @@ def test_map_to_tensor_refuses_wrong_byte_count() -> None:
     for data in (good["data"][:-8], good["data"] + b"\x00" * 8, good["data"][:-1], b""):
         with pytest.raises(RequestError) as excinfo:
             map_to_tensor(good | {"data": data}, "tokens")
-        assert "tokens" in refused(excinfo)
+        assert "tokens" in refused(excinfo, INVALID_INPUT)
     with pytest.raises(RequestError) as excinfo:
         map_to_tensor(good | {"shape": [2, 3]})
-    refused(excinfo)
+    refused(excinfo, INVALID_INPUT)
 
 
 @pytest.mark.parametrize("dtype", ["int128", "float8", "complex64", "uint64", "object", "<i8", "", 5, None])
@@ -181,7 +185,51 @@ def test_map_to_tensor_refuses_shapes_whose_size_overflows(shape: list[int]) -> 
     """The byte count must be computed without wrapping: a wrapped count of 0 "matches" empty data."""
     with pytest.raises(RequestError) as excinfo:
         map_to_tensor({"dtype": "int64", "shape": shape, "data": b""})
-    refused(excinfo)
+    refused(excinfo, INVALID_INPUT)
+
+
+@pytest.mark.parametrize("rank", [1, None])
+def test_a_shape_of_many_huge_dimensions_is_refused_before_its_dimensions_are_read(rank: int | None) -> None:
+    """[2**64 - 1] * N once cost time quadratic in N (a product of N 64-bit factors, then its decimal
+    string), and failed with an internal error. Its length alone refuses it now."""
+    shape = CountingList([2**64 - 1] * 40_000)
+    with pytest.raises(RequestError) as excinfo:
+        map_to_tensor({"dtype": "int64", "shape": shape, "data": b"\x00" * 8}, "tokens", rank=rank)
+    message = refused(excinfo, INVALID_INPUT)
+    assert shape.read == 0
+    assert "40000" in message and len(message) < 200
+
+
+def test_a_dimension_larger_than_the_data_is_refused_after_reading_at_most_the_rank_plus_one() -> None:
+    shape = CountingList([2, 2**64 - 1])
+    with pytest.raises(RequestError) as excinfo:
+        map_to_tensor({"dtype": "int8", "shape": shape, "data": b"\x00" * 4}, "x", rank=2)
+    assert "cannot fit in 4 bytes" in refused(excinfo, INVALID_INPUT)
+    assert shape.read <= 2 * 3  # one pass for the types, one for a zero, one for the largest
+
+
+def test_map_to_tensor_refuses_a_rank_other_than_the_expected_one() -> None:
+    tensor = tensor_to_map(np.arange(4, dtype=np.int64).reshape(2, 2))
+    with pytest.raises(RequestError) as excinfo:
+        map_to_tensor(tensor, "tokens", rank=1)
+    assert "tokens must have 1 dimension(s), its shape has 2" in refused(excinfo, INVALID_INPUT)
+    assert map_to_tensor(tensor, "tokens", rank=2).shape == (2, 2)
+    with pytest.raises(RequestError) as excinfo:
+        map_to_tensor({"dtype": "int8", "shape": [1] * (MAX_RANK + 1), "data": b"\x00"})
+    refused(excinfo, INVALID_INPUT)
+
+
+def test_empty_tensors_numpy_cannot_index_are_invalid_input() -> None:
+    with pytest.raises(RequestError) as excinfo:
+        map_to_tensor({"dtype": "int64", "shape": [0, 2**62], "data": b""})
+    refused(excinfo, INVALID_INPUT)
+
+
+def test_error_messages_echo_at_most_a_bounded_piece_of_the_value() -> None:
+    for dtype in ("x" * 1_000_000, [1] * 1_000_000, {"k" * 100: "v" * 100}):
+        with pytest.raises(RequestError) as excinfo:
+            map_to_tensor({"dtype": dtype, "shape": [1], "data": b"\x00"})
+        assert len(refused(excinfo)) < ECHO_CHARS + 120
 
 
 @pytest.mark.parametrize("data", ["AAAAAAAAAAA=", [0] * 8, None, 0], ids=repr)
@@ -228,7 +276,7 @@ def test_decode_outputs_turns_tensor_maps_into_arrays_and_leaves_the_rest() -> N
 def test_decode_outputs_refuses_a_broken_tensor_map() -> None:
     with pytest.raises(RequestError) as excinfo:
         decode_outputs({"h": {"dtype": "float32", "shape": [4], "data": b"\x00" * 15}})
-    assert "h" in refused(excinfo)
+    assert "h" in refused(excinfo, INVALID_INPUT)
 
 
 def test_error_reply_shape() -> None:

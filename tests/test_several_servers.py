@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +71,24 @@ class Progress:
         await event.wait()
 
 
-async def run_load(servers: list[ServerProcess], requests: list[list[int]], rate: float) -> tuple[list, AsyncClient]:
+Faults = Callable[[AsyncClient, Progress, int], Awaitable[None]]  # (client, progress, requests) -> when done
+
+
+async def kill_one_drain_another(servers: list[ServerProcess], client: AsyncClient, progress: Progress, count: int) -> None:
     killed, drained, _ = servers
+    await progress.reach(count // 4)
+    await owes_answers(client, killed)
+    killed.kill_all()
+    await progress.reach(count // 2)
+    drained.process.send_signal(signal.SIGTERM)
+
+
+async def owes_answers(client: AsyncClient, server: ServerProcess) -> None:
+    while client.outstanding()[server.address] == 0:  # fault it while it owes answers
+        await asyncio.sleep(0.001)
+
+
+async def run_load(servers: list[ServerProcess], requests: list[list[int]], rate: float, faults: Faults) -> tuple[list, AsyncClient]:
     progress = Progress()
     rng = np.random.default_rng(1)
     client = AsyncClient([s.address for s in servers], timeout=60, health_interval=0.2, health_timeout=0.5)
@@ -82,16 +99,8 @@ async def run_load(servers: list[ServerProcess], requests: list[list[int]], rate
         finally:
             progress.add()
 
-    async def faults() -> None:
-        await progress.reach(len(requests) // 4)
-        while client.outstanding()[killed.address] == 0:  # kill it while it owes answers
-            await asyncio.sleep(0.001)
-        killed.kill_all()
-        await progress.reach(len(requests) // 2)
-        drained.process.send_signal(signal.SIGTERM)
-
     async with client:
-        fault_task = asyncio.create_task(faults())
+        fault_task = asyncio.create_task(faults(client, progress, len(requests)))
         calls = []
         for tokens in requests:
             calls.append(asyncio.create_task(one(tokens)))
@@ -105,16 +114,20 @@ def test_kill_and_drain_under_load_lose_nothing(three_servers: tuple[Config, lis
     config, servers = three_servers
     rng = np.random.default_rng(0)
     requests = [rng.integers(0, 100, size=int(rng.integers(1, 40))).tolist() for _ in range(600)]
-    results, client = asyncio.run(run_load(servers, requests, rate=150.0))
-
-    model = build_model(config.models["lstm"])
-    state = model.load_weights()
-    for tokens, result in zip(requests, results):
-        assert not isinstance(result, BaseException), repr(result)
-        expected = model.reference(state, {"tokens": tokens})
-        for name in ("h", "c"):
-            assert np.abs(result.outputs[name] - expected[name]).max() <= TOLERANCE
+    results, client = asyncio.run(run_load(servers, requests, 150.0, partial(kill_one_drain_another, servers)))
+    check_results(config, requests, results)
     assert client.resent > 0  # the killed server owed answers when it died
     assert servers[0].process.returncode == -signal.SIGKILL
     assert servers[1].process.wait(60) == 0  # the drained server finished what it accepted and stopped cleanly
     assert servers[2].process.poll() is None
+
+
+def check_results(config: Config, requests: list[list[int]], results: list) -> None:
+    """Every request answered ok, with the reference's outputs."""
+    model = build_model(config.models["lstm"])
+    state = model.load_weights()
+    for tokens, result in zip(requests, results, strict=True):
+        assert not isinstance(result, BaseException), repr(result)
+        expected = model.reference(state, {"tokens": tokens})
+        for name in ("h", "c"):
+            assert np.abs(result.outputs[name] - expected[name]).max() <= TOLERANCE

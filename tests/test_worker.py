@@ -175,7 +175,7 @@ def polled(cells, tmp_path: Path):
     address = f"ipc://{tmp_path}/completions"
     receiver.bind(address)
     fifo = InProgressFIFO()
-    poller = Poller(context, address, worker_id=7, backend=backend, fifo=fifo, curve=None)
+    poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
     poller.start()
     yield backend, fifo, receiver
     poller.stopping.set()
@@ -193,7 +193,7 @@ def notices_until(receiver: zmq.Socket, count: int) -> list[CompletionNotice]:
         reported = [task_id for n in notices for task_id in n.task_ids]
         assert receiver.poll(10_000), f"completions stopped after {reported}"
         notices.append(decode_notice(receiver.recv()))
-        assert notices[-1].worker_id == 7
+        assert notices[-1].worker_id == 7 and notices[-1].key == b"key-7"
     return notices
 
 

@@ -4,6 +4,7 @@ results arrive in shared memory or in its notices."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from manager.worker_pool import WorkerPool
 from worker.backend import arena_ids
 
 ROWS = 64
+SUPERVISOR_TOKEN = b"supervisor-secret"
 
 
 class Pool:
@@ -33,7 +35,7 @@ class Pool:
         _, specs, self.kinds = load_models(write_config(tmp_path, SMALL_LSTM))
         self.cells = [spec.key for spec in specs]
         self.address = f"ipc://{tmp_path}/workers"
-        self.pool = WorkerPool(self.address, specs, self.kinds, ServerConfig(), dict)
+        self.pool = WorkerPool(self.address, specs, self.kinds, ServerConfig(), dict, SUPERVISOR_TOKEN)
         self.context = zmq.Context()
         self.pushes = self.context.socket(zmq.PUSH)
         self.pushes.connect(completion_address(self.address))
@@ -84,10 +86,29 @@ class Pool:
     def handle(self, reply: dict[str, Any]) -> WorkerHandle:
         return self.pool.workers[reply["worker_id"]]
 
-    def notices(self, notice: CompletionNotice) -> list[tuple[WorkerHandle, CompletionNotice]]:
-        self.pushes.send(encode_notice(notice))
+    def notices(self, notice: CompletionNotice, signed: bool = True) -> list[tuple[WorkerHandle, CompletionNotice]]:
+        """Push a notice (with its worker's key, when `signed`) and return what the pool takes."""
+        if signed:
+            notice = dataclasses.replace(notice, key=self.pool.workers[notice.worker_id].notice_key)
+        return self.push(encode_notice(notice))
+
+    def push(self, frame: bytes) -> list[tuple[WorkerHandle, CompletionNotice]]:
+        self.pushes.send(frame)
         assert self.pool.completions.poll(10_000)
         return list(self.pool.notices())
+
+    def exits(self, message: dict[str, Any]) -> list:
+        """Send `message` on the control socket and return the exits the pool reads off it."""
+        pool_dropped = self.pool.dropped_messages
+        self.dealer().send(encode(message))
+        exited: list = []
+
+        def read() -> bool:
+            exited.extend(self.pool.control_messages()[1])
+            return bool(exited) or self.pool.dropped_messages > pool_dropped
+
+        wait_until(read, "the message being read")
+        return exited
 
     def close(self) -> None:
         self.pool.close()
@@ -111,8 +132,35 @@ def test_registration_without_a_host_or_with_malformed_arenas_is_refused(pool: P
     arenas = pool.arenas(local=False)
     del arenas[0]["rows"]
     _, reply = pool.register("elsewhere", arenas=arenas)
-    assert not reply["ok"] and reply["error"].startswith("malformed arenas in the registration: KeyError('rows')")
+    assert not reply["ok"] and reply["error"].startswith("an arena of None rows was announced")
+    arenas = pool.arenas(local=False)
+    del arenas[0]["kind"]
+    _, reply = pool.register("elsewhere", arenas=arenas)
+    assert not reply["ok"] and reply["error"].startswith("malformed arenas in the registration: {")
     assert not pool.pool.workers
+
+
+@pytest.mark.parametrize("rows", [2**40, 16385, 2, "64", 64.0, True])
+def test_announced_arena_rows_out_of_bounds_or_ill_typed_are_refused_before_any_allocation(pool: Pool, rows: Any):
+    arenas = pool.arenas(local=False)
+    arenas[1]["rows"] = rows
+    _, reply = pool.register("elsewhere", arenas=arenas)
+    assert not reply["ok"] and "io arenas have at most 16384" in reply["error"], reply
+    assert not pool.pool.workers
+    _, good = pool.register("elsewhere")
+    assert good["ok"]
+
+
+@pytest.mark.parametrize(
+    "field", [{"index": "0"}, {"pid": "1"}, {"device": 5}, {"arenas": "many"}, {"arenas": [1, 2]}], ids=repr
+)
+def test_ill_typed_registrations_are_refused(pool: Pool, field: dict[str, Any]):
+    socket = pool.dealer()
+    message = {"op": "register", "index": 0, "pid": 1, "device": "cpu", "cells": pool.cells, "host": "elsewhere"}
+    message["arenas"] = pool.arenas(local=False)
+    socket.send(encode(message | field))
+    reply = decode(pool.reply(socket, b"registered"))
+    assert not reply["ok"] and not pool.pool.workers
 
 
 def test_a_worker_claiming_the_managers_host_without_its_shared_memory_is_refused(pool: Pool):
@@ -147,16 +195,59 @@ def test_only_a_worker_of_this_host_is_written_off_by_pid(pool: Pool):
     _, local = pool.register(pool.pool.host, pid=4242)
     _, remote = pool.register("elsewhere", pid=4242)
     assert local["local"] and not remote["local"]
-    pool.dealer().send(encode({"op": "worker_exited", "pid": 4242, "status": -9}))
-
-    exited: list = []
-
-    def reported() -> bool:
-        exited.extend(pool.pool.control_messages()[1])
-        return bool(exited)
-
-    wait_until(reported, "the exit being read")
+    exited = pool.exits({"op": "worker_exited", "pid": 4242, "status": -9, "token": SUPERVISOR_TOKEN})
     assert [worker.worker_id for worker, _ in exited] == [local["worker_id"]]
+
+
+@pytest.mark.parametrize("token", [None, b"", b"guessed", "supervisor-secret"], ids=repr)
+def test_worker_exited_without_the_supervisors_token_is_dropped(pool: Pool, token: Any):
+    _, local = pool.register(pool.pool.host, pid=4242)
+    message = {"op": "worker_exited", "pid": 4242, "status": -9}
+    if token is not None:
+        message["token"] = token
+    assert pool.exits(message) == []
+    assert pool.pool.dropped_messages == 1 and local["worker_id"] in pool.pool.workers
+
+
+def test_a_notice_without_its_workers_key_is_dropped(pool: Pool):
+    """The notice socket does not say who sent a message: a peer naming another worker cannot complete its tasks."""
+    _, first = pool.register("elsewhere")
+    _, second = pool.register("elsewhere")
+    forged = CompletionNotice(first["worker_id"], [5], {}, 1, key=second["notice_key"])
+    assert pool.notices(forged, signed=False) == []
+    assert pool.notices(dataclasses.replace(forged, key=b""), signed=False) == []
+    assert pool.pool.dropped_messages == 2
+    [(worker, notice)] = pool.notices(forged)
+    assert worker.worker_id == first["worker_id"] and notice.task_ids == [5]
+
+
+MALFORMED_NOTICES = [
+    b"\xc1",
+    b"",
+    encode(5),
+    encode([0, b"", [1], {}, 1]),  # five fields: the format before keys
+    encode([0, b"", ["x"], {}, 1, []]),
+    encode([0, b"", [1], {1: 5}, 1, []]),
+    encode([0, b"", [1], {}, 1, [[0, b"\x00" * 3, b""]]]),
+    encode([0, "key", [1], {}, 1, []]),
+    encode([True, b"", [1], {}, 1, []]),
+]
+
+
+def test_malformed_frames_on_the_worker_sockets_are_dropped_and_the_pool_goes_on(pool: Pool):
+    _, reply = pool.register("elsewhere")
+    for frame in MALFORMED_NOTICES:
+        assert pool.push(frame) == []
+    assert pool.pool.dropped_messages == len(MALFORMED_NOTICES)
+    for frame in (b"\xc1", encode(5), encode([1, 2])):
+        pool.dealer().send(frame)
+    pool.dealer().send_multipart([b"a", b"b"])
+    dropped = len(MALFORMED_NOTICES) + 4
+    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages == dropped, "the drops")
+    [(_, notice)] = pool.notices(CompletionNotice(reply["worker_id"], [5], {}, 1))
+    assert notice.task_ids == [5]
+    _, again = pool.register("elsewhere")
+    assert again["ok"]
 
 
 def test_rows_in_a_notice_from_another_host_land_where_results_are_read(pool: Pool):

@@ -8,6 +8,8 @@ increments into completion notices (docs/architecture.md, "The worker").
 
 from __future__ import annotations
 
+import statistics
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,9 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.config import ConfigError
 from common.graph import CellTypeSpec, ValueKind
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import SLOT_DTYPE, TaskMessage
+
+
+class DeviceFault(RuntimeError):
+    """The device failed (a device-side assert, an illegal address): its context is unusable, so the worker
+    exits and is restarted, and the manager replays its requests elsewhere."""
+
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 
@@ -74,6 +83,41 @@ def warm_up_tasks(specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int
             yield TaskMessage(-1, cell_index, size, inputs, outputs, [])
 
 
+FULL_TASK_RUNS = 5  # timings of each cell type's full task at warm-up: the median is kept
+
+
+def time_full_tasks(
+    specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int]], run: Callable[[TaskMessage], None]
+) -> dict[str, float]:
+    """Seconds one task of each cell type takes at its largest batch (the median of FULL_TASK_RUNS), run by
+    `run` as serving runs it: the step cost the manager's admission by expected wait assumes until it has
+    timed full tasks of its own, so that a cold server bounds its queue from the first request."""
+    timed = {}
+    for task in warm_up_tasks(specs, ids):
+        spec = specs[task.cell_index]
+        if task.batch_size != spec.max_batch:
+            continue
+        runs = []
+        for _ in range(FULL_TASK_RUNS):
+            began = time.perf_counter()
+            run(task)
+            runs.append(time.perf_counter() - began)
+        timed[spec.key] = statistics.median(runs)
+    return timed
+
+
+def warm_up_failure(spec: CellTypeSpec, batch_size: int, exc: Exception) -> ConfigError:
+    """A cell that fails on zero rows is the model's fault: say which cell type and what it must return."""
+    def kinds(values: tuple[ValueKind, ...]) -> str:
+        return ", ".join(f"{kind.dtype}[batch, {', '.join(map(str, kind.shape))}]".replace(", ]", "]") for kind in values)
+
+    return ConfigError(
+        f"cell type {spec.key!r} failed its warm-up run at batch size {batch_size} "
+        f"({type(exc).__name__}: {str(exc)[:300]}); its cell must take ({kinds(spec.inputs)}) and return "
+        f"({kinds(spec.outputs)}), each with the batch first (docs/models.md, \"Rules a cell must follow\")"
+    )
+
+
 class Backend(ABC):
     device: str
 
@@ -92,6 +136,11 @@ class Backend(ABC):
     @abstractmethod
     def warm_up(self) -> None:
         """Materialize every (cell type, batch size) once before serving."""
+
+    def full_task_seconds(self) -> dict[str, float]:
+        """Seconds per task of each cell type at its largest batch, timed at warm-up (time_full_tasks);
+        empty where the backend does not time them."""
+        return {}
 
     @abstractmethod
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:

@@ -1,10 +1,11 @@
-"""CUDA backend: one stream per worker, device arenas, a pinned signal counter, peers through CUDA IPC.
+"""CUDA backend: one stream per worker, device arenas, page-locked io arenas and counter, peers through CUDA IPC.
 
-Every kernel of a task is enqueued on the worker's stream without waiting; the
-stream then copies the task's sequence number into a pinned host counter, so the
-poller learns of completion by reading host memory, with no synchronize and no
-host callback on the stream. The tensor work itself is in worker/device_tasks.py;
-this module holds only what needs a real device. Only imported when a worker is
+Every kernel of a task is enqueued on the worker's stream without waiting; the stream
+copies the task's downloads straight into the io arenas (shared memory registered as
+page-locked) and then its sequence number into a pinned host counter, so the poller
+learns of completion by reading host memory, with no synchronize and no host callback
+on the stream. The tensor work itself is in worker/device_tasks.py, and every call to
+the CUDA runtime goes through worker/cuda_runtime.py. Only imported when a worker is
 started on a GPU.
 """
 
@@ -19,57 +20,64 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.config import CROSS_GPU_READS
 from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
 from worker.backend import TORCH_DTYPES, ArenaInfo, Backend, arena_ids
 from worker.cuda_graphs import capture_on
-from worker.device_tasks import DeviceCalls, DeviceTasks, Staging
+from worker.cuda_runtime import CudaRuntime
+from worker.device_tasks import DeviceCalls, DeviceTasks, Staging, device_faults
 
 log = logging.getLogger(__name__)
 
-SPIN_ROUNDS = 50  # polls without sleeping before backing off
-MAX_BACKOFF_S = 0.0005
+FIRST_POLL_S = 0.00002  # the poller's first sleep after the counter did not move; it doubles from there
+MAX_POLL_S = 0.0005
 WARM_UP_TIMEOUT_S = 300.0  # the first run of every cell compiles and loads kernels
 CLOSE_TIMEOUT_S = 5.0
 
 
-class StreamCalls(DeviceCalls):
-    """The device calls of `DeviceTasks` on a real GPU: its stream, pinned staging, the pinned counter."""
+class PeerUnreadable(RuntimeError):
+    """A peer's arenas cannot be read from this worker (its GPU is not visible here, or has no peer access)."""
 
-    def __init__(self, device: torch.device):
+
+class StreamCalls(DeviceCalls):
+    """The device calls of `DeviceTasks` on a GPU: its stream, pinned staging, the pinned counter."""
+
+    def __init__(self, device: torch.device, runtime: CudaRuntime | None = None):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self._peer_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.counter = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.runtime = runtime or CudaRuntime()
+        self.stream = self.runtime.stream(device)
+        self._peer_streams: dict[torch.device, Any] = {}
+        self._counter, counter = self.runtime.pinned(8)  # the tensor is kept: the view does not own the memory
+        self.counter = counter.view(np.int64)  # read by the poller without a torch call
+        self.counter[0] = 0
         self._sequence = torch.zeros(1, dtype=torch.int64, device=device)
         self.issued = 0
 
     def on_stream(self) -> AbstractContextManager:
-        return torch.cuda.stream(self.stream)
+        return self.runtime.use(self.stream)
 
     def on_peer_stream(self, device: torch.device) -> AbstractContextManager:
         if device not in self._peer_streams:
-            self._peer_streams[device] = torch.cuda.Stream(device)
-        return torch.cuda.stream(self._peer_streams[device])
+            self._peer_streams[device] = self.runtime.stream(device)
+        return self.runtime.use(self._peer_streams[device])
 
     def staging(self, nbytes: int) -> Staging:
-        # From torch's caching host allocator: a block is reused only after the copies that read it are done.
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host, array = self.runtime.pinned(nbytes)
         device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return Staging(host.numpy(), device, lambda: device.copy_(host, non_blocking=True))
+        return Staging(array, device, lambda: self.runtime.upload(device, host))
 
     def signal(self) -> None:
         self.issued += 1
-        self._sequence.fill_(self.issued)
-        self.counter.copy_(self._sequence, non_blocking=True)
+        self.runtime.write_counter(self.counter, self._sequence, self.issued)
 
-    def deliver(self, rows: torch.Tensor, io: np.ndarray, slots: np.ndarray) -> None:
-        io[slots] = rows.numpy()
+    def download(self, host: np.ndarray, rows: torch.Tensor) -> None:
+        self.runtime.download(host, rows)
 
     def wait(self, timeout: float) -> bool:
         """Whether everything enqueued so far finished within `timeout` seconds; never blocks longer."""
-        done = torch.cuda.Event()
+        done = self.runtime.event()
         done.record(self.stream)
         deadline = time.monotonic() + timeout
         while not done.query():
@@ -89,13 +97,21 @@ class CudaBackend(Backend):
         arena_rows: int,
         io_rows: int,
         cuda_graphs: bool = False,
+        cross_gpu_reads: str = "always",
+        runtime: CudaRuntime | None = None,
     ):
+        if cross_gpu_reads not in CROSS_GPU_READS:
+            raise ValueError(f"cross_gpu_reads must be one of {CROSS_GPU_READS}, not {cross_gpu_reads!r}")
         self.device = device
         self._cuda_graphs = cuda_graphs
+        self._cross_gpu_reads = cross_gpu_reads
         self._dev = torch.device(device)
-        torch.cuda.init()
-        torch.cuda.set_device(self._dev)
-        self._calls = StreamCalls(self._dev)
+        self._runtime = runtime or CudaRuntime()
+        self._runtime.prepare(self._dev)
+        self._calls = StreamCalls(self._dev, self._runtime)
+        # Peers name their GPU by UUID: its index depends on each process's CUDA_VISIBLE_DEVICES.
+        self._gpus = {self._runtime.uuid(index): index for index in range(self._runtime.device_count())}
+        own = self._runtime.uuid(self._dev.index)
         ids = arena_ids(kinds)
         self._arena_info: list[ArenaInfo] = []
         self._shared: list[SharedArray] = []
@@ -106,15 +122,19 @@ class CudaBackend(Backend):
                 device_id, io_id = ids[kind]
                 arena = torch.zeros((arena_rows, *kind.shape), dtype=TORCH_DTYPES[kind.dtype], device=self._dev)
                 arenas[device_id] = arena
-                handle = export_ipc_handle(arena)
+                handle = [own, *self._runtime.export(arena)]
                 self._arena_info.append(ArenaInfo(device_id, kind, "device", arena_rows, None, handle))
                 shared = SharedArray(kind.dtype, (io_rows, *kind.shape))
+                self._runtime.pin(shared.array)
                 self._shared.append(shared)
                 io[io_id] = shared.array
                 self._arena_info.append(ArenaInfo(io_id, kind, "io", io_rows, shared.name))
             moved = [cell.to(self._dev) for cell in cells]
+        # The weights and the tables folded from them were made on the default stream (worker.main.load_cells),
+        # which the worker's stream does not wait for: wait for the device once, before anything reads them.
+        self._runtime.synchronize(self._dev)
         self._tasks = DeviceTasks(self._calls, moved, specs, ids, arenas, io)
-        self._retired: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self._retired: list[tuple[Any, list[torch.Tensor]]] = []
 
     @property
     def arenas(self) -> list[ArenaInfo]:
@@ -130,30 +150,55 @@ class CudaBackend(Backend):
             raise RuntimeError(f"warm-up on {self.device} did not finish within {WARM_UP_TIMEOUT_S:.0f} s")
 
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+        """Open a peer's device arenas; a peer that cannot be opened (it has died, its GPU is not visible
+        here or has no peer access) is logged and not read from: tasks that need its values fail alone."""
         self.detach_peer(worker_id)
-        for arena in arenas:
-            if arena["space"] == "device" and arena.get("handle"):
-                handle = arena["handle"]
-                shape = (arena["rows"], *arena["shape"])
-                mapped_on = self._mapping_device(handle[0])
-                stream = self._calls.on_stream() if mapped_on == self._dev else self._calls.on_peer_stream(mapped_on)
-                with stream:  # the producer's sharing event is waited for on the stream that reads the arena
-                    tensor = open_ipc_handle(handle, TORCH_DTYPES[arena["dtype"]], shape, mapped_on.index)
-                self._tasks.peers[(worker_id, arena["id"])] = tensor
+        try:
+            opened = {
+                (worker_id, arena["id"]): self._open(arena)
+                for arena in arenas
+                if arena["space"] == "device" and arena.get("handle")
+            }
+        except Exception as exc:  # torch raises AcceleratorError for a failed cudaIpcOpenMemHandle
+            reason = f"{type(exc).__name__}: {exc}"
+            log.warning("%s cannot read the arenas of worker %d (%s); it will not read from it", self.device, worker_id, reason)
+            self._tasks.unreadable[worker_id] = reason
+            return
+        self._tasks.peers.update(opened)
+
+    def _open(self, arena: dict[str, Any]) -> torch.Tensor:
+        uuid, *ipc = arena["handle"]
+        index = self._gpus.get(uuid)
+        if index is None:
+            raise PeerUnreadable(f"its GPU {uuid} is not visible to this process")
+        mapped_on = self._mapping_device(index)
+        return self._runtime.open(ipc, mapped_on.index, TORCH_DTYPES[arena["dtype"]], (arena["rows"], *arena["shape"]))
 
     def _mapping_device(self, exporter: int) -> torch.device:
         """Map a peer's arena into this worker's own context where the GPUs allow peer access: it is then
-        read by this stream's kernels, and no context is created on the peer's GPU. Otherwise it is
-        mapped on the peer's GPU and read there, then copied over (`DeviceTasks._local`)."""
+        read by this stream's kernels, and no context is created on the peer's GPU. Without peer access it
+        is mapped on the peer's GPU (a CUDA context there, hundreds of MB) and read through staged copies
+        (`DeviceTasks._local`), unless server.cross_gpu_reads refuses it."""
         own = self._dev.index
-        if exporter == own or torch.cuda.can_device_access_peer(own, exporter):
+        if exporter == own:
             return self._dev
-        return torch.device("cuda", exporter)
+        if self._cross_gpu_reads == "never":
+            raise PeerUnreadable("reads from other GPUs are off (server.cross_gpu_reads)")
+        if self._runtime.can_access_peer(own, exporter):
+            return self._dev
+        if self._cross_gpu_reads == "always":
+            log.warning(
+                "GPU %d has no peer access from GPU %d: reading its arenas costs a CUDA context there and staged "
+                "copies (server.cross_gpu_reads = \"peer-access\" refuses it)", exporter, own,
+            )  # fmt: skip
+            return torch.device("cuda", exporter)
+        raise PeerUnreadable(f"GPU {exporter} has no peer access from GPU {own} (server.cross_gpu_reads)")
 
     def detach_peer(self, worker_id: int) -> None:
+        self._tasks.unreadable.pop(worker_id, None)
         gone = [self._tasks.peers.pop(key) for key in [key for key in self._tasks.peers if key[0] == worker_id]]
         if gone:  # issued reads of these arenas may still be queued: unmap them only after the stream passes here
-            event = torch.cuda.Event()
+            event = self._runtime.event()
             event.record(self._calls.stream)
             self._retired.append((event, gone))
         self._retired = [(event, tensors) for event, tensors in self._retired if not event.query()]
@@ -165,13 +210,21 @@ class CudaBackend(Backend):
         return int(self._calls.counter[0])
 
     def wait_for_signal(self, seen: int, timeout: float) -> None:
-        """Spin briefly on the pinned counter, then back off: the device gives no wake-up without a callback."""
-        deadline = time.monotonic() + timeout
-        spins = 0
+        """Sleep until the pinned counter passes `seen`, reading it through numpy: a torch call would hand the
+        GIL to the issuer and back at every poll. Each sleep is one hand-off, and sleeps double up to
+        MAX_POLL_S. On timeout, ask the stream, so that a device fault is raised (`DeviceFault`) even when no
+        task comes to raise it."""
         counter = self._calls.counter
-        while int(counter[0]) <= seen and time.monotonic() < deadline:
-            spins += 1
-            time.sleep(0 if spins < SPIN_ROUNDS else min(MAX_BACKOFF_S, 1e-5 * (spins - SPIN_ROUNDS + 1)))
+        deadline = time.monotonic() + timeout
+        pause = FIRST_POLL_S
+        while counter[0] <= seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with device_faults(self._dev):
+                    self._calls.stream.query()
+                return
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, MAX_POLL_S)
 
     def finish(self, task_id: int) -> str | None:
         return self._tasks.finish(task_id)
@@ -181,7 +234,7 @@ class CudaBackend(Backend):
 
     def stall(self) -> None:
         with self._calls.on_stream():
-            torch.cuda._sleep(2**62)
+            self._runtime.sleep(2**62)
 
     def close(self) -> None:
         try:
@@ -190,27 +243,5 @@ class CudaBackend(Backend):
         except RuntimeError as exc:  # a device fault surfaces at the first query after it
             log.error("the stream of %s failed: %s", self.device, exc)
         for shared in self._shared:
+            self._runtime.unpin(shared.array)
             shared.close()
-
-
-def export_ipc_handle(tensor: torch.Tensor) -> list[Any]:
-    """The CUDA IPC handle of a tensor's storage, as plain values another process can open.
-
-    The same handle torch.multiprocessing sends when a CUDA tensor is shared (opened once per peer).
-    """
-    return list(tensor.untyped_storage()._share_cuda_())
-
-
-def open_ipc_handle(
-    handle: list[Any], dtype: torch.dtype, shape: tuple[int, ...], device: int | None = None
-) -> torch.Tensor:
-    """Map another process's arena. `device` is the GPU whose context maps it (default: the exporter's).
-
-    torch maps the memory in the context of the device it is given, with lazy peer access, and
-    labels the storage with that device: mapped on the reader's own GPU, the arena is read by its
-    kernels directly, and no context is created on the exporter's GPU.
-    """
-    torch.cuda.init()  # a fresh process has no CUDA state yet; torch's own rebuild path does the same
-    exporter, *rest = handle
-    storage = torch.UntypedStorage._new_shared_cuda(exporter if device is None else device, *rest)
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape)

@@ -8,16 +8,18 @@ where any tensor left on the host (an index, an inline value, a peer's rows) rai
 device mismatch, as it would on a GPU.
 
 Per task on the device's stream: one host-to-device copy of all the task's slot lists and
-inline values (packed into one buffer), the gathers, the cell, the scatters, one
-device-to-host copy per download, and the counter write.
+inline values (packed into one buffer), the gathers, the cell, the scatters, per download a
+gather and one device-to-host copy per run of consecutive io rows (straight into the io
+arena, page-locked), and the counter write. Everything a task could fail on at the host
+(slots out of range, an unknown arena or peer) is checked before any of it is enqueued.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -25,17 +27,19 @@ import torch
 from torch import nn
 
 from common.graph import CellTypeSpec, ValueKind
-from common.task import InlineValues, RemoteRows, TaskMessage
-from worker.backend import warm_up_tasks
+from common.slots import SCRATCH_SLOT, ZERO_SLOT
+from common.task import SLOT_DTYPE, InlineValues, RemoteRows, TaskMessage
+from worker.backend import DeviceFault, warm_up_tasks
 from worker.batched_task import Inline, InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
 from worker.cuda_graphs import Capture, CapturedCell, capture_cells
 
 log = logging.getLogger(__name__)
 
 ALIGN = 8  # bytes: every staged array starts where a view of any arena dtype may begin
+WARM_UP_PEER = -1  # warm-up reads this worker's own arenas as a peer's, to run the remote-read path once
 
-# Rows bound for the host: (pinned host rows, the io arena the manager maps, the io slots to write).
-Download = tuple[torch.Tensor, np.ndarray, np.ndarray]
+# A download, checked on the host: (device arena, staged device slots, io arena, io slots).
+Source = tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]
 
 
 class Staging:
@@ -83,8 +87,9 @@ class DeviceCalls(ABC):
         """Enqueue the write that tells the host this task (and every one before it) is done."""
 
     @abstractmethod
-    def deliver(self, rows: torch.Tensor, io: np.ndarray, slots: np.ndarray) -> None:
-        """Write downloaded rows, now complete on the host, into the io arena."""
+    def download(self, host: np.ndarray, rows: torch.Tensor) -> None:
+        """Enqueue the copy of device `rows` into `host`, consecutive rows of an io arena; complete once
+        the signal after it is."""
 
 
 class DeviceTasks:
@@ -106,56 +111,66 @@ class DeviceTasks:
         self._arenas = arenas  # device arenas by id
         self._io = io  # io arenas by id, in host memory the manager maps
         self.peers: PeerArenas = {}
-        self._downloads: dict[int, list[Download]] = {}
+        self.unreadable: dict[int, str] = {}  # peers whose arenas could not be opened here, and why
         self._errors: dict[int, str] = {}
         self.graphs: dict[tuple[int, int], CapturedCell] = {}  # by (cell index, batch size)
 
     def warm_up(self, capture: Capture | None = None) -> None:
-        """Run every (cell type, batch size) once; a failure here is a start-up failure and propagates.
+        """Run every (cell type, batch size) once, with every kind of operation a serving task holds
+        (inline values, a peer's rows, downloads), so that none first runs on live traffic; a failure
+        here is a start-up failure and propagates.
 
         With `capture`, then capture every capturable (cell type, batch size) and run each
         warm-up task again, through its graph, so that serving replays what was already run.
         """
-        with self._calls.on_stream(), torch.inference_mode():
-            tasks = list(warm_up_tasks(self._specs, self._ids))
-            for task in tasks:
-                self._run(task)
-            if capture is not None:
-                self.graphs = capture_cells(self._cells, self._specs, self._calls.device, capture)
+        own = {(WARM_UP_PEER, arena_id): arena for arena_id, arena in self._arenas.items()}
+        self.peers.update(own)
+        try:
+            with self._calls.on_stream(), torch.inference_mode():
+                plain = warm_up_tasks(self._specs, self._ids)
+                tasks = [serving_like(task, self._specs[task.cell_index], self._ids) for task in plain]
                 for task in tasks:
                     self._run(task)
+                if capture is not None:
+                    self.graphs = capture_cells(self._cells, self._specs, self._calls.device, capture)
+                    for task in tasks:
+                        self._run(task)
+        finally:
+            for key in own:
+                del self.peers[key]
 
     def issue(self, task: TaskMessage) -> None:
-        """Enqueue the task and then its signal: a task that cannot be issued still completes, with its error."""
-        with self._calls.on_stream(), torch.inference_mode():
+        """Enqueue the task and then its signal: a task that cannot be issued still completes, with its error.
+
+        A CUDA error is not the task's: it leaves the device's context unusable, so it ends the worker
+        (`DeviceFault`), whose requests the manager replays elsewhere.
+        """
+        with self._calls.on_stream(), torch.inference_mode(), device_faults(self._calls.device):
             try:
-                self._downloads[task.task_id] = self._run(task)
+                self._run(task)
+            except torch.AcceleratorError:
+                raise
             except Exception as exc:  # shape errors, bad slots, out of memory: this task fails, the worker lives
                 log.exception("task %d failed", task.task_id)
                 self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
             self._calls.signal()
 
     def finish(self, task_id: int) -> str | None:
-        """After the task's signal: hand its downloads to the io arenas; return its error, if it failed."""
-        for rows, io, slots in self._downloads.pop(task_id, ()):
-            self._calls.deliver(rows, io, slots)
+        """After the task's signal (its downloads are in the io arenas by then): its error, if it failed."""
         return self._errors.pop(task_id, None)
 
     def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
-        """Rows of an io arena, after `finish` has delivered a task's downloads there."""
+        """Rows of an io arena, once the signal after the task that downloaded them has passed."""
         return self._io_arena(arena_id)[slots].tobytes()
 
-    def _run(self, task: TaskMessage) -> list[Download]:
+    def _run(self, task: TaskMessage) -> None:
         staging = self._calls.staging(staged_bytes(task))
         inputs = [self._input(staging, task.batch_size, *entry) for entry in task.inputs]
         outputs = [
             (self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs
         ]
-        sources = [
-            (self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "download"), self._io_arena(b), t)
-            for a, s, b, t in task.downloads
-        ]
-        staging.send()
+        sources = [self._source(staging, *download) for download in task.downloads]
+        staging.send()  # the first operation enqueued: every host-side check has passed
         inputs = [entry._replace(remote=self._local(entry.remote)) for entry in inputs]
         issued = IssuedTask(task.task_id, self._cells[task.cell_index], inputs, outputs, [])
         graph = self.graphs.get((task.cell_index, task.batch_size))
@@ -163,12 +178,17 @@ class DeviceTasks:
             run_task(issued)
         else:
             graph.run(issued)
-        downloads = []
         for arena, slots, io, io_slots in sources:
-            _check(io_slots, io.shape[0], "io slot")
-            # A non-blocking copy to the host lands in pinned memory: it is complete once the signal is.
-            downloads.append((arena.index_select(0, slots).to(torch.device("cpu"), non_blocking=True), io, io_slots))
-        return downloads
+            rows = arena.index_select(0, slots)
+            for start, at, count in consecutive_runs(io_slots):
+                self._calls.download(io[at : at + count], rows.narrow(0, start, count))
+
+    def _source(self, staging: Staging, arena_id: int, slots: np.ndarray, io_id: int, io_slots: np.ndarray) -> Source:
+        arena, io = self._arena(arena_id), self._io_arena(io_id)
+        if len(slots) != len(io_slots):
+            raise ValueError(f"a download of {len(slots)} rows into {len(io_slots)} io slots")
+        _check(io_slots, io.shape[0], "io slot")
+        return arena, self._slots(staging, slots, arena.shape[0], "download"), io, io_slots
 
     def _input(
         self,
@@ -189,7 +209,8 @@ class DeviceTasks:
         for worker_id, peer_arena, peer_slots, positions in remote_rows or ():
             peer = self.peers.get((worker_id, peer_arena))
             if peer is None:
-                raise KeyError(f"arena {peer_arena} of worker {worker_id} is not open here")
+                why = self.unreadable.get(worker_id, "not announced to this worker")
+                raise KeyError(f"arena {peer_arena} of worker {worker_id} is not open here: {why}")
             peer_rows = self._slots(staging, peer_slots, peer.shape[0], "peer slot")
             remote.append(RemoteInput(peer, peer_rows, self._slots(staging, positions, width, "position")))
         inline = None
@@ -246,6 +267,39 @@ def staged_bytes(task: TaskMessage) -> int:
             inline += _aligned(len(values[1]))
     arrays += [slots for _, slots in task.outputs] + [slots for _, slots, _, _ in task.downloads]
     return max(ALIGN, inline + sum(_aligned(array.nbytes) for array in arrays))
+
+
+def serving_like(task: TaskMessage, spec: CellTypeSpec, ids: dict[ValueKind, tuple[int, int]]) -> TaskMessage:
+    """A warm-up task with what serving adds: each input's first row given inline (zeros) and its last read
+    from a peer's zero row, and each output's scratch row downloaded to the io arena's scratch row."""
+    inputs = []
+    for (arena, slots, segments, _, _), kind in zip(task.inputs, spec.inputs):
+        last = np.array([len(slots) - 1], dtype=SLOT_DTYPE)
+        remote = [(WARM_UP_PEER, arena, np.array([ZERO_SLOT], dtype=SLOT_DTYPE), last)]
+        inline = (np.array([0], dtype=SLOT_DTYPE), np.zeros(kind.shape, dtype=kind.dtype).tobytes())
+        inputs.append((arena, slots, segments, remote, inline))
+    scratch = np.array([SCRATCH_SLOT], dtype=SLOT_DTYPE)
+    downloads = [(ids[kind][0], scratch, ids[kind][1], scratch) for kind in spec.outputs]
+    return TaskMessage(task.task_id, task.cell_index, task.batch_size, inputs, task.outputs, downloads)
+
+
+def consecutive_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """`slots` as runs of consecutive values: (position in `slots`, first value, length) each."""
+    if not len(slots):
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(slots)])))
+    return [(int(start), int(slots[start]), int(length)) for start, length in zip(starts, lengths)]
+
+
+@contextmanager
+def device_faults(device: torch.device) -> Iterator[None]:
+    """CUDA errors surface at whichever call comes next, and every later call fails alike."""
+    try:
+        yield
+    except torch.AcceleratorError as exc:
+        raise DeviceFault(f"{device} failed: {exc}") from exc
 
 
 def _aligned(nbytes: int) -> int:

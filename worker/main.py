@@ -36,7 +36,7 @@ from common.protocol import decode, encode
 from common.sockets import NOW, receive, server_context
 from common.task import TaskMessage, decode_task
 from common.worker_keys import worker_curve
-from worker.backend import Backend
+from worker.backend import Backend, DeviceFault
 from worker.notices import InProgressFIFO, Poller
 
 log = logging.getLogger("batchmaker.worker")
@@ -44,6 +44,7 @@ log = logging.getLogger("batchmaker.worker")
 REGISTER_TIMEOUT_S = 60.0
 EXIT_CONFIG_ERROR = 2
 EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a device or model fault, not the config)
+EXIT_DEVICE_FAULT = 4  # the device failed while serving: its context is unusable, a fresh process is needed
 TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
 # Fault tests: with test hooks on, a task carrying this token id inline kills the worker, as a poisonous request would.
 # Unset, none does (-1, say, is a real inline value: a Child-Sum node without a word).
@@ -75,8 +76,9 @@ def make_backend(
     rows: int,
     io_rows: int,
     cuda_graphs: bool = False,
+    cross_gpu_reads: str = "always",
 ) -> Backend:
-    """The backend of `device`; `cuda_graphs` (GPU workers only) replays captured cells."""
+    """The backend of `device`; `cuda_graphs` and `cross_gpu_reads` apply to GPU workers only."""
     if device == "cpu":
         from worker.cpu import CpuBackend
 
@@ -86,7 +88,7 @@ def make_backend(
     if device.startswith("cuda"):
         from worker.cuda import CudaBackend
 
-        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs)
+        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs, cross_gpu_reads)
     raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")
 
 
@@ -109,6 +111,7 @@ class Worker:
         self._host = host
         self._curve = curve
         self._local = True  # on the manager's host: the manager reads results from the io arenas
+        self._notice_key = b""  # the manager's proof of who sends our notices, given at registration
         self._context = server_context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -120,7 +123,15 @@ class Worker:
         self._last_heard = time.monotonic()
 
     def request_stop(self, *_: object) -> None:
+        """SIGTERM/SIGINT: stop, unless it is the supervisor's death (PDEATHSIG) reaching a registered
+        worker, which keeps serving its manager's drain until the manager stops it or falls silent."""
+        if self._orphaned() and self._manager_timeout:
+            log.warning("parent process %d is gone; serving the manager until it stops", self._parent_pid)
+            return
         self._stop = True
+
+    def _orphaned(self) -> bool:
+        return self._parent_pid is not None and os.getppid() != self._parent_pid
 
     def _register(self) -> int:
         """Register; returns the worker id. The manager refusing this worker's CURVE key shows only
@@ -139,6 +150,7 @@ class Worker:
                         "cells": self._cell_keys,
                         "arenas": [arena.to_wire() for arena in self._backend.arenas],
                         "signal": self._backend.signal_name,
+                        "full_task_s": self._backend.full_task_seconds(),
                     }
                 )
             )
@@ -167,6 +179,7 @@ class Worker:
                 self._attach_peers(reply.get("peers", {}))
                 self._manager_timeout = reply["manager_timeout_s"]
                 self._local = reply["local"]
+                self._notice_key = reply["notice_key"]
                 return reply["worker_id"]
             self._check_alive()
         hint = " (check that this worker has the manager's public key)" if self._curve is not None else ""
@@ -177,8 +190,9 @@ class Worker:
             self._backend.attach_peer(int(worker_id), arenas)
 
     def _check_alive(self) -> None:
-        """Exit when the supervisor that started us is gone, or the manager has fallen silent."""
-        if self._parent_pid is not None and os.getppid() != self._parent_pid:
+        """Exit when the supervisor that started us is gone before we registered, or the manager has
+        fallen silent (an orphaned manager drains, then tells its workers to stop)."""
+        if self._orphaned() and not self._manager_timeout:
             log.warning("parent process %d is gone; exiting", self._parent_pid)
             self._stop = True
         elif self._manager_timeout and time.monotonic() - self._last_heard > self._manager_timeout:
@@ -190,10 +204,10 @@ class Worker:
         where = "the manager's host" if self._local else "another host than the manager's: results travel in notices"
         log.info("worker %d registered as %d on %s, on %s", self._index, worker_id, self._backend.device, where)
         address = completion_address(self._manager)
-        poller = Poller(self._context, address, worker_id, self._backend, self._fifo, self._curve)
+        poller = Poller(self._context, address, worker_id, self._notice_key, self._backend, self._fifo, self._curve)
         poller.start()
         try:
-            self._issue_loop()
+            self._issue_loop(poller)
         finally:
             poller.stopping.set()
             poller.join(timeout=2)
@@ -201,10 +215,12 @@ class Worker:
             poller.close_stream_socket()
             self._socket.close()
             self._context.term()
+        if poller.fault is not None:
+            raise poller.fault
 
-    def _issue_loop(self) -> None:
+    def _issue_loop(self, poller: Poller) -> None:
         socket = self._socket
-        while not self._stop:
+        while not self._stop and poller.fault is None:
             if socket.poll(500):
                 self._last_heard = time.monotonic()
                 self._drain(socket)
@@ -279,9 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         specs, cells, kinds = load_cells(config, args.device)
         server = config.server
         backend = make_backend(
-            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs
+            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs,
+            server.cross_gpu_reads,
         )
-        backend.warm_up()
+        try:
+            backend.warm_up()
+        except BaseException:
+            backend.close()  # its shared memory, which would otherwise outlive the worker
+            raise
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG_ERROR
@@ -296,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, worker.request_stop)
     try:
         worker.run()
+    except DeviceFault as exc:
+        log.error("%s; exiting, to be restarted: the manager replays this worker's requests", exc)
+        return EXIT_DEVICE_FAULT
     except (TimeoutError, RuntimeError) as exc:
         log.error("%s", exc)
         return 1

@@ -12,7 +12,7 @@ import zmq
 
 from common.auth import CurveClient, connect_socket
 from common.task import CompletionNotice, IoRows, encode_notice
-from worker.backend import Backend
+from worker.backend import Backend, DeviceFault
 
 IDLE_WAIT_S = 0.05
 HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
@@ -58,6 +58,7 @@ class Poller(threading.Thread):
         context: zmq.Context,
         address: str,
         worker_id: int,
+        key: bytes,
         backend: Backend,
         fifo: InProgressFIFO,
         curve: CurveClient | None,
@@ -69,9 +70,11 @@ class Poller(threading.Thread):
         self._socket = self._connect()
         self._stream_socket: zmq.Socket | None = None  # created on the stream thread, used only there
         self._worker_id = worker_id
+        self._key = key  # given at registration: proves to the manager that the notices are ours
         self._backend = backend
         self._fifo = fifo
         self.stopping = threading.Event()
+        self.fault: DeviceFault | None = None  # the device failed: the worker must exit
 
     def _connect(self) -> zmq.Socket:
         return connect_socket(self._context, zmq.PUSH, self._address, self._curve, linger_ms=1000)
@@ -80,7 +83,10 @@ class Poller(threading.Thread):
         if self._backend.report_from_stream(self._report_completion):
             self._heartbeats()
         else:
-            self._watch_signal()
+            try:
+                self._watch_signal()
+            except DeviceFault as exc:
+                self.fault = exc
         self._socket.close()
 
     def _report_completion(self, finished: int) -> None:
@@ -100,10 +106,10 @@ class Poller(threading.Thread):
                 errors[task_id] = error
             else:
                 rows += [IoRows(arena, slots, self._backend.read_io(arena, slots)) for arena, slots in sent_rows]
-        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows))
+        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows, self._key))
 
     def _heartbeat(self, signal: int) -> bytes:
-        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal))
+        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal, key=self._key))
 
     def close_stream_socket(self) -> None:
         if self._stream_socket is not None:

@@ -13,17 +13,25 @@ whatever that module imports.
 
 from __future__ import annotations
 
+import collections
+import functools
 import importlib
 import logging
+import math
+import os
+import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common.config import ConfigError, ModelConfig
 from common.graph import CellGraph, CellTypeSpec, ValueKind
-from common.plan import Unfolded, compile_graph
+from common.models.weights import is_random, read_weights
+from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 if TYPE_CHECKING:
@@ -34,6 +42,31 @@ log = logging.getLogger(__name__)
 FOLD_KEY = "fold_input_projection"  # a built-in model's switch for folded input projections (kernels.py)
 FOLD_BUDGET_BYTES = 256 * 2**20  # tables a model may fold by default: vocabulary x gates x 4 bytes
 PLANNER_FUNCTION = "planner"  # a builder module's torch-free constructor of the model's planner
+PLAN_CACHE_SIZE = 512  # plans a model keeps; a seq2seq plan of 400 + 200 steps is ~74 KB: ~38 MB at most
+
+
+class PlanCache:
+    """Compiled plans by request shape, the least recently used dropped beyond `size`: the shapes
+    come from clients, so an unbounded cache would let them fill the manager's memory."""
+
+    def __init__(self, size: int = PLAN_CACHE_SIZE):
+        self.size = size
+        self.misses = 0
+        self._plans: collections.OrderedDict[Hashable, Plan] = collections.OrderedDict()
+
+    def get(self, key: Hashable, compile_plan: Callable[[], Plan]) -> Plan:
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        self.misses += 1
+        plan = self._plans[key] = compile_plan()
+        if len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+        return plan
+
+    def snapshot(self) -> dict[str, int]:
+        return {"plans": len(self._plans), "size": self.size, "misses": self.misses}
 
 
 class Planner(ABC):
@@ -41,10 +74,16 @@ class Planner(ABC):
     (docs/models.md, "The interface")."""
 
     kind: str = ""
+    plan_cache: PlanCache | None = None  # models whose requests come in few shapes reuse their plans (`plan`)
 
     def __init__(self, config: ModelConfig):
         self.config = config
         self.name = config.name
+
+    @functools.cached_property
+    def random_weights(self) -> bool:
+        """Whether the weights file holds the random weights `batchmaker init-weights` writes (read without torch)."""
+        return is_random(self.config.weights)
 
     # -- description -------------------------------------------------------------------------
     @property
@@ -146,68 +185,81 @@ class Model(Planner):
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the weights file, by key, with the shape this config needs."""
 
-    @abstractmethod
     def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
-        """A deterministic random state dict in this model's documented key layout."""
-
-    def load_weights(self) -> dict[str, torch.Tensor]:
+        """A deterministic random state dict in this model's documented key layout: by default every
+        tensor of `weight_shapes()`, uniform in +-1/sqrt(fan-in) as torch.nn initializes its layers."""
         import torch
 
-        path = self.config.weights
-        if not path.exists():
-            raise ConfigError(
-                f"weights file {path} for model {self.name!r} does not exist; "
-                f"create it with: batchmaker init-weights CONFIG"
-            )
-        remedy = "fix the config's sizes, or delete the file and run: batchmaker init-weights CONFIG"
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many unrelated types for a file that is not its own
-            raise ConfigError(f"weights file {path} is not a torch weights file ({exc}); {remedy}") from None
-        if not isinstance(state, dict):
-            raise ConfigError(f"weights file {path} does not hold a state dict; {remedy}")
-        expected = self.weight_shapes()
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ConfigError(f"weights file {path} lacks {missing} needed by model {self.name!r}; {remedy}")
-        for key, shape in expected.items():
-            if tuple(state[key].shape) != shape:
-                raise ConfigError(
-                    f"weights file {path}: {key} has shape {tuple(state[key].shape)}, "
-                    f"the config asks for {shape}; {remedy}"
-                )
-        return {key: state[key].float() for key in expected}
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            key: (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1] if shape else 1)
+            for key, shape in self.weight_shapes().items()
+        }
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        """The weights file's tensors this model needs, in float32 (ConfigError with the remedy otherwise)."""
+        return read_weights(self)
 
     @abstractmethod
     def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
         """Unbatched reference: what the served model must return for these inputs."""
 
 
-def _builder(config: ModelConfig) -> tuple[Any, Any]:
-    """The module and function the config's builder ("package.module:function") names."""
-    module_name, _, func_name = config.builder.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-        return module, getattr(module, func_name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"model {config.name!r}: cannot import builder {config.builder!r}: {exc}") from None
-
-
 def build_model(config: ModelConfig) -> Model:
-    """Import the configured builder and build the whole model (planner and cells)."""
-    model = _builder(config)[1](config)
+    """Import the configured builder ("package.module:function") and build the whole model (planner and cells).
+
+    Errors name the config file: the builder's own ConfigErrors (a missing or misspelt key) too."""
+    model = _construct(config, _import_builder(config)[1])
     if not isinstance(model, Model):
-        raise ConfigError(f"model {config.name!r}: builder {config.builder!r} did not return a Model")
+        raise ConfigError(f"{_where(config)} builder {config.builder!r} did not return a Model")
     return model
 
 
 def build_planner(config: ModelConfig) -> Planner:
-    """The model's planner: by its module's `planner(config)` when it has one (no torch), else the whole model."""
-    module, build = _builder(config)
-    planner = getattr(module, PLANNER_FUNCTION, build)(config)
+    """The model's planner: by its builder module's `planner(config)` when it has one (no torch), else
+    the whole model."""
+    module, builder = _import_builder(config)
+    planner = _construct(config, getattr(module, PLANNER_FUNCTION, builder))
     if not isinstance(planner, Planner):
-        raise ConfigError(f"model {config.name!r}: builder {config.builder!r} did not return a Model")
+        raise ConfigError(f"{_where(config)} builder {config.builder!r} did not return a Model")
     return planner
+
+
+def _where(config: ModelConfig) -> str:
+    return f"{config.config_path or 'CONFIG'}: [models.{config.name}]"
+
+
+def _construct(config: ModelConfig, make: Callable[[ModelConfig], Any]) -> Any:
+    try:
+        return make(config)
+    except ConfigError as exc:
+        if config.config_path is None:
+            raise
+        raise ConfigError(f"{config.config_path}: {exc}") from None
+
+
+def _import_builder(config: ModelConfig) -> tuple[ModuleType, Callable[[ModelConfig], Any]]:
+    """The builder's module and function, with the config's folder and the working directory on the
+    import path (after the installed packages, so they never shadow one): every process that builds
+    models (supervisor, manager, workers) finds a user's module there without PYTHONPATH."""
+    where = _where(config)
+    folders = [*([str(config.config_path.parent)] if config.config_path else []), os.getcwd()]
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
+    module_name, _, func_name = config.builder.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{where} cannot import builder {config.builder!r}: {exc}. Modules are looked up in the config's "
+            f"folder and the working directory ({', '.join(folders)}) and on PYTHONPATH: move the module to one "
+            "of these, or add its folder to PYTHONPATH"
+        ) from None
+    builder = getattr(module, func_name, None)
+    if not callable(builder):
+        raise ConfigError(f"{where} cannot import builder {config.builder!r}: {module.__file__} defines no function {func_name!r}")
+    return module, builder
 
 
 def cell_layout(models: list[Planner]) -> tuple[list[CellTypeSpec], list[ValueKind]]:
@@ -255,15 +307,15 @@ def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.nda
         raise RequestError(BAD_REQUEST, f"inputs lack {key!r}")
     raw = inputs[key]
     if is_tensor_map(raw):
-        array = map_to_tensor(raw, key)
-        if array.dtype.kind not in "iu" or array.ndim != 1:
+        array = map_to_tensor(raw, key, rank=1)
+        if array.dtype.kind not in "iu":
             raise RequestError(INVALID_INPUT, f"{key} must be a 1-D integer tensor, got {array.dtype}{list(array.shape)}")
     elif isinstance(raw, list):
+        if len(raw) > max_length:  # before any scan of the list: refusing a long one costs nothing
+            raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")
         if not set(map(type, raw)) <= {int}:  # bool is not an int here, nor are int subclasses
             raise RequestError(INVALID_INPUT, f"{key} must be a list of integer token ids")
         if raw and 0 <= min(raw) and max(raw) < vocab_size:  # the common case, checked on the list (cheaper)
-            if len(raw) > max_length:
-                raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")
             return np.array(raw, dtype=np.int64)
         try:
             array = np.array(raw, dtype=np.int64)

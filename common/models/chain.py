@@ -20,7 +20,7 @@ import numpy as np
 
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
-from common.models.base import FOLD_KEY, Planner, check_params, int_param, padded_length, token_ids
+from common.models.base import FOLD_KEY, PlanCache, Planner, check_params, int_param, padded_length, token_ids
 from common.plan import Plan, Unfolded, compile_graph
 
 TOKEN = ValueKind("int64", ())
@@ -49,7 +49,7 @@ class ChainPlanner(Planner):
             spec = self._cell_type(f"layer{layer}", (first, *states), states)
             self._cell_types[spec.key] = spec
         self.layer_keys = list(self._cell_types)
-        self._plans: dict[tuple[int, int | None], Plan] = {}
+        self.plan_cache = PlanCache()  # by length and padded length
 
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
@@ -80,12 +80,12 @@ class ChainPlanner(Planner):
         return Unfolded(self._plan(len(tokens), padded), {TOKEN: externals})
 
     def _plan(self, length: int, padded: int | None) -> Plan:
-        """One plan per length (at most max_length of them): requests differ only in their tokens."""
-        plan = self._plans.get((length, padded))
-        if plan is None:
-            graph = self._unfold(np.zeros(length, np.int64), padded)
-            plan = self._plans[(length, padded)] = compile_graph(graph, self.cell_types, self.name).plan
-        return plan
+        """One plan per length: requests differ only in their tokens."""
+
+        def compile_plan() -> Plan:
+            return compile_graph(self._unfold(np.zeros(length, np.int64), padded), self.cell_types, self.name).plan
+
+        return self.plan_cache.get((length, padded), compile_plan)
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)

@@ -30,7 +30,7 @@ import numpy as np
 
 from common.config import ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.models.base import FOLD_KEY, Model, Planner, check_params, int_param, padded_length, token_ids
+from common.models.base import FOLD_KEY, Model, PlanCache, Planner, check_params, int_param, padded_length, token_ids
 from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import INVALID_INPUT, RequestError
 
@@ -82,7 +82,7 @@ class Seq2SeqPlanner(Planner):
         decoder = self._cell_type("decoder", (TOKEN, state, state), (state, state, TOKEN))
         self._cell_types = {encoder.key: encoder, decoder.key: decoder}
         self.encoder_key, self.decoder_key = encoder.key, decoder.key
-        self._plans: dict[tuple[int, int, int | None], Plan] = {}  # by source length, max_len, bucket
+        self.plan_cache = PlanCache()  # by source length, max_len, bucket
 
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
@@ -131,11 +131,11 @@ class Seq2SeqPlanner(Planner):
         return Unfolded(plan, {TOKEN: externals}, Decoded(max_len))
 
     def _plan(self, length: int, max_len: int, bucket_width: int | None) -> Plan:
-        plan = self._plans.get((length, max_len, bucket_width))
-        if plan is None:
+        def compile_plan() -> Plan:
             graph = self._unfold({"tokens": [0] * length, "max_len": max_len}, bucket_width)
-            plan = self._plans[(length, max_len, bucket_width)] = compile_graph(graph, self.cell_types, self.name).plan
-        return plan
+            return compile_graph(graph, self.cell_types, self.name).plan
+
+        return self.plan_cache.get((length, max_len, bucket_width), compile_plan)
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
         return self._unfold(inputs, bucket_width)

@@ -68,20 +68,30 @@ class Tree:
         return [node for level in self.levels for node in level]
 
 
-def _int_list(tree: dict[str, Any], key: str) -> list[int]:
-    """A plain list of ints or a 1-D integer tensor map, as a list of Python ints."""
+def _int_list(tree: dict[str, Any], key: str, max_nodes: int) -> list[int]:
+    """A plain list of ints or a 1-D integer tensor map, as a list of Python ints; its length is
+    checked before its entries, so that refusing a long one costs nothing."""
     if key not in tree:
         raise RequestError(INVALID_INPUT, f"tree lacks {key!r}; send tokens and parents, one entry per node")
     raw = tree[key]
     if is_tensor_map(raw):
-        array = map_to_tensor(raw, f"tree.{key}")
-        if array.dtype.kind not in "iu" or array.ndim != 1:
+        array = map_to_tensor(raw, f"tree.{key}", rank=1)
+        if array.dtype.kind not in "iu":
             got = f"{array.dtype}{list(array.shape)}"
             raise RequestError(INVALID_INPUT, f"tree.{key} must be a 1-D integer tensor, got {got}")
+        _check_size(len(array), max_nodes)
         return array.tolist()
-    if not isinstance(raw, list) or not set(map(type, raw)) <= {int}:  # bool is not an int here
+    if not isinstance(raw, list):
+        raise RequestError(INVALID_INPUT, f"tree.{key} must be a list of integers")
+    _check_size(len(raw), max_nodes)
+    if not set(map(type, raw)) <= {int}:  # bool is not an int here
         raise RequestError(INVALID_INPUT, f"tree.{key} must be a list of integers")
     return raw
+
+
+def _check_size(nodes: int, max_nodes: int) -> None:
+    if nodes > max_nodes:
+        raise RequestError(INVALID_INPUT, f"tree has {nodes} nodes; this model accepts at most {max_nodes}")
 
 
 def _read(inputs: Any, vocab_size: int, max_nodes: int) -> tuple[list[int], list[int]]:
@@ -93,7 +103,7 @@ def _read(inputs: Any, vocab_size: int, max_nodes: int) -> tuple[list[int], list
     raw = inputs["tree"]
     if not isinstance(raw, dict):
         raise RequestError(INVALID_INPUT, 'tree must be a map {"tokens": [...], "parents": [...]}')
-    tokens, parents = _int_list(raw, "tokens"), _int_list(raw, "parents")
+    tokens, parents = _int_list(raw, "tokens", max_nodes), _int_list(raw, "parents", max_nodes)
     n = len(tokens)
     if n == 0:
         raise RequestError(INVALID_INPUT, "tree is empty; send at least one node")
@@ -101,8 +111,6 @@ def _read(inputs: Any, vocab_size: int, max_nodes: int) -> tuple[list[int], list
         raise RequestError(
             INVALID_INPUT, f"tree.tokens has {n} entries but tree.parents has {len(parents)}; give one parent per node"
         )
-    if n > max_nodes:
-        raise RequestError(INVALID_INPUT, f"tree has {n} nodes; this model accepts at most {max_nodes}")
     if min(tokens) < NO_WORD or max(tokens) >= vocab_size:  # find the culprit only when there is one
         i = next(i for i, token in enumerate(tokens) if not NO_WORD <= token < vocab_size)
         token = tokens[i]
