@@ -4,8 +4,8 @@ the workers' arena rows and every worker's tasks in flight.
 It does no I/O and never calls back: each method returns what happened, as outcomes (a
 request answered, failed or replayed) or as the tasks to send, and the event loop
 (manager.server) turns those into messages and one stats event each. The parts it is made
-of: the registry of live requests by client (manager.registry), the request table and plan
-store (manager.request_table, manager.plan_store), the batching policy over the scheduler
+of: the request table, which holds every live request and indexes the unanswered ones by
+client with their deadlines, and the plan store (manager.request_table, manager.plan_store), the batching policy over the scheduler
 (manager.policies, manager.scheduler), the dispatcher (manager.dispatch), admission control
 (manager.admission) and the request processor (manager.request_processor), which follows
 requests from admission to their answer.
@@ -34,11 +34,10 @@ from common.protocol import (
 from common.task import CompletionNotice
 from manager.admission import Admission, warm_up_capacity
 from manager.dispatch import Dispatcher
-from manager.outcomes import Outcome, Replayed
+from manager.outcomes import Outcome
 from manager.plan_store import make_tables
 from manager.policies import make_policy, make_scheduler
 from manager.records import Request, Task
-from manager.registry import RequestRegistry
 from manager.request_processor import RequestProcessor
 from manager.worker_handle import WorkerHandle
 
@@ -58,9 +57,9 @@ class BatchingCore:
         self._max_batches = {spec.key: spec.max_batch for spec in specs}
         self.models = models
         self.workers = workers
-        self.requests = RequestRegistry()
         self.admission = Admission(self._server.max_queue_delay_ms)
         self.table, self.store = make_tables(specs, kinds)
+        self.requests = self.table.unanswered  # read here; the table writes it
         self.dispatcher = Dispatcher(self.table, self.store, workers)
         self.scheduler = make_scheduler(config, specs, self.table, self.store, self.dispatcher)
         self.policy = make_policy(config, models, self.scheduler, self.table)
@@ -92,11 +91,8 @@ class BatchingCore:
         queued = self.processor.unsubmitted_nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {self._server.max_queued_nodes}); retry later")
-        request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival)
-        if deadline_ms is not None:
-            request.deadline = arrival + deadline_ms / 1e3
-        self.requests.add(request)
-        return request
+        deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
+        return self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival, deadline)
 
     def cancel(self, client: bytes, request_id: Any) -> list[Outcome] | None:
         """End a client's request at its asking; None if no such request is in flight."""
@@ -183,14 +179,8 @@ class BatchingCore:
         return self._outcomes()
 
     def _outcomes(self) -> list[Outcome]:
-        """What the processor concluded since the last call; the registry follows it."""
-        outcomes = self.processor.take_outcomes()
-        for outcome in outcomes:
-            if isinstance(outcome, Replayed):
-                self.requests.add(outcome.request)
-            else:
-                self.requests.remove(outcome.request)
-        return outcomes
+        """What the processor concluded since the last call (the request table is up to date with it)."""
+        return self.processor.take_outcomes()
 
 
 def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None) -> int | None:

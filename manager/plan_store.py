@@ -17,7 +17,7 @@ import numpy as np
 from common.graph import CellTypeSpec, ValueKind
 from common.plan import ZERO_REF, Plan, Unfolded
 from common.slots import ZERO_SLOT
-from manager.request_table import NO_WORKER, RequestTable, grow_rows
+from manager.request_table import NO_WORKER, Region, RequestTable, grow_rows
 
 if TYPE_CHECKING:
     from manager.records import Request
@@ -104,16 +104,20 @@ class PlanStore:
                 if 2 * (log.tail + count) > log.capacity:  # mostly live: grow, or compaction would repeat soon
                     log.reserve(count, log.live)
         table, row = self.table, request.row
-        base = table.node_base[row] = self.nodes.take(plan.nodes)
+        base = self.nodes.take(plan.nodes)
+        table.place("node", row, base)
         self.nodes.arrays["data"][base : base + plan.nodes] = packed(plan, self.ports, self.outputs)
         if len(plan.ragged_refs):
-            start = table.ragged_base[row] = self.ragged.take(len(plan.ragged_refs))
+            start = self.ragged.take(len(plan.ragged_refs))
+            table.place("ragged", row, start)
             self.ragged.arrays["refs"][start : start + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = plan.ragged_refs
-        start = table.reg_base[row] = self.registers.take(plan.registers)
+        start = self.registers.take(plan.registers)
+        table.place("reg", row, start)
         self.registers.arrays["worker"][start : start + plan.registers] = NO_WORKER
         for kind, values in unfolded.externals.items():
             log = self.externals[kind]
-            start = table.ext_base[row, table.kinds[kind]] = log.take(len(values))
+            start = log.take(len(values))
+            table.place(kind, row, start)
             log.arrays["values"][start : start + len(values)] = values
 
     def release(self, request: Request) -> None:
@@ -126,23 +130,20 @@ class PlanStore:
 
     def _compact(self, live: list[Request]) -> None:
         """Move every live request's ranges to the bottom of each region, in row order."""
-        table = self.table
         rows = np.array([request.row for request in live], np.int64)
         plans = [request.unfolded for request in live]
-        self._compact_log(self.nodes, table.node_base, rows, [u.plan.nodes for u in plans])
-        self._compact_log(self.ragged, table.ragged_base, rows, [len(u.plan.ragged_refs) for u in plans])
-        self._compact_log(self.registers, table.reg_base, rows, [u.plan.registers for u in plans])
+        self._compact_log(self.nodes, "node", rows, [u.plan.nodes for u in plans])
+        self._compact_log(self.ragged, "ragged", rows, [len(u.plan.ragged_refs) for u in plans])
+        self._compact_log(self.registers, "reg", rows, [u.plan.registers for u in plans])
         for kind, log in self.externals.items():
-            column = table.kinds[kind]
             sizes = [len(u.externals.get(kind, ())) for u in plans]
-            self._compact_log(log, table.ext_base[:, column], rows, sizes)
+            self._compact_log(log, kind, rows, sizes)
 
-    @staticmethod
-    def _compact_log(log: _Log, bases: np.ndarray, rows: np.ndarray, sizes: list[int]) -> None:
+    def _compact_log(self, log: _Log, region: Region, rows: np.ndarray, sizes: list[int]) -> None:
         counts = np.array(sizes, np.int64)
         keep = counts > 0
         rows, counts = rows[keep], counts[keep]
-        old = bases[rows]
+        old = self.table.bases(region)[rows]
         order = np.argsort(old, kind="stable")
         rows, counts, old = rows[order], counts[order], old[order]
         new = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
@@ -150,7 +151,7 @@ class PlanStore:
             source = np.repeat(old - new, counts) + np.arange(counts.sum())
             for array in log.arrays.values():
                 array[: counts.sum()] = array[source]
-        bases[rows] = new
+        self.table.place(region, rows, new)
         log.tail = log.live = int(counts.sum())
 
 

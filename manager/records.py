@@ -51,13 +51,22 @@ class Request:
         "failures",
     )
 
-    def __init__(self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float):
+    def __init__(
+        self,
+        client: bytes,
+        request_id: Any,
+        model: Planner,
+        inputs: Any,
+        unfolded: Unfolded,
+        arrival: float,
+        deadline: float | None = None,
+    ):
         self.client = client
         self.request_id = request_id
         self.model = model
         self.inputs = inputs  # kept to replay the request from scratch if its worker dies
         self.unfolded = unfolded
-        self.deadline: float | None = None
+        self.deadline = deadline  # perf_counter time, None for none
         self.arrival = arrival
         self.row = -1  # in the RequestTable
         self.state = Lifecycle.WAITING

@@ -43,10 +43,17 @@ class RequestProcessor:
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
 
     def admit(
-        self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float
+        self,
+        client: bytes,
+        request_id: Any,
+        model: Any,
+        inputs: Any,
+        unfolded: Unfolded,
+        arrival: float,
+        deadline: float | None = None,
     ) -> Request:
         """Track a validated request; its policy decides when its cells run."""
-        request = Request(client, request_id, model, inputs, unfolded, arrival)
+        request = Request(client, request_id, model, inputs, unfolded, arrival, deadline)
         self._table.add(request)
         self._store.add(request, self._table.others(request))
         self.unsubmitted_nodes += unfolded.plan.nodes
@@ -150,6 +157,7 @@ class RequestProcessor:
         """The request will run no more cells: it is answered (or failed, or replaced)."""
         self._stop(request)
         request.state = Lifecycle.DONE
+        self._table.conclude(request)
 
     def _stop(self, request: Request) -> None:
         """Its lanes leave the scheduler's queues; nodes not yet issued never will be."""
@@ -188,14 +196,15 @@ class RequestProcessor:
 
     def replay(self, request: Request) -> Request:
         """Start a request over from its inputs; the old record is dropped without a reply, and the
-        new one is an outcome (Replayed) for the registry to track in its place."""
+        new one takes its place in the request table (the outcome Replayed says so)."""
         held = request.state is Lifecycle.HELD
         self._end(request)
         self._forget_if_drained(request)
         self._leave_group(request, held)
         unfolded = self._policy.unfold(request.model, request.inputs)
-        replayed = self.admit(request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival)
-        replayed.deadline = request.deadline
+        replayed = self.admit(
+            request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival, request.deadline
+        )
         replayed.failures = request.failures
         self._outcomes.append(Replayed(replayed))
         return replayed

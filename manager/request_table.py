@@ -1,15 +1,21 @@
-"""The request table: the home of every admitted request until it is forgotten, and the per-request
-state the scheduler reads for whole batches, as numpy columns indexed by a request's row (a row
-is reused once its request is forgotten). It grows by doubling.
+"""The request table: the one home of every admitted request until it is forgotten, and the
+per-request state the scheduler reads for whole batches, as numpy columns indexed by a request's
+row (a row is reused once its request is forgotten). It grows by doubling. Beside the rows, its
+index of unanswered requests finds a request by client and id, and keeps the deadline heap.
 
-Each column is written by the table's own methods, one event each: admission (`add`), a task
-issued (`task_issued`), a task ended (`task_ended`), lanes released or stopped (`set_runnable`,
-`stop_lanes`), and forgetting (`remove`); the plan store writes the bases of its ranges."""
+Only the table's own methods write its columns and its index, each named for the event that
+writes it: admission (`add`, which sets a row's columns to their starting values), the plan
+store placing a request's plan (`place`), a task issued (`task_issued`), a task ended
+(`task_ended`), affinity (`bind`), lanes released (`set_runnable`), lanes stopped
+(`stop_lanes`), the request answered (`conclude`) and forgetting (`remove`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+import heapq
+import math
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -19,6 +25,7 @@ if TYPE_CHECKING:
     from manager.records import Request
 
 NO_WORKER = -1
+Region = str | ValueKind  # a plan store region: "node", "ragged", "reg", or the external values of a kind
 
 
 def grow_rows(array: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
@@ -28,6 +35,56 @@ def grow_rows(array: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
     grown = np.full((max(size, 2 * len(array)), *array.shape[1:]), fill, dtype=array.dtype)
     grown[: len(array)] = array
     return grown
+
+
+class UnansweredIndex:
+    """The requests admitted and not yet answered, by client and id, and the deadlines of those that
+    have one (a heap, so the event loop sleeps until the next). Written by the request table alone."""
+
+    def __init__(self) -> None:
+        self._by_client: dict[tuple[bytes, Any], Request] = {}
+        self._deadlines: list[tuple[float, int, Request]] = []  # (deadline, tie-breaker, request)
+
+    def __len__(self) -> int:
+        return len(self._by_client)
+
+    def __contains__(self, key: tuple[bytes, Any]) -> bool:
+        return key in self._by_client
+
+    def get(self, client: bytes, request_id: Any) -> Request | None:
+        return self._by_client.get((client, request_id))
+
+    def of_clients(self, clients: Iterable[bytes]) -> list[Request]:
+        gone = set(clients)
+        return [request for (client, _), request in self._by_client.items() if client in gone] if gone else []
+
+    def all(self) -> list[Request]:
+        return list(self._by_client.values())
+
+    def expired(self) -> Iterator[Request]:
+        """Requests whose deadline has passed and that are not answered yet."""
+        now = time.perf_counter()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request = heapq.heappop(self._deadlines)[2]
+            if not request.done:
+                yield request
+
+    def wait_ms(self, longest: int) -> int:
+        """How long the event loop may sleep before the next deadline (at most `longest`)."""
+        if not self._deadlines:
+            return longest
+        wait = (self._deadlines[0][0] - time.perf_counter()) * 1e3
+        return max(0, min(longest, math.ceil(wait)))
+
+    def _add(self, request: Request) -> None:
+        """A replay replaces the record it was made from."""
+        self._by_client[(request.client, request.request_id)] = request
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, id(request), request))
+
+    def _remove(self, request: Request) -> None:
+        if self._by_client.get((request.client, request.request_id)) is request:
+            del self._by_client[(request.client, request.request_id)]
 
 
 class RequestTable:
@@ -58,6 +115,7 @@ class RequestTable:
         self.blocks = np.zeros((capacity, len(kinds)), np.int64)  # arena rows it takes on a worker, per kind
         self.requests: list[Request | None] = [None] * capacity
         self.live: dict[int, Request] = {}  # by id(request), in admission order, until forgotten
+        self.unanswered = UnansweredIndex()
         self._free = list(range(capacity - 1, -1, -1))
 
     def add(self, request: Request) -> int:
@@ -68,17 +126,32 @@ class RequestTable:
         for name in self.RESET:
             column = getattr(self, name)
             column[row] = self.COLUMNS[name][1]
-        self.generation[row] += 1
         self.blocks[row] = 0
         for kind, registers in request.unfolded.plan.register_groups.items():
             self.blocks[row, self.kinds[kind]] = len(registers)
         request.row = row
         self.live[id(request)] = request
+        self.unanswered._add(request)
         return row
+
+    def bases(self, region: Region) -> np.ndarray:
+        """Where each row's range starts in a region of the plan store (a view: read it, write with `place`)."""
+        if isinstance(region, ValueKind):
+            return self.ext_base[:, self.kinds[region]]
+        return getattr(self, f"{region}_base")
+
+    def place(self, region: Region, rows: np.ndarray | int, starts: np.ndarray | int) -> None:
+        """The plan store put (or moved) the ranges of the requests at `rows` in `region` at `starts`."""
+        self.bases(region)[rows] = starts
 
     def others(self, request: Request) -> Iterator[Request]:
         """The live requests besides `request`, in admission order."""
         return (other for other in self.live.values() if other is not request)
+
+    def conclude(self, request: Request) -> None:
+        """The request is answered, failed or replaced: it leaves the index of unanswered requests
+        (its row stays until nothing of it is in flight)."""
+        self.unanswered._remove(request)
 
     def remove(self, request: Request) -> bool:
         """Forget a request (False if it was forgotten already)."""
@@ -86,8 +159,7 @@ class RequestTable:
             return False
         row = request.row
         self.requests[row] = None
-        self.runnable[row] = False
-        self.generation[row] += 1
+        self.stop_lanes(row)  # a lane of it still queued must not run as the row's next request
         self._free.append(row)
         return True
 
@@ -99,7 +171,7 @@ class RequestTable:
     def stop_lanes(self, row: int) -> None:
         """Its lanes in the scheduler's queues are stale from now on."""
         self.generation[row] += 1
-        self.runnable[row] = False
+        self.set_runnable(row, False)
 
     def bind(self, rows: np.ndarray | int, worker_id: int) -> None:
         """They may run on this worker only."""

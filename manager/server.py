@@ -76,7 +76,7 @@ class Manager:
             log.info("metrics on http://%s:%d/metrics", host, bound)
         self.stats = Stats(metrics)
         self._context = server_context()
-        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, self._health, supervisor_token)
+        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, supervisor_token)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)
 
@@ -174,8 +174,10 @@ class Manager:
 
     # -- workers -------------------------------------------------------------------------------
     def _worker_control(self) -> None:
-        restarted, exited = self.pool.control_messages()
+        restarted, exited, health_checks = self.pool.control_messages()
         self.core.workers_changed()
+        for identity in health_checks:
+            self.pool.answer_health(identity, self._health())
         for _ in restarted:
             self.stats.worker_restarted()
         for worker, reason in exited:

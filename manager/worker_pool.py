@@ -5,8 +5,9 @@ supervisor's readiness checks) and push completion notices to a PULL socket besi
 sockets take only workers with an allowed CURVE key when `[server.worker_curve]` is set. Each
 worker says which host it runs on: workers of one host are told of each other's arenas (they
 read values there when a request moves between them); a worker on another host than the
-manager sends its result rows inside its notices. The pool says which workers it has lost;
-what happens to their requests is the manager's business.
+manager sends its result rows inside its notices. The pool says which workers it has lost,
+and which readiness checks wait for an answer; what happens to their requests, and what the
+answer says, is the manager's business (the pool never calls into it).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -38,6 +39,14 @@ log = logging.getLogger("batchmaker.manager")
 MANAGER_SILENCE_S = 10.0  # a worker that hears nothing from the manager this long exits
 
 
+class ControlMessages(NamedTuple):
+    """What the control socket brought, for the event loop to act on."""
+
+    restarted: list[WorkerHandle]  # registered as restarts of earlier workers
+    exited: list[tuple[WorkerHandle, str]]  # seen to exit by the supervisor (with why)
+    health_checks: list[bytes]  # identities that asked for the manager's health: answer with `answer_health`
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -45,7 +54,6 @@ class WorkerPool:
         specs: list[CellTypeSpec],
         kinds: list[ValueKind],
         server: ServerConfig,
-        health: Callable[[], dict[str, Any]],
         supervisor_token: bytes = b"",
     ):
         """`supervisor_token` is the secret the supervisor that started this process signs its
@@ -61,7 +69,6 @@ class WorkerPool:
         self._kinds = kinds
         self._heartbeat_timeout = server.heartbeat_timeout_ms / 1e3
         self._hang_timeout = server.hang_timeout_ms / 1e3
-        self._health = health
         self._next_worker_id = 0
         self.seen: set[Any] = set()  # (host, index) of workers that registered before (restarts)
         # A context of their own: its CURVE handler (which workers may register) is not the clients'.
@@ -123,16 +130,17 @@ class WorkerPool:
             yield worker, notice
 
     # -- control: registration, health checks, exits ------------------------------------------------
-    def control_messages(self) -> tuple[list[WorkerHandle], list[tuple[WorkerHandle, str]]]:
-        """Serve registrations and readiness checks; return the workers that registered as restarts
-        of earlier ones, and those the supervisor saw exit (with why)."""
+    def control_messages(self) -> ControlMessages:
+        """Serve registrations; return the workers that registered as restarts of earlier ones, those
+        the supervisor saw exit (with why), and who asked for a readiness check."""
         restarted: list[WorkerHandle] = []
         exited: list[tuple[WorkerHandle, str]] = []
+        health_checks: list[bytes] = []
         while True:
             try:
                 identity, frame = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return restarted, exited
+                return ControlMessages(restarted, exited, health_checks)
             except ValueError:  # not a two-frame message: not one of our workers
                 self._drop("a message of more than one frame on the worker control socket")
                 continue
@@ -145,7 +153,7 @@ class WorkerPool:
                 continue
             op = message.get("op")
             if op == "health":  # the supervisor's readiness check, on the private socket
-                self.control.send_multipart([identity, b"health", encode(self._health())])
+                health_checks.append(identity)
             elif op == "worker_exited":  # from the supervisor, which saw a process of this host end
                 if not self._from_supervisor(message):
                     self._drop("a worker_exited message not signed by the supervisor")
@@ -161,6 +169,10 @@ class WorkerPool:
                     restarted.append(worker)
                 if worker is not None:
                     self.seen.add((worker.host, worker.index))
+
+    def answer_health(self, identity: bytes, health: dict[str, Any]) -> None:
+        """Answer a readiness check `control_messages` returned."""
+        self.control.send_multipart([identity, b"health", encode(health)])
 
     def _from_supervisor(self, message: dict[str, Any]) -> bool:
         token = message.get("token")

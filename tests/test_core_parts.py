@@ -1,5 +1,5 @@
 """The batching core's parts on their own: compile_graph, the slot allocator, the plan store's
-compaction and the registry of live requests."""
+compaction and the request table's index of unanswered requests."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from common.protocol import INTERNAL, RequestError
 from common.slots import FIRST_FREE_SLOT
 from manager.plan_store import NodeColumns, make_tables
 from manager.records import Request
-from manager.registry import RequestRegistry
+from manager.request_table import RequestTable
 from manager.slot_allocator import SlotAllocator
 
 TOKEN = ValueKind("int64", ())
@@ -135,7 +135,7 @@ def test_compaction_moves_live_requests_down_and_keeps_their_data():
     kept = requests[2]
     for gone in requests[:2] + requests[3:]:  # all but one end: the store is mostly free, but not at its tail
         store.release(gone)
-        table.remove(gone.row)
+        table.remove(gone)
         live.remove(gone)
     newcomer = admitted(table, store, live, 1000)  # no room at the tail: the store compacts
     assert store.nodes.capacity == capacity  # mostly free after compaction: it did not grow
@@ -159,41 +159,72 @@ def test_a_store_that_is_mostly_live_grows_instead_of_compacting_again_and_again
     assert all(nodes_of(table, store, r)[:, NodeColumns.NEED].tolist() == list(range(1000)) for r in live)
 
 
-# -- the registry ----------------------------------------------------------------------------------
+# -- the request table's index of unanswered requests ----------------------------------------------
 
 
 def request(client: bytes, request_id: int, deadline: float | None = None) -> Request:
-    made = Request(client, request_id, Model(), {}, compile_graph(chain(1), SPECS, "m"), 0.0)
-    made.deadline = deadline
-    return made
+    return Request(client, request_id, Model(), {}, compile_graph(chain(1), SPECS, "m"), 0.0, deadline)
 
 
-def test_the_registry_finds_requests_by_client_and_id_and_by_client():
-    registry = RequestRegistry()
+def table_of(*requests: Request) -> RequestTable:
+    table = RequestTable([TOKEN, STATE], capacity=2)
+    for r in requests:
+        table.add(r)
+    return table
+
+
+def test_admitted_requests_are_found_by_client_and_id_and_by_client():
     a, b, c = request(b"x", 1), request(b"x", 2), request(b"y", 1)
-    for r in (a, b, c):
-        registry.add(r)
-    assert len(registry) == 3 and (b"x", 2) in registry and registry.get(b"y", 1) is c
-    assert registry.of_clients([b"x"]) == [a, b] and registry.of_clients([]) == []
-    registry.remove(a)
-    assert registry.get(b"x", 1) is None and len(registry) == 2
+    index = table_of(a, b, c).unanswered  # three rows in a table made for two: it grew
+    assert len(index) == 3 and (b"x", 2) in index and (b"z", 1) not in index and index.get(b"y", 1) is c
+    assert index.of_clients([b"x"]) == [a, b] and index.of_clients([b"x", b"y"]) == [a, b, c]
+    assert index.of_clients([]) == [] and index.of_clients([b"z"]) == [] and index.all() == [a, b, c]
 
 
-def test_a_replay_replaces_its_record_and_removing_the_old_one_keeps_the_new():
-    registry = RequestRegistry()
+def test_a_concluded_request_leaves_the_index_and_keeps_its_row_until_removed():
+    a, b = request(b"x", 1), request(b"x", 2)
+    table = table_of(a, b)
+    table.conclude(a)
+    assert table.unanswered.get(b"x", 1) is None and len(table.unanswered) == 1
+    assert table.requests[a.row] is a and id(a) in table.live  # tasks of it may still be in flight
+    assert table.remove(a) and table.requests[a.row] is None and id(a) not in table.live
+    assert not table.remove(a)  # forgotten already
+    assert table.unanswered.get(b"x", 2) is b
+
+
+def test_a_removed_row_is_reused_and_its_old_lanes_are_stale():
+    a = request(b"x", 1)
+    table = table_of(a)
+    queued = table.set_runnable(a.row, True)  # the generation a's lanes carry in the scheduler's queues
+    table.conclude(a)
+    table.remove(a)
+    b = request(b"x", 2)
+    table.add(b)
+    assert b.row == a.row and table.generation[b.row] != queued and not table.runnable[b.row]
+
+
+def test_a_replay_replaces_its_record_and_concluding_the_old_one_keeps_the_new():
     old, new = request(b"x", 1), request(b"x", 1)
-    registry.add(old)
-    registry.add(new)
-    registry.remove(old)
-    assert registry.get(b"x", 1) is new
+    table = table_of(old, new)
+    assert table.unanswered.get(b"x", 1) is new and len(table.unanswered) == 1
+    table.conclude(old)
+    assert table.unanswered.get(b"x", 1) is new
+    table.conclude(new)
+    assert len(table.unanswered) == 0
 
 
 def test_deadlines_come_due_in_order_and_answered_requests_are_skipped():
-    registry = RequestRegistry()
     now = time.perf_counter()
     late, early, answered, future = request(b"x", 1, now - 1), request(b"x", 2, now - 2), request(b"x", 3, now - 3), request(b"x", 4, now + 3600)
     answered.state = answered.state.DONE
-    for r in (late, early, answered, future):
-        registry.add(r)
-    assert list(registry.expired()) == [early, late]
-    assert 0 < registry.wait_ms(10**9) <= 3600 * 1000 and registry.wait_ms(5) == 5
+    table = table_of(late, early, answered, future)
+    assert list(table.unanswered.expired()) == [early, late]
+    assert list(table.unanswered.expired()) == []  # each comes due once
+    assert 0 < table.unanswered.wait_ms(10**9) <= 3600 * 1000 and table.unanswered.wait_ms(5) == 5
+
+
+def test_with_no_deadline_the_event_loop_sleeps_its_longest_and_a_past_deadline_wakes_it_at_once():
+    index = table_of(request(b"x", 1)).unanswered
+    assert index.wait_ms(250) == 250 and list(index.expired()) == []
+    index = table_of(request(b"x", 1, time.perf_counter() - 1)).unanswered
+    assert index.wait_ms(250) == 0

@@ -35,7 +35,7 @@ class Pool:
         _, specs, self.kinds = load_models(write_config(tmp_path, SMALL_LSTM))
         self.cells = [spec.key for spec in specs]
         self.address = f"ipc://{tmp_path}/workers"
-        self.pool = WorkerPool(self.address, specs, self.kinds, ServerConfig(), dict, SUPERVISOR_TOKEN)
+        self.pool = WorkerPool(self.address, specs, self.kinds, ServerConfig(), SUPERVISOR_TOKEN)
         self.context = zmq.Context()
         self.pushes = self.context.socket(zmq.PUSH)
         self.pushes.connect(completion_address(self.address))
@@ -207,6 +207,16 @@ def test_worker_exited_without_the_supervisors_token_is_dropped(pool: Pool, toke
         message["token"] = token
     assert pool.exits(message) == []
     assert pool.pool.dropped_messages == 1 and local["worker_id"] in pool.pool.workers
+
+
+def test_a_readiness_check_is_handed_to_the_caller_and_answered_with_what_it_gives(pool: Pool):
+    checker = pool.dealer()
+    checker.send(encode({"op": "health"}))
+    checks: list[bytes] = []
+    wait_until(lambda: checks.extend(pool.pool.control_messages().health_checks) or checks, "the check being read")
+    assert len(checks) == 1 and not checker.poll(0)  # the pool does not answer it itself
+    pool.pool.answer_health(checks[0], {"status": "degraded", "workers": []})
+    assert decode(pool.reply(checker, b"health")) == {"status": "degraded", "workers": []}
 
 
 def test_a_notice_without_its_workers_key_is_dropped(pool: Pool):
