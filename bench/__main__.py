@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import ceiling, chaos, overload, plots, report, servers, servers_report
+from bench import ceiling, chaos, overload, plots, report, servers, servers_report, startup
 from bench.presets import FULL, PRESETS, QUICK
 from bench.progress import Progress
 from bench.run import MODERATE, ROOT, run_preset
@@ -15,7 +15,7 @@ from bench.run import MODERATE, ROOT, run_preset
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
-    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "servers", "overload", "chaos", "all"])
+    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "servers", "overload", "chaos", "startup", "all"])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     args = parser.parse_args(argv)
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if overload.main(args.quick, args.out) else 1
     if args.preset == "chaos":
         return 0 if chaos.main(args.quick, args.out) else 1
+    if args.preset == "startup":
+        startup.main(args.quick, args.out)
+        return 0
     names = list(PRESETS) if args.preset == "all" else [args.preset]
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
     progress = Progress(steps)
