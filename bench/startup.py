@@ -31,6 +31,7 @@ from common.models import init_missing_weights
 from manager.launcher import ServerProcess, free_port_on, roles
 
 MB = 2**20
+ROLES = ("supervisor", "manager", "worker")
 
 
 def manager_alone(config: Path, address: str) -> tuple[float, int]:
@@ -93,7 +94,7 @@ def run(quick: bool) -> dict[str, Any]:
         "machine": machine(),
         "manager_start_s": _spread([seconds for seconds, _ in alone]),
         "manager_alone_rss_mb": _spread([rss / MB for _, rss in alone]),
-        "served_rss_mb": {role: _spread([sizes[role] / MB for sizes in whole]) for role in ("supervisor", "manager", "worker")},
+        "served_rss_mb": {role: _spread([sizes[role] / MB for sizes in whole]) for role in ROLES},
     }
 
 

@@ -5,10 +5,10 @@ It does no I/O and never calls back: each method returns what happened, as outco
 request answered, failed or replayed) or as the tasks to send, and the event loop
 (manager.server) turns those into messages and one stats event each. The parts it is made
 of: the request table, which holds every live request and indexes the unanswered ones by
-client with their deadlines, and the plan store (manager.request_table, manager.plan_store), the batching policy over the scheduler
-(manager.policies, manager.scheduler), the dispatcher (manager.dispatch), admission control
-(manager.admission) and the request processor (manager.request_processor), which follows
-requests from admission to their answer.
+client with their deadlines, and the plan store (manager.request_table, manager.plan_store),
+the batching policy over the scheduler (manager.policies, manager.scheduler), the dispatcher
+(manager.dispatch), admission control (manager.admission) and the request processor
+(manager.request_processor), which follows requests from admission to their answer.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class BatchingCore:
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {self._server.max_queued_nodes}); retry later")
         deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
-        return self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival, deadline)
+        return self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival, deadline=deadline)
 
     def cancel(self, client: bytes, request_id: Any) -> list[Outcome] | None:
         """End a client's request at its asking; None if no such request is in flight."""

@@ -51,22 +51,13 @@ class Request:
         "failures",
     )
 
-    def __init__(
-        self,
-        client: bytes,
-        request_id: Any,
-        model: Planner,
-        inputs: Any,
-        unfolded: Unfolded,
-        arrival: float,
-        deadline: float | None = None,
-    ):
+    def __init__(self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float):
         self.client = client
         self.request_id = request_id
         self.model = model
         self.inputs = inputs  # kept to replay the request from scratch if its worker dies
         self.unfolded = unfolded
-        self.deadline = deadline  # perf_counter time, None for none
+        self.deadline: float | None = None
         self.arrival = arrival
         self.row = -1  # in the RequestTable
         self.state = Lifecycle.WAITING

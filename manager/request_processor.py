@@ -43,17 +43,12 @@ class RequestProcessor:
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
 
     def admit(
-        self,
-        client: bytes,
-        request_id: Any,
-        model: Any,
-        inputs: Any,
-        unfolded: Unfolded,
-        arrival: float,
-        deadline: float | None = None,
+        self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float,
+        *, deadline: float | None = None,
     ) -> Request:
-        """Track a validated request; its policy decides when its cells run."""
-        request = Request(client, request_id, model, inputs, unfolded, arrival, deadline)
+        """Track a validated request (`deadline`: perf_counter time); its policy decides when its cells run."""
+        request = Request(client, request_id, model, inputs, unfolded, arrival)
+        request.deadline = deadline  # before the table indexes it with its deadline
         self._table.add(request)
         self._store.add(request, self._table.others(request))
         self.unsubmitted_nodes += unfolded.plan.nodes
@@ -203,8 +198,9 @@ class RequestProcessor:
         self._leave_group(request, held)
         unfolded = self._policy.unfold(request.model, request.inputs)
         replayed = self.admit(
-            request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival, request.deadline
-        )
+            request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival,
+            deadline=request.deadline,
+        )  # fmt: skip
         replayed.failures = request.failures
         self._outcomes.append(Replayed(replayed))
         return replayed

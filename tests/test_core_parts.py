@@ -163,7 +163,9 @@ def test_a_store_that_is_mostly_live_grows_instead_of_compacting_again_and_again
 
 
 def request(client: bytes, request_id: int, deadline: float | None = None) -> Request:
-    return Request(client, request_id, Model(), {}, compile_graph(chain(1), SPECS, "m"), 0.0, deadline)
+    made = Request(client, request_id, Model(), {}, compile_graph(chain(1), SPECS, "m"), 0.0)
+    made.deadline = deadline
+    return made
 
 
 def table_of(*requests: Request) -> RequestTable:
