@@ -314,8 +314,10 @@ def plan_of(
     """A plan from nodes already in plan order (by lane, then by depth within each lane) with their
     registers given: waves, needs and copy flags derived. The compiler and models that build their
     plans with numpy (the TreeLSTMs) both end here. `last_padding` is the depth of the node that
-    ends a padded graph's padding."""
+    ends a padded graph's padding. A lane without nodes (a one-word tree has no internal node) is
+    left out: queued, it would start at the next lane's first node and run it as its own cell type."""
     count = len(depth)
+    lanes = [lane for lane, start in zip(lanes, [0, *(end for _, end in lanes)]) if lane[1] > start]
     bounds = np.array([0, *(end for _, end in lanes)], np.int32)
     wave_end = np.empty(count, np.int32)
     for lane in range(len(lanes)):

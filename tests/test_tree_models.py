@@ -262,6 +262,27 @@ def test_lanes_of_a_complete_binary_tree_run_level_by_level(tmp_path: Path):
         h.close()
 
 
+def test_a_one_word_tree_runs_its_leaf_then_its_classifier_and_no_internal_cell(tmp_path: Path):
+    """A sentence of one word is a tree without internal nodes: its plan has no internal lane, so
+    no internal task runs the classifier's node, and each of its two nodes runs once."""
+    h = Harness(write_config(tmp_path, TREE_MODELS))
+    try:
+        request = h.admit("bin", tree([4], [-1]))
+        assert request.unfolded.plan.lane_cells == ("bin/leaf", "bin/classifier")
+        worker = h.workers[0]
+        ran = []
+        while not h.finished:
+            while h.schedule(worker):  # everything ready is issued before the worker finishes anything
+                pass
+            assert h.in_flight(worker), "the request stalled"
+            ran.append(h.complete_oldest(worker).spec.key)
+        assert ran == ["bin/leaf", "bin/classifier"] and h.finished == [(request, None)]
+        assert not h.in_flight(worker), [t.spec.key for t in h.in_flight(worker)]
+        assert h.slots_in_use() == 0
+    finally:
+        h.close()
+
+
 def test_later_cells_rank_higher_unless_a_config_sets_their_priority():
     model = TreeLSTMModel(model_config(num_classes=2))
     assert {k: s.priority for k, s in model.cell_types.items()} == {"m/leaf": 3, "m/internal": 4, "m/classifier": 5}
