@@ -1,4 +1,5 @@
-"""Chain models' optional features, in-process: final states h_n/c_n and initial states h0/c0.
+"""Chain models' optional features, in-process: final states h_n/c_n, initial states h0/c0 and
+per-step outputs y.
 
 Every reply of plans batched together (tests/plan_runner.py) equals torch.nn.LSTM / torch.nn.GRU
 run on that request alone."""
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from plan_runner import run_plans
 
-from common.config import CellTypeConfig, ModelConfig
+from common.config import CellTypeConfig, ConfigError, ModelConfig
 from common.models.chain_cells import ChainModel, GRUModel, LSTMModel
 from common.protocol import INVALID_INPUT, RequestError, map_to_tensor, tensor_to_map
 
@@ -151,3 +152,26 @@ def test_c0_on_a_gru_is_invalid_input():
         model.plan({"tokens": [1, 2], "c0": [[0.0] * 8]})
     assert caught.value.code == INVALID_INPUT
     assert "c0 is an LSTM's initial cell state" in caught.value.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_per_step_outputs_equal_torch(kind: str, layers: int):
+    model = chain(kind, num_layers=layers, per_step=True)
+    requests = mixed_requests(model, seed=20 + layers)
+    assert_replies_equal_reference(model, requests)
+    assert_replies_equal_reference(model, requests, bucket_width=5)
+    reply = model.reference(model.init_weights(5), requests[0])
+    assert reply["y"].shape == (len(requests[0]["tokens"]), 8)
+    assert np.array_equal(reply["y"][-1], reply["h"])
+
+
+def test_per_step_results_are_copied_only_when_asked():
+    assert set(chain("gru").plan({"tokens": [1, 2, 3]}).plan.results) == {"h_n0"}
+    per_step = chain("gru", per_step=True).plan({"tokens": [1, 2, 3]}).plan
+    assert set(per_step.results) == {"h_n0", "y0", "y1", "y2"}
+
+
+def test_per_step_must_be_true_or_false():
+    with pytest.raises(ConfigError, match="per_step must be true or false, got 1"):
+        chain("lstm", per_step=1)

@@ -19,9 +19,13 @@ from common.protocol import tensor_to_map
 TOLERANCE = 1e-5
 VOCAB = 100
 
+LSTM = 'builder = "common.models.lstm:build"'
+GRU = 'builder = "common.models.gru:build"'
 MODELS = {
-    "lstm2": 'builder = "common.models.lstm:build"\nnum_layers = 2',
-    "gru2": 'builder = "common.models.gru:build"\nnum_layers = 2',
+    "lstm2": f"{LSTM}\nnum_layers = 2",
+    "gru2": f"{GRU}\nnum_layers = 2",
+    "lstm_steps": f"{LSTM}\nper_step = true",
+    "gru3_steps": f"{GRU}\nnum_layers = 3\nper_step = true",
 }
 
 
@@ -30,10 +34,12 @@ def model_tables() -> str:
     return "".join(f'\n[models.{name}]\nweights = "{name}.pt"\n{body}\n{common}\n' for name, body in MODELS.items())
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any]]]:
-    """One server of every feature combination, with each model and its weights to check answers against."""
-    config = write_config(tmp_path_factory.mktemp("chains"), model_tables())
+@pytest.fixture(scope="module", params=["cellular", "padded"])
+def served(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """One server of every feature combination under each policy, with each model and its weights to
+    check answers against."""
+    scheduler = f'policy = "{request.param}"\nbucket_width = 8'
+    config = write_config(tmp_path_factory.mktemp("chains"), model_tables(), scheduler=scheduler)
     server = start_server(config, workers=2)
     models = {}
     for name in MODELS:
@@ -55,7 +61,7 @@ def random_request(model: Any, rng: np.random.Generator) -> dict[str, Any]:
 def test_concurrent_mixed_requests_equal_the_reference(served):
     server, models = served
     rng = np.random.default_rng(11)
-    requests = [(name, random_request(models[name][0], rng)) for name in list(MODELS) * 15]
+    requests = [(name, random_request(models[name][0], rng)) for name in list(MODELS) * 10]
 
     async def run() -> list[Any]:
         async with AsyncClient(server.address, timeout=120) as client:

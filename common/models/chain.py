@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ModelConfig
+from common.config import ConfigError, ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
 from common.models.base import FOLD_KEY, PlanCache, Planner, check_params, int_param, padded_length, token_ids
 from common.models.vectors import float_rows
@@ -36,13 +36,14 @@ class ChainPlanner(Planner):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         params = config.params
-        allowed = {"vocab_size", "embedding_size", "hidden_size", "num_layers", "max_length", FOLD_KEY}
+        allowed = {"vocab_size", "embedding_size", "hidden_size", "num_layers", "max_length", "per_step", FOLD_KEY}
         check_params(params, allowed, self.name)
         self.vocab_size = int_param(params, "vocab_size", self.name)
         self.hidden_size = int_param(params, "hidden_size", self.name)
         self.embedding_size = int_param(params, "embedding_size", self.name, default=self.hidden_size)
         self.num_layers = int_param(params, "num_layers", self.name, default=1)
         self.max_length = int_param(params, "max_length", self.name, default=1000)
+        self.per_step = bool_param(params, "per_step", self.name)
         state = ValueKind("float32", (self.hidden_size,))
         states = (state,) * len(self.state_names)
         self._cell_types = {}
@@ -58,6 +59,7 @@ class ChainPlanner(Planner):
         self.final_names = {name: tuple(f"{name}_n{i}" for i in finals) for name in self.state_names}
         self.top = (self.num_layers - 1) * self.directions  # the last layer's forward direction in h_n
         self.plan_cache = PlanCache()  # by length, padded length and the initial states given
+        self._step_names: dict[int, tuple[str, ...]] = {}  # per_step results by length
 
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
@@ -70,7 +72,11 @@ class ChainPlanner(Planner):
         return {
             "kind": self.kind,
             "inputs": {"tokens": {"dtype": "int64", "shape": [-1], "max_length": self.max_length}, **initial},
-            "outputs": {**{name: state for name in self.state_names}, **{f"{name}_n": states for name in self.state_names}},
+            "outputs": {
+                **{name: state for name in self.state_names},
+                **{f"{name}_n": states for name in self.state_names},
+                **({"y": {"dtype": "float32", "shape": [-1, self.hidden_size * self.directions]}} if self.per_step else {}),
+            },
             "vocab_size": self.vocab_size,
         }
 
@@ -114,15 +120,16 @@ class ChainPlanner(Planner):
         """The cached plan of this shape with the request's input rows (then the padding row, when
         the padded length exceeds the length) and initial states as its externals."""
         initial = self.initial_states(inputs)
-        plan, order = self._plan(len(rows), padded, tuple(initial))
-        if padded is not None and padded > len(rows):
+        length = len(rows)  # the model's state in the plan: outputs assembles `y` of this many steps
+        plan, order = self._plan(length, padded, tuple(initial))
+        if padded is not None and padded > length:
             rows = np.concatenate([rows, np.asarray(padding, rows.dtype)[None]])
         if not initial:
-            return Unfolded(plan, {self.input_kind: rows})
+            return Unfolded(plan, {self.input_kind: rows}, length)
         states = np.concatenate(list(initial.values()))
         if self.input_kind == self.state_kind:
-            return Unfolded(plan, {self.state_kind: np.concatenate([rows, states])[order]})
-        return Unfolded(plan, {self.input_kind: rows, self.state_kind: states[order - len(rows)]})
+            return Unfolded(plan, {self.state_kind: np.concatenate([rows, states])[order]}, length)
+        return Unfolded(plan, {self.input_kind: rows, self.state_kind: states[order - len(rows)]}, length)
 
     def _plan(self, length: int, padded: int | None, given: tuple[str, ...]) -> tuple[Plan, np.ndarray | None]:
         """One plan per length, padded length and initial states given: requests differ only in their
@@ -148,7 +155,7 @@ class ChainPlanner(Planner):
         Written for speed: the manager runs this for every request, on its critical path."""
         graph = CellGraph()
         graph.externals = rows.tolist()
-        length = len(rows)
+        length = graph.state = len(rows)
         below: list[Any] = [External(i) for i in range(length)]
         if padded_length is not None and padded_length > length:
             graph.externals.append(padding)
@@ -171,6 +178,8 @@ class ChainPlanner(Planner):
                     for name, value in zip(self.state_names, state):
                         graph.results[self.final_names[name][layer]] = value
             below = outputs
+        if self.per_step:
+            graph.results.update(zip(self.step_names(length), below))
         if padded_length is not None:
             graph.padded_length = padded_length
             graph.last_padding = len(graph.nodes) - 1
@@ -183,14 +192,32 @@ class ChainPlanner(Planner):
         given = {name: External(first_state + i * self.final_rows + row) for i, name in enumerate(initial)}
         return tuple(given.get(name, ZERO) for name in self.state_names)
 
+    def step_names(self, length: int) -> tuple[str, ...]:
+        """The results holding the last layer's output at each step (`per_step`), made once per length."""
+        names = self._step_names.get(length)
+        if names is None:
+            names = self._step_names[length] = tuple(f"y{step}" for step in range(length))
+        return names
+
     def outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray]) -> dict[str, Any]:
-        """`h` (and `c`): the last layer's final state; `h_n` (and `c_n`): every layer's, as nn.LSTM orders them."""
+        """`h` (and `c`): the last layer's final state; `h_n` (and `c_n`): every layer's, as nn.LSTM orders them;
+        `y` with `per_step`: the last layer's output at every step, as nn.LSTM's `output`."""
         reply: dict[str, Any] = {}
         for name, finals in self.final_names.items():
             rows = [results[key] for key in finals]
             reply[name] = rows[self.top]
             reply[f"{name}_n"] = np.stack(rows)
+        if self.per_step:
+            reply["y"] = np.stack([results[key] for key in self.step_names(graph.state)])
         return reply
+
+
+def bool_param(params: dict[str, Any], key: str, model: str) -> bool:
+    """A true/false key, false when absent."""
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"[models.{model}] {key} must be true or false, got {value!r}")
+    return value
 
 
 def labelled(kind: ValueKind, first: int, count: int) -> np.ndarray:

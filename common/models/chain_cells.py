@@ -109,9 +109,9 @@ class ChainModel(ChainPlanner, Model):
             for name in self.state_names
         )
         with torch.inference_mode():
-            _, final = rnn(embedding(tokens), initial if len(initial) > 1 else initial[0])
+            output, final = rnn(embedding(tokens), initial if len(initial) > 1 else initial[0])
         final = final if isinstance(final, tuple) else (final,)
-        reply: dict[str, Any] = {}
+        reply: dict[str, Any] = {"y": output.numpy().astype(np.float32)} if self.per_step else {}
         for name, value in zip(self.state_names, final):
             reply[name] = value[self.top].numpy().astype(np.float32)
             reply[f"{name}_n"] = value.numpy().astype(np.float32)
