@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from conftest import start_server, stop_server, wait_idle, write_config
+from torch import nn
 
 from clients import AsyncClient, Client, ServerError
+from common.config import ConfigError
 from common.models import build_model
 from common.protocol import tensor_to_map
+from manager.preflight import check_weights
 
 TOLERANCE = 1e-5
 VOCAB = 100
@@ -129,3 +134,33 @@ def test_the_models_reply_describes_each_config(served):
         assert {key: described[name][key] for key in model.describe()} == model.describe()
     assert described["lstm_bi_tagger"]["outputs"]["logits"]["shape"] == [-1, 5]
     assert described["lstm_x"]["inputs"]["x"]["shape"] == [-1, 16]
+
+
+def test_a_torch_nn_state_dict_is_checked_and_served_as_torch_runs_it(tmp_path: Path):
+    """A bidirectional tagger over vectors trained as docs/models.md shows: the start-up weights check
+    accepts its state_dict, and the server answers as the module itself computes; a config that
+    asks for more layers than the file holds is refused, counting the missing tensors."""
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.lstm = nn.LSTM(7, 16, 2, bidirectional=True)
+    module.head = nn.Linear(32, 4)
+    torch.save(module.state_dict(), tmp_path / "tagger.pt")
+    table = '[models.tagger]\nbuilder = "common.models.lstm:build"\nweights = "tagger.pt"\ninput_size = 7\nhidden_size = 16\nbatch_sizes = [1, 2, 4]\n'
+    config = write_config(tmp_path, table + "num_layers = 2\nbidirectional = true\nper_step = true\nhead_size = 4\n")
+    check_weights(config)
+    x = torch.randn(9, 7)
+    with torch.inference_mode():
+        y, (h_n, c_n) = module.lstm(x)
+        logits = module.head(y)
+    server = start_server(config, workers=1)
+    try:
+        with server.client() as client:
+            reply = client.infer("tagger", {"x": x.numpy()}).outputs
+    finally:
+        stop_server(server)
+    for name, expected in {"y": y, "h_n": h_n, "c_n": c_n, "logits": logits}.items():
+        assert np.abs(reply[name] - expected.numpy()).max() <= TOLERANCE, name
+    deeper = write_config(tmp_path, table + "num_layers = 3\nbidirectional = true\nhead_size = 4\n")
+    with pytest.raises(ConfigError) as caught:
+        check_weights(deeper)
+    assert "lacks 8 of the 26 tensors model 'tagger'" in str(caught.value)
