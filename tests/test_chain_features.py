@@ -369,3 +369,29 @@ def test_bad_chain_configs_are_config_errors(params: dict[str, Any], message: st
         with pytest.raises(ConfigError) as caught:
             kind(model_config(params))
         assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_served_kernels_equal_the_torch_nn_cells(kind: str):
+    """Pair projections (layers above a bidirectional one), vector projections and the head compute
+    what the plain torch.nn cells (concatenating, then nn.LSTMCell / nn.GRUCell / nn.Linear) do."""
+    import torch
+
+    for params in ({"input_size": 5, "num_layers": 2, "bidirectional": True, "head_size": 3}, {"num_layers": 2, "bidirectional": True}):
+        model = chain(kind, **params)
+        state = model.init_weights(3)
+        served, plain = model.make_cells(state), model.torch_nn_cells(state)
+        generator = torch.Generator().manual_seed(0)
+        for key, spec in model.cell_types.items():
+            args = [
+                torch.randint(0, VOCAB, (4,), generator=generator)
+                if kind_.dtype == "int64"
+                else torch.randn(4, *kind_.shape, generator=generator)
+                for kind_ in spec.inputs
+            ]
+            with torch.inference_mode():
+                got, expected = served[key](*args), plain[key](*args)
+            got = (got,) if isinstance(got, torch.Tensor) else got
+            expected = (expected,) if isinstance(expected, torch.Tensor) else expected
+            for a, b in zip(got, expected, strict=True):
+                assert (a - b).abs().max() <= TOLERANCE, key
