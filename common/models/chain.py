@@ -221,8 +221,11 @@ class ChainPlanner(Planner):
             graph.padded_length = padded_length
         return graph
 
-    def _scan(self, graph: CellGraph, key: str, inputs: list[tuple[Any, ...]], state: tuple[Any, ...], reverse: int):
-        """One direction of one layer over `inputs`: each step's h by step, and the final state."""
+    def _scan(
+        self, graph: CellGraph, key: str, inputs: list[tuple[Any, ...]], state: tuple[Any, ...], reverse: int
+    ) -> tuple[list[Any], tuple[Any, ...]]:
+        """One direction of one layer over `inputs` (from the last step when `reverse`): each step's h
+        by step, and the final state."""
         nodes = graph.nodes
         ports = range(len(self.state_names))
         outputs: list[Any] = [None] * len(inputs)
