@@ -42,6 +42,8 @@ from manager.registry import RequestRegistry
 from manager.request_processor import RequestProcessor
 from manager.worker_handle import WorkerHandle
 
+MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
+
 
 class BatchingCore:
     def __init__(
@@ -82,7 +84,7 @@ class BatchingCore:
         if (client, request_id) in self.requests:
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
-        _optional_int(message, "priority")
+        priority = _optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
         limit = self._server.max_queued_requests
         if len(self.requests) >= limit:
             raise RequestError(OVERLOADED, f"{len(self.requests)} requests in flight (limit {limit}); retry later")
@@ -92,7 +94,7 @@ class BatchingCore:
         queued = self.processor.unsubmitted_nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {self._server.max_queued_nodes}); retry later")
-        request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival)
+        request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival, priority)
         if deadline_ms is not None:
             request.deadline = arrival + deadline_ms / 1e3
         self.requests.add(request)
@@ -193,12 +195,18 @@ class BatchingCore:
         return outcomes
 
 
-def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None) -> int | None:
+def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
     value = message.get(field)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
         bound = f" >= {minimum}" if minimum is not None else ""
+        bound += f" and <= {maximum}" if maximum is not None else ""
         raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {echo(value)}")
     return value
 
