@@ -11,7 +11,7 @@ from test_clients_failover import FAST, REFUSALS, FakeServer, answered_by, infer
 
 from clients import AsyncClient, Client, ServerError
 from clients.servers import DRAINING, UP, ServerSet
-from common.protocol import INVALID_INPUT, OVERLOADED, UNAVAILABLE, error_reply
+from common.protocol import INVALID_INPUT, OVERLOADED, SESSION_LOST, UNAVAILABLE, error_reply
 
 __all__ = ["servers"]  # the fixture, shared with the failover tests
 
@@ -111,3 +111,27 @@ def test_one_address_raises_the_code_without_resending(servers: list[FakeServer]
 
     assert isinstance(error := asyncio.run(run()), ServerError) and error.code == code
     assert len(server.infer_ids) == 2
+
+
+def test_session_lost_is_never_sent_to_another_server(servers: list[FakeServer]) -> None:
+    """Another server cannot hold the session's state either: SESSION_LOST reaches the caller at once."""
+    lost, answering = start(servers, "session_lost", "answer")
+    with Client([s.address for s in servers], timeout=10, **FAST) as client:
+        codes = []
+        for n in range(8):
+            try:
+                client.infer("m", {"n": n}, session="s")
+                codes.append("ok")
+            except ServerError as error:
+                codes.append(error.code)
+
+    async def run() -> list:
+        async with AsyncClient([s.address for s in servers], timeout=10, **FAST) as client:
+            return await asyncio.gather(*(client.infer("m", {"n": n}, session="s") for n in range(8, 16)), return_exceptions=True)
+
+    codes += [r.code if isinstance(r, ServerError) else "ok" for r in asyncio.run(run())]
+    assert codes.count(SESSION_LOST) == len(lost.infer_ids) > 0
+    assert codes.count("ok") == len(answering.infer_ids) > 0
+    sent = [m for server in servers for m in server.messages if m.get("op", "infer") == "infer"]
+    assert sorted(m["inputs"]["n"] for m in sent) == list(range(16))  # each sent once
+    assert all(m["session"] == "s" for m in sent)
