@@ -7,26 +7,17 @@ import time
 
 import numpy as np
 import pytest
+from test_scheduler import lstm_models
 
 from common.protocol import CANCELLED, OVERLOADED, SESSION_LOST, UNAVAILABLE, RequestError
 from common.task import CompletionNotice
 from manager.outcomes import Answered, Failed, Refused
 
-MODELS = """
-[models.lstm]
-builder = "common.models.lstm:build"
-weights = "lstm.pt"
-vocab_size = 100
-embedding_size = 8
-hidden_size = 8
-batch_sizes = [1, 2, 4]
-"""
-
 
 @pytest.fixture
 def harness(make_harness):
     def make(server: str = "") -> object:
-        return make_harness(MODELS, server=server)
+        return make_harness(lstm_models("[1, 2, 4]"), server=server)
 
     return make
 
