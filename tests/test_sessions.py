@@ -107,3 +107,18 @@ def test_the_session_state_is_the_previous_reply_s_final_state(harness):
         given = second.inputs[f"{name}0"]
         sent = np.frombuffer(given["data"], np.float32).reshape(given["shape"])
         assert np.array_equal(sent, first.outputs[f"{name}_n"])
+
+
+def test_a_failed_request_with_session_end_leaves_the_session_live(harness):
+    h = harness()
+    h.core.admit(b"a", 1, session_request("s", [1, 2]), 0.0)
+    run_all(h)
+    with pytest.raises(RequestError) as refused:
+        h.core.admit(b"a", 2, session_request("s", [100], session_end=True), 0.0)  # outside the vocabulary
+    assert refused.value.code == "INVALID_INPUT"
+    h.core.admit(b"a", 3, session_request("s", [3], deadline_ms=0), time.perf_counter() - 1)
+    assert [o.error.code for o in h.core.expire()] == ["DEADLINE_EXCEEDED"]
+    assert len(h.core.sessions) == 1
+    h.core.admit(b"a", 4, session_request("s", [3], session_end=True), 0.0)
+    assert [o.session_step for o in run_all(h)] == [2]
+    assert len(h.core.sessions) == 0
