@@ -197,8 +197,8 @@ def test_a_worker_killed_under_a_sessions_request_costs_nothing(served):
     assert_reference(models, "lstm2", first + long_part, replies[0].outputs)
     assert_reference(models, "lstm2", first + long_part + last, replies[1].outputs)
     assert [reply.session_step for reply in replies] == [2, 3]
-    wait_until(lambda: len(Client(server.address).health()["workers"]) == 2, "the killed worker's replacement")
     with server.client() as client:
+        wait_until(lambda: len(client.health()["workers"]) == 2, "the killed worker's replacement")
         stats = wait_idle(client)
     assert stats["worker_losses"] == before["worker_losses"] + 1
     assert stats["replayed_requests"] >= before["replayed_requests"] + 1
