@@ -13,6 +13,7 @@ requests from admission to their answer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -166,8 +167,13 @@ class BatchingCore:
         return self._refuse(self.sessions.all_waiting(), error) + self._fail(self.requests.all(), error)
 
     def wait_ms(self, longest: int) -> int:
-        """How long the event loop may sleep before the next deadline (at most `longest`)."""
-        return self.requests.wait_ms(longest)
+        """How long the event loop may sleep before the next deadline (at most `longest`), a waiting
+        session request's included."""
+        wait = self.requests.wait_ms(longest)
+        deadline = self.sessions.next_deadline()
+        if deadline is None:
+            return wait
+        return min(wait, max(0, math.ceil((deadline - time.perf_counter()) * 1e3)))
 
     # -- workers -------------------------------------------------------------------------------
     def schedule(self, worker: WorkerHandle) -> list[Task]:

@@ -245,6 +245,10 @@ class SessionStore:
     def all_waiting(self) -> list[Waiting]:
         return list(self._waiting.values())
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a waiting request (perhaps one no longer waiting), if any."""
+        return self._deadlines[0][0] if self._deadlines else None
+
     def past_deadline(self, now: float) -> list[Waiting]:
         """Waiting requests whose deadline has passed."""
         expired = []

@@ -122,3 +122,22 @@ def test_a_failed_request_with_session_end_leaves_the_session_live(harness):
     h.core.admit(b"a", 4, session_request("s", [3], session_end=True), 0.0)
     assert [o.session_step for o in run_all(h)] == [2]
     assert len(h.core.sessions) == 0
+
+
+def test_the_event_loop_wakes_for_a_waiting_request_s_deadline(harness):
+    h = harness()
+    now = time.perf_counter()
+    h.core.admit(b"a", 1, session_request("s", [1, 2]), now)
+    assert h.core.wait_ms(100) == 100
+    h.core.admit(b"a", 2, session_request("s", [3], deadline_ms=0), now - 1)
+    assert h.core.wait_ms(100) == 0
+
+
+def test_a_bidirectional_chain_refuses_sessions(harness):
+    """A chain that reads its sequence both ways has no state to carry to the next chunk."""
+    h = harness()
+    h.core.models["lstm"].directions = 2  # as a bidirectional chain reports itself
+    with pytest.raises(RequestError) as refused:
+        h.core.admit(b"a", 1, session_request("s", [1, 2]), 0.0)
+    assert refused.value.code == "INVALID_INPUT" and "unidirectional" in refused.value.message
+    assert len(h.core.sessions) == 0
