@@ -118,7 +118,8 @@ class AsyncClient:
         message = infer_message(model, inputs, deadline_ms, priority)
         if session is None:
             return to_infer_reply(await self.call(message))
-        reply = await self.call(message | self.sessions.fields(session, session_end))
+        server = self.sessions.server(session, self._servers.pick)
+        reply = await self._call(message | self.sessions.fields(session, session_end), server)
         self.sessions.answered(session, session_end, reply)
         return to_infer_reply(reply)
 

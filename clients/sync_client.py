@@ -200,7 +200,8 @@ class Client:
         message = infer_message(model, inputs, deadline_ms, priority)
         if session is None:
             return to_infer_reply(self.call(message))
-        reply = self.call(message | self.sessions.fields(session, session_end))
+        server = self.sessions.server(session, self._servers.pick)
+        reply = self._call(message | self.sessions.fields(session, session_end), server)
         self.sessions.answered(session, session_end, reply)
         return to_infer_reply(reply)
 

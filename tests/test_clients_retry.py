@@ -120,18 +120,38 @@ def test_session_lost_is_never_sent_to_another_server(servers: list[FakeServer])
         codes = []
         for n in range(8):
             try:
-                client.infer("m", {"n": n}, session="s")
+                client.infer("m", {"n": n}, session=f"s{n}")
                 codes.append("ok")
             except ServerError as error:
                 codes.append(error.code)
 
     async def run() -> list:
         async with AsyncClient([s.address for s in servers], timeout=10, **FAST) as client:
-            return await asyncio.gather(*(client.infer("m", {"n": n}, session="s") for n in range(8, 16)), return_exceptions=True)
+            calls = (client.infer("m", {"n": n}, session=f"s{n}") for n in range(8, 16))
+            return await asyncio.gather(*calls, return_exceptions=True)
 
     codes += [r.code if isinstance(r, ServerError) else "ok" for r in asyncio.run(run())]
     assert codes.count(SESSION_LOST) == len(lost.infer_ids) > 0
     assert codes.count("ok") == len(answering.infer_ids) > 0
     sent = [m for server in servers for m in server.messages if m.get("op", "infer") == "infer"]
     assert sorted(m["inputs"]["n"] for m in sent) == list(range(16))  # each sent once
-    assert all(m["session"] == "s" for m in sent)
+    assert all(m["session"] == f"s{m['inputs']['n']}" for m in sent)
+
+
+def test_a_sessions_requests_all_go_to_the_server_of_its_first(servers: list[FakeServer]) -> None:
+    """A session lives on one server: pipelined requests of a session are not spread over the servers."""
+    start(servers, "answer", "answer")
+    names = [f"s{i}" for i in range(4)]
+
+    async def run() -> None:
+        async with AsyncClient([s.address for s in servers], timeout=10, **FAST) as client:
+            await asyncio.gather(*(client.infer("m", {"n": n}, session=names[n % 4]) for n in range(24)))
+
+    asyncio.run(run())
+    with Client([s.address for s in servers], timeout=10, **FAST) as client:
+        for n in range(24, 32):
+            client.infer("m", {"n": n}, session=names[n % 4])
+    sent = [(server.name, m) for server in servers for m in server.messages if m.get("op", "infer") == "infer"]
+    for name in names:
+        assert len({server for server, m in sent if m["session"] == name}) == 1, name
+    assert len({server for server, _ in sent}) == 2  # different sessions still spread
