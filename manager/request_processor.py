@@ -44,10 +44,11 @@ class RequestProcessor:
 
     def admit(
         self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float,
-        *, deadline: float | None = None,
+        *, priority: int = 0, deadline: float | None = None,
     ) -> Request:
         """Track a validated request (`deadline`: perf_counter time); its policy decides when its cells run."""
         request = Request(client, request_id, model, inputs, unfolded, arrival)
+        request.priority = priority
         request.deadline = deadline  # before the table indexes it with its deadline
         self._table.add(request)
         self._store.add(request, self._table.others(request))
@@ -199,7 +200,7 @@ class RequestProcessor:
         unfolded = self._policy.unfold(request.model, request.inputs)
         replayed = self.admit(
             request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival,
-            deadline=request.deadline,
+            priority=request.priority, deadline=request.deadline,
         )  # fmt: skip
         replayed.failures = request.failures
         self._outcomes.append(Replayed(replayed))
