@@ -2,6 +2,6 @@
 
 from .async_client import AsyncClient
 from .errors import ServerError, ServerLost
-from .sync_client import Client
+from .sync_client import Client, Partial, Reply
 
-__all__ = ["AsyncClient", "Client", "ServerError", "ServerLost"]
+__all__ = ["AsyncClient", "Client", "Partial", "Reply", "ServerError", "ServerLost"]

@@ -6,10 +6,11 @@ and nothing but pyzmq, msgpack, numpy and common.protocol, so any service can em
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -19,7 +20,7 @@ import numpy as np
 import zmq
 
 from common.auth import apply_curve_client
-from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode
+from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode, is_partial, partial_reply
 
 from .errors import ServerError, ServerLost
 from .servers import (
@@ -50,7 +51,19 @@ class Reply:
     timing: dict[str, int]
 
 
-def infer_message(model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None) -> dict[str, Any]:
+@dataclass
+class Partial:
+    """Outputs of a streamed request that became final (docs/protocol.md, "Streaming"). `restarted`:
+    the request started over (its server or worker was lost), so the partials before this one are
+    void and the stream begins anew with this one."""
+
+    outputs: dict[str, Any]
+    restarted: bool = False
+
+
+def infer_message(
+    model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None, stream: bool = False
+) -> dict[str, Any]:
     """Build an infer request, leaving out optional fields so the server applies its defaults."""
     if isinstance(inputs, dict):
         inputs = {name: wire_value(name, value) for name, value in inputs.items()}
@@ -59,6 +72,8 @@ def infer_message(model: str, inputs: dict[str, Any], deadline_ms: int | None, p
         message["deadline_ms"] = deadline_ms
     if priority is not None:
         message["priority"] = priority
+    if stream:
+        message["stream"] = True
     return message
 
 
@@ -110,6 +125,22 @@ def check(reply: dict[str, Any]) -> dict[str, Any]:
 
 def to_infer_reply(reply: dict[str, Any]) -> Reply:
     return Reply(outputs=decode_outputs(reply.get("outputs") or {}), timing=reply.get("timing") or {})
+
+
+def to_stream_item(reply: dict[str, Any]) -> Partial | Reply:
+    """A streamed request's reply as its caller gets it: a Partial, or the final Reply (ServerError for an error)."""
+    if is_partial(reply):
+        return Partial(outputs=decode_outputs(reply.get("outputs") or {}), restarted=reply.get("restarted") is True)
+    return to_infer_reply(check(reply))
+
+
+def restart_notice(request_id: RequestId) -> dict[str, Any]:
+    """The partial a client gives its caller when a stream it resent is answered before any new partial."""
+    return partial_reply(request_id, {}, restarted=True)
+
+
+def cancel_message(target_id: RequestId, request_id: RequestId) -> bytes:
+    return encode({"op": "cancel", "target": target_id, "id": request_id})
 
 
 def connect_dealer(
@@ -191,6 +222,22 @@ class Client:
         """Run one inference; numpy arrays in `inputs` travel as tensor maps."""
         return to_infer_reply(self.call(infer_message(model, inputs, deadline_ms, priority)))
 
+    def stream(
+        self,
+        model: str,
+        inputs: dict[str, Any],
+        deadline_ms: int | None = None,
+        priority: int | None = None,
+    ) -> Iterator[Partial | Reply]:
+        """Run one inference with `stream: true`: yield each Partial as it arrives, then the final Reply.
+
+        A Partial with `restarted` set voids those before it: the request was sent again after its
+        server was lost, or replayed after its worker was. Leaving the loop early cancels the
+        request. `timeout` bounds the whole stream."""
+        with contextlib.closing(self._exchange(infer_message(model, inputs, deadline_ms, priority, True), None)) as replies:
+            for reply in replies:
+                yield to_stream_item(reply)
+
     def models(self) -> dict[str, Any]:
         return self.call({"op": "models"})
 
@@ -217,14 +264,26 @@ class Client:
         return self._call(message, None)
 
     def _call(self, message: dict[str, Any], server: Server | None) -> dict[str, Any]:
+        *_, reply = self._exchange(message, server)
+        return check(reply)
+
+    def _exchange(self, message: dict[str, Any], server: Server | None) -> Iterator[dict[str, Any]]:
+        """Send one request and yield its replies: a streamed request's partials, then the final one.
+
+        A stream resent after partials were yielded starts over: the next partial yielded says so
+        (`restarted`), one without outputs if the final reply comes first. Replies from a server a
+        stream left are skipped; closing the generator before the final reply cancels the request."""
         if "id" not in message:
             message = {**message, "id": next(self._ids)}
         request_id = message["id"]
+        streamed = message.get("stream") is True
         frame = encode(message)
         deadline = time.monotonic() + self.timeout
         holder = self._send(frame, request_id, server, deadline)
         refused_by: set[Server] = set()  # servers that answered it with a retryable error
         closed = 0  # how often a lone server closed the connection meanwhile (libzmq reconnects on its own)
+        resent_at_partial: int | None = None  # `resent` when the last partial was yielded
+        answered = False
         try:
             while True:
                 now = time.monotonic()
@@ -251,19 +310,37 @@ class Client:
                         if self._servers.probe_answered(owner, reply) and holder is None:
                             holder = self._send(frame, request_id, None, deadline)
                     elif reply["id"] == request_id:
-                        if reply.get("ok") is False and owner is not holder:
-                            continue  # an error from a server the request already left
+                        if owner is not holder and (reply.get("ok") is False or streamed):
+                            continue  # an error, or part of a stream, from a server the request already left
+                        restarted = resent_at_partial is not None and resent_at_partial != self.resent
+                        if is_partial(reply):
+                            resent_at_partial = self.resent
+                            yield {**reply, "restarted": True} if restarted else reply
+                            continue
                         target = self._servers.retry_target(owner, reply, refused_by)
                         if target is None:
-                            return check(reply)
+                            if restarted:
+                                yield restart_notice(request_id)
+                            answered = True
+                            yield reply
+                            return
                         owner.outstanding.discard(request_id)
                         self.resent += 1
                         holder = self._send(frame, request_id, target, deadline)
                 if self._servers.failover:
                     holder = self._check_health(frame, request_id, holder, deadline)
+        except GeneratorExit:
+            if holder is not None and not answered:
+                self._send_cancel(holder, request_id)
+            raise
         finally:
             if holder is not None:
                 holder.outstanding.discard(request_id)
+
+    def _send_cancel(self, server: Server, target_id: RequestId) -> None:
+        """Cancel a request whose caller stopped waiting, without waiting for the answer (later calls skip it)."""
+        with contextlib.suppress(zmq.Again):
+            self._sockets[server.index].send(cancel_message(target_id, next(self._ids)), zmq.NOBLOCK)
 
     def _send(self, frame: bytes, request_id: RequestId, server: Server | None, deadline: float) -> Server | None:
         """Send to `server`, else the least loaded up server; None when no server is up (the caller waits)."""

@@ -13,7 +13,7 @@ requests from admission to their answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from common.config import Config
@@ -24,6 +24,7 @@ from common.protocol import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
+    INVALID_INPUT,
     OVERLOADED,
     UNAVAILABLE,
     UNKNOWN_MODEL,
@@ -34,7 +35,7 @@ from common.protocol import (
 from common.task import CompletionNotice
 from manager.admission import Admission, warm_up_capacity
 from manager.dispatch import Dispatcher
-from manager.outcomes import Outcome, Replayed
+from manager.outcomes import Outcome, Partial, Replayed
 from manager.plan_store import make_tables
 from manager.policies import make_policy, make_scheduler
 from manager.records import Request, Task
@@ -79,6 +80,13 @@ class BatchingCore:
             raise RequestError(UNKNOWN_MODEL, f"no model named {echo(name)}; this server has {', '.join(self.models)}")
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
+        stream = message.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError(BAD_REQUEST, f"'stream' must be true or false, got {echo(stream)}")
+        if stream and not model.can_stream:
+            raise RequestError(
+                INVALID_INPUT, f"model {name!r} ({model.kind}) cannot stream its outputs; send the request without 'stream'"
+            )
         if (client, request_id) in self.requests:
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
@@ -95,6 +103,7 @@ class BatchingCore:
         request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival)
         if deadline_ms is not None:
             request.deadline = arrival + deadline_ms / 1e3
+        request.stream = stream
         self.requests.add(request)
         return request
 
@@ -115,6 +124,12 @@ class BatchingCore:
     def shutdown(self) -> list[Outcome]:
         message = "the server stopped before finishing the request; send it elsewhere"
         return self._fail(self.requests.all(), RequestError(UNAVAILABLE, message))
+
+    def partials(self, client_waiting: Callable[[bytes], bool]) -> list[Outcome]:
+        """Once per event loop turn: a partial reply for each streamed request whose outputs grew, unless
+        its client has replies waiting unread (`client_waiting`); then it gets one later, coalesced."""
+        self.processor.stream_partials(client_waiting)
+        return self._outcomes()
 
     def wait_ms(self, longest: int) -> int:
         """How long the event loop may sleep before the next deadline (at most `longest`)."""
@@ -188,7 +203,7 @@ class BatchingCore:
         for outcome in outcomes:
             if isinstance(outcome, Replayed):
                 self.requests.add(outcome.request)
-            else:
+            elif not isinstance(outcome, Partial):
                 self.requests.remove(outcome.request)
         return outcomes
 

@@ -49,6 +49,9 @@ class Request:
         "rows",
         "group",
         "failures",
+        "stream",
+        "streamed",
+        "restarted",
     )
 
     def __init__(self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float):
@@ -67,6 +70,9 @@ class Request:
         self.rows: dict[int, dict[ValueKind, np.ndarray]] = {}
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.failures = 0  # workers lost while it had values there (replays so far)
+        self.stream = False  # the client asked for partial replies (`stream: true`)
+        self.streamed = False  # a partial reply was sent for it
+        self.restarted = False  # it started over after partials were sent: its next partial says so
 
     @property
     def done(self) -> bool:

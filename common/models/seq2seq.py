@@ -45,6 +45,7 @@ class Decoded:
         self.seen: dict[int, int] = {}
         self.tokens: list[int] = []
         self.finished = False
+        self.streamed = 0  # tokens already sent in partial replies
 
 
 class Seq2SeqPlanner(Planner):
@@ -183,6 +184,16 @@ class Seq2SeqPlanner(Planner):
 
     def outputs(self, graph: CellGraph, results: dict[str, np.ndarray]) -> dict[str, Any]:
         return {"tokens": np.array(graph.state.tokens, dtype=np.int64)}
+
+    can_stream = True
+
+    def partial_outputs(self, graph: CellGraph, results: dict[str, np.ndarray]) -> dict[str, Any] | None:
+        """The tokens decoded in order since the last partial (tokens past a gap wait for it)."""
+        decoded: Decoded = graph.state
+        if len(decoded.tokens) == decoded.streamed:
+            return None
+        new, decoded.streamed = decoded.tokens[decoded.streamed :], len(decoded.tokens)
+        return {"tokens": np.array(new, dtype=np.int64)}
 
 
 def decoding_mismatch(got: np.ndarray, expected: dict[str, Any], near_tie: float = 1e-4) -> str | None:
