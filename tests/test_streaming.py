@@ -4,6 +4,8 @@ unstreamed answer and to the reference; error paths; cancel, deadline and a read
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,15 +123,19 @@ def test_the_models_reply_says_which_models_stream(served):
     assert models["seq2seq"]["stream"] is True and "stream" not in models["lstm"]
 
 
-@pytest.fixture
-def endless(tmp_path: Path) -> Iterator[RunningServer]:
+def start_endless(directory: Path, workers: int) -> RunningServer:
     """Seq2Seq whose projection never picks EOS: every request decodes its whole `max_len`."""
-    config = write_config(tmp_path, MODELS)
+    config = write_config(directory, MODELS)
     model = build_model(config.models["seq2seq"])
     state = model.load_weights()
     state["decoder.projection.bias"][model.eos_id] = -1e4
     save_weights(state, config.models["seq2seq"].weights)
-    server = start_server(config, workers=1)
+    return start_server(config, workers=workers)
+
+
+@pytest.fixture
+def endless(tmp_path: Path) -> Iterator[RunningServer]:
+    server = start_endless(tmp_path, workers=1)
     yield server
     stop_server(server)
 
@@ -250,3 +256,25 @@ def test_cli_stream_refuses_a_model_that_cannot_stream(served, capsys):
     server, _, _ = served
     assert cli_main(["infer", "--address", server.address, "--model", "lstm", "--tokens", "4 5", "--stream"]) == 1
     assert "INVALID_INPUT" in capsys.readouterr().err
+
+
+def test_a_stream_replayed_after_its_worker_is_lost_restarts_and_says_so(tmp_path: Path):
+    """The worker holding a stream's values is killed after its first partial: the request is replayed
+    on the other worker, and its next partial says `restarted`; what follows adds up to the answer."""
+    server = start_endless(tmp_path, workers=2)
+    try:
+        with server.client(timeout=120) as client:
+            stream = client.stream("seq2seq", {"tokens": [3, 1, 4], "max_len": LONG_DECODE})
+            assert isinstance(next(stream), Partial)
+            workers = client.stats()["workers"].values()
+            victim = next(w["pid"] for w in workers if w["slots_in_use"] > 0)
+            os.kill(victim, signal.SIGKILL)
+            *partials, final = stream
+            restarts = [i for i, p in enumerate(partials) if p.restarted]
+            assert len(restarts) == 1
+            after = partials[restarts[0] :]
+            assert np.array_equal(np.concatenate([p.outputs["tokens"] for p in after]), final.outputs["tokens"])
+            assert len(final.outputs["tokens"]) == LONG_DECODE
+            assert client.stats()["replayed_requests"] == 1
+    finally:
+        stop_server(server)
