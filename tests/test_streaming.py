@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import (
+    ROOT,
     SMALL_LSTM,
     SMALL_SEQ2SEQ,
     RunningServer,
@@ -114,6 +118,15 @@ def test_a_stream_that_cannot_be_served_is_refused_and_disturbs_nothing(served, 
         assert error.value.code == code and words in error.value.message
         *_, final = client.stream("seq2seq", {"tokens": [4, 5, 6]})
         assert np.array_equal(final.outputs["tokens"], client.infer("seq2seq", {"tokens": [4, 5, 6]}).outputs["tokens"])
+
+
+def test_the_protocol_docs_streaming_example_runs(served, tmp_path: Path):
+    server, _, _ = served
+    section = (ROOT / "docs" / "protocol.md").read_text().split("\n## Streaming\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    example = tmp_path / "example.py"
+    example.write_text(code.replace("tcp://127.0.0.1:5555", server.address))
+    subprocess.run([sys.executable, example], cwd=ROOT, check=True, timeout=120)
 
 
 def test_the_models_reply_says_which_models_stream(served):
