@@ -5,64 +5,36 @@ process closes its connections."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-import zmq
-from conftest import free_port
+from test_clients_failover import FakeServer
 
 from clients import AsyncClient, Client, Partial, Reply, ServerLost
-from common.protocol import decode, encode, partial_reply
+from common.protocol import partial_reply
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3}
 
 
-class StreamingServer:
-    """A ROUTER thread answering every infer request with the replies of its script, each its own
-    frame. `close` drops the connections, as a killed server does."""
+class StreamingServer(FakeServer):
+    """A fake server answering every infer request with the replies of its script, each its own frame."""
 
-    def __init__(self, script: list[tuple[list[int], bool]]):
+    def __init__(self, name: str, script: list[tuple[list[int], bool]]):
         """`script`: the (tokens, final) replies to each infer request, in order."""
         self.script = script
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.infer_ids: list[Any] = []
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(5)
+        super().__init__(name)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        context = zmq.Context()
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(self.address)
-        self._ready.set()
-        try:
-            while not self._stop.is_set():
-                if not socket.poll(10):
-                    continue
-                peer, frame = socket.recv_multipart()
-                message = decode(frame)
-                request_id = message["id"]
-                if message.get("op", "infer") == "health":
-                    socket.send_multipart([peer, encode({"id": request_id, "ok": True, "status": "ready"})])
-                    continue
-                self.infer_ids.append(request_id)
-                for tokens, final in self.script:
-                    outputs = {"tokens": np.array(tokens, dtype=np.int64)}
-                    reply = {"id": request_id, "ok": True, "outputs": outputs} if final else partial_reply(request_id, outputs)
-                    socket.send_multipart([peer, encode(reply)])
-        finally:
-            socket.close()
-            context.term()
+    def _replies(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        if message.get("op", "infer") != "infer":
+            return super()._replies(message)
+        request_id = message["id"]
+        replies = []
+        for tokens, final in self.script:
+            outputs = {"tokens": np.array(tokens, dtype=np.int64)}
+            replies.append({"id": request_id, "ok": True, "outputs": outputs} if final else partial_reply(request_id, outputs))
+        return replies
 
 
 @pytest.fixture
@@ -75,8 +47,8 @@ def servers() -> Iterator[list[StreamingServer]]:
 
 def pair(servers: list[StreamingServer], second: list[tuple[list[int], bool]]) -> tuple[StreamingServer, StreamingServer]:
     """A first server that streams [1, 2] and stays silent after (until the test closes it), and a second one."""
-    servers.append(StreamingServer([([1, 2], False)]))
-    servers.append(StreamingServer(second))
+    servers.append(StreamingServer("s0", [([1, 2], False)]))
+    servers.append(StreamingServer("s1", second))
     return servers[0], servers[1]
 
 
@@ -144,7 +116,7 @@ def test_without_resend_a_lost_stream_raises_server_lost(servers):
 
 
 def test_a_stream_answered_without_a_loss_is_not_restarted(servers):
-    servers.append(StreamingServer(STREAMED))
+    servers.append(StreamingServer("s0", STREAMED))
     with Client(servers[0].address, timeout=30) as client:
         items = list(client.stream("m", {"tokens": [1]}))
     assert summary(items) == [("partial", [7], False), ("partial", [8, 9], False), ("final", [7, 8, 9], False)]
