@@ -50,7 +50,7 @@ class Request:
         "group",
         "failures",
         "stream",
-        "streamed",
+        "streamed_rows",
         "restarted",
     )
 
@@ -71,7 +71,7 @@ class Request:
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.failures = 0  # workers lost while it had values there (replays so far)
         self.stream = False  # the client asked for partial replies (`stream: true`)
-        self.streamed = False  # a partial reply was sent for it
+        self.streamed_rows = 0  # rows of its outputs sent in partial replies
         self.restarted = False  # it started over after partials were sent: its next partial says so
 
     @property

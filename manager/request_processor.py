@@ -147,14 +147,14 @@ class RequestProcessor:
     def _send_partial(self, request: Request) -> None:
         self._streams_changed.pop(request, None)
         try:
-            outputs = request.model.partial_outputs(request.unfolded, request.results)
+            outputs = request.model.partial_outputs(request.unfolded, request.results, request.streamed_rows)
         except Exception as exc:  # a model bug fails its request, never the manager
             self._model_failed(request, exc)
             return
         if outputs is None and not request.restarted:
             return
         self._outcomes.append(Partial(request, outputs or {}, request.restarted))
-        request.streamed = True
+        request.streamed_rows += len(next(iter(outputs.values()))) if outputs else 0
         request.restarted = False
 
     def _model_failed(self, request: Request, exc: Exception) -> None:
@@ -239,7 +239,7 @@ class RequestProcessor:
         replayed.deadline = request.deadline
         replayed.failures = request.failures
         replayed.stream = request.stream
-        replayed.restarted = request.streamed or request.restarted  # its client must drop what was streamed
+        replayed.restarted = request.streamed_rows > 0 or request.restarted  # its client must drop what was streamed
         self._outcomes.append(Replayed(replayed))
         return replayed
 

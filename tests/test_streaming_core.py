@@ -112,7 +112,7 @@ def test_a_model_whose_partials_fail_fails_only_that_request(harness, monkeypatc
     h = harness()
     model = h.models["seq2seq"]
 
-    def broken(graph, results):
+    def broken(graph, results, start):
         raise ValueError("no partials today")
 
     monkeypatch.setattr(model, "partial_outputs", broken)

@@ -154,14 +154,15 @@ class Planner(ABC):
 
     can_stream = False  # models that implement partial_outputs: requests may ask for `stream: true`
 
-    def partial_outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray]) -> dict[str, Any] | None:
-        """The outputs that became final since the last call, for a streamed request's partial reply,
-        or None when none did.
+    def partial_outputs(
+        self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray], start: int
+    ) -> dict[str, Any] | None:
+        """The rows of the streamed outputs from row `start` on that are final now, for a streamed
+        request's partial reply (every output the same number of rows), or None when no new row is.
 
         Called after `observe` and after result values were read, at most once per manager loop
-        turn and once more just before the answer. Each output's partials, concatenated along the
-        first axis in the order they were returned, must equal that output in `outputs`. What was
-        already returned is state of the request: keep it in `graph.state`."""
+        turn and once more just before the answer; `start` counts the rows already sent. Each
+        output's partials, concatenated along their first axis, must equal it in `outputs`."""
         raise NotImplementedError(f"model {self.name!r} cannot stream its outputs")
 
 

@@ -45,7 +45,6 @@ class Decoded:
         self.seen: dict[int, int] = {}
         self.tokens: list[int] = []
         self.finished = False
-        self.streamed = 0  # tokens already sent in partial replies
 
 
 class Seq2SeqPlanner(Planner):
@@ -187,13 +186,10 @@ class Seq2SeqPlanner(Planner):
 
     can_stream = True
 
-    def partial_outputs(self, graph: CellGraph, results: dict[str, np.ndarray]) -> dict[str, Any] | None:
-        """The tokens decoded in order since the last partial (tokens past a gap wait for it)."""
-        decoded: Decoded = graph.state
-        if len(decoded.tokens) == decoded.streamed:
-            return None
-        new, decoded.streamed = decoded.tokens[decoded.streamed :], len(decoded.tokens)
-        return {"tokens": np.array(new, dtype=np.int64)}
+    def partial_outputs(self, graph: CellGraph, results: dict[str, np.ndarray], start: int) -> dict[str, Any] | None:
+        """The tokens decoded in order from `start` on (tokens past a step not yet observed wait for it)."""
+        tokens = graph.state.tokens[start:]
+        return {"tokens": np.array(tokens, dtype=np.int64)} if tokens else None
 
 
 def decoding_mismatch(got: np.ndarray, expected: dict[str, Any], near_tie: float = 1e-4) -> str | None:
