@@ -103,10 +103,19 @@ class ChainModel(ChainPlanner, Model):
         rnn = self.reference_rnn()
         prefix = f"{self.rnn_name}."
         rnn.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+        given = self.initial_states(inputs)
+        initial = tuple(
+            torch.tensor(given[name]) if name in given else torch.zeros(self.final_rows, self.hidden_size)
+            for name in self.state_names
+        )
         with torch.inference_mode():
-            _, final = rnn(embedding(tokens))
+            output, final = rnn(embedding(tokens), initial if len(initial) > 1 else initial[0])
         final = final if isinstance(final, tuple) else (final,)
-        return {name: value[-1].numpy().astype(np.float32) for name, value in zip(self.state_names, final)}
+        reply: dict[str, Any] = {"y": output.numpy().astype(np.float32)} if self.per_step else {}
+        for name, value in zip(self.state_names, final):
+            reply[name] = value[self.top].numpy().astype(np.float32)
+            reply[f"{name}_n"] = value.numpy().astype(np.float32)
+        return reply
 
 
 class LSTMStep(nn.Module):
