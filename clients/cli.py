@@ -177,13 +177,16 @@ def _stream_item_json(item: Partial | Reply) -> str:
 
 
 def _format_stream_item(item: Partial | Reply) -> str:
-    """A partial as a line of values per output (after a notice when the stream started over); the final reply as usual."""
+    """A partial as lines of values (after a notice when the stream started over): a line for a 1-D
+    output (Seq2Seq's tokens), one per row for a 2-D one (a chain's `y`); the final reply as usual."""
     if isinstance(item, Reply):
         return _format_infer_reply(item)
     lines = ["restarted: the request started over; the partial outputs above are void"] if item.restarted else []
     for name, value in item.outputs.items():
-        values = value.reshape(-1).tolist() if isinstance(value, np.ndarray) else [value]
-        lines.append(f"partial {name}: {' '.join(map(str, values))}")
+        array = np.asarray(value)
+        for row in array.reshape(-1, array.shape[-1]) if array.ndim > 1 else [array.reshape(-1)]:
+            shown = [f"{v:.6g}" if np.issubdtype(array.dtype, np.floating) else str(v) for v in row.tolist()]
+            lines.append(f"partial {name}: {' '.join(shown)}")
     return "\n".join(lines)
 
 

@@ -211,6 +211,19 @@ class ChainPlanner(Planner):
             reply["y"] = np.stack([results[key] for key in self.step_names(graph.state)])
         return reply
 
+    @property
+    def can_stream(self) -> bool:  # type: ignore[override]
+        return self.per_step
+
+    def partial_outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray], start: int) -> dict[str, Any] | None:
+        """With `per_step`: the rows of `y` from `start` on whose step's output has been read, up to the first
+        step not yet read (the steps of the last layer complete in order)."""
+        names = self.step_names(graph.state)
+        end = start
+        while end < len(names) and names[end] in results:
+            end += 1
+        return {"y": np.stack([results[key] for key in names[start:end]])} if end > start else None
+
 
 def bool_param(params: dict[str, Any], key: str, model: str) -> bool:
     """A true/false key, false when absent."""
