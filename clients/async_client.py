@@ -35,18 +35,16 @@ from .servers import (
     connection_closed,
     is_probe,
 )
+from .streams import Partial, cancel_message, restart_notice
 from .sync_client import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT,
     CurveKeys,
-    Partial,
     Reply,
-    cancel_message,
     check,
     connect_dealer,
     infer_message,
     read_reply,
-    restart_notice,
     timeout_error,
     to_infer_reply,
     to_stream_item,

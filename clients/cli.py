@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from .errors import ServerError
-from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, Client, Partial, Reply
+from .streams import Partial
+from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, Client, Reply
 from .text import DEFAULT_VOCAB, Vocabulary
 
 PREVIEW_VALUES = 8

@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from common.auth import apply_curve_client
-from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode, is_partial, partial_reply
+from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode, is_partial
 
 from .errors import ServerError, ServerLost
 from .servers import (
@@ -34,6 +34,7 @@ from .servers import (
     connection_closed,
     is_probe,
 )
+from .streams import Partial, cancel_message, restart_notice
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT = 30.0
@@ -49,16 +50,6 @@ class Reply:
 
     outputs: dict[str, Any]
     timing: dict[str, int]
-
-
-@dataclass
-class Partial:
-    """Outputs of a streamed request that became final (docs/protocol.md, "Streaming"). `restarted`:
-    the request started over (its server or worker was lost), so the partials before this one are
-    void and the stream begins anew with this one."""
-
-    outputs: dict[str, Any]
-    restarted: bool = False
 
 
 def infer_message(
@@ -132,15 +123,6 @@ def to_stream_item(reply: dict[str, Any]) -> Partial | Reply:
     if is_partial(reply):
         return Partial(outputs=decode_outputs(reply.get("outputs") or {}), restarted=reply.get("restarted") is True)
     return to_infer_reply(check(reply))
-
-
-def restart_notice(request_id: RequestId) -> dict[str, Any]:
-    """The partial a client gives its caller when a stream it resent is answered before any new partial."""
-    return partial_reply(request_id, {}, restarted=True)
-
-
-def cancel_message(target_id: RequestId, request_id: RequestId) -> bytes:
-    return encode({"op": "cancel", "target": target_id, "id": request_id})
 
 
 def connect_dealer(
@@ -338,7 +320,6 @@ class Client:
                 holder.outstanding.discard(request_id)
 
     def _send_cancel(self, server: Server, target_id: RequestId) -> None:
-        """Cancel a request whose caller stopped waiting, without waiting for the answer (later calls skip it)."""
         with contextlib.suppress(zmq.Again):
             self._sockets[server.index].send(cancel_message(target_id, next(self._ids)), zmq.NOBLOCK)
 
