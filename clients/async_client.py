@@ -144,7 +144,8 @@ class AsyncClient:
         """Run one inference with `stream: true`: yield each Partial as it arrives, then the final Reply.
 
         A Partial with `restarted` set voids those before it (the request started over on another
-        server or worker). Leaving the loop early cancels the request; `timeout` bounds the whole stream."""
+        server or worker). Closing the iterator early cancels the request (`contextlib.aclosing` closes
+        it when its block ends); `timeout` bounds the whole stream."""
         request_id, call = self._start(infer_message(model, inputs, deadline_ms, priority, True), None, stream=True)
         assert call.partials is not None
         until = time.monotonic() + self.timeout

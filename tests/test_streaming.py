@@ -4,6 +4,7 @@ unstreamed answer and to the reference; error paths; cancel, deadline and a read
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -25,6 +26,7 @@ from conftest import (
     stop_server,
     wait_idle,
     wait_until,
+    wait_until_async,
     write_config,
 )
 
@@ -207,6 +209,22 @@ def test_leaving_a_stream_early_cancels_it(endless):
         assert outcomes(endless).get(CANCELLED) == 1
         *_, final = client.stream("seq2seq", {"tokens": [7, 8], "max_len": 5})  # the client goes on
         assert len(final.outputs["tokens"]) == 5
+
+
+def test_leaving_an_async_stream_early_cancels_it(endless):
+    async def run() -> None:
+        async with AsyncClient(endless.address, timeout=60) as client:
+            async with contextlib.aclosing(client.stream("seq2seq", {"tokens": [7, 8], "max_len": LONG_DECODE})) as stream:
+                async for item in stream:
+                    assert isinstance(item, Partial)
+                    break
+
+            async def cancelled() -> bool:
+                return (await client.stats())["requests"].get(CANCELLED) == 1
+
+            await wait_until_async(cancelled, "the stream left early being cancelled")
+
+    asyncio.run(run())
 
 
 def test_a_deadline_ends_a_stream_mid_flight(endless):
