@@ -2,8 +2,9 @@
 the workers' arena rows and every worker's tasks in flight.
 
 It does no I/O and never calls back: each method returns what happened, as outcomes (a
-request answered, failed or replayed) or as the tasks to send, and the event loop
-(manager.server) turns those into messages and one stats event each. The parts it is made
+request answered, failed or replayed, or a streamed request's partial reply) or as the tasks
+to send, and the event loop (manager.server) turns those into messages and one stats event
+each (none for a partial). The parts it is made
 of: the registry of live requests by client (manager.registry), the request table and plan
 store (manager.request_table, manager.plan_store), the batching policy over the scheduler
 (manager.policies, manager.scheduler), the dispatcher (manager.dispatch), admission control
