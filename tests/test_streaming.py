@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -281,6 +282,15 @@ def test_cli_stream_prints_tokens_as_they_arrive(served, capsys):
     partials = [line.removeprefix("partial tokens: ") for line in lines if line.startswith("partial tokens: ")]
     assert partials and " ".join(partials).split() == [str(t) for t in want]
     assert any(line.startswith("tokens: int64") for line in lines)
+
+
+def test_cli_stream_json_prints_a_json_object_a_line(served, capsys):
+    server, _, _ = served
+    assert cli_main(["infer", "--address", server.address, "--model", "seq2seq", "--tokens", "4 5 6", "--stream", "--json"]) == 0
+    *partials, final = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert partials and all(p["partial"] is True and p["restarted"] is False for p in partials)
+    assert [t for p in partials for t in p["outputs"]["tokens"]] == final["outputs"]["tokens"]
+    assert "partial" not in final and set(final["timing"]) == {"queue_us", "compute_us", "total_us"}
 
 
 def test_cli_stream_refuses_a_model_that_cannot_stream(served, capsys):
