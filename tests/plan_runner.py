@@ -18,17 +18,14 @@ def run_plans(model: Model, cells: dict[str, torch.nn.Module], requests: list[Un
     """The replies (`model.outputs`) of the requests, computed together."""
     registers: list[dict[int, torch.Tensor]] = [{} for _ in requests]
     results: list[dict[str, np.ndarray]] = [{} for _ in requests]
-    deepest = max(int(u.plan.depth.max()) for u in requests)
-    for depth in range(deepest + 1):
-        batches: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for r, unfolded in enumerate(requests):
-            plan = unfolded.plan
-            for lane, key in enumerate(plan.lane_cells):
-                start, end = plan.lane_bounds[lane], plan.lane_bounds[lane + 1]
-                for node in range(start, end):
-                    if plan.depth[node] == depth:
-                        batches[key].append((r, node))
-        for key, nodes in batches.items():
+    waves: dict[int, dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
+    for r, unfolded in enumerate(requests):
+        plan = unfolded.plan
+        for lane, key in enumerate(plan.lane_cells):
+            for node in range(plan.lane_bounds[lane], plan.lane_bounds[lane + 1]):
+                waves[int(plan.depth[node])][key].append((r, node))
+    for depth in sorted(waves):
+        for key, nodes in waves[depth].items():
             spec = model.cell_types[key]
             for first in range(0, len(nodes), spec.max_batch):
                 _run_batch(cells[key], spec, requests, registers, results, nodes[first : first + spec.max_batch])
