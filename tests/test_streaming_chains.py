@@ -1,5 +1,6 @@
-"""Streamed per-step chains through a real server: the rows of `y` arrive as their steps complete,
-and add up to the final reply, which equals torch.nn's output; chains without `per_step` refuse."""
+"""Streamed per-step chains through a real server: the rows of `y` (and a head's `logits`) arrive as
+their steps complete, and add up to the final reply, which equals torch.nn's output; chains without
+`per_step` refuse."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ TOLERANCE = 1e-5
 MODELS = {
     "lstm_steps": 'builder = "common.models.lstm:build"\nnum_layers = 2\nper_step = true',
     "gru_steps": 'builder = "common.models.gru:build"\nper_step = true',
+    "tagger": 'builder = "common.models.lstm:build"\nbidirectional = true\nhead_size = 5\nper_step = true',
     "lstm_final": 'builder = "common.models.lstm:build"',
 }
 COMMON = "vocab_size = 100\nembedding_size = 12\nhidden_size = 16\nmax_length = 60\nbatch_sizes = [1, 2, 4, 8, 16]"
@@ -39,7 +41,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
 def test_streamed_rows_of_y_add_up_to_the_reply_and_the_reference(served):
     server, models = served
     rng = np.random.default_rng(5)
-    requests = [(name, {"tokens": rng.integers(0, 100, size=int(rng.integers(1, 61))).tolist()}) for name in ["lstm_steps", "gru_steps"] * 12]
+    requests = [(name, {"tokens": rng.integers(0, 100, size=int(rng.integers(1, 61))).tolist()}) for name in ["lstm_steps", "gru_steps", "tagger"] * 8]
 
     async def stream(client: AsyncClient, name: str, inputs: dict) -> list[Partial | Reply]:
         return [item async for item in client.stream(name, inputs)]
@@ -50,9 +52,11 @@ def test_streamed_rows_of_y_add_up_to_the_reply_and_the_reference(served):
 
     for (name, inputs), (*partials, final) in zip(requests, asyncio.run(run())):
         assert partials and not any(p.restarted for p in partials)
-        assert all(p.outputs.keys() == {"y"} and p.outputs["y"].dtype == np.float32 for p in partials)
-        y = np.concatenate([p.outputs["y"] for p in partials])
-        assert np.array_equal(y, final.outputs["y"])
+        streamed = {"y", "logits"} if name == "tagger" else {"y"}
+        assert all(p.outputs.keys() == streamed for p in partials)
+        for key in streamed:
+            rows = np.concatenate([p.outputs[key] for p in partials])
+            assert rows.dtype == np.float32 and np.array_equal(rows, final.outputs[key])
         model, state = models[name]
         expected = model.reference(state, inputs)
         assert final.outputs.keys() == expected.keys()
