@@ -2,6 +2,7 @@
 
 from .async_client import AsyncClient
 from .errors import ServerError, ServerLost
-from .sync_client import Client
+from .streams import Partial
+from .sync_client import Client, Reply
 
-__all__ = ["AsyncClient", "Client", "ServerError", "ServerLost"]
+__all__ = ["AsyncClient", "Client", "Partial", "Reply", "ServerError", "ServerLost"]

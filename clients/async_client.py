@@ -14,14 +14,14 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Self
 
 import zmq
 import zmq.asyncio
 
-from common.protocol import encode
+from common.protocol import encode, is_partial
 
 from .errors import ServerLost
 from .servers import (
@@ -36,6 +36,7 @@ from .servers import (
     is_probe,
 )
 from .sessions import SessionSteps
+from .streams import Partial, cancel_message, restart_notice
 from .sync_client import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT,
@@ -47,20 +48,41 @@ from .sync_client import (
     read_reply,
     timeout_error,
     to_infer_reply,
+    to_stream_item,
 )
 
 
 class _Call:
-    """A request awaiting its reply: its frame (kept to send it again), the server holding it, its last send."""
+    """A request awaiting its reply: its frame (kept to send it again), the server holding it, its last send.
 
-    __slots__ = ("frame", "future", "server", "sent", "refused_by")
+    A streamed request's partials go to `partials`, followed by None once `future` is done."""
 
-    def __init__(self, frame: bytes, future: asyncio.Future[dict[str, Any]]):
+    __slots__ = ("frame", "future", "server", "sent", "refused_by", "partials", "streamed", "restart")
+
+    def __init__(self, frame: bytes, future: asyncio.Future[dict[str, Any]], stream: bool = False):
         self.frame = frame
         self.future = future
         self.server: Server | None = None  # None while no server is up to take it
         self.sent: asyncio.Future[Any] | None = None
         self.refused_by: set[Server] = set()  # servers that answered it with a retryable error
+        self.partials: asyncio.Queue[dict[str, Any] | None] | None = None
+        self.streamed = False  # partials were delivered
+        self.restart = False  # it was sent again since: the next partial delivered says so
+        if stream:
+            partials = self.partials = asyncio.Queue()
+            future.add_done_callback(lambda _: partials.put_nowait(None))
+
+    def deliver(self, reply: dict[str, Any]) -> None:
+        assert self.partials is not None
+        if self.restart:
+            reply, self.restart = {**reply, "restarted": True}, False
+        self.streamed = True
+        self.partials.put_nowait(reply)
+
+    def answer(self, reply: dict[str, Any]) -> None:
+        if self.restart:  # resent, and answered before any new partial: the caller still learns of it
+            self.deliver(restart_notice(reply["id"]))
+        self.future.set_result(reply)
 
 
 class AsyncClient:
@@ -123,6 +145,37 @@ class AsyncClient:
         self.sessions.answered(session, session_end, reply)
         return to_infer_reply(reply)
 
+    async def stream(
+        self,
+        model: str,
+        inputs: dict[str, Any],
+        deadline_ms: int | None = None,
+        priority: int | None = None,
+    ) -> AsyncIterator[Partial | Reply]:
+        """Run one inference with `stream: true`: yield each Partial as it arrives, then the final Reply.
+
+        A Partial with `restarted` set voids those before it (the request started over on another
+        server or worker). Closing the iterator early cancels the request (`contextlib.aclosing` closes
+        it when its block ends); `timeout` bounds the whole stream."""
+        request_id, call = self._start(infer_message(model, inputs, deadline_ms, priority, True), None, stream=True)
+        assert call.partials is not None
+        until = time.monotonic() + self.timeout
+        try:
+            while True:
+                try:
+                    reply = await asyncio.wait_for(call.partials.get(), until - time.monotonic())
+                except TimeoutError:
+                    raise timeout_error(self.address, self.timeout, request_id, parked=call.server is None) from None
+                if reply is None:
+                    break
+                yield to_stream_item(reply)
+            yield to_stream_item(call.future.result())
+        finally:
+            if not call.future.done() and call.server is not None:
+                sent = self._sockets[call.server.index].send(cancel_message(request_id, next(self._ids)), zmq.NOBLOCK)
+                sent.add_done_callback(_ignore_outcome)
+            self._forget(request_id, call)
+
     async def models(self) -> dict[str, Any]:
         return await self.call({"op": "models"})
 
@@ -150,6 +203,18 @@ class AsyncClient:
         return {server.address: len(server.outstanding) for server in self._servers.servers}
 
     async def _call(self, message: dict[str, Any], server: Server | None) -> dict[str, Any]:
+        request_id, call = self._start(message, server)
+        try:
+            async with asyncio.timeout(self.timeout):
+                reply = await call.future
+        except TimeoutError:
+            raise timeout_error(self.address, self.timeout, request_id, parked=call.server is None) from None
+        finally:
+            self._forget(request_id, call)
+        return check(reply)
+
+    def _start(self, message: dict[str, Any], server: Server | None, stream: bool = False) -> tuple[RequestId, _Call]:
+        """Give the request an id and send it (or park it); the caller awaits and then forgets it."""
         if self._closed_reason is not None:
             raise ConnectionError(self._closed_reason)
         if "id" in message:
@@ -161,24 +226,18 @@ class AsyncClient:
             while request_id in self._pending:
                 request_id = next(self._ids)
             message = {**message, "id": request_id}
-        call = _Call(encode(message), asyncio.get_running_loop().create_future())
+        call = _Call(encode(message), asyncio.get_running_loop().create_future(), stream)
         self._pending[request_id] = call
         self._ensure_started()
         self._dispatch(request_id, call, server)
-        try:
-            async with asyncio.timeout(self.timeout):
-                reply = await call.future
-        except TimeoutError:
-            raise timeout_error(self.address, self.timeout, request_id, parked=call.server is None) from None
-        finally:
-            self._forget(request_id, call)
-        return check(reply)
+        return request_id, call
 
     def _dispatch(self, request_id: RequestId, call: _Call, server: Server | None = None) -> None:
         """Send a request to `server`, else to the least loaded up server, else park it until one is up."""
         if server is None or server.state == ASIDE:
             server = self._servers.pick()
         call.server = server
+        call.restart = call.streamed  # a stream sent again starts over
         if server is None:
             self._parked[request_id] = call
             return
@@ -260,15 +319,19 @@ class AsyncClient:
         call = self._pending.get(request_id)
         if call is None or call.future.done():
             return
-        if reply.get("ok") is False and call.server is not server:
-            return  # an error from a server the request already left
+        if call.server is not server and (reply.get("ok") is False or call.partials is not None):
+            return  # an error, or part of a stream, from a server the request already left
+        if is_partial(reply):
+            if call.partials is not None:
+                call.deliver(reply)
+            return
         target = self._servers.retry_target(server, reply, call.refused_by)
         if target is not None:
             server.outstanding.discard(request_id)
             self.resent += 1
             self._dispatch(request_id, call, target)
             return
-        call.future.set_result(reply)
+        call.answer(reply)
 
     async def _watch_connection(self, server: Server, monitor: zmq.asyncio.Socket) -> None:
         while True:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ServerError
+from .streams import Partial
 from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, Client, Reply
 from .text import DEFAULT_VOCAB, Vocabulary
 
@@ -65,6 +66,9 @@ def add_client_commands(subparsers: Any) -> None:
     infer.add_argument("--json", action="store_true", help="print the whole reply as one JSON object, every value in full")
     infer.add_argument("--deadline-ms", type=int, help="give up if not answered within this many milliseconds")
     infer.add_argument("--priority", type=int, help="request priority")
+    infer.add_argument(
+        "--stream", action="store_true", help="print the outputs as they become final (Seq2Seq: tokens as they are decoded)"
+    )
     infer.set_defaults(client_command="infer")
 
     for name, help_text in (
@@ -81,7 +85,10 @@ def run_client_command(args: argparse.Namespace) -> int:
         inputs = _infer_inputs(args) if args.client_command == "infer" else {}
         client = _connect(args)
         with client:
-            if args.client_command == "infer":
+            if args.client_command == "infer" and args.stream:
+                for item in client.stream(args.model, inputs, args.deadline_ms, args.priority):
+                    print(_stream_item_json(item) if args.json else _format_stream_item(item), flush=True)
+            elif args.client_command == "infer":
                 reply = client.infer(args.model, inputs, args.deadline_ms, args.priority)
                 print(_infer_json(reply) if args.json else _format_infer_reply(reply))
             else:
@@ -161,6 +168,27 @@ def _vocabulary_hint(args: argparse.Namespace, error: ServerError) -> str:
 def _infer_json(reply: Reply) -> str:
     """The reply for scripts: outputs in full (arrays as nested lists) and the timing."""
     return json.dumps(_jsonable({"outputs": reply.outputs, "timing": reply.timing}))
+
+
+def _stream_item_json(item: Partial | Reply) -> str:
+    """A streamed reply for scripts: one JSON object a line, partials marked `partial` (and `restarted`)."""
+    if isinstance(item, Reply):
+        return _infer_json(item)
+    return json.dumps(_jsonable({"partial": True, "restarted": item.restarted, "outputs": item.outputs}))
+
+
+def _format_stream_item(item: Partial | Reply) -> str:
+    """A partial as lines of values (after a notice when the stream started over): a line for a 1-D
+    output (Seq2Seq's tokens), one per row for a 2-D one (a chain's `y`); the final reply as usual."""
+    if isinstance(item, Reply):
+        return _format_infer_reply(item)
+    lines = ["restarted: the request started over; the partial outputs above are void"] if item.restarted else []
+    for name, value in item.outputs.items():
+        array = np.asarray(value)
+        for row in array.reshape(-1, array.shape[-1]) if array.ndim > 1 else [array.reshape(-1)]:
+            shown = [f"{v:.6g}" if np.issubdtype(array.dtype, np.floating) else str(v) for v in row.tolist()]
+            lines.append(f"partial {name}: {' '.join(shown)}")
+    return "\n".join(lines)
 
 
 def _format_infer_reply(reply: Reply) -> str:

@@ -6,10 +6,11 @@ and nothing but pyzmq, msgpack, numpy and common.protocol, so any service can em
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -19,7 +20,7 @@ import numpy as np
 import zmq
 
 from common.auth import apply_curve_client
-from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode
+from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode, is_partial
 
 from .errors import ServerError, ServerLost
 from .servers import (
@@ -34,6 +35,7 @@ from .servers import (
     is_probe,
 )
 from .sessions import SessionSteps
+from .streams import Partial, cancel_message, restart_notice
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT = 30.0
@@ -52,7 +54,9 @@ class Reply:
     session_step: int | None = None  # of a session's request: the session's requests answered so far
 
 
-def infer_message(model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None) -> dict[str, Any]:
+def infer_message(
+    model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None, stream: bool = False
+) -> dict[str, Any]:
     """Build an infer request, leaving out optional fields so the server applies its defaults."""
     if isinstance(inputs, dict):
         inputs = {name: wire_value(name, value) for name, value in inputs.items()}
@@ -61,6 +65,8 @@ def infer_message(model: str, inputs: dict[str, Any], deadline_ms: int | None, p
         message["deadline_ms"] = deadline_ms
     if priority is not None:
         message["priority"] = priority
+    if stream:
+        message["stream"] = True
     return message
 
 
@@ -114,6 +120,13 @@ def to_infer_reply(reply: dict[str, Any]) -> Reply:
     return Reply(
         outputs=decode_outputs(reply.get("outputs") or {}), timing=reply.get("timing") or {}, session_step=reply.get("session_step")
     )
+
+
+def to_stream_item(reply: dict[str, Any]) -> Partial | Reply:
+    """A streamed request's reply as its caller gets it: a Partial, or the final Reply (ServerError for an error)."""
+    if is_partial(reply):
+        return Partial(outputs=decode_outputs(reply.get("outputs") or {}), restarted=reply.get("restarted") is True)
+    return to_infer_reply(check(reply))
 
 
 def connect_dealer(
@@ -205,6 +218,22 @@ class Client:
         self.sessions.answered(session, session_end, reply)
         return to_infer_reply(reply)
 
+    def stream(
+        self,
+        model: str,
+        inputs: dict[str, Any],
+        deadline_ms: int | None = None,
+        priority: int | None = None,
+    ) -> Iterator[Partial | Reply]:
+        """Run one inference with `stream: true`: yield each Partial as it arrives, then the final Reply.
+
+        A Partial with `restarted` set voids those before it: the request was sent again after its
+        server was lost, or replayed after its worker was. Leaving the loop early cancels the
+        request. `timeout` bounds the whole stream."""
+        with contextlib.closing(self._exchange(infer_message(model, inputs, deadline_ms, priority, True), None)) as replies:
+            for reply in replies:
+                yield to_stream_item(reply)
+
     def models(self) -> dict[str, Any]:
         return self.call({"op": "models"})
 
@@ -231,14 +260,26 @@ class Client:
         return self._call(message, None)
 
     def _call(self, message: dict[str, Any], server: Server | None) -> dict[str, Any]:
+        *_, reply = self._exchange(message, server)
+        return check(reply)
+
+    def _exchange(self, message: dict[str, Any], server: Server | None) -> Iterator[dict[str, Any]]:
+        """Send one request and yield its replies: a streamed request's partials, then the final one.
+
+        A stream resent after partials were yielded starts over: the next partial yielded says so
+        (`restarted`), one without outputs if the final reply comes first. Replies from a server a
+        stream left are skipped; closing the generator before the final reply cancels the request."""
         if "id" not in message:
             message = {**message, "id": next(self._ids)}
         request_id = message["id"]
+        streamed = message.get("stream") is True
         frame = encode(message)
         deadline = time.monotonic() + self.timeout
         holder = self._send(frame, request_id, server, deadline)
         refused_by: set[Server] = set()  # servers that answered it with a retryable error
         closed = 0  # how often a lone server closed the connection meanwhile (libzmq reconnects on its own)
+        resent_at_partial: int | None = None  # `resent` when the last partial was yielded
+        answered = False
         try:
             while True:
                 now = time.monotonic()
@@ -265,19 +306,36 @@ class Client:
                         if self._servers.probe_answered(owner, reply) and holder is None:
                             holder = self._send(frame, request_id, None, deadline)
                     elif reply["id"] == request_id:
-                        if reply.get("ok") is False and owner is not holder:
-                            continue  # an error from a server the request already left
+                        if owner is not holder and (reply.get("ok") is False or streamed):
+                            continue  # an error, or part of a stream, from a server the request already left
+                        restarted = resent_at_partial is not None and resent_at_partial != self.resent
+                        if is_partial(reply):
+                            resent_at_partial = self.resent
+                            yield {**reply, "restarted": True} if restarted else reply
+                            continue
                         target = self._servers.retry_target(owner, reply, refused_by)
                         if target is None:
-                            return check(reply)
+                            if restarted:
+                                yield restart_notice(request_id)
+                            answered = True
+                            yield reply
+                            return
                         owner.outstanding.discard(request_id)
                         self.resent += 1
                         holder = self._send(frame, request_id, target, deadline)
                 if self._servers.failover:
                     holder = self._check_health(frame, request_id, holder, deadline)
+        except GeneratorExit:
+            if holder is not None and not answered:
+                self._send_cancel(holder, request_id)
+            raise
         finally:
             if holder is not None:
                 holder.outstanding.discard(request_id)
+
+    def _send_cancel(self, server: Server, target_id: RequestId) -> None:
+        with contextlib.suppress(zmq.Again):
+            self._sockets[server.index].send(cancel_message(target_id, next(self._ids)), zmq.NOBLOCK)
 
     def _send(self, frame: bytes, request_id: RequestId, server: Server | None, deadline: float) -> Server | None:
         """Send to `server`, else the least loaded up server; None when no server is up (the caller waits)."""

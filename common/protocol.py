@@ -166,3 +166,16 @@ def decode_outputs(outputs: dict[str, Any]) -> dict[str, Any]:
 
 def error_reply(request_id: Any, code: str, message: str) -> dict[str, Any]:
     return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def partial_reply(request_id: Any, outputs: dict[str, Any], restarted: bool = False) -> dict[str, Any]:
+    """A streamed request's outputs that became final (docs/protocol.md, "Streaming"); `restarted`
+    says that the request started over, and the partials sent before this one are void."""
+    reply = {"id": request_id, "ok": True, "partial": True, "outputs": outputs}
+    if restarted:
+        reply["restarted"] = True
+    return reply
+
+
+def is_partial(reply: dict[str, Any]) -> bool:
+    return reply.get("partial") is True

@@ -2,10 +2,12 @@
 the workers' arena rows and every worker's tasks in flight.
 
 It does no I/O and never calls back: each method returns what happened, as outcomes (a
-request answered, failed or replayed) or as the tasks to send, and the event loop
-(manager.server) turns those into messages and one stats event each. The parts it is made
+request answered, failed, replayed or refused before admission, or a streamed request's partial
+reply) or as the tasks to send, and the event loop (manager.server) turns those into messages
+and one stats event each (none for a partial). The parts it is made
 of: the request table, which holds every live request and indexes the unanswered ones by
 client with their deadlines, and the plan store (manager.request_table, manager.plan_store),
+the session store (manager.sessions),
 the batching policy over the scheduler (manager.policies, manager.scheduler), the dispatcher
 (manager.dispatch), admission control (manager.admission) and the request processor
 (manager.request_processor), which follows requests from admission to their answer.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from common.config import Config
@@ -26,6 +28,7 @@ from common.protocol import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
+    INVALID_INPUT,
     OVERLOADED,
     UNAVAILABLE,
     UNKNOWN_MODEL,
@@ -36,7 +39,7 @@ from common.protocol import (
 from common.task import CompletionNotice
 from manager.admission import Admission, warm_up_capacity
 from manager.dispatch import Dispatcher
-from manager.outcomes import Answered, Outcome, Refused, Replayed
+from manager.outcomes import Answered, Outcome, Partial, Refused, Replayed
 from manager.plan_store import make_tables
 from manager.policies import make_policy, make_scheduler
 from manager.records import Request, Task
@@ -86,6 +89,13 @@ class BatchingCore:
             raise RequestError(UNKNOWN_MODEL, f"no model named {echo(name)}; this server has {', '.join(self.models)}")
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
+        stream = message.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError(BAD_REQUEST, f"'stream' must be true or false, got {echo(stream)}")
+        if stream and not model.can_stream:
+            raise RequestError(
+                INVALID_INPUT, f"model {name!r} ({model.kind}) cannot stream its outputs; send the request without 'stream'"
+            )
         if (client, request_id) in self.requests or self.sessions.holds(client, request_id):
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
@@ -97,8 +107,8 @@ class BatchingCore:
             raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
         deadline_ms = deadline_ms if deadline_ms is not None else self._server.default_deadline_ms or None
         if fields is None:
-            return self._admit(client, request_id, model, message["inputs"], arrival, deadline_ms, priority)
-        waiting = Waiting(client, request_id, model, message["inputs"], fields, arrival, deadline_ms, priority)
+            return self._admit(client, request_id, model, message["inputs"], arrival, deadline_ms, priority, stream)
+        waiting = Waiting(client, request_id, model, message["inputs"], fields, arrival, deadline_ms, priority, stream)
         session = self.sessions.find(model, fields, waiting.inputs)
         if self.sessions.busy(fields.name):
             self.sessions.wait(waiting)
@@ -109,13 +119,15 @@ class BatchingCore:
         """Admit a session's request with the session's state as its initial state; it runs now."""
         inputs = self.sessions.inputs(session, waiting.inputs)
         request = self._admit(
-            waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms, waiting.priority
+            waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms, waiting.priority,
+            waiting.stream,
         )
         self.sessions.started(session, waiting.fields, waiting.model.name, (waiting.client, waiting.request_id))
         return request
 
     def _admit(
-        self, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float, deadline_ms: int | None, priority: int
+        self, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float, deadline_ms: int | None, priority: int,
+        stream: bool,
     ) -> Request:
         self.admission.check(self.processor.unsubmitted_nodes, deadline_ms)
         unfolded = self.policy.unfold(model, inputs)
@@ -123,7 +135,7 @@ class BatchingCore:
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {self._server.max_queued_nodes}); retry later")
         deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
-        return self.processor.admit(client, request_id, model, inputs, unfolded, arrival, priority=priority, deadline=deadline)
+        return self.processor.admit(client, request_id, model, inputs, unfolded, arrival, priority=priority, deadline=deadline, stream=stream)
 
     def _resume(self, name: str) -> list[Outcome]:
         """Admit the requests waiting for session `name` in turn, until one runs or none is left;
@@ -161,6 +173,12 @@ class BatchingCore:
     def shutdown(self) -> list[Outcome]:
         error = RequestError(UNAVAILABLE, "the server stopped before finishing the request; send it elsewhere")
         return self._refuse(self.sessions.all_waiting(), error) + self._fail(self.requests.all(), error)
+
+    def partials(self, client_waiting: Callable[[bytes], bool]) -> list[Outcome]:
+        """Once per event loop turn: a partial reply for each streamed request whose outputs grew, unless
+        its client has replies waiting unread (`client_waiting`); then it gets one later, coalesced."""
+        self.processor.stream_partials(client_waiting)
+        return self._outcomes()
 
     def wait_ms(self, longest: int) -> int:
         """How long the event loop may sleep before the next deadline (at most `longest`), a waiting
@@ -250,7 +268,7 @@ class BatchingCore:
         for outcome in self.processor.take_outcomes():
             request = outcome.request
             key = (request.client, request.request_id)
-            if isinstance(outcome, Replayed) or not self.sessions.is_running(key):
+            if isinstance(outcome, (Replayed, Partial)) or not self.sessions.is_running(key):
                 outcomes.append(outcome)
             elif isinstance(outcome, Answered):
                 name, step = self.sessions.answered(key, outcome.outputs, now)

@@ -175,6 +175,10 @@ class ClientFrontend:
         """Replies wait for slow clients: the event loop should come back soon to flush them."""
         return bool(self._backlog)
 
+    def has_backlog(self, client: bytes) -> bool:
+        """Whether replies wait for this client to read (its streamed requests' partials are held meanwhile)."""
+        return client in self._backlog
+
     @property
     def departures_known(self) -> bool:
         """Some clients are already known to be gone (taken for gone by `flush`, or their closed

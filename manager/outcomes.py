@@ -1,5 +1,6 @@
 """What the batching core concluded about a request, for the event loop to act on: answer it,
-send it its error, count it as started over, or refuse one that waited unadmitted (manager.core)."""
+send it its error, send a streamed request the outputs that became final, count it as started
+over, or refuse one that waited unadmitted (manager.core)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ class Failed(NamedTuple):
     error: RequestError
 
 
+class Partial(NamedTuple):
+    """A streamed request's outputs that became final since its last partial reply: send them.
+    `restarted`: the request started over since then (its worker was lost), so the partials sent
+    before are void and this one begins the stream anew."""
+
+    request: Request
+    outputs: dict[str, Any]
+    restarted: bool
+
+
 class Replayed(NamedTuple):
     """The request lost its worker and starts over from its inputs as this new record (no reply)."""
 
@@ -40,4 +51,4 @@ class Refused(NamedTuple):
     error: RequestError
 
 
-Outcome = Answered | Failed | Replayed | Refused
+Outcome = Answered | Failed | Partial | Replayed | Refused

@@ -50,6 +50,9 @@ class Request:
         "group",
         "failures",
         "priority",
+        "stream",
+        "streamed_rows",
+        "restarted",
     )
 
     def __init__(self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float):
@@ -69,6 +72,9 @@ class Request:
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.failures = 0  # workers lost while it had values there (replays so far)
         self.priority = 0  # higher is served first within a cell type's queue (manager.scheduler)
+        self.stream = False  # the client asked for partial replies (`stream: true`)
+        self.streamed_rows = 0  # rows of its outputs sent in partial replies
+        self.restarted = False  # it started over after partials were sent: its next partial says so
 
     @property
     def done(self) -> bool:

@@ -5,18 +5,25 @@ store (no Python object per cell); its policy then releases its lanes to the sch
 task's completion the processor reads the host copies, lets the model observe watched values,
 concludes the requests whose results are all in, and forgets requests that are concluded and
 have nothing left in flight, freeing their arena rows. What it concludes (answers, errors,
-replays) it keeps as outcomes until the batching core takes them (manager.core).
+replays, and the partial replies of streamed requests) it keeps as outcomes until the batching
+core takes them (manager.core).
+
+A streamed request (`stream: true`) whose values arrived is noted; `stream_partials`, once per
+event loop turn, asks its model which outputs became final (`Planner.partial_outputs`) and makes
+one partial reply of them, so that a request gets at most one partial per turn however many
+tasks completed. Its answer is preceded by a last partial with what the turn added.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from common.plan import Unfolded
 from common.protocol import INTERNAL, RequestError
 from manager.dispatch import Dispatcher
-from manager.outcomes import Answered, Failed, Outcome, Replayed
+from manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
 from manager.plan_store import PlanStore
 from manager.records import Group, Lifecycle, Request, Task
 from manager.request_table import RequestTable
@@ -40,15 +47,17 @@ class RequestProcessor:
         self._dispatcher = dispatcher
         self._policy = policy
         self._outcomes: list[Outcome] = []
+        self._streams_changed: dict[Request, None] = {}  # streamed requests with values read since their last partial
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
 
     def admit(
         self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float,
-        *, priority: int = 0, deadline: float | None = None,
+        *, priority: int = 0, deadline: float | None = None, stream: bool = False,
     ) -> Request:
         """Track a validated request (`deadline`: perf_counter time); its policy decides when its cells run."""
         request = Request(client, request_id, model, inputs, unfolded, arrival)
         request.priority = priority
+        request.stream = stream
         request.deadline = deadline  # before the table indexes it with its deadline
         self._table.add(request)
         self._store.add(request, self._table.others(request))
@@ -81,11 +90,15 @@ class RequestProcessor:
                 try:
                     finished = request.model.observe(request.unfolded, watch_index, value)
                 except Exception as exc:  # a model bug fails its request, never the manager
-                    self.fail(request, RequestError(INTERNAL, f"{type(exc).__name__} in {request.model.name}: {exc}"))
+                    self._model_failed(request, exc)
                     continue
+                if request.stream:
+                    self._streams_changed[request] = None
                 if finished:
                     self._complete(request)
             for request, key, _, _ in task.reads:
+                if request.stream and not request.done:
+                    self._streams_changed[request] = None
                 if (
                     type(key) is str
                     and request.state is Lifecycle.RUNNING
@@ -115,12 +128,41 @@ class RequestProcessor:
         self._end_group(group)
 
     def _answer(self, request: Request) -> None:
+        if request.stream:
+            self._send_partial(request)  # what the last turn added comes before the answer
+            if request.done:
+                return
         self._end(request)
         earliest = self.earliest_running_arrival()
         timing = request_timing(request.arrival, float(self._table.started[request.row]), time.perf_counter())
         outputs = request.model.outputs(request.unfolded, request.results)
         self._outcomes.append(Answered(request, outputs, timing, earliest is not None and earliest < request.arrival))
         self._forget_if_drained(request)
+
+    def stream_partials(self, client_waiting: Callable[[bytes], bool]) -> None:
+        """One partial reply for each streamed request whose outputs grew since its last one; a request
+        whose client has replies waiting unread keeps its news for a later turn, one partial then."""
+        for request in list(self._streams_changed):
+            if request.done:
+                del self._streams_changed[request]
+            elif not client_waiting(request.client):
+                self._send_partial(request)
+
+    def _send_partial(self, request: Request) -> None:
+        self._streams_changed.pop(request, None)
+        try:
+            outputs = request.model.partial_outputs(request.unfolded, request.results, request.streamed_rows)
+        except Exception as exc:  # a model bug fails its request, never the manager
+            self._model_failed(request, exc)
+            return
+        if outputs is None and not request.restarted:
+            return
+        self._outcomes.append(Partial(request, outputs or {}, request.restarted))
+        request.streamed_rows += len(next(iter(outputs.values()))) if outputs else 0
+        request.restarted = False
+
+    def _model_failed(self, request: Request, exc: Exception) -> None:
+        self.fail(request, RequestError(INTERNAL, f"{type(exc).__name__} in {request.model.name}: {exc}"))
 
     def _end_group(self, group: Group) -> None:
         """Answer a group's held members once none is left running and its padding has run."""
@@ -200,9 +242,10 @@ class RequestProcessor:
         unfolded = self._policy.unfold(request.model, request.inputs)
         replayed = self.admit(
             request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival,
-            priority=request.priority, deadline=request.deadline,
+            priority=request.priority, deadline=request.deadline, stream=request.stream,
         )  # fmt: skip
         replayed.failures = request.failures
+        replayed.restarted = request.streamed_rows > 0 or request.restarted  # its client must drop what was streamed
         self._outcomes.append(Replayed(replayed))
         return replayed
 

@@ -22,12 +22,22 @@ import zmq
 from common.config import Config
 from common.graph import CellTypeSpec, ValueKind
 from common.models.base import Planner, build_planner, cell_layout
-from common.protocol import BAD_REQUEST, INTERNAL, OPS, OVERLOADED, PROTOCOL_VERSION, RequestError, echo, error_reply
+from common.protocol import (
+    BAD_REQUEST,
+    INTERNAL,
+    OPS,
+    OVERLOADED,
+    PROTOCOL_VERSION,
+    RequestError,
+    echo,
+    error_reply,
+    partial_reply,
+)
 from common.sockets import server_context
 from manager.core import BatchingCore
 from manager.frontend import ClientFrontend, Incoming
 from manager.metrics import Metrics
-from manager.outcomes import Answered, Failed, Outcome, Refused
+from manager.outcomes import Answered, Failed, Outcome, Partial, Refused
 from manager.stats import Stats
 from manager.worker_handle import WorkerHandle
 from manager.worker_pool import WorkerPool
@@ -122,6 +132,7 @@ class Manager:
                     self._conclude(self.core.clients_gone(self.frontend.departed()))
                 self._conclude(self.core.expire())
                 self._watch_workers()
+                self._conclude(self.core.partials(self.frontend.has_backlog))  # one per streamed request and turn
                 self._schedule_idle_workers()
                 if self.draining and (not self.core.requests or time.monotonic() > self._draining_until):
                     break
@@ -165,8 +176,11 @@ class Manager:
                 self.stats.request_refused(outcome.error.code)
                 self.frontend.reply(outcome.client, error_reply(outcome.request_id, outcome.error.code, outcome.error.message))
                 continue
-            self.stats.concluded(outcome)
             request = outcome.request
+            if isinstance(outcome, Partial):
+                self.frontend.reply(request.client, partial_reply(request.request_id, outcome.outputs, outcome.restarted))
+                continue
+            self.stats.concluded(outcome)
             if isinstance(outcome, Answered):
                 reply = {"id": request.request_id, "ok": True, "outputs": outcome.outputs, "timing": outcome.timing}
                 if outcome.session_step is not None:
@@ -265,6 +279,8 @@ class Manager:
             entry = model.describe()
             if model.random_weights:
                 entry["random_weights"] = True
+            if model.can_stream:
+                entry["stream"] = True
             entry["cell_types"] = {
                 spec.key: {"batch_sizes": list(spec.batch_sizes), "priority": spec.priority}
                 for spec in model.cell_types.values()

@@ -48,6 +48,7 @@ class Waiting:
     arrival: float  # perf_counter time
     deadline_ms: int | None
     priority: int
+    stream: bool  # partial replies asked for (`stream: true`)
     done: bool = False  # taken from the waiting requests: admitted, refused or cancelled
 
     @property

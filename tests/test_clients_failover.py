@@ -111,10 +111,15 @@ class FakeServer:
                 if self.mode == "hold" and message.get("op", "infer") == "infer":
                     self._held.append((peer, message))
                 else:
-                    socket.send_multipart([peer, encode(self._answer(message))])
+                    for reply in self._replies(message):
+                        socket.send_multipart([peer, encode(reply)])
         finally:
             socket.close()
             context.term()
+
+    def _replies(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """What it sends back for a message it answers at once: one reply (a subclass may stream several)."""
+        return [self._answer(message)]
 
     def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
         request_id = message["id"]

@@ -1,7 +1,7 @@
 """The model interface in two halves: a planner (numpy) and cells (torch).
 
 A `Planner` is what the manager needs: cell types, `describe`, `unfold` and `plan`, `observe`,
-`outputs` and `can_pad`. A `Model` is a planner with cells: what workers build (`make_cells`),
+`outputs`, `can_pad`, and `can_stream` with `partial_outputs`. A `Model` is a planner with cells: what workers build (`make_cells`),
 what tests and benchmarks compare with (`reference`), and the weights. This module imports
 torch only inside the methods that load or save weights, so that a manager serving the
 built-in models never loads it: their builder modules define `planner(config)` beside
@@ -151,6 +151,19 @@ class Planner(ABC):
     def outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray]) -> dict[str, Any]:
         """Turn the host copies of the result values (and what was observed) into the reply's outputs."""
         return results
+
+    can_stream = False  # models that implement partial_outputs: requests may ask for `stream: true`
+
+    def partial_outputs(
+        self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray], start: int
+    ) -> dict[str, Any] | None:
+        """The rows of the streamed outputs from row `start` on that are final now, for a streamed
+        request's partial reply (every output the same number of rows), or None when no new row is.
+
+        Called after `observe` and after result values were read, at most once per manager loop
+        turn and once more just before the answer; `start` counts the rows already sent. Each
+        output's partials, concatenated along their first axis, must equal it in `outputs`."""
+        raise NotImplementedError(f"model {self.name!r} cannot stream its outputs")
 
 
 class Model(Planner):

@@ -274,13 +274,33 @@ class ChainPlanner(Planner):
             reply[name] = rows[self.top]
             reply[f"{name}_n"] = np.stack(rows)
         if self.per_step:
-            columns = [np.stack([results[key] for key in names]) for names in self.step_names(graph.state)]
-            reply["y"] = columns[0] if self.directions == 1 else np.concatenate(columns[:2], axis=1)
-            if self.head_size is not None:
-                reply["logits"] = columns[-1]
+            reply.update(self._step_rows(graph.state, results, 0, graph.state))
         elif self.head_size is not None:
             reply["logits"] = results["logits"]
         return reply
+
+    def _step_rows(self, length: int, results: dict[str, np.ndarray], start: int, end: int) -> dict[str, np.ndarray]:
+        """`y` (and the head's `logits`) of steps `start` to `end` - 1, from their per-step results."""
+        columns = [np.stack([results[key] for key in names[start:end]]) for names in self.step_names(length)]
+        rows = {"y": columns[0] if self.directions == 1 else np.concatenate(columns[:2], axis=1)}
+        if self.head_size is not None:
+            rows["logits"] = columns[-1]
+        return rows
+
+    @property
+    def can_stream(self) -> bool:  # type: ignore[override]
+        return self.per_step
+
+    def partial_outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray], start: int) -> dict[str, Any] | None:
+        """With `per_step`: the rows of `y` (and `logits`) from `start` up to the first step not yet final. A
+        step's row is final once all its results are read: both directions' outputs, and the head's; a
+        bidirectional model's first rows wait for the reverse direction to reach them."""
+        length = graph.state
+        columns = self.step_names(length)
+        end = start
+        while end < length and all(names[end] in results for names in columns):
+            end += 1
+        return self._step_rows(length, results, start, end) if end > start else None
 
 
 def bool_param(params: dict[str, Any], key: str, model: str) -> bool:

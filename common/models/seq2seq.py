@@ -184,6 +184,13 @@ class Seq2SeqPlanner(Planner):
     def outputs(self, graph: CellGraph, results: dict[str, np.ndarray]) -> dict[str, Any]:
         return {"tokens": np.array(graph.state.tokens, dtype=np.int64)}
 
+    can_stream = True
+
+    def partial_outputs(self, graph: CellGraph, results: dict[str, np.ndarray], start: int) -> dict[str, Any] | None:
+        """The tokens decoded in order from `start` on (tokens past a step not yet observed wait for it)."""
+        tokens = graph.state.tokens[start:]
+        return {"tokens": np.array(tokens, dtype=np.int64)} if tokens else None
+
 
 def decoding_mismatch(got: np.ndarray, expected: dict[str, Any], near_tie: float = 1e-4) -> str | None:
     """Why served tokens differ from the reference's decoding, or None if they do not.
