@@ -38,6 +38,11 @@ batch_sizes = {BATCH_SIZES}
 priority = 1
 """
 
+# The same Seq2Seq with Luong attention: each decoder step reads its request's encoder outputs.
+SEQ2SEQ_ATTENTION = SEQ2SEQ.replace("bench-seq2seq-h256.pt", "bench-seq2seq-luong-h256.pt").replace(
+    "max_decode_length = 200\n", 'max_decode_length = 200\nattention = "luong"\n'
+)
+
 TREELSTM = f"""
 [models.treelstm]
 builder = "common.models.treelstm:build"
@@ -72,6 +77,8 @@ PRESETS = {
                "longtail", ("padded", "cellular"), "padded"),
         Preset("seq2seq", "Seq2Seq on WMT sentences, decoding to EOS (paper Fig. 13)", "seq2seq", SEQ2SEQ, "wmt",
                ("padded", "cellular"), "padded"),
+        Preset("attention", "Seq2Seq with Luong attention on WMT sentences, decoding to EOS", "seq2seq",
+               SEQ2SEQ_ATTENTION, "wmt", ("padded", "cellular"), "padded"),
         Preset("treelstm", "TreeLSTM on SST trees (paper Fig. 14)", "treelstm", TREELSTM, "sst",
                ("graph", "cellular"), "graph"),
         Preset("tree16", "TreeLSTM on identical complete binary trees of 16 leaves (paper Fig. 15)", "treelstm",
