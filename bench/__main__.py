@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from bench import ceiling, chaos, overload, plots, report, servers, servers_report
-from bench.presets import FULL, PRESETS, QUICK
+from bench.presets import FULL, PRESETS, QUICK, presets_named
 from bench.progress import Progress
 from bench.run import MODERATE, ROOT, run_preset
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if overload.main(args.quick, args.out) else 1
     if args.preset == "chaos":
         return 0 if chaos.main(args.quick, args.out) else 1
-    names = list(PRESETS) if args.preset == "all" else [args.preset]
+    names = presets_named(args.preset)
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
     progress = Progress(steps)
     args.out.mkdir(parents=True, exist_ok=True)

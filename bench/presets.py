@@ -64,6 +64,7 @@ class Preset:
     dataset: str  # a key of bench.datasets.DATASETS
     policies: tuple[str, ...]
     reference: str  # moderate loads are fractions of this policy's peak throughput
+    in_all: bool = True  # run by `all` (presets whose quick run takes minutes are run by name only)
 
 
 PRESETS = {
@@ -78,13 +79,18 @@ PRESETS = {
         Preset("seq2seq", "Seq2Seq on WMT sentences, decoding to EOS (paper Fig. 13)", "seq2seq", SEQ2SEQ, "wmt",
                ("padded", "cellular"), "padded"),
         Preset("attention", "Seq2Seq with Luong attention on WMT sentences, decoding to EOS", "seq2seq",
-               SEQ2SEQ_ATTENTION, "wmt", ("padded", "cellular"), "padded"),
+               SEQ2SEQ_ATTENTION, "wmt", ("padded", "cellular"), "padded", in_all=False),
         Preset("treelstm", "TreeLSTM on SST trees (paper Fig. 14)", "treelstm", TREELSTM, "sst",
                ("graph", "cellular"), "graph"),
         Preset("tree16", "TreeLSTM on identical complete binary trees of 16 leaves (paper Fig. 15)", "treelstm",
                TREELSTM, "tree16", ("graph", "cellular"), "graph"),
     )
 }
+
+
+def presets_named(name: str) -> list[str]:
+    """The presets `./scripts/bench NAME` runs: that one, or for `all` every preset marked `in_all`."""
+    return [key for key, preset in PRESETS.items() if preset.in_all] if name == "all" else [name]
 
 
 @dataclass(frozen=True)
