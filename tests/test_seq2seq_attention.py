@@ -115,6 +115,21 @@ def test_one_decoder_task_gathers_each_requests_own_encoder_outputs(make_harness
     assert {short.request_id, long.request_id} == {"short", "long"}
 
 
+@pytest.mark.parametrize("bucket_width", [None, 4])
+def test_encoder_outputs_keep_their_registers_until_the_last_decoder_step(bucket_width: int | None):
+    """Every decoder step reads the same encoder-output registers, and no node but their encoder step writes them."""
+    model = model_of(attention="luong", num_layers=2)
+    plan = model._plan(5, 8, bucket_width)
+    decoder = plan.lane_cells.index(model.decoder_key)
+    nodes = range(plan.lane_bounds[decoder], plan.lane_bounds[decoder + 1])
+    read = [set(plan.ragged_refs[plan.ragged_start[n] : plan.ragged_start[n] + plan.ragged_count[n], MEMORY_PORT]) for n in nodes]
+    assert len(read) == 8 and all(registers == read[0] for registers in read) and len(read[0]) == 5
+    cell_of = [plan.lane_cells[np.searchsorted(plan.lane_bounds, n, "right") - 1] for n in range(plan.nodes)]
+    written = [set(plan.outputs[n, : len(model.cell_types[cell_of[n]].outputs)].tolist()) for n in range(plan.nodes)]
+    writers = [n for n in range(plan.nodes) if read[0] & written[n]]
+    assert len(writers) == 5 and {cell_of[n] for n in writers} == {model.encoder_keys[-1]}
+
+
 def model_of(**params) -> Seq2SeqModel:
     base = {"src_vocab_size": 50, "tgt_vocab_size": 20, "embedding_size": 6, "hidden_size": 8}
     return Seq2SeqModel(ModelConfig("s2s", "common.models.seq2seq:build", Path("s2s.pt"), {**base, **params}, CellTypeConfig((1, 2), 0), {}))
