@@ -95,7 +95,8 @@ class Seq2SeqModel(Seq2SeqPlanner, Model):
 
     def _cells(self, state: dict[str, torch.Tensor], steps: dict[str, list[nn.Module]], projection: nn.Module) -> dict[str, nn.Module]:
         """Cells by key from each part's layer steps: the top decoder layer wrapped to project."""
-        cells = {key: step for part in ("encoder", "decoder") for key, step in zip(getattr(self, f"{part}_keys"), steps[part])}
+        keys = {"encoder": self.encoder_keys, "decoder": self.decoder_keys}
+        cells = {key: step for part, layers in steps.items() for key, step in zip(keys[part], layers, strict=True)}
         cells[self.decoder_key] = DecoderCell(cells[self.decoder_key], projection, self._attention(state))
         return cells
 
