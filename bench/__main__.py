@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from bench import ceiling, chaos, overload, plots, report, servers, servers_report, startup
-from bench.presets import FULL, PRESETS, QUICK
+from bench.presets import FULL, PRESETS, QUICK, presets_named
 from bench.progress import Progress
 from bench.run import MODERATE, ROOT, run_preset
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset == "startup":
         startup.main(args.quick, args.out)
         return 0
-    names = list(PRESETS) if args.preset == "all" else [args.preset]
+    names = presets_named(args.preset)
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
     progress = Progress(steps)
     args.out.mkdir(parents=True, exist_ok=True)

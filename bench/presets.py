@@ -38,6 +38,11 @@ batch_sizes = {BATCH_SIZES}
 priority = 1
 """
 
+# The same Seq2Seq with Luong attention: each decoder step reads its request's encoder outputs.
+SEQ2SEQ_ATTENTION = SEQ2SEQ.replace("bench-seq2seq-h256.pt", "bench-seq2seq-luong-h256.pt").replace(
+    "max_decode_length = 200\n", 'max_decode_length = 200\nattention = "luong"\n'
+)
+
 TREELSTM = f"""
 [models.treelstm]
 builder = "common.models.treelstm:build"
@@ -59,6 +64,7 @@ class Preset:
     dataset: str  # a key of bench.datasets.DATASETS
     policies: tuple[str, ...]
     reference: str  # moderate loads are fractions of this policy's peak throughput
+    in_all: bool = True  # run by `all` (presets whose quick run takes minutes are run by name only)
 
 
 PRESETS = {
@@ -72,12 +78,19 @@ PRESETS = {
                "longtail", ("padded", "cellular"), "padded"),
         Preset("seq2seq", "Seq2Seq on WMT sentences, decoding to EOS (paper Fig. 13)", "seq2seq", SEQ2SEQ, "wmt",
                ("padded", "cellular"), "padded"),
+        Preset("attention", "Seq2Seq with Luong attention on WMT sentences, decoding to EOS", "seq2seq",
+               SEQ2SEQ_ATTENTION, "wmt", ("padded", "cellular"), "padded", in_all=False),
         Preset("treelstm", "TreeLSTM on SST trees (paper Fig. 14)", "treelstm", TREELSTM, "sst",
                ("graph", "cellular"), "graph"),
         Preset("tree16", "TreeLSTM on identical complete binary trees of 16 leaves (paper Fig. 15)", "treelstm",
                TREELSTM, "tree16", ("graph", "cellular"), "graph"),
     )
 }
+
+
+def presets_named(name: str) -> list[str]:
+    """The presets `./scripts/bench NAME` runs: that one, or for `all` every preset marked `in_all`."""
+    return [key for key, preset in PRESETS.items() if preset.in_all] if name == "all" else [name]
 
 
 @dataclass(frozen=True)

@@ -243,10 +243,18 @@ class _Compiler:
         remaining reader is the writer itself (a chain's state) is overwritten in place; a value
         nobody reads (a result, copied by its own task) frees its register after its own depth."""
         graph, specs, depth = self.graph, self.specs, self.depth
-        readers: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+        readers: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
         for index, node in enumerate(graph.nodes):
             for source in _sources(node.inputs):
-                readers[(source.node, source.port)].append(index)
+                readers[(source.node, source.port)].add(index)
+        # Per value, its readers' largest depth and the reader alone at that depth (-1 if several):
+        # a writer may overwrite a value in place when it is that reader. Found once per value, as
+        # a value may have many readers (a decoder step attending over every encoder output).
+        last_read: dict[tuple[int, int], tuple[int, int]] = {}
+        for value, nodes in readers.items():
+            deepest = max(depth[r] for r in nodes)
+            there = [r for r in nodes if depth[r] == deepest]
+            last_read[value] = (deepest, there[0] if len(there) == 1 else -1)
         kinds: list[ValueKind] = []
         free: dict[ValueKind, list[int]] = collections.defaultdict(list)
         release_at: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # depth -> values
@@ -267,7 +275,7 @@ class _Compiler:
             in_place: dict[ValueKind, list[tuple[int, int]]] = collections.defaultdict(list)
             for source in dict.fromkeys(_sources(graph.nodes[index].inputs)):
                 value = (source.node, source.port)
-                if all(depth[r] < current for r in readers[value] if r != index):
+                if last_read[value][1] == index:  # every other reader has a smaller depth
                     in_place[kind_of(value)].append(value)
             assigned = []
             for port, kind in enumerate(specs[index].outputs):
@@ -281,7 +289,7 @@ class _Compiler:
                     register = len(kinds)
                     kinds.append(kind)
                 assigned.append(register)
-                last = max((depth[r] for r in readers.get((index, port), ())), default=current)
+                last = last_read.get((index, port), (current, -1))[0]
                 release_at[last + 1].append((index, port))
             registers[index] = tuple(assigned)
         return registers, tuple(kinds)

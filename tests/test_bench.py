@@ -16,6 +16,7 @@ from bench import overload, plots, report
 from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from bench.kernel import ideal
+from bench.presets import PRESETS, presets_named
 from bench.sweep import point, saturated
 from common.config import load_config
 
@@ -127,6 +128,20 @@ def test_summary_and_targets_compare_policies_side_by_side():
     assert "| cellular | 600 |" in report.table(result)
     assert "| raw kernel (torch.nn cells) | 500 | | | | 64 | 0.50 | 1.00 |" in report.table(result)
     assert all(line.startswith(("met", "MISSED")) for line in report.target_lines(result))
+
+
+def test_the_attention_preset_is_judged_against_padding_by_p90_and_a_peak_of_1_3():
+    result = {**synthetic_result(), "preset": "attention"}
+    result["policies"]["cellular"] = result["policies"]["padded"]  # no better than padding: both goals missed
+    goals = {t["what"].split(" at ")[0]: t for t in report.targets(result, report.summarize(result))}
+    assert goals["cellular peak / padded peak"]["target"] == 1.3 and goals["cellular peak / padded peak"]["met"] is False
+    assert goals["cellular p90 / padded p90"]["met"] is False
+
+
+def test_all_runs_the_presets_marked_for_it_and_attention_runs_by_name():
+    assert "attention" not in presets_named("all") and {"lstm", "seq2seq", "treelstm"} <= set(presets_named("all"))
+    assert presets_named("attention") == ["attention"]
+    assert 'attention = "luong"' in PRESETS["attention"].model_toml
 
 
 def test_plots_and_json_are_written(tmp_path: Path):

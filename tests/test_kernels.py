@@ -27,11 +27,14 @@ def config(**params) -> ModelConfig:
 
 
 CHAIN = {"vocab_size": VOCAB, "embedding_size": 6, "hidden_size": 8, "num_layers": 2}
+SEQ2SEQ = {"src_vocab_size": VOCAB, "tgt_vocab_size": VOCAB, "embedding_size": 6, "hidden_size": 8}
 TREE = {"vocab_size": VOCAB, "embedding_size": 6, "hidden_size": 8, "num_classes": 3}
 MODELS = {
     "lstm": (LSTMModel, CHAIN),
     "gru": (GRUModel, CHAIN),
-    "seq2seq": (Seq2SeqModel, {"src_vocab_size": VOCAB, "tgt_vocab_size": VOCAB, "embedding_size": 6, "hidden_size": 8}),
+    "seq2seq": (Seq2SeqModel, SEQ2SEQ),
+    "seq2seq_attention": (Seq2SeqModel, {**SEQ2SEQ, "attention": "luong"}),
+    "seq2seq_layers_attention": (Seq2SeqModel, {**SEQ2SEQ, "attention": "luong", "num_layers": 2}),
     "treelstm": (TreeLSTMModel, TREE),
     "childsum": (ChildSumTreeLSTMModel, TREE),
 }
@@ -39,7 +42,7 @@ MODELS = {
 
 def batch_inputs(model: Model, key: str, generator: torch.Generator) -> list[torch.Tensor]:
     """A batch as a task hands it to a cell: random tokens (no word included where a cell takes it),
-    random states, and for ragged ports 0-3 children per node with their rows' node index."""
+    random states, and for ragged ports 0-3 values per node (children, encoder outputs) with their rows' node index."""
     spec = model.cell_types[key]
     children = torch.randint(0, 4, (BATCH,), generator=generator)
     nodes = torch.repeat_interleave(torch.arange(BATCH), children)
@@ -47,7 +50,7 @@ def batch_inputs(model: Model, key: str, generator: torch.Generator) -> list[tor
     for port, kind in enumerate(spec.inputs):
         if kind.dtype == "int64":
             tokens = torch.randint(0, VOCAB, (BATCH,), generator=generator)
-            if spec.ragged_inputs:
+            if spec.ragged_inputs and model.kind != "seq2seq":  # tree cells take nodes without a word
                 tokens[::3] = NO_WORD
             inputs.append(tokens)
         elif port in spec.ragged_inputs:

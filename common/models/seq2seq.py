@@ -5,6 +5,19 @@ Two cell types with separate weights:
 * `decoder`: previous token, h, c -> h, c, next token (embedding + LSTM cell +
   projection to the target vocabulary + argmax, all on the device).
 
+With `num_layers = L` > 1 each side stacks L LSTM layers, each its own cell type (`encoder_l1`,
+`decoder_l1`, ...): layer l reads layer l-1's h, the decoder's layer l starts from the encoder's
+final state of layer l (as stacked torch.nn.LSTMs would), and the top decoder layer projects and
+takes the argmax. With `attention = "luong"` the top decoder layer also reads every encoder
+output of its request (the top encoder layer's h at each source step) on a ragged input port:
+Luong et al.'s global attention with the "general" score and no input feeding,
+
+    s = enc @ (W_a h_t)    a = softmax(s)    ctx = a @ enc    h~ = tanh(W_c [ctx; h_t])
+
+and the projection and argmax apply to h~, while h_t goes on to the next step. The port takes
+each request's own source length, so decoder steps of requests with different source lengths
+share one task; the encoder outputs stay in their registers until the last decoder step.
+
 The first decoder step reads the GO token and the encoder's final state; each later
 step reads the previous step's argmax straight from the device arena, so decoder
 steps are issued ahead of time like encoder steps. The graph is unfolded up to the
@@ -15,7 +28,9 @@ answered while steps already issued past it finish and free their slots.
 Weights file keys: `encoder.embedding.weight` [src_vocab, emb], `encoder.lstm.*_l0`
 and `decoder.lstm.*_l0` (torch.nn.LSTM names: weight_ih_l0, weight_hh_l0, bias_ih_l0,
 bias_hh_l0), `decoder.embedding.weight` [tgt_vocab, emb], `decoder.projection.weight`
-[tgt_vocab, hidden], `decoder.projection.bias` [tgt_vocab].
+[tgt_vocab, hidden], `decoder.projection.bias` [tgt_vocab]; layers above the first have
+`*.lstm.*_l1`, ... with a [4 hidden, hidden] weight_ih; attention adds `decoder.attention.weight`
+[hidden, hidden] (W_a) and `decoder.combine.weight` [hidden, 2 hidden] (W_c), without biases.
 
 This module is the planner (numpy); the cells are in common/models/seq2seq_cells.py, where
 workers serve the kernels of common/models/kernels.py: both cells read a token, so both fold
@@ -28,13 +43,15 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ModelConfig
-from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from common.config import ConfigError, ModelConfig
+from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, Ragged, ValueKind
 from common.models.base import FOLD_KEY, Model, PlanCache, Planner, check_params, int_param, padded_length, token_ids
 from common.plan import Plan, Unfolded, compile_graph
 from common.protocol import INVALID_INPUT, RequestError
 
 TOKEN = ValueKind("int64", ())
+ATTENTION_KINDS = ("luong",)
+MEMORY_PORT = 3  # the attention decoder's ragged input: its request's encoder outputs
 
 
 class Decoded:
@@ -65,6 +82,8 @@ class Seq2SeqPlanner(Planner):
             "extra_decode_steps",
             "go_id",
             "eos_id",
+            "num_layers",
+            "attention",
             FOLD_KEY,
         }
         check_params(params, allowed, self.name)
@@ -77,12 +96,39 @@ class Seq2SeqPlanner(Planner):
         self.extra_decode_steps = int_param(params, "extra_decode_steps", self.name, default=10, minimum=0)
         self.go_id = int_param(params, "go_id", self.name, default=2, minimum=0)
         self.eos_id = int_param(params, "eos_id", self.name, default=3, minimum=0)
-        state = ValueKind("float32", (self.hidden_size,))
-        encoder = self._cell_type("encoder", (TOKEN, state, state), (state, state))
-        decoder = self._cell_type("decoder", (TOKEN, state, state), (state, state, TOKEN))
-        self._cell_types = {encoder.key: encoder, decoder.key: decoder}
-        self.encoder_key, self.decoder_key = encoder.key, decoder.key
+        self.num_layers = int_param(params, "num_layers", self.name, default=1)
+        self.attention = params.get("attention")
+        if self.attention is not None and self.attention not in ATTENTION_KINDS:
+            raise ConfigError(
+                f"[models.{self.name}] attention must be one of {list(ATTENTION_KINDS)} (or left out for none), "
+                f"got {self.attention!r}"
+            )
+        self._cell_types = {}
+        self.encoder_keys = [self._add_layer("encoder", layer) for layer in range(self.num_layers)]
+        self.decoder_keys = [self._add_layer("decoder", layer) for layer in range(self.num_layers)]
+        self.encoder_key, self.decoder_key = self.encoder_keys[0], self.decoder_keys[-1]
         self.plan_cache = PlanCache()  # by source length, max_len, bucket
+
+    @staticmethod
+    def layer_cell(part: str, layer: int) -> str:
+        """The cell name of one layer: `encoder`, `encoder_l1`, ... (`decoder`, ... likewise)."""
+        return part if layer == 0 else f"{part}_l{layer}"
+
+    def _add_layer(self, part: str, layer: int) -> str:
+        """Register the cell type of one layer: the first reads a token, the others the h below; the
+        top decoder layer also emits the next token and, with attention, reads the encoder outputs."""
+        state = ValueKind("float32", (self.hidden_size,))
+        inputs: tuple[ValueKind, ...] = (TOKEN if layer == 0 else state, state, state)
+        outputs: tuple[ValueKind, ...] = (state, state)
+        ragged: frozenset[int] = frozenset()
+        if part == "decoder" and layer == self.num_layers - 1:
+            outputs += (TOKEN,)
+            if self.attention is not None:
+                inputs += (state,)
+                ragged = frozenset({MEMORY_PORT})
+        spec = self._cell_type(self.layer_cell(part, layer), inputs, outputs, ragged)
+        self._cell_types[spec.key] = spec
+        return spec.key
 
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
@@ -141,30 +187,43 @@ class Seq2SeqPlanner(Planner):
         return self._unfold(inputs, bucket_width)
 
     def _unfold(self, inputs: Any, bucket_width: int | None) -> CellGraph:
-        """Encoder steps, then decoder steps up to max_len. Padded, the encoder runs on to the
-        next multiple of `bucket_width` and the decoder starts after the padding ends, from the
-        state at the true end of the source."""
+        """Encoder steps layer by layer, then decoder steps up to max_len. Padded, the encoder runs on
+        to the next multiple of `bucket_width` and the decoder starts after the padding ends, from the
+        state at the true end of the source (attention reads the true steps' outputs only)."""
         source = token_ids(inputs, "tokens", self.src_vocab_size, self.max_length)
         max_len = self._max_len(inputs, len(source))
         graph = CellGraph(state=Decoded(max_len))
-        h: Any = ZERO
-        c: Any = ZERO
-        for token in source:
-            node = graph.add_node(self.encoder_key, graph.add_external(token), h, c)
-            h, c = NodeOutput(node, 0), NodeOutput(node, 1)
-        after: tuple[int, ...] = ()
+        below: list[Any] = [graph.add_external(token) for token in source]
         if bucket_width is not None:
             graph.padded_length = padded_length(len(source), bucket_width)
-            pad_h, pad_c, pad = h, c, graph.add_external(np.int64(0))
-            for _ in range(graph.padded_length - len(source)):
-                node = graph.add_node(self.encoder_key, pad, pad_h, pad_c)
-                pad_h, pad_c = NodeOutput(node, 0), NodeOutput(node, 1)
+            below += [graph.add_external(np.int64(0))] * (graph.padded_length - len(source))
+        finals: list[tuple[Any, Any]] = []
+        for key in self.encoder_keys:
+            h: Any = ZERO
+            c: Any = ZERO
+            outputs = []
+            for step, x in enumerate(below):
+                node = graph.add_node(key, x, h, c)
+                h, c = NodeOutput(node, 0), NodeOutput(node, 1)
+                outputs.append(h)
+                if step == len(source) - 1:
+                    finals.append((h, c))
+            below = outputs
+        after: tuple[int, ...] = ()
+        if bucket_width is not None:
             graph.last_padding = len(graph.nodes) - 1
             after = (graph.last_padding,)
+        memory = (Ragged(tuple(below[: len(source)])),) if self.attention is not None else ()
+        top = self.num_layers - 1
         previous: Any = graph.add_external(np.int64(self.go_id))
         for _ in range(max_len):
-            node = graph.add_node(self.decoder_key, previous, h, c, after=after)
-            h, c, previous = NodeOutput(node, 0), NodeOutput(node, 1), NodeOutput(node, 2)
+            x = previous
+            for layer, key in enumerate(self.decoder_keys):
+                h, c = finals[layer]
+                node = graph.add_node(key, x, h, c, *(memory if layer == top else ()), after=after if layer == 0 else ())
+                finals[layer] = NodeOutput(node, 0), NodeOutput(node, 1)
+                x = finals[layer][0]
+            previous = NodeOutput(node, 2)
             graph.watch.append(previous)
             after = ()
         return graph

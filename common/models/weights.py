@@ -137,6 +137,7 @@ def _check_keys(model: Model, where: str, path: Path, state: dict, expected: dic
     needed = f"{len(missing)} of the {len(expected)} tensors model {model.name!r} ({model.config.builder}) needs"
     lines = [
         f"{where} weights file {path} lacks {needed}:",
+        f"  missing:  {_listing(missing)}",
         f"  expected: {_listing(list(expected))}",
         f"  found:    {_listing(found)}",
     ]
