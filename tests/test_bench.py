@@ -129,6 +129,21 @@ def test_summary_and_targets_compare_policies_side_by_side():
     assert all(line.startswith(("met", "MISSED")) for line in report.target_lines(result))
 
 
+def test_the_tagger_preset_is_held_to_its_own_peak_goal_beside_padded():
+    result = synthetic_result()
+    result["preset"] = "tagger"
+    result["policies"]["cellular"] = synthetic_result()["policies"]["padded"]
+    result["policies"]["cellular"]["points"][1]["achieved_rps"] = 510  # 1.275x padded's peak of 400
+    for run in result["policies"]["cellular"]["points"] + list(result["policies"]["cellular"]["moderate"].values()):
+        run["latency_ms"]["p90"] /= 4
+    summary = report.summarize(result)
+    met = {t["what"]: (t["target"], t["met"]) for t in report.targets(result, summary)}
+    assert met == {"cellular p90 / padded p90 at 50% of padded peak": (0.5, True),
+                   "cellular peak / padded peak": (1.3, False)}
+    result["preset"] = "lstm"  # the same run meets the LSTM's goal of 1.25
+    assert next(t for t in report.targets(result, summary) if t["what"] == "cellular peak / padded peak")["met"]
+
+
 def test_plots_and_json_are_written(tmp_path: Path):
     pytest.importorskip("matplotlib")
     result = synthetic_result()
