@@ -46,7 +46,7 @@ def test_complete_returns_the_answer_once_and_the_registry_forgets_the_request(h
     assert h.core.complete(worker, CompletionNotice(worker.worker_id, [first], {}, 1)) == []
     [answered] = h.core.complete(worker, CompletionNotice(worker.worker_id, [second, 999], {}, 2))  # 999: unknown
     assert isinstance(answered, Answered) and answered.request is request
-    assert set(answered.outputs) == {"h", "c"} and answered.timing["total_us"] >= 0
+    assert set(answered.outputs) == {"h", "c", "h_n", "c_n"} and answered.timing["total_us"] >= 0
     assert len(h.core.requests) == 0 and not worker.tasks and h.slots_in_use() == 0
 
 

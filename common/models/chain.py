@@ -1,12 +1,15 @@
-"""Chain RNNs: an embedding followed by one or more recurrent layers, unfolded over the tokens.
+"""Chain RNNs: recurrent layers unfolded over a sequence of tokens (through an embedding) or vectors.
 
-Node (layer l, step t) reads layer l-1's h at step t (the token for layer 0) and its
-own layer's state at step t-1; each layer is its own cell type because it has its
-own weights. Weights use torch.nn.Embedding + torch.nn.LSTM / torch.nn.GRU
-state_dict names (`embedding.weight`, `<rnn>.weight_ih_l0`, `<rnn>.weight_hh_l0`,
-`<rnn>.bias_ih_l0`, `<rnn>.bias_hh_l0`, then `_l1`, ...), so a model trained as
-`self.embedding = nn.Embedding(...); self.<rnn> = nn.LSTM(...)` is served by saving
-its state_dict.
+Node (layer l, step t) reads layer l-1's h at step t (the input for layer 0) and its own
+layer's state at step t-1; each layer is its own cell type because it has its own weights.
+A bidirectional layer adds a reverse cell type scanning from the last step to the first, and
+the layer above reads both directions at step t (two inputs, no concatenation). An optional
+linear head is a cell type of its own, so the heads of many requests batch together. Weights use
+torch.nn.Embedding + torch.nn.LSTM / torch.nn.GRU (+ torch.nn.Linear) state_dict names
+(`embedding.weight`, `<rnn>.weight_ih_l0`, `<rnn>.weight_hh_l0`, `<rnn>.bias_ih_l0`,
+`<rnn>.bias_hh_l0`, `_l0_reverse`, then `_l1`, ..., `head.weight`, `head.bias`), so a model trained
+as `self.embedding = nn.Embedding(...); self.<rnn> = nn.LSTM(...); self.head = nn.Linear(...)` is
+served by saving its state_dict.
 
 This module is the planner (numpy): how a request unfolds. The cells, served by workers, are
 in common/models/chain_cells.py.
@@ -18,105 +21,274 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ModelConfig
+from common.config import ConfigError, ModelConfig
 from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
 from common.models.base import FOLD_KEY, PlanCache, Planner, check_params, int_param, padded_length, token_ids
+from common.models.vectors import float_rows
 from common.plan import Plan, Unfolded, compile_graph
+from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError
 
 TOKEN = ValueKind("int64", ())
+KEYS = {"vocab_size", "input_size", "embedding_size", "hidden_size", "num_layers", "max_length", "per_step"}
+KEYS |= {"bidirectional", "head_size", FOLD_KEY}
 
 
 class ChainPlanner(Planner):
     """The shared unfolding and validation of LSTM and GRU chains."""
 
-    state_names: tuple[str, ...]  # recurrent state per layer, also the reply's outputs
+    state_names: tuple[str, ...]  # recurrent state per layer: `h` (and `c`), also the reply's outputs
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         params = config.params
-        allowed = {"vocab_size", "embedding_size", "hidden_size", "num_layers", "max_length", FOLD_KEY}
-        check_params(params, allowed, self.name)
-        self.vocab_size = int_param(params, "vocab_size", self.name)
+        check_params(params, KEYS, self.name)
+        if ("vocab_size" in params) == ("input_size" in params):
+            raise ConfigError(f"[models.{self.name}] give vocab_size (token inputs) or input_size (vector inputs x), not both or neither")
+        if "input_size" in params and "embedding_size" in params:
+            raise ConfigError(f"[models.{self.name}] embedding_size applies to token inputs (vocab_size) only")
         self.hidden_size = int_param(params, "hidden_size", self.name)
-        self.embedding_size = int_param(params, "embedding_size", self.name, default=self.hidden_size)
+        if "vocab_size" in params:
+            self.vocab_size: int | None = int_param(params, "vocab_size", self.name)
+            self.embedding_size = int_param(params, "embedding_size", self.name, default=self.hidden_size)
+            self.input_size: int | None = None
+            self.input_kind = TOKEN
+            self._padding: Any = 0  # the padding token
+        else:
+            self.vocab_size = None
+            self.input_size = self.embedding_size = int_param(params, "input_size", self.name)
+            self.input_kind = ValueKind("float32", (self.input_size,))
+            self._padding = np.zeros(self.input_size, np.float32)
         self.num_layers = int_param(params, "num_layers", self.name, default=1)
         self.max_length = int_param(params, "max_length", self.name, default=1000)
-        state = ValueKind("float32", (self.hidden_size,))
-        states = (state,) * len(self.state_names)
+        self.per_step = bool_param(params, "per_step", self.name)
+        self.directions = 2 if bool_param(params, "bidirectional", self.name) else 1
+        self.head_size = int_param(params, "head_size", self.name) if "head_size" in params else None
+        self.state_kind = state = ValueKind("float32", (self.hidden_size,))
         self._cell_types = {}
+        states = (state,) * len(self.state_names)
         for layer in range(self.num_layers):
-            first = TOKEN if layer == 0 else state
-            spec = self._cell_type(f"layer{layer}", (first, *states), states)
+            below = (self.input_kind,) if layer == 0 else (state,) * self.directions
+            for direction in ("", "_reverse")[: self.directions]:
+                spec = self._cell_type(f"layer{layer}{direction}", (*below, *states), states)
+                self._cell_types[spec.key] = spec
+        self.layer_keys = list(self._cell_types)  # by h_n row: layer * directions + direction
+        if self.head_size is not None:
+            spec = self._cell_type("head", (state,) * self.directions, (ValueKind("float32", (self.head_size,)),))
             self._cell_types[spec.key] = spec
-        self.layer_keys = list(self._cell_types)
-        self.plan_cache = PlanCache()  # by length and padded length
+            self.head_key = spec.key
+        finals = range(self.final_rows)
+        self.final_names = {name: tuple(f"{name}_n{i}" for i in finals) for name in self.state_names}
+        self.top = (self.num_layers - 1) * self.directions  # the last layer's forward direction in h_n
+        self.plan_cache = PlanCache()  # by length, padded length (and the initial states given, if any)
+        self._step_names: dict[int, tuple[tuple[str, ...], ...]] = {}  # per_step results by length
 
     @property
     def cell_types(self) -> dict[str, CellTypeSpec]:
         return self._cell_types
 
+    @property
+    def final_rows(self) -> int:
+        """Rows of h_n (and of h0): one per layer and direction."""
+        return self.num_layers * self.directions
+
     def describe(self) -> dict[str, Any]:
-        state = {"dtype": "float32", "shape": [self.hidden_size]}
-        return {
-            "kind": self.kind,
-            "inputs": {"tokens": {"dtype": "int64", "shape": [-1], "max_length": self.max_length}},
-            "outputs": {name: state for name in self.state_names},
-            "vocab_size": self.vocab_size,
-        }
+        def f32(*shape: int) -> dict[str, Any]:
+            return {"dtype": "float32", "shape": list(shape)}
+
+        if self.vocab_size is None:
+            inputs = {"x": {**f32(-1, self.embedding_size), "max_length": self.max_length}}
+        else:
+            inputs = {"tokens": {"dtype": "int64", "shape": [-1], "max_length": self.max_length}}
+        states = f32(self.final_rows, self.hidden_size)
+        inputs.update({f"{name}0": {**states, "optional": True} for name in self.state_names})
+        outputs = {name: f32(self.hidden_size) for name in self.state_names}
+        outputs.update({f"{name}_n": states for name in self.state_names})
+        if self.per_step:
+            outputs["y"] = f32(-1, self.hidden_size * self.directions)
+        if self.head_size is not None:
+            outputs["logits"] = f32(-1, self.head_size) if self.per_step else f32(self.head_size)
+        sizes = {"vocab_size": self.vocab_size} if self.vocab_size is not None else {"input_size": self.input_size}
+        return {"kind": self.kind, "inputs": inputs, "outputs": outputs, **sizes}
 
     can_pad = True
 
     def unfold(self, inputs: Any) -> CellGraph:
-        return self._unfold(token_ids(inputs, "tokens", self.vocab_size, self.max_length), None)
-
-    def plan(self, inputs: Any) -> Unfolded:
-        tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
-        return Unfolded(self._plan(len(tokens), None), {TOKEN: tokens})
-
-    def plan_padded(self, inputs: Any, bucket_width: int) -> Unfolded:
-        tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
-        padded = padded_length(len(tokens), bucket_width)
-        externals = tokens if padded == len(tokens) else np.append(tokens, 0)  # the padding token
-        return Unfolded(self._plan(len(tokens), padded), {TOKEN: externals})
-
-    def _plan(self, length: int, padded: int | None) -> Plan:
-        """One plan per length: requests differ only in their tokens."""
-
-        def compile_plan() -> Plan:
-            return compile_graph(self._unfold(np.zeros(length, np.int64), padded), self.cell_types, self.name).plan
-
-        return self.plan_cache.get((length, padded), compile_plan)
+        rows = self.input_rows(inputs)
+        return self._unfold(rows, None, self.initial_states(inputs), self._padding)
 
     def unfold_padded(self, inputs: Any, bucket_width: int) -> CellGraph:
-        tokens = token_ids(inputs, "tokens", self.vocab_size, self.max_length)
-        return self._unfold(tokens, padded_length(len(tokens), bucket_width))
+        rows = self.input_rows(inputs)
+        return self._unfold(rows, padded_length(len(rows), bucket_width), self.initial_states(inputs), self._padding)
 
-    def _unfold(self, tokens: np.ndarray, padded_length: int | None) -> CellGraph:
-        """Layers of steps over the tokens, then padding steps (token 0) up to `padded_length`.
+    def plan(self, inputs: Any) -> Unfolded:
+        return self._planned(self.input_rows(inputs), None, inputs)
 
-        Written for speed: the manager runs this for every request, on its critical path."""
+    def plan_padded(self, inputs: Any, bucket_width: int) -> Unfolded:
+        rows = self.input_rows(inputs)
+        return self._planned(rows, padded_length(len(rows), bucket_width), inputs)
+
+    def input_rows(self, inputs: Any) -> np.ndarray:
+        """The request's sequence: its token ids, or its vectors `x` (float32 [T, input_size])."""
+        if self.vocab_size is not None:
+            return token_ids(inputs, "tokens", self.vocab_size, self.max_length)
+        if not isinstance(inputs, dict):
+            raise RequestError(BAD_REQUEST, "inputs must be a map")
+        if "x" not in inputs:
+            raise RequestError(BAD_REQUEST, "inputs lack 'x'")
+        return float_rows(inputs["x"], "x", self.embedding_size, max_rows=self.max_length)
+
+    def initial_states(self, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The initial states the request gives (`h0`, `c0`), by state name: float32 [layers * directions, H]."""
+        if "h0" not in inputs and "c0" not in inputs:
+            return {}
+        if "c0" in inputs and "c" not in self.state_names:
+            raise RequestError(INVALID_INPUT, f"c0 is an LSTM's initial cell state; model {self.name!r} is a {self.kind} and has none")
+        return {
+            name: float_rows(inputs[f"{name}0"], f"{name}0", self.hidden_size, rows=self.final_rows)
+            for name in self.state_names
+            if f"{name}0" in inputs
+        }
+
+    def _planned(self, rows: np.ndarray, padded: int | None, inputs: dict[str, Any]) -> Unfolded:
+        """The cached plan of this shape with the request's input rows (then the padding row, when
+        the padded length exceeds the length) and initial states as its externals. The plan's state
+        is the length: `outputs` assembles per-step results of this many steps."""
+        length = len(rows)
+        if padded is not None and padded > length:
+            rows = np.concatenate([rows, np.asarray(self._padding, rows.dtype)[None]])
+        if "h0" not in inputs and "c0" not in inputs:  # the common case: one plan per length, nothing to gather
+            plan = self.plan_cache.get((length, padded), lambda: self._compile(length, padded, ())[0])
+            return Unfolded(plan, {self.input_kind: rows}, length)
+        initial = self.initial_states(inputs)
+        given = tuple(initial)
+        plan, order = self.plan_cache.get((length, padded, given), lambda: self._compile(length, padded, given))
+        states = np.concatenate(list(initial.values()))
+        if self.input_kind == self.state_kind:
+            return Unfolded(plan, {self.state_kind: np.concatenate([rows, states])[order]}, length)
+        return Unfolded(plan, {self.input_kind: rows, self.state_kind: states[order - len(rows)]}, length)
+
+    def _compile(self, length: int, padded: int | None, given: tuple[str, ...]) -> tuple[Plan, np.ndarray]:
+        """The plan of a length, padded length and initial states given (requests differ only in their
+        external values), and the order in which it reads the external rows of the state kind, as
+        indices into the input rows (the padding row included) followed by the initial states' rows:
+        the plan is compiled from rows that hold their own index."""
+        labels = labelled(self.input_kind, 0, length + 1)
+        count = length + (padded is not None and padded > length)
+        initial = {name: labelled(self.state_kind, count + i * self.final_rows, self.final_rows) for i, name in enumerate(given)}
+        unfolded = compile_graph(self._unfold(labels[:length], padded, initial, labels[length]), self.cell_types, self.name)
+        read = unfolded.externals[self.input_kind]
+        if self.input_kind != self.state_kind and not np.array_equal(read.reshape(count, -1)[:, 0], np.arange(count)):
+            raise AssertionError("a chain's plan reads its input rows in order: requests give them as they are")
+        states = unfolded.externals.get(self.state_kind, np.zeros((0, self.hidden_size)))
+        return unfolded.plan, states.reshape(-1, self.hidden_size)[:, 0].astype(np.int64)
+
+    def _unfold(self, rows: np.ndarray, padded_length: int | None, initial: dict[str, np.ndarray], padding: Any) -> CellGraph:
+        """Layers of steps over the input rows, then padding steps on the `padding` row up to `padded_length`.
+
+        The forward direction's padding continues its chain after the last step; the reverse
+        direction's would come first in its scan, so it runs as a chain of its own from zeros that
+        nothing the answer reads depends on. Written for speed: benchmarks unfold every request."""
         graph = CellGraph()
-        graph.externals = tokens.tolist()
-        below: list[Any] = [External(i) for i in range(len(tokens))]
-        if padded_length is not None:
-            graph.externals.append(0)
-            below += [External(len(tokens))] * (padded_length - len(tokens))
-        last = len(tokens) - 1
-        ports = range(len(self.state_names))
-        nodes = graph.nodes
-        for key in self.layer_keys:
-            state: tuple[Any, ...] = (ZERO,) * len(self.state_names)
-            outputs = []
-            for step, x in enumerate(below):
-                node = len(nodes)
-                nodes.append(NodeSpec(key, (x, *state)))
-                state = tuple([NodeOutput(node, port) for port in ports])
-                outputs.append(state[0])
-                if step == last:
-                    final = state
-            below = outputs
-        graph.results = dict(zip(self.state_names, final))
-        if padded_length is not None:
+        graph.externals = rows.tolist()
+        length = graph.state = len(rows)
+        below: list[tuple[Any, ...]] = [(External(i),) for i in range(length)]
+        pads: list[tuple[Any, ...]] = []
+        if padded_length is not None and padded_length > length:
+            graph.externals.append(padding)
+            pads = [(External(length),)] * (padded_length - length)
+        first_state = len(graph.externals)
+        for values in initial.values():
+            graph.externals.extend(values)
+        zeros = (ZERO,) * len(self.state_names)
+        for layer in range(self.num_layers):
+            outputs, padded_outputs = [], []
+            for direction in range(self.directions):
+                row = layer * self.directions + direction
+                key = self.layer_keys[row]
+                out, final = self._scan(graph, key, below, self._start(row, initial, first_state), direction)
+                for name, value in zip(self.state_names, final):
+                    graph.results[self.final_names[name][row]] = value
+                padded_out, _ = self._scan(graph, key, pads, zeros if direction else final, direction)
+                if direction == 0:
+                    graph.last_padding = len(graph.nodes) - 1  # the last layer's is the deepest padding node
+                outputs.append(out)
+                padded_outputs.append(padded_out)
+            below, pads = list(zip(*outputs)), list(zip(*padded_outputs))
+        self._add_outputs(graph, below)
+        if padded_length is None:
+            graph.last_padding = None
+        else:
             graph.padded_length = padded_length
-            graph.last_padding = len(graph.nodes) - 1
         return graph
+
+    def _scan(self, graph: CellGraph, key: str, inputs: list[tuple[Any, ...]], state: tuple[Any, ...], reverse: int):
+        """One direction of one layer over `inputs`: each step's h by step, and the final state."""
+        nodes = graph.nodes
+        ports = range(len(self.state_names))
+        outputs: list[Any] = [None] * len(inputs)
+        for step in range(len(inputs) - 1, -1, -1) if reverse else range(len(inputs)):
+            node = len(nodes)
+            nodes.append(NodeSpec(key, (*inputs[step], *state)))
+            state = tuple([NodeOutput(node, port) for port in ports])
+            outputs[step] = state[0]
+        return outputs, state
+
+    def _add_outputs(self, graph: CellGraph, top: list[tuple[Any, ...]]) -> None:
+        """Results beyond the final states: the last layer's output at every step and the head."""
+        if self.per_step:
+            names = self.step_names(len(top))
+            for direction in range(self.directions):
+                graph.results.update(zip(names[direction], [step[direction] for step in top]))
+            if self.head_size is not None:
+                heads = [NodeOutput(graph.add_node(self.head_key, *step)) for step in top]
+                graph.results.update(zip(names[-1], heads))
+        elif self.head_size is not None:
+            finals = [graph.results[name] for name in self.final_names["h"][self.top :]]
+            graph.results["logits"] = NodeOutput(graph.add_node(self.head_key, *finals))
+
+    def _start(self, row: int, initial: dict[str, np.ndarray], first_state: int) -> tuple[Any, ...]:
+        """The initial state of h_n row `row`: the given initial states' external rows, else zeros."""
+        if not initial:
+            return (ZERO,) * len(self.state_names)
+        given = {name: External(first_state + i * self.final_rows + row) for i, name in enumerate(initial)}
+        return tuple(given.get(name, ZERO) for name in self.state_names)
+
+    def step_names(self, length: int) -> tuple[tuple[str, ...], ...]:
+        """The per-step results (`per_step`), made once per length: the last layer's output of each
+        direction at every step, then the head's logits at every step when there is a head."""
+        names = self._step_names.get(length)
+        if names is None:
+            prefixes = ("y", "y_reverse")[: self.directions] + (("logits",) if self.head_size is not None else ())
+            names = self._step_names[length] = tuple(tuple(f"{prefix}{t}" for t in range(length)) for prefix in prefixes)
+        return names
+
+    def outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray]) -> dict[str, Any]:
+        """`h` (and `c`): the last layer's final (forward) state; `h_n` (and `c_n`): every layer's and
+        direction's, as nn.LSTM orders them; with `per_step`, `y`: nn.LSTM's `output`; with a head, `logits`."""
+        reply: dict[str, Any] = {}
+        for name, finals in self.final_names.items():
+            rows = [results[key] for key in finals]
+            reply[name] = rows[self.top]
+            reply[f"{name}_n"] = np.stack(rows)
+        if self.per_step:
+            columns = [np.stack([results[key] for key in names]) for names in self.step_names(graph.state)]
+            reply["y"] = columns[0] if self.directions == 1 else np.concatenate(columns[:2], axis=1)
+            if self.head_size is not None:
+                reply["logits"] = columns[-1]
+        elif self.head_size is not None:
+            reply["logits"] = results["logits"]
+        return reply
+
+
+def bool_param(params: dict[str, Any], key: str, model: str) -> bool:
+    """A true/false key, false when absent."""
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"[models.{model}] {key} must be true or false, got {value!r}")
+    return value
+
+
+def labelled(kind: ValueKind, first: int, count: int) -> np.ndarray:
+    """`count` values of `kind` holding the numbers first, first + 1, ... (every element of a row alike)."""
+    numbers = np.arange(first, first + count).astype(kind.dtype)
+    return np.broadcast_to(numbers.reshape(-1, *[1] * len(kind.shape)), (count, *kind.shape)).copy()

@@ -1,8 +1,9 @@
 """The cells of chain RNNs (torch): the planner is common/models/chain.py.
 
-Weights use torch.nn.Embedding + torch.nn.LSTM / torch.nn.GRU state_dict names (see chain.py).
-Workers serve the kernels of common/models/kernels.py (layer 0 folds the embedding into its
-input projection); `torch_nn_cells` are the same steps written with torch.nn cells.
+Weights use torch.nn.Embedding + torch.nn.LSTM / torch.nn.GRU (+ torch.nn.Linear) state_dict names
+(see chain.py). Workers serve the kernels of common/models/kernels.py (layer 0 folds the embedding
+into its input projection; layers above a bidirectional one split their input projection in two);
+`torch_nn_cells` are the same steps written with torch.nn cells.
 """
 
 from __future__ import annotations
@@ -14,10 +15,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.models.base import Model, token_ids
+from common.models.base import Model
 from common.models.chain import ChainPlanner
 from common.models.gru import GRUPlanner
-from common.models.kernels import GRUKernel, LSTMKernel, gru_input, lstm_input, table_bytes
+from common.models.kernels import (
+    GRUKernel,
+    LSTMKernel,
+    PairGRUKernel,
+    PairLSTMKernel,
+    gru_input,
+    lstm_input,
+    table_bytes,
+    vector_projection,
+)
 from common.models.lstm import LSTMPlanner
 
 
@@ -33,6 +43,28 @@ class EmbeddingStep(nn.Module):
         return self.step(self.embedding(tokens), *state)
 
 
+class PairStep(nn.Module):
+    """A layer above a bidirectional one: concatenates both directions, then runs one recurrent step."""
+
+    def __init__(self, step: nn.Module):
+        super().__init__()
+        self.step = step
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.step(torch.cat([a, b], dim=1), *state)
+
+
+class LinearHead(nn.Module):
+    """The head as torch.nn.Linear over both directions concatenated (forward, then reverse)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, *directions: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat(directions, dim=1))
+
+
 class ChainModel(ChainPlanner, Model):
     """The shared weights layout, cells and reference of LSTM and GRU chains."""
 
@@ -44,51 +76,85 @@ class ChainModel(ChainPlanner, Model):
         """One layer's torch.nn recurrent step, taking (x, *state) and returning the new state tuple."""
 
     @abstractmethod
-    def make_kernel(self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool) -> nn.Module:
+    def make_kernel(
+        self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool, split: int | None
+    ) -> nn.Module:
         """One layer's serving kernel from its torch.nn weights (weight_ih, weight_hh, bias_ih, bias_hh):
-        a token step when `embedding` is given (folded when `fold`), a vector step otherwise."""
+        a token step when `embedding` is given (folded when `fold`), a vector step otherwise (of two
+        vectors, weight_ih's columns split at `split`, when given)."""
+
+    @property
+    def _layer_inputs(self) -> list[int]:
+        """The width of each layer's input: the embedding (or x), then both directions of the layer below."""
+        return [self.embedding_size] + [self.hidden_size * self.directions] * (self.num_layers - 1)
+
+    def _weight_suffixes(self) -> list[str]:
+        """The state_dict suffix of each layer and direction, in h_n order: _l0, _l0_reverse, _l1, ..."""
+        return [f"_l{layer}{direction}" for layer in range(self.num_layers) for direction in ("", "_reverse")[: self.directions]]
 
     def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
-        fold = self.folds(table_bytes(self.vocab_size, self.gates * self.hidden_size))
-        return {
-            key: self.make_kernel(state["embedding.weight"] if layer == 0 else None, self._layer_weights(state, layer), fold)
-            for layer, key in enumerate(self.layer_keys)
-        }
-
-    def _layer_weights(self, state: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
-        return {name: state[f"{self.rnn_name}.{name}_l{layer}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
-
-    def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
-        embedding = nn.Embedding(self.vocab_size, self.embedding_size)
-        embedding.load_state_dict({"weight": state["embedding.weight"]})
-        cells: dict[str, nn.Module] = {}
-        for layer, key in enumerate(self.layer_keys):
-            step = self.make_step(self.embedding_size if layer == 0 else self.hidden_size)
-            step.cell.load_state_dict(self._layer_weights(state, layer))
-            cells[key] = EmbeddingStep(embedding, step) if layer == 0 else step
+        fold = self.vocab_size is not None and self.folds(table_bytes(self.vocab_size, self.gates * self.hidden_size))
+        cells = {}
+        for row, (key, suffix) in enumerate(zip(self.layer_keys, self._weight_suffixes())):
+            layer = row // self.directions
+            embedding = state["embedding.weight"] if layer == 0 and self.vocab_size is not None else None
+            split = self.hidden_size if layer > 0 and self.directions == 2 else None
+            cells[key] = self.make_kernel(embedding, self._layer_weights(state, suffix), fold, split)
+        if self.head_size is not None:
+            split = self.hidden_size if self.directions == 2 else None
+            cells[self.head_key] = vector_projection(state["head.weight"], state["head.bias"], split)
         return cells
 
+    def _layer_weights(self, state: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
+        return {name: state[f"{self.rnn_name}.{name}{suffix}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+
+    def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+        embedding = None
+        if self.vocab_size is not None:
+            embedding = nn.Embedding(self.vocab_size, self.embedding_size)
+            embedding.load_state_dict({"weight": state["embedding.weight"]})
+        cells: dict[str, nn.Module] = {}
+        for row, (key, suffix) in enumerate(zip(self.layer_keys, self._weight_suffixes())):
+            layer = row // self.directions
+            step = self.make_step(self._layer_inputs[layer])
+            step.cell.load_state_dict(self._layer_weights(state, suffix))
+            if layer == 0:
+                cells[key] = step if embedding is None else EmbeddingStep(embedding, step)
+            else:
+                cells[key] = PairStep(step) if self.directions == 2 else step
+        if self.head_size is not None:
+            cells[self.head_key] = LinearHead(self._head(state))
+        return cells
+
+    def _head(self, state: dict[str, torch.Tensor]) -> nn.Linear:
+        head = nn.Linear(self.hidden_size * self.directions, self.head_size)
+        head.load_state_dict({"weight": state["head.weight"], "bias": state["head.bias"]})
+        return head
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {"embedding.weight": (self.vocab_size, self.embedding_size)}
+        shapes = {} if self.vocab_size is None else {"embedding.weight": (self.vocab_size, self.embedding_size)}
         rows = self.gates * self.hidden_size
-        for layer in range(self.num_layers):
-            input_size = self.embedding_size if layer == 0 else self.hidden_size
-            shapes[f"{self.rnn_name}.weight_ih_l{layer}"] = (rows, input_size)
-            shapes[f"{self.rnn_name}.weight_hh_l{layer}"] = (rows, self.hidden_size)
-            shapes[f"{self.rnn_name}.bias_ih_l{layer}"] = (rows,)
-            shapes[f"{self.rnn_name}.bias_hh_l{layer}"] = (rows,)
+        for row, suffix in enumerate(self._weight_suffixes()):
+            shapes[f"{self.rnn_name}.weight_ih{suffix}"] = (rows, self._layer_inputs[row // self.directions])
+            shapes[f"{self.rnn_name}.weight_hh{suffix}"] = (rows, self.hidden_size)
+            shapes[f"{self.rnn_name}.bias_ih{suffix}"] = (rows,)
+            shapes[f"{self.rnn_name}.bias_hh{suffix}"] = (rows,)
+        if self.head_size is not None:
+            shapes["head.weight"] = (self.head_size, self.hidden_size * self.directions)
+            shapes["head.bias"] = (self.head_size,)
         return shapes
 
     def init_weights(self, seed: int) -> dict[str, torch.Tensor]:
-        """N(0, 1) embeddings and U(-1/sqrt(hidden), 1/sqrt(hidden)) recurrent weights, as torch initializes them."""
+        """N(0, 1) embeddings, U(-1/sqrt(hidden), 1/sqrt(hidden)) recurrent weights and U(-1/sqrt(fan_in),
+        1/sqrt(fan_in)) head weights, as torch initializes them."""
         generator = torch.Generator().manual_seed(seed)
-        bound = self.hidden_size**-0.5
         state = {}
         for key, shape in self.weight_shapes().items():
             if key == "embedding.weight":
                 state[key] = torch.randn(shape, generator=generator)
-            else:
-                state[key] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+                continue
+            fan_in = self.hidden_size * (self.directions if key.startswith("head.") else 1)
+            state[key] = (torch.rand(shape, generator=generator) * 2 - 1) * fan_in**-0.5
         return state
 
     @abstractmethod
@@ -96,17 +162,31 @@ class ChainModel(ChainPlanner, Model):
         """The whole-sequence torch module (nn.LSTM or nn.GRU) the reference runs."""
 
     def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
-        """torch.nn.Embedding + the whole-sequence torch RNN, one request at a time."""
-        tokens = torch.from_numpy(token_ids(inputs, "tokens", self.vocab_size, self.max_length))
-        embedding = nn.Embedding(self.vocab_size, self.embedding_size)
-        embedding.load_state_dict({"weight": state["embedding.weight"]})
+        """torch.nn.Embedding (for tokens) + the whole-sequence torch RNN (+ torch.nn.Linear), one request at a time."""
+        sequence = torch.tensor(self.input_rows(inputs))
+        if self.vocab_size is not None:
+            embedding = nn.Embedding(self.vocab_size, self.embedding_size)
+            embedding.load_state_dict({"weight": state["embedding.weight"]})
+            sequence = embedding(sequence)
         rnn = self.reference_rnn()
         prefix = f"{self.rnn_name}."
         rnn.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+        given = self.initial_states(inputs)
+        initial = tuple(
+            torch.tensor(given[name]) if name in given else torch.zeros(self.final_rows, self.hidden_size)
+            for name in self.state_names
+        )
         with torch.inference_mode():
-            _, final = rnn(embedding(tokens))
-        final = final if isinstance(final, tuple) else (final,)
-        return {name: value[-1].numpy().astype(np.float32) for name, value in zip(self.state_names, final)}
+            output, final = rnn(sequence, initial if len(initial) > 1 else initial[0])
+            final = final if isinstance(final, tuple) else (final,)
+            reply: dict[str, Any] = {"y": output.numpy().astype(np.float32)} if self.per_step else {}
+            for name, value in zip(self.state_names, final):
+                reply[name] = value[self.top].numpy().astype(np.float32)
+                reply[f"{name}_n"] = value.numpy().astype(np.float32)
+            if self.head_size is not None:
+                last = torch.cat(list(final[0][self.top :]))  # torch.cat([h_n[-2], h_n[-1]]) when bidirectional
+                reply["logits"] = self._head(state)(output if self.per_step else last).numpy().astype(np.float32)
+        return reply
 
 
 class LSTMStep(nn.Module):
@@ -125,12 +205,14 @@ class LSTMModel(LSTMPlanner, ChainModel):
     def make_step(self, input_size: int) -> nn.Module:
         return LSTMStep(input_size, self.hidden_size)
 
-    def make_kernel(self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool) -> nn.Module:
-        projection = lstm_input(embedding, weights["weight_ih"], weights["bias_ih"], weights["bias_hh"], fold)
-        return LSTMKernel(projection, weights["weight_hh"])
+    def make_kernel(
+        self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool, split: int | None
+    ) -> nn.Module:
+        projection = lstm_input(embedding, weights["weight_ih"], weights["bias_ih"], weights["bias_hh"], fold, split)
+        return (LSTMKernel if split is None else PairLSTMKernel)(projection, weights["weight_hh"])
 
     def reference_rnn(self) -> nn.Module:
-        return nn.LSTM(self.embedding_size, self.hidden_size, num_layers=self.num_layers)
+        return nn.LSTM(self.embedding_size, self.hidden_size, self.num_layers, bidirectional=self.directions == 2)
 
 
 class GRUStep(nn.Module):
@@ -149,9 +231,11 @@ class GRUModel(GRUPlanner, ChainModel):
     def make_step(self, input_size: int) -> nn.Module:
         return GRUStep(input_size, self.hidden_size)
 
-    def make_kernel(self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool) -> nn.Module:
-        projection = gru_input(embedding, weights["weight_ih"], weights["bias_ih"], fold)
-        return GRUKernel(projection, weights["weight_hh"], weights["bias_hh"])
+    def make_kernel(
+        self, embedding: torch.Tensor | None, weights: dict[str, torch.Tensor], fold: bool, split: int | None
+    ) -> nn.Module:
+        projection = gru_input(embedding, weights["weight_ih"], weights["bias_ih"], fold, split)
+        return (GRUKernel if split is None else PairGRUKernel)(projection, weights["weight_hh"], weights["bias_hh"])
 
     def reference_rnn(self) -> nn.Module:
-        return nn.GRU(self.embedding_size, self.hidden_size, num_layers=self.num_layers)
+        return nn.GRU(self.embedding_size, self.hidden_size, self.num_layers, bidirectional=self.directions == 2)

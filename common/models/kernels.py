@@ -85,6 +85,25 @@ class Projection(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
+class PairProjection(nn.Module):
+    """Input projection of two vectors side by side, [a, b] W^T + b, without concatenating them:
+    W's columns split at `split` (a bidirectional layer reading both directions of the one below)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, split: int):
+        super().__init__()
+        self.register_buffer("first_t", stored(weight[:, :split].T))
+        self.register_buffer("second_t", stored(weight[:, split:].T))
+        self.register_buffer("bias", stored(bias))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, a, self.first_t).addmm_(b, self.second_t)
+
+
+def vector_projection(weight: torch.Tensor, bias: torch.Tensor, split: int | None = None) -> nn.Module:
+    """The input projection of one vector, or of two side by side when `split` is given."""
+    return Projection(weight, bias) if split is None else PairProjection(weight, bias, split)
+
+
 def token_projection(embedding: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, fold: bool) -> nn.Module:
     """The input projection of a cell whose input is a token: folded into a table, or per step."""
     return TokenTable(embedding, weight, bias) if fold else EmbeddedProjection(embedding, weight, bias)
@@ -97,13 +116,18 @@ GRU_TANH = (2,)
 
 
 def lstm_input(
-    embedding: torch.Tensor | None, weight_ih: torch.Tensor, bias_ih: torch.Tensor, bias_hh: torch.Tensor, fold: bool
+    embedding: torch.Tensor | None,
+    weight_ih: torch.Tensor,
+    bias_ih: torch.Tensor,
+    bias_hh: torch.Tensor,
+    fold: bool,
+    split: int | None = None,
 ) -> nn.Module:
     """An LSTM layer's input projection with both biases and the g rows doubled: of a token when
-    `embedding` is given (a table when `fold`), of a vector otherwise."""
+    `embedding` is given (a table when `fold`), of a vector (or two, split at `split`) otherwise."""
     weight = doubled(weight_ih, LSTM_GATES, LSTM_TANH)
     bias = doubled(bias_ih + bias_hh, LSTM_GATES, LSTM_TANH)
-    return Projection(weight, bias) if embedding is None else token_projection(embedding, weight, bias, fold)
+    return vector_projection(weight, bias, split) if embedding is None else token_projection(embedding, weight, bias, fold)
 
 
 def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,15 +146,23 @@ class LSTMKernel(nn.Module):
         self.register_buffer("recurrent_t", stored(doubled(weight_hh, LSTM_GATES, LSTM_TANH).T))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gates = self.projection(x).addmm_(h, self.recurrent_t)
-        return lstm_update(gates, c)
+        return lstm_update(self.projection(x).addmm_(h, self.recurrent_t), c)
 
 
-def gru_input(embedding: torch.Tensor | None, weight_ih: torch.Tensor, bias_ih: torch.Tensor, fold: bool) -> nn.Module:
+class PairLSTMKernel(LSTMKernel):
+    """(x_forward, x_reverse, h, c) -> (h, c): a layer above a bidirectional one (a PairProjection)."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lstm_update(self.projection(a, b).addmm_(h, self.recurrent_t), c)
+
+
+def gru_input(
+    embedding: torch.Tensor | None, weight_ih: torch.Tensor, bias_ih: torch.Tensor, fold: bool, split: int | None = None
+) -> nn.Module:
     """A GRU layer's input projection with b_ih and the n rows doubled (b_hh stays with h: r scales it)."""
     weight = doubled(weight_ih, GRU_GATES, GRU_TANH)
     bias = doubled(bias_ih, GRU_GATES, GRU_TANH)
-    return Projection(weight, bias) if embedding is None else token_projection(embedding, weight, bias, fold)
+    return vector_projection(weight, bias, split) if embedding is None else token_projection(embedding, weight, bias, fold)
 
 
 class GRUKernel(nn.Module):
@@ -142,12 +174,21 @@ class GRUKernel(nn.Module):
         self.recurrent = Projection(doubled(weight_hh, GRU_GATES, GRU_TANH), doubled(bias_hh, GRU_GATES, GRU_TANH))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor]:
-        projected = self.projection(x)
+        return self.update(self.projection(x), h)
+
+    def update(self, projected: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor]:
         recurrent = self.recurrent(h)
         both = 2 * h.shape[1]
         r, z = torch.sigmoid(projected[:, :both].add_(recurrent[:, :both])).chunk(2, dim=1)
         n = tanh_of_half(torch.sigmoid(torch.addcmul(projected[:, both:], r, recurrent[:, both:])))
         return (torch.addcmul(n, z, h - n),)
+
+
+class PairGRUKernel(GRUKernel):
+    """(x_forward, x_reverse, h) -> (h,): a layer above a bidirectional one (a PairProjection)."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor]:
+        return self.update(self.projection(a, b), h)
 
 
 def row_argmax(scores: torch.Tensor) -> torch.Tensor:

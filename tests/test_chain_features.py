@@ -1,0 +1,371 @@
+"""Chain models' optional features, in-process: final states h_n/c_n, initial states h0/c0,
+per-step outputs y, vector inputs x, a linear head and bidirectional layers, in every combination.
+
+Every reply of plans batched together (tests/plan_runner.py) equals torch.nn.LSTM / torch.nn.GRU
+run on that request alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from plan_runner import run_plans
+
+from common.config import CellTypeConfig, ConfigError, ModelConfig
+from common.graph import External, NodeOutput
+from common.models.chain_cells import ChainModel, GRUModel, LSTMModel
+from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, map_to_tensor, tensor_to_map
+
+TOLERANCE = 1e-5
+VOCAB = 50
+KINDS = {"lstm": LSTMModel, "gru": GRUModel}
+
+
+def chain(kind: str, **params: Any) -> ChainModel:
+    """A small chain: tokens through an embedding unless `input_size` is given."""
+    defaults = {"hidden_size": 8, "max_length": 40}
+    if "input_size" not in params:
+        defaults.update(vocab_size=VOCAB, embedding_size=6)
+    return KINDS[kind](model_config({**defaults, **params}))
+
+
+def model_config(params: dict[str, Any]) -> ModelConfig:
+    return ModelConfig("m", "unused:build", Path("unused.pt"), params, CellTypeConfig((1, 2, 4, 8), 0), {})
+
+
+def initial(model: ChainModel, rng: np.random.Generator) -> dict[str, Any]:
+    """Random initial states as tensor maps."""
+    shape = (model.final_rows, model.hidden_size)
+    return {f"{name}0": tensor_to_map(rng.standard_normal(shape).astype(np.float32)) for name in model.state_names}
+
+
+def mixed_requests(model: ChainModel, seed: int, count: int = 12) -> list[dict[str, Any]]:
+    """Requests of mixed lengths, some with initial states (all, some, as lists or tensor maps), some without."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for index in range(count):
+        length = int(rng.integers(1, 15))
+        request = sequence(model, rng, length, as_list=index % 2 == 0)
+        states = initial(model, rng)
+        if index % 3 == 1:
+            request.update(states)
+        elif index % 3 == 2:
+            request["h0"] = map_to_tensor(states["h0"]).tolist()
+        requests.append(request)
+    return requests
+
+
+def sequence(model: ChainModel, rng: np.random.Generator, length: int, as_list: bool = True) -> dict[str, Any]:
+    """A request's sequence: tokens, or vectors x (nested lists or a tensor map)."""
+    if model.vocab_size is not None:
+        return {"tokens": rng.integers(0, VOCAB, size=length).tolist()}
+    x = rng.standard_normal((length, model.embedding_size)).astype(np.float32)
+    return {"x": x.tolist() if as_list else tensor_to_map(x)}
+
+
+def assert_replies_equal_reference(model: ChainModel, requests: list[dict[str, Any]], bucket_width: int | None = None):
+    state = model.init_weights(5)
+    if bucket_width is None:
+        planned = [model.plan(request) for request in requests]
+    else:
+        planned = [model.plan_padded(request, bucket_width) for request in requests]
+    replies = run_plans(model, model.make_cells(state), planned)
+    for reply, request in zip(replies, requests):
+        expected = model.reference(state, request)
+        assert reply.keys() == expected.keys()
+        for name, value in expected.items():
+            assert reply[name].dtype == np.float32
+            assert reply[name].shape == value.shape, name
+            assert np.abs(reply[name] - value).max() <= TOLERANCE, name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layers", [1, 3])
+def test_final_and_initial_states_equal_torch(kind: str, layers: int):
+    model = chain(kind, num_layers=layers)
+    requests = mixed_requests(model, seed=layers)
+    assert_replies_equal_reference(model, requests)
+    reply = model.reference(model.init_weights(5), requests[0])
+    assert reply[f"{model.state_names[0]}_n"].shape == (layers, 8)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_final_and_initial_states_under_padding(kind: str):
+    model = chain(kind, num_layers=2)
+    assert_replies_equal_reference(model, mixed_requests(model, seed=9), bucket_width=4)
+
+
+def test_initial_states_change_the_answer_and_zeros_do_not():
+    model = chain("lstm", num_layers=2)
+    state = model.init_weights(5)
+    cells = model.make_cells(state)
+    tokens = [3, 1, 4, 1, 5]
+    zeros = {"h0": np.zeros((2, 8), np.float32).tolist(), "c0": np.zeros((2, 8), np.float32).tolist()}
+    given = initial(model, np.random.default_rng(1))
+    plain, with_zeros, with_states = run_plans(
+        model, cells, [model.plan({"tokens": tokens}), model.plan({"tokens": tokens, **zeros}), model.plan({"tokens": tokens, **given})]
+    )
+    assert np.array_equal(plain["h_n"], with_zeros["h_n"])
+    assert np.abs(plain["h_n"] - with_states["h_n"]).max() > 1e-3
+
+
+def test_plans_are_cached_by_length_and_the_initial_states_given():
+    model = chain("lstm", num_layers=2)
+    rng = np.random.default_rng(2)
+    states = initial(model, rng)
+    model.plan({"tokens": [1, 2, 3]})
+    model.plan({"tokens": [4, 5, 6]})
+    assert model.plan_cache.misses == 1
+    with_h0 = model.plan({"tokens": [1, 2, 3], "h0": states["h0"]})
+    assert model.plan_cache.misses == 2
+    assert with_h0.plan is model.plan({"tokens": [7, 8, 9], "h0": map_to_tensor(states["h0"]).tolist()}).plan
+    model.plan({"tokens": [1, 2, 3], **states})
+    model.plan({"tokens": [1, 2, 3], "c0": states["c0"]})
+    assert model.plan_cache.misses == 4
+
+
+def test_the_unfolded_graph_reads_the_initial_states():
+    model = chain("gru", num_layers=2)
+    h0 = initial(model, np.random.default_rng(3))["h0"]
+    graph = model.unfold({"tokens": [1, 2], "h0": h0})
+    assert set(graph.results) == {"h_n0", "h_n1"}
+    assert np.array_equal(np.stack(graph.externals[2:]), map_to_tensor(h0))
+
+
+BAD_STATES = [
+    ({"h0": np.zeros((1, 8), np.float32)}, "h0 must have shape [2, 8], got [1, 8]"),
+    ({"h0": np.zeros((2, 7), np.float32)}, "h0 must have shape [2, 8], got [2, 7]"),
+    ({"c0": np.zeros((3, 8), np.float32)}, "c0 must have shape [2, 8], got [3, 8]"),
+    ({"h0": np.zeros((2, 8), np.float64)}, "h0 must be a float32 tensor [2, 8], got float64"),
+    ({"h0": np.zeros((2, 8, 1), np.float32)}, "h0 must have 2 dimension(s)"),
+    ({"h0": [[0.0] * 8, [float("nan")] + [0.0] * 7]}, "h0[1][0] = nan is not a finite float32"),
+    ({"c0": [[0.0] * 8, [0.0] * 7 + [float("inf")]]}, "c0[1][7] = inf is not a finite float32"),
+    ({"h0": [[0.0] * 8, [1e39] * 8]}, "h0[1][0] = inf is not a finite float32"),
+    ({"h0": [[0.0] * 8, [0.0] * 7]}, "h0 must be a [2, 8] list of equally long rows of numbers"),
+    ({"h0": [["a"] * 8] * 2}, "h0 must be a [2, 8] list of rows of numbers"),
+    ({"h0": [[True] * 8] * 2}, "h0 must be a [2, 8] list of rows of numbers"),
+    ({"h0": [0.0] * 8}, "h0 must be a [2, 8] list of rows of numbers"),
+    ({"h0": []}, "h0 must have shape [2, 8], got [0, 0]"),
+    ({"h0": "zeros"}, "h0 must be a [2, 8] float32 tensor map or a list of rows of numbers"),
+]
+
+
+@pytest.mark.parametrize(("states", "message"), BAD_STATES)
+def test_bad_initial_states_are_invalid_input(states: dict[str, Any], message: str):
+    model = chain("lstm", num_layers=2)
+    given = {k: tensor_to_map(v) if isinstance(v, np.ndarray) else v for k, v in states.items()}
+    for plan in (model.plan, model.unfold, lambda request: model.plan_padded(request, 4)):
+        with pytest.raises(RequestError) as caught:
+            plan({"tokens": [1, 2, 3], **given})
+        assert caught.value.code == INVALID_INPUT
+        assert message in caught.value.message
+
+
+def test_c0_on_a_gru_is_invalid_input():
+    model = chain("gru")
+    with pytest.raises(RequestError) as caught:
+        model.plan({"tokens": [1, 2], "c0": [[0.0] * 8]})
+    assert caught.value.code == INVALID_INPUT
+    assert "c0 is an LSTM's initial cell state" in caught.value.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_per_step_outputs_equal_torch(kind: str, layers: int):
+    model = chain(kind, num_layers=layers, per_step=True)
+    requests = mixed_requests(model, seed=20 + layers)
+    assert_replies_equal_reference(model, requests)
+    assert_replies_equal_reference(model, requests, bucket_width=5)
+    reply = model.reference(model.init_weights(5), requests[0])
+    assert reply["y"].shape == (len(requests[0]["tokens"]), 8)
+    assert np.array_equal(reply["y"][-1], reply["h"])
+
+
+def test_per_step_results_are_copied_only_when_asked():
+    assert set(chain("gru").plan({"tokens": [1, 2, 3]}).plan.results) == {"h_n0"}
+    per_step = chain("gru", per_step=True).plan({"tokens": [1, 2, 3]}).plan
+    assert set(per_step.results) == {"h_n0", "y0", "y1", "y2"}
+
+
+def test_per_step_must_be_true_or_false():
+    with pytest.raises(ConfigError, match="per_step must be true or false, got 1"):
+        chain("lstm", per_step=1)
+
+
+COMBINATIONS = [
+    {"num_layers": layers, **inputs, **direction, **steps, **head}
+    for layers in (1, 2)
+    for inputs in ({}, {"input_size": 5})
+    for direction in ({}, {"bidirectional": True})
+    for steps in ({}, {"per_step": True})
+    for head in ({}, {"head_size": 3})
+]
+
+
+def label(params: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in params.items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("params", COMBINATIONS, ids=label)
+def test_every_combination_equals_torch(kind: str, params: dict[str, Any]):
+    model = chain(kind, **params)
+    requests = mixed_requests(model, seed=len(label(params)), count=8)
+    assert_replies_equal_reference(model, requests)
+    assert_replies_equal_reference(model, requests, bucket_width=4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_three_bidirectional_layers_over_vectors_as_wide_as_the_state(kind: str):
+    """input_size = hidden_size: inputs and initial states share one value kind (and one externals array)."""
+    model = chain(kind, input_size=8, num_layers=3, bidirectional=True, per_step=True, head_size=2)
+    assert model.input_kind == model.state_kind
+    requests = mixed_requests(model, seed=4)
+    assert_replies_equal_reference(model, requests)
+    assert_replies_equal_reference(model, requests, bucket_width=6)
+
+
+def test_bidirectional_reply_layout_matches_torch():
+    model = chain("lstm", num_layers=2, bidirectional=True, per_step=True)
+    reply = model.reference(model.init_weights(5), {"tokens": [1, 2, 3, 4]})
+    assert reply["h_n"].shape == reply["c_n"].shape == (4, 8)
+    assert reply["y"].shape == (4, 16)
+    assert np.array_equal(reply["h"], reply["h_n"][2])  # the last layer's forward direction
+    assert np.array_equal(reply["y"][-1, :8], reply["h_n"][2])
+    assert np.array_equal(reply["y"][0, 8:], reply["h_n"][3])
+
+
+def test_head_over_the_final_state_and_over_every_step():
+    final = chain("gru", bidirectional=True, head_size=3)
+    state = final.init_weights(5)
+    reply = final.reference(state, {"tokens": [4, 2, 7]})
+    weight, bias = state["head.weight"].numpy(), state["head.bias"].numpy()
+    both = np.concatenate([reply["h_n"][0], reply["h_n"][1]])
+    assert reply["logits"].shape == (3,)
+    assert np.abs(reply["logits"] - (weight @ both + bias)).max() <= TOLERANCE
+    per_step = chain("gru", bidirectional=True, head_size=3, per_step=True).reference(state, {"tokens": [4, 2, 7]})
+    assert per_step["logits"].shape == (3, 3)
+    assert np.abs(per_step["logits"] - (per_step["y"] @ weight.T + bias)).max() <= TOLERANCE
+
+
+def test_heads_of_many_requests_run_as_one_cell_type():
+    model = chain("lstm", bidirectional=True, head_size=3, per_step=True)
+    plan = model.plan({"tokens": [1, 2, 3, 4]}).plan
+    assert plan.lane_cells == ("m/layer0", "m/layer0_reverse", "m/head")
+    assert model.cell_types["m/head"].inputs == (model.state_kind, model.state_kind)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_padding_feeds_nothing_the_answer_reads(layers: int):
+    """Every node a result depends on reads real inputs only, in both directions of every layer."""
+    model = chain("lstm", num_layers=layers, bidirectional=True, per_step=True, head_size=2)
+    graph = model.unfold_padded({"tokens": [1, 2, 3]}, 8)
+    padding = len(graph.externals) - 1
+    assert graph.padded_length == 8 and len(graph.nodes) == 8 * 2 * layers + 3
+    needed = {ref.node for ref in graph.results.values()}
+    pending = list(needed)
+    while pending:
+        for ref in graph.nodes[pending.pop()].inputs:
+            if isinstance(ref, NodeOutput) and ref.node not in needed:
+                needed.add(ref.node)
+                pending.append(ref.node)
+    for node in needed:
+        assert External(padding) not in graph.nodes[node].inputs
+    padding_nodes = set(range(len(graph.nodes))) - needed
+    assert len(padding_nodes) == 5 * 2 * layers
+    assert graph.last_padding in padding_nodes
+
+
+def test_the_default_chain_keeps_its_cells_and_plan():
+    """Tokens, one direction, no head: the cell types and the graph are as they always were."""
+    model = chain("lstm", num_layers=2)
+    assert list(model.cell_types) == ["m/layer0", "m/layer1"]
+    graph = model.unfold({"tokens": [1, 2, 3]})
+    assert [node.cell_type for node in graph.nodes] == ["m/layer0"] * 3 + ["m/layer1"] * 3
+    assert set(graph.results) == {"h_n0", "h_n1", "c_n0", "c_n1"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("params", [{"num_layers": 2, "bidirectional": True, "head_size": 3}, {"input_size": 5, "head_size": 2}])
+def test_weights_are_named_and_shaped_as_torch_nn_names_them(kind: str, params: dict[str, Any]):
+    import torch
+
+    model = chain(kind, **params)
+    rnn = model.reference_rnn()
+    expected = {f"{model.rnn_name}.{key}": tuple(value.shape) for key, value in rnn.state_dict().items()}
+    head = torch.nn.Linear(8 * model.directions, params["head_size"])
+    expected.update({f"head.{key}": tuple(value.shape) for key, value in head.state_dict().items()})
+    if "input_size" not in params:
+        expected["embedding.weight"] = (VOCAB, 6)
+    assert model.weight_shapes() == expected
+    assert {key: tuple(value.shape) for key, value in model.init_weights(1).items()} == expected
+    cells = model.make_cells(model.init_weights(1))
+    assert set(cells) == set(model.cell_types) == set(model.torch_nn_cells(model.init_weights(1)))
+
+
+def test_describe_names_what_each_config_takes_and_returns():
+    plain = chain("gru").describe()
+    assert plain["inputs"].keys() == {"tokens", "h0"} and plain["outputs"].keys() == {"h", "h_n"}
+    full = chain("lstm", input_size=5, num_layers=2, bidirectional=True, per_step=True, head_size=3).describe()
+    assert full["input_size"] == 5 and "vocab_size" not in full
+    assert full["inputs"]["x"] == {"dtype": "float32", "shape": [-1, 5], "max_length": 40}
+    assert full["inputs"]["c0"] == {"dtype": "float32", "shape": [4, 8], "optional": True}
+    assert full["outputs"]["y"] == {"dtype": "float32", "shape": [-1, 16]}
+    assert full["outputs"]["logits"] == {"dtype": "float32", "shape": [-1, 3]}
+    assert full["outputs"]["c_n"] == {"dtype": "float32", "shape": [4, 8]}
+    assert chain("lstm", head_size=3).describe()["outputs"]["logits"] == {"dtype": "float32", "shape": [3]}
+
+
+BAD_X = [
+    ({"x": np.zeros((0, 5), np.float32)}, "x is empty; send at least one row"),
+    ({"x": []}, "x is empty; send at least one row"),
+    ({"x": np.zeros((41, 5), np.float32)}, "x has 41 rows; this model accepts at most 40"),
+    ({"x": [[0.0] * 5] * 41}, "x has 41 rows; this model accepts at most 40"),
+    ({"x": np.zeros((3, 4), np.float32)}, "x must have shape [T, 5], got [3, 4]"),
+    ({"x": np.zeros(5, np.float32)}, "x must have 2 dimension(s)"),
+    ({"x": np.zeros((3, 5), np.int64)}, "x must be a float32 tensor [T, 5], got int64"),
+    ({"x": [[0.0] * 5, [0.0, float("nan"), 0.0, 0.0, 0.0]]}, "x[1][1] = nan is not a finite float32"),
+    ({"x": [[0.0] * 5, [0.0] * 4 + [float("-inf")]]}, "x[1][4] = -inf is not a finite float32"),
+    ({"x": [[0.0] * 5, [0.0] * 4]}, "x must be a [T, 5] list of equally long rows of numbers"),
+    ({"x": [1, 2, 3]}, "x must be a [T, 5] list of rows of numbers"),
+    ({"x": "abc"}, "x must be a [T, 5] float32 tensor map or a list of rows of numbers"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "message"), BAD_X)
+def test_bad_vectors_are_invalid_input(inputs: dict[str, Any], message: str):
+    model = chain("gru", input_size=5, bidirectional=True)
+    given = {k: tensor_to_map(v) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+    for plan in (model.plan, model.unfold, lambda request: model.plan_padded(request, 4)):
+        with pytest.raises(RequestError) as caught:
+            plan(given)
+        assert caught.value.code == INVALID_INPUT
+        assert message in caught.value.message
+
+
+def test_a_vector_model_needs_x():
+    model = chain("lstm", input_size=5)
+    with pytest.raises(RequestError) as caught:
+        model.plan({"tokens": [1, 2]})
+    assert caught.value.code == BAD_REQUEST and "inputs lack 'x'" in caught.value.message
+
+
+BAD_CONFIGS = [
+    ({"hidden_size": 8}, "give vocab_size (token inputs) or input_size (vector inputs x), not both or neither"),
+    ({"hidden_size": 8, "vocab_size": 10, "input_size": 4}, "not both or neither"),
+    ({"hidden_size": 8, "input_size": 4, "embedding_size": 4}, "embedding_size applies to token inputs (vocab_size) only"),
+    ({"hidden_size": 8, "input_size": 0}, "input_size must be an integer >= 1, got 0"),
+    ({"hidden_size": 8, "vocab_size": 10, "bidirectional": "yes"}, "bidirectional must be true or false, got 'yes'"),
+    ({"hidden_size": 8, "vocab_size": 10, "head_size": 0}, "head_size must be an integer >= 1, got 0"),
+    ({"hidden_size": 8, "vocab_size": 10, "heads": 2}, "unknown key(s) ['heads']"),
+]
+
+
+@pytest.mark.parametrize(("params", "message"), BAD_CONFIGS)
+def test_bad_chain_configs_are_config_errors(params: dict[str, Any], message: str):
+    for kind in KINDS.values():
+        with pytest.raises(ConfigError) as caught:
+            kind(model_config(params))
+        assert message in str(caught.value)
