@@ -38,6 +38,20 @@ batch_sizes = {BATCH_SIZES}
 priority = 1
 """
 
+TAGGER = f"""
+[models.tagger]
+builder = "common.models.lstm:build"
+weights = "{{weights}}/bench-tagger-h256.pt"
+vocab_size = 8192
+embedding_size = 256
+hidden_size = 256
+bidirectional = true
+per_step = true
+head_size = 9
+max_length = 400
+batch_sizes = {BATCH_SIZES}
+"""
+
 TREELSTM = f"""
 [models.treelstm]
 builder = "common.models.treelstm:build"
@@ -59,6 +73,7 @@ class Preset:
     dataset: str  # a key of bench.datasets.DATASETS
     policies: tuple[str, ...]
     reference: str  # moderate loads are fractions of this policy's peak throughput
+    in_all: bool = True  # run by `./scripts/bench all`; False for a preset whose quick run alone takes minutes
 
 
 PRESETS = {
@@ -72,6 +87,8 @@ PRESETS = {
                "longtail", ("padded", "cellular"), "padded"),
         Preset("seq2seq", "Seq2Seq on WMT sentences, decoding to EOS (paper Fig. 13)", "seq2seq", SEQ2SEQ, "wmt",
                ("padded", "cellular"), "padded"),
+        Preset("tagger", "BiLSTM tagger, 9 tags for every token, on WMT sentence lengths", "tagger", TAGGER, "wmt",
+               ("padded", "cellular"), "padded", in_all=False),
         Preset("treelstm", "TreeLSTM on SST trees (paper Fig. 14)", "treelstm", TREELSTM, "sst",
                ("graph", "cellular"), "graph"),
         Preset("tree16", "TreeLSTM on identical complete binary trees of 16 leaves (paper Fig. 15)", "treelstm",

@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 import zmq
 
+from bench import __main__ as bench_main
 from bench import overload, plots, report
 from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from bench.kernel import ideal
+from bench.presets import PRESETS
 from bench.sweep import point, saturated
 from common.config import load_config
+from common.models import build_model
 
 
 def lengths(name: str) -> np.ndarray:
@@ -142,6 +145,18 @@ def test_the_tagger_preset_is_held_to_its_own_peak_goal_beside_padded():
                    "cellular peak / padded peak": (1.3, False)}
     result["preset"] = "lstm"  # the same run meets the LSTM's goal of 1.25
     assert next(t for t in report.targets(result, summary) if t["what"] == "cellular peak / padded peak")["met"]
+
+
+def test_the_tagger_preset_serves_every_tokens_tags_from_a_bilstm_and_is_left_out_of_all(tmp_path: Path):
+    preset = PRESETS["tagger"]
+    config = tmp_path / "bench.toml"
+    config.write_text('[server]\naddress = "tcp://127.0.0.1:5999"\n' + preset.model_toml.replace("{weights}", str(tmp_path)))
+    model = build_model(load_config(config).models[preset.model])
+    assert list(model.cell_types) == ["tagger/layer0", "tagger/layer0_reverse", "tagger/head"]
+    assert model.describe()["outputs"]["logits"]["shape"] == [-1, 9]
+    assert (preset.dataset, preset.policies, preset.reference) == ("wmt", ("padded", "cellular"), "padded")
+    assert bench_main.presets_named("all") == [name for name in PRESETS if name != "tagger"]
+    assert bench_main.presets_named("tagger") == ["tagger"]
 
 
 def test_plots_and_json_are_written(tmp_path: Path):
