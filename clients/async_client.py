@@ -35,6 +35,7 @@ from .servers import (
     connection_closed,
     is_probe,
 )
+from .sessions import SessionSteps
 from .sync_client import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT,
@@ -92,6 +93,7 @@ class AsyncClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed_reason: str | None = None
         self.resent = 0  # requests sent again because their server was lost or draining
+        self.sessions = SessionSteps()
         context = zmq.asyncio.Context.instance()
         # Replies are bounded by the requests in flight; an unbounded receive queue keeps
         # a burst of them from filling the server's ROUTER pipe, which would drop replies.
@@ -108,9 +110,18 @@ class AsyncClient:
         inputs: dict[str, Any],
         deadline_ms: int | None = None,
         priority: int | None = None,
+        session: str | None = None,
+        session_end: bool = False,
     ) -> Reply:
-        """Run one inference; numpy arrays in `inputs` travel as tensor maps."""
-        return to_infer_reply(await self.call(infer_message(model, inputs, deadline_ms, priority)))
+        """Run one inference; numpy arrays in `inputs` travel as tensor maps. `session` continues that
+        server-held session (docs/protocol.md, "Sessions"); `session_end` ends it once answered."""
+        message = infer_message(model, inputs, deadline_ms, priority)
+        if session is None:
+            return to_infer_reply(await self.call(message))
+        server = self.sessions.server(session, self._servers.pick)
+        reply = await self._call(message | self.sessions.fields(session, session_end), server)
+        self.sessions.answered(session, session_end, reply)
+        return to_infer_reply(reply)
 
     async def models(self) -> dict[str, Any]:
         return await self.call({"op": "models"})

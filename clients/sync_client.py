@@ -33,6 +33,7 @@ from .servers import (
     connection_closed,
     is_probe,
 )
+from .sessions import SessionSteps
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT = 30.0
@@ -48,6 +49,7 @@ class Reply:
 
     outputs: dict[str, Any]
     timing: dict[str, int]
+    session_step: int | None = None  # of a session's request: the session's requests answered so far
 
 
 def infer_message(model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None) -> dict[str, Any]:
@@ -109,7 +111,9 @@ def check(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_infer_reply(reply: dict[str, Any]) -> Reply:
-    return Reply(outputs=decode_outputs(reply.get("outputs") or {}), timing=reply.get("timing") or {})
+    return Reply(
+        outputs=decode_outputs(reply.get("outputs") or {}), timing=reply.get("timing") or {}, session_step=reply.get("session_step")
+    )
 
 
 def connect_dealer(
@@ -168,6 +172,7 @@ class Client:
         self._servers = ServerSet(self.addresses, health_interval, health_timeout)
         self._ids = itertools.count(1)
         self.resent = 0  # requests sent again because their server was lost or draining
+        self.sessions = SessionSteps()
         self._timed_out: dict[RequestId, Server] = {}  # where requests that timed out went, for cancel
         context = zmq.Context.instance()
         self._sockets = [connect_dealer(context, a, curve) for a in self.addresses]
@@ -187,9 +192,18 @@ class Client:
         inputs: dict[str, Any],
         deadline_ms: int | None = None,
         priority: int | None = None,
+        session: str | None = None,
+        session_end: bool = False,
     ) -> Reply:
-        """Run one inference; numpy arrays in `inputs` travel as tensor maps."""
-        return to_infer_reply(self.call(infer_message(model, inputs, deadline_ms, priority)))
+        """Run one inference; numpy arrays in `inputs` travel as tensor maps. `session` continues that
+        server-held session (docs/protocol.md, "Sessions"); `session_end` ends it once answered."""
+        message = infer_message(model, inputs, deadline_ms, priority)
+        if session is None:
+            return to_infer_reply(self.call(message))
+        server = self.sessions.server(session, self._servers.pick)
+        reply = self._call(message | self.sessions.fields(session, session_end), server)
+        self.sessions.answered(session, session_end, reply)
+        return to_infer_reply(reply)
 
     def models(self) -> dict[str, Any]:
         return self.call({"op": "models"})

@@ -92,6 +92,8 @@ class ServerConfig:
     max_queued_nodes: int = 1_000_000  # admission bound: cells admitted and not yet submitted to a worker
     max_queue_delay_ms: int = 250  # admission: refuse when the expected wait exceeds this; 0: off
     unreachable_client_ms: int = 30000  # a client that reads none of its waiting replies this long is taken for gone
+    session_ttl_ms: int = 60000  # a session idle this long is dropped (docs/protocol.md, "Sessions")
+    max_sessions: int = 10000  # live sessions; beyond it a new one gets OVERLOADED
     metrics_address: str = ""  # "host:port" for the Prometheus /metrics endpoint; empty: off
     cuda_graphs: bool = False  # GPU workers replay each cell as a captured CUDA graph (worker/cuda_graphs.py)
     cross_gpu_reads: str = "always"  # which other GPUs' arenas a GPU worker reads: CROSS_GPU_READS
@@ -230,6 +232,8 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         unreachable_client_ms=_positive_int(
             table, "unreachable_client_ms", defaults.unreachable_client_ms, "server", path, minimum=100
         ),
+        session_ttl_ms=_positive_int(table, "session_ttl_ms", defaults.session_ttl_ms, "server", path),
+        max_sessions=_positive_int(table, "max_sessions", defaults.max_sessions, "server", path),
         metrics_address=metrics_address,
         cuda_graphs=cuda_graphs,
         cross_gpu_reads=cross_gpu_reads,

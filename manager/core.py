@@ -13,6 +13,8 @@ requests from admission to their answer.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,13 +36,16 @@ from common.protocol import (
 from common.task import CompletionNotice
 from manager.admission import Admission, warm_up_capacity
 from manager.dispatch import Dispatcher
-from manager.outcomes import Outcome, Replayed
+from manager.outcomes import Answered, Outcome, Refused, Replayed
 from manager.plan_store import make_tables
 from manager.policies import make_policy, make_scheduler
 from manager.records import Request, Task
 from manager.registry import RequestRegistry
 from manager.request_processor import RequestProcessor
+from manager.sessions import Session, SessionStore, Waiting, session_fields
 from manager.worker_handle import WorkerHandle
+
+MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
 
 
 class BatchingCore:
@@ -65,12 +70,15 @@ class BatchingCore:
         self.scheduler = make_scheduler(config, specs, self.table, self.store, self.dispatcher)
         self.policy = make_policy(config, models, self.scheduler, self.table)
         self.processor = RequestProcessor(self.table, self.store, self.scheduler, self.dispatcher, self.policy)
+        self.sessions = SessionStore(self._server.session_ttl_ms, self._server.max_sessions)
 
     # -- requests ------------------------------------------------------------------------------
-    def admit(self, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> Request:
+    def admit(self, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> Request | None:
         """Validate an `infer` message and admit its request; raises RequestError to refuse it.
 
-        The cheap checks come first, so that refusing under load costs no plan."""
+        A request of a session whose previous request is unanswered waits, unadmitted, for its turn
+        (None is returned; it is admitted then, or refused as an outcome). The cheap checks come
+        first, so that refusing under load costs no plan."""
         name = message.get("model")
         if not isinstance(name, str):
             raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
@@ -79,46 +87,93 @@ class BatchingCore:
             raise RequestError(UNKNOWN_MODEL, f"no model named {echo(name)}; this server has {', '.join(self.models)}")
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
-        if (client, request_id) in self.requests:
+        if (client, request_id) in self.requests or self.sessions.holds(client, request_id):
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
-        _optional_int(message, "priority")
+        priority = _optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
+        fields = session_fields(message)
         limit = self._server.max_queued_requests
-        if len(self.requests) >= limit:
-            raise RequestError(OVERLOADED, f"{len(self.requests)} requests in flight (limit {limit}); retry later")
+        in_flight = len(self.requests) + self.sessions.waiting
+        if in_flight >= limit:
+            raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
         deadline_ms = deadline_ms if deadline_ms is not None else self._server.default_deadline_ms or None
+        if fields is None:
+            return self._admit(client, request_id, model, message["inputs"], arrival, deadline_ms, priority)
+        waiting = Waiting(client, request_id, model, message["inputs"], fields, arrival, deadline_ms, priority)
+        session = self.sessions.find(model, fields, waiting.inputs)
+        if self.sessions.busy(fields.name):
+            self.sessions.wait(waiting)
+            return None
+        return self._admit_in_session(waiting, session)
+
+    def _admit_in_session(self, waiting: Waiting, session: Session | None) -> Request:
+        """Admit a session's request with the session's state as its initial state; it runs now."""
+        inputs = self.sessions.inputs(session, waiting.inputs)
+        request = self._admit(
+            waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms, waiting.priority
+        )
+        self.sessions.started(session, waiting.fields, waiting.model.name, (waiting.client, waiting.request_id))
+        return request
+
+    def _admit(
+        self, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float, deadline_ms: int | None, priority: int
+    ) -> Request:
         self.admission.check(self.processor.unsubmitted_nodes, deadline_ms)
-        unfolded = self.policy.unfold(model, message["inputs"])
+        unfolded = self.policy.unfold(model, inputs)
         queued = self.processor.unsubmitted_nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {self._server.max_queued_nodes}); retry later")
-        request = self.processor.admit(client, request_id, model, message["inputs"], unfolded, arrival)
+        request = self.processor.admit(client, request_id, model, inputs, unfolded, arrival, priority)
         if deadline_ms is not None:
             request.deadline = arrival + deadline_ms / 1e3
         self.requests.add(request)
         return request
 
+    def _resume(self, name: str) -> list[Outcome]:
+        """Admit the requests waiting for session `name` in turn, until one runs or none is left;
+        returns the refusals of those that cannot be admitted now."""
+        refused: list[Outcome] = []
+        while (waiting := self.sessions.next_waiting(name)) is not None:
+            try:
+                self._admit_in_session(waiting, self.sessions.find(waiting.model, waiting.fields, waiting.inputs))
+                break
+            except RequestError as error:
+                refused.append(Refused(waiting.client, waiting.request_id, error))
+        return refused
+
     def cancel(self, client: bytes, request_id: Any) -> list[Outcome] | None:
         """End a client's request at its asking; None if no such request is in flight."""
+        error = RequestError(CANCELLED, "cancelled by the client")
         request = self.requests.get(client, request_id)
-        if request is None:
-            return None
-        return self._fail([request], RequestError(CANCELLED, "cancelled by the client"))
+        if request is not None:
+            return self._fail([request], error)
+        waiting = self.sessions.take((client, request_id))
+        return None if waiting is None else self._refuse([waiting], error)
 
     def clients_gone(self, clients: Iterable[bytes]) -> list[Outcome]:
-        return self._fail(self.requests.of_clients(clients), RequestError(CANCELLED, "the client disconnected"))
+        gone = set(clients)
+        error = RequestError(CANCELLED, "the client disconnected")
+        return self._refuse(self.sessions.of_clients(gone), error) + self._fail(self.requests.of_clients(gone), error)
 
     def expire(self) -> list[Outcome]:
-        """End the requests whose deadline has passed."""
-        return self._fail(list(self.requests.expired()), RequestError(DEADLINE_EXCEEDED, "the request's deadline passed"))
+        """End the requests whose deadline has passed, and the sessions idle for longer than their TTL."""
+        now = time.perf_counter()
+        self.sessions.expire(now)
+        error = RequestError(DEADLINE_EXCEEDED, "the request's deadline passed")
+        return self._refuse(self.sessions.past_deadline(now), error) + self._fail(list(self.requests.expired()), error)
 
     def shutdown(self) -> list[Outcome]:
-        message = "the server stopped before finishing the request; send it elsewhere"
-        return self._fail(self.requests.all(), RequestError(UNAVAILABLE, message))
+        error = RequestError(UNAVAILABLE, "the server stopped before finishing the request; send it elsewhere")
+        return self._refuse(self.sessions.all_waiting(), error) + self._fail(self.requests.all(), error)
 
     def wait_ms(self, longest: int) -> int:
-        """How long the event loop may sleep before the next deadline (at most `longest`)."""
-        return self.requests.wait_ms(longest)
+        """How long the event loop may sleep before the next deadline (at most `longest`), a waiting
+        session request's included."""
+        wait = self.requests.wait_ms(longest)
+        deadline = self.sessions.next_deadline()
+        if deadline is None:
+            return wait
+        return min(wait, max(0, math.ceil((deadline - time.perf_counter()) * 1e3)))
 
     # -- workers -------------------------------------------------------------------------------
     def schedule(self, worker: WorkerHandle) -> list[Task]:
@@ -174,6 +229,8 @@ class BatchingCore:
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
             "admission": self.admission.snapshot(self.processor.unsubmitted_nodes),
             "ready_nodes": self.scheduler.ready_nodes(),
+            "sessions": len(self.sessions),
+            "requests_waiting_for_their_session": self.sessions.waiting,
         }
 
     # -- outcomes ------------------------------------------------------------------------------
@@ -182,23 +239,48 @@ class BatchingCore:
             self.processor.fail(request, error)
         return self._outcomes()
 
+    def _refuse(self, waiting: list[Waiting], error: RequestError) -> list[Outcome]:
+        """End requests that wait for their session, unadmitted."""
+        for each in waiting:
+            self.sessions.take((each.client, each.request_id))
+        return [Refused(each.client, each.request_id, error) for each in waiting]
+
     def _outcomes(self) -> list[Outcome]:
-        """What the processor concluded since the last call; the registry follows it."""
-        outcomes = self.processor.take_outcomes()
-        for outcome in outcomes:
+        """What the processor concluded since the last call; the registry and the sessions follow it.
+        A session's answered request leaves its final state to the session, and the session's next
+        request is admitted."""
+        outcomes: list[Outcome] = []
+        now = time.perf_counter()
+        for outcome in self.processor.take_outcomes():
+            request = outcome.request
             if isinstance(outcome, Replayed):
-                self.requests.add(outcome.request)
+                self.requests.add(request)
+                outcomes.append(outcome)
+                continue
+            self.requests.remove(request)
+            key = (request.client, request.request_id)
+            if not self.sessions.is_running(key):
+                outcomes.append(outcome)
+            elif isinstance(outcome, Answered):
+                name, step = self.sessions.answered(key, outcome.outputs, now)
+                outcomes += [outcome._replace(session_step=step), *self._resume(name)]
             else:
-                self.requests.remove(outcome.request)
+                outcomes += [outcome, *self._resume(self.sessions.failed(key, now))]
         return outcomes
 
 
-def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None) -> int | None:
+def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
     value = message.get(field)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
         bound = f" >= {minimum}" if minimum is not None else ""
+        bound += f" and <= {maximum}" if maximum is not None else ""
         raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {echo(value)}")
     return value
 

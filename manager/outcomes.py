@@ -1,5 +1,5 @@
 """What the batching core concluded about a request, for the event loop to act on: answer it,
-send it its error, or count it as started over (manager.core)."""
+send it its error, count it as started over, or refuse one that waited unadmitted (manager.core)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class Answered(NamedTuple):
     outputs: dict[str, Any]
     timing: dict[str, int]  # queue_us, compute_us, total_us
     left_early: bool  # answered while a request that arrived before it was still running
+    session_step: int | None = None  # of a session's request: the session's requests answered so far
 
 
 class Failed(NamedTuple):
@@ -31,4 +32,12 @@ class Replayed(NamedTuple):
     request: Request
 
 
-Outcome = Answered | Failed | Replayed
+class Refused(NamedTuple):
+    """A request that waited for its session's previous one ended without being admitted."""
+
+    client: bytes
+    request_id: Any
+    error: RequestError
+
+
+Outcome = Answered | Failed | Replayed | Refused

@@ -49,6 +49,7 @@ class Request:
         "rows",
         "group",
         "failures",
+        "priority",
     )
 
     def __init__(self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float):
@@ -67,6 +68,7 @@ class Request:
         self.rows: dict[int, dict[ValueKind, np.ndarray]] = {}
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.failures = 0  # workers lost while it had values there (replays so far)
+        self.priority = 0  # higher is served first within a cell type's queue (manager.scheduler)
 
     @property
     def done(self) -> bool:

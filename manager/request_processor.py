@@ -43,10 +43,11 @@ class RequestProcessor:
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
 
     def admit(
-        self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float
+        self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float, priority: int = 0
     ) -> Request:
         """Track a validated request; its policy decides when its cells run."""
         request = Request(client, request_id, model, inputs, unfolded, arrival)
+        request.priority = priority
         self._table.add(request)
         self._store.add(request, self._table.others(request))
         self.unsubmitted_nodes += unfolded.plan.nodes
@@ -194,7 +195,9 @@ class RequestProcessor:
         self._forget_if_drained(request)
         self._leave_group(request, held)
         unfolded = self._policy.unfold(request.model, request.inputs)
-        replayed = self.admit(request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival)
+        replayed = self.admit(
+            request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival, request.priority
+        )
         replayed.deadline = request.deadline
         replayed.failures = request.failures
         self._outcomes.append(Replayed(replayed))

@@ -2,7 +2,10 @@
 
 One queue per cell type holds the lanes (the paper's subgraphs: a request's nodes of that cell
 type) that still have nodes to issue, oldest first, as columns: request row, generation, cursor
-and end. Schedule(worker) runs whenever a worker has few tasks in flight and picks a cell type:
+and end. Within a queue, lanes are served by the request's `priority` (highest first, oldest first
+among equals), but a lane left out of `MAX_PASSES` tasks in a row that took a lane of higher
+priority goes before every other lane in the next one: priority reorders service, it never
+starves anyone. Schedule(worker) runs whenever a worker has few tasks in flight and picks a cell type:
 one with a full batch of ready nodes, else one with ready nodes and no running task, else any
 with ready nodes; ties go to the higher priority. Batch then forms up to `max_tasks_to_submit`
 tasks of that type for the worker and returns them; the caller sends them.
@@ -32,14 +35,17 @@ from manager.request_table import NO_WORKER, RequestTable
 from manager.worker_handle import WorkerHandle
 
 FINISHED = np.iinfo(np.int64).max  # the `need` of a lane with nothing left to issue
+MAX_PASSES = 8  # tasks in a row that may take higher-priority lanes and leave out a ready one
+FIRST = 2**62  # the rank of a lane passed over MAX_PASSES times: above any request's priority
 
 
 class CellTypeQueue:
     """Lanes of one cell type with nodes left to issue, oldest first, as columns: the request's row
     and generation (a lane whose request ended is stale), the cursor (next node, an index into the
-    request's plan), the lane's end, and the `need` and size of the wave at the cursor."""
+    request's plan), the lane's end, the `need` and size of the wave at the cursor, the request's
+    priority, and how many tasks in a row took higher-priority lanes and left this one out."""
 
-    COLUMNS = ("row", "generation", "cursor", "end", "need", "wave")
+    COLUMNS = ("row", "generation", "cursor", "end", "need", "wave", "priority", "passes")
 
     def __init__(self, spec: CellTypeSpec, index: int):
         self.spec = spec
@@ -49,14 +55,14 @@ class CellTypeQueue:
             setattr(self, name, np.zeros(64, np.int64))
         self.running_tasks = 0  # tasks of this type in flight on any worker
 
-    def add(self, row: int, generation: int, start: int, end: int, need: int, wave: int) -> None:
+    def add(self, row: int, generation: int, start: int, end: int, need: int, wave: int, priority: int = 0) -> None:
         if self.size == len(self.row):
             for name in self.COLUMNS:
                 column = getattr(self, name)
                 setattr(self, name, np.concatenate((column, np.zeros_like(column))))
         at = self.size
         self.row[at], self.generation[at], self.cursor[at], self.end[at] = row, generation, start, end
-        self.need[at], self.wave[at] = need, wave
+        self.need[at], self.wave[at], self.priority[at], self.passes[at] = need, wave, priority, 0
         self.size += 1
 
     def keep(self, mask: np.ndarray) -> None:
@@ -75,6 +81,7 @@ class Ready:
     rows: np.ndarray  # their requests' rows
     sizes: np.ndarray  # nodes in each lane's next wave
     first: np.ndarray  # the wave's first node, as an index into the plan store
+    left_out: np.ndarray | None = None  # lanes that could have joined the task formed, had it room
 
     @property
     def nodes(self) -> int:
@@ -110,7 +117,8 @@ class Scheduler:
         for lane, key in enumerate(plan.lane_cells):
             start = int(bounds[lane])
             wave = int(plan.wave_end[start]) - start
-            self.queues[key].add(row, generation, start, int(bounds[lane + 1]), int(plan.need[start]), wave)
+            queue = self.queues[key]
+            queue.add(row, generation, start, int(bounds[lane + 1]), int(plan.need[start]), wave, request.priority)
 
     def ready(self, queue: CellTypeQueue) -> Ready:
         """Lanes with a ready wave; lanes of ended requests and finished lanes leave the queue here."""
@@ -166,6 +174,7 @@ class Scheduler:
         ready = self.ready(queue)
         if not len(ready.lanes):
             return None
+        ready = in_order_of_service(queue, ready)
         table = self._table
         rows = ready.rows
         home = table.home[rows]
@@ -199,13 +208,14 @@ class Scheduler:
         last = int(np.searchsorted(total, limit, side="left"))  # the lane that reaches the limit gives part of its wave
         sizes = ready.sizes[: last + 1].copy()
         sizes[last] = limit - (total[last] - sizes[last])
-        return Ready(ready.lanes[: last + 1], ready.rows[: last + 1], sizes, ready.first[: last + 1])
+        return Ready(ready.lanes[: last + 1], ready.rows[: last + 1], sizes, ready.first[: last + 1], ready.lanes[last + 1 :])
 
     def _issue(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle) -> Task:
         """UpdateNodesDependency: the lanes advance, their requests count the issued nodes and are
         pinned to the worker; the dispatcher turns the waves into the task message."""
         task = self._dispatcher.make_task(queue.spec, queue.index, taken.rows, taken.sizes, taken.first, worker)
         self._advance(queue, taken)
+        count_passes(queue, taken)
         queue.running_tasks += 1
         task.joining = self._table.task_issued(taken.rows, taken.sizes, worker.worker_id, worker.host_number, task.submitted)
         if self._request_affinity:
@@ -227,3 +237,28 @@ class Scheduler:
 
     def task_completed(self, task: Task) -> None:
         self.queues[task.spec.key].running_tasks -= 1
+
+
+def in_order_of_service(queue: CellTypeQueue, ready: Ready) -> Ready:
+    """Ready lanes in the order they are served: those passed over MAX_PASSES times first, then by
+    priority, highest first; queue order (oldest first) among equals. Unchanged when all rank alike."""
+    lanes = ready.lanes
+    rank = queue.priority[lanes]
+    starving = queue.passes[lanes] >= MAX_PASSES
+    if starving.any():
+        rank = np.where(starving, FIRST, rank)
+    if rank.min() == rank.max():
+        return ready
+    order = np.argsort(-rank, kind="stable")
+    return Ready(lanes[order], ready.rows[order], ready.sizes[order], ready.first[order])
+
+
+def count_passes(queue: CellTypeQueue, taken: Ready) -> None:
+    """The lanes taken start counting afresh; those left out of a task that took a lane of higher
+    priority count one more pass."""
+    queue.passes[taken.lanes] = 0
+    left_out = taken.left_out
+    if left_out is None or not len(left_out):
+        return
+    lower = left_out[queue.priority[left_out] < queue.priority[taken.lanes].max()]
+    queue.passes[lower] += 1

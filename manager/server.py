@@ -27,7 +27,7 @@ from common.sockets import server_context
 from manager.core import BatchingCore
 from manager.frontend import ClientFrontend, Incoming
 from manager.metrics import Metrics
-from manager.outcomes import Answered, Failed, Outcome
+from manager.outcomes import Answered, Failed, Outcome, Refused
 from manager.stats import Stats
 from manager.worker_handle import WorkerHandle
 from manager.worker_pool import WorkerPool
@@ -161,10 +161,16 @@ class Manager:
     def _conclude(self, outcomes: list[Outcome]) -> None:
         """Reply to the requests the core concluded about, and record each outcome."""
         for outcome in outcomes:
+            if isinstance(outcome, Refused):
+                self.stats.request_refused(outcome.error.code)
+                self.frontend.reply(outcome.client, error_reply(outcome.request_id, outcome.error.code, outcome.error.message))
+                continue
             self.stats.concluded(outcome)
             request = outcome.request
             if isinstance(outcome, Answered):
                 reply = {"id": request.request_id, "ok": True, "outputs": outcome.outputs, "timing": outcome.timing}
+                if outcome.session_step is not None:
+                    reply["session_step"] = outcome.session_step
                 self.frontend.reply(request.client, reply)
             elif isinstance(outcome, Failed):
                 error = outcome.error

@@ -52,10 +52,11 @@ class Harness:
                 arenas.append({"id": arena_id, "kind": kind.key, "space": space, "rows": rows, "shm": shared.name})
         return WorkerHandle(index, f"w{index}".encode(), {"index": index, "arenas": arenas}, self.kinds, host)
 
-    def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0) -> Request:
+    def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0, **fields: Any) -> Request:
+        """Admit an `infer` request; `fields` are its other fields (priority, ...)."""
         self._next_id += 1
         request_id = name if name is not None else self._next_id
-        return self.core.admit(b"client", request_id, {"model": model, "inputs": inputs}, arrival)
+        return self.core.admit(b"client", request_id, {"model": model, "inputs": inputs, **fields}, arrival)
 
     def schedule(self, worker: WorkerHandle) -> int:
         """Schedule(worker) as the manager runs it: the tasks formed are sent (here: recorded)."""

@@ -19,7 +19,16 @@ from conftest import free_port
 from clients import AsyncClient, Client, ServerError, ServerLost
 from clients.cli import main as cli_main
 from clients.servers import ASIDE, DRAINING, UP, ServerSet
-from common.protocol import INVALID_INPUT, OVERLOADED, UNAVAILABLE, WORKER_LOST, decode, encode, error_reply
+from common.protocol import (
+    INVALID_INPUT,
+    OVERLOADED,
+    SESSION_LOST,
+    UNAVAILABLE,
+    WORKER_LOST,
+    decode,
+    encode,
+    error_reply,
+)
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3}
 DRAINING_MESSAGE = "the server is draining before it stops; send the request elsewhere"
@@ -28,6 +37,7 @@ REFUSALS = {
     "overloaded": (OVERLOADED, "estimated wait 900 ms exceeds the server's limit of 500 ms"),
     "invalid": (INVALID_INPUT, "token 7 is outside the vocabulary"),
     "worker_lost": (WORKER_LOST, "its worker was lost (process exited with status -9) and none remains"),
+    "session_lost": (SESSION_LOST, "session 's' is lost: this server holds no state for it"),
 }
 
 

@@ -11,7 +11,7 @@ from test_clients_failover import FAST, REFUSALS, FakeServer, answered_by, infer
 
 from clients import AsyncClient, Client, ServerError
 from clients.servers import DRAINING, UP, ServerSet
-from common.protocol import INVALID_INPUT, OVERLOADED, UNAVAILABLE, error_reply
+from common.protocol import INVALID_INPUT, OVERLOADED, SESSION_LOST, UNAVAILABLE, error_reply
 
 __all__ = ["servers"]  # the fixture, shared with the failover tests
 
@@ -111,3 +111,47 @@ def test_one_address_raises_the_code_without_resending(servers: list[FakeServer]
 
     assert isinstance(error := asyncio.run(run()), ServerError) and error.code == code
     assert len(server.infer_ids) == 2
+
+
+def test_session_lost_is_never_sent_to_another_server(servers: list[FakeServer]) -> None:
+    """Another server cannot hold the session's state either: SESSION_LOST reaches the caller at once."""
+    lost, answering = start(servers, "session_lost", "answer")
+    with Client([s.address for s in servers], timeout=10, **FAST) as client:
+        codes = []
+        for n in range(8):
+            try:
+                client.infer("m", {"n": n}, session=f"s{n}")
+                codes.append("ok")
+            except ServerError as error:
+                codes.append(error.code)
+
+    async def run() -> list:
+        async with AsyncClient([s.address for s in servers], timeout=10, **FAST) as client:
+            calls = (client.infer("m", {"n": n}, session=f"s{n}") for n in range(8, 16))
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    codes += [r.code if isinstance(r, ServerError) else "ok" for r in asyncio.run(run())]
+    assert codes.count(SESSION_LOST) == len(lost.infer_ids) > 0
+    assert codes.count("ok") == len(answering.infer_ids) > 0
+    sent = [m for server in servers for m in server.messages if m.get("op", "infer") == "infer"]
+    assert sorted(m["inputs"]["n"] for m in sent) == list(range(16))  # each sent once
+    assert all(m["session"] == f"s{m['inputs']['n']}" for m in sent)
+
+
+def test_a_sessions_requests_all_go_to_the_server_of_its_first(servers: list[FakeServer]) -> None:
+    """A session lives on one server: pipelined requests of a session are not spread over the servers."""
+    start(servers, "answer", "answer")
+    names = [f"s{i}" for i in range(4)]
+
+    async def run() -> None:
+        async with AsyncClient([s.address for s in servers], timeout=10, **FAST) as client:
+            await asyncio.gather(*(client.infer("m", {"n": n}, session=names[n % 4]) for n in range(24)))
+
+    asyncio.run(run())
+    with Client([s.address for s in servers], timeout=10, **FAST) as client:
+        for n in range(24, 32):
+            client.infer("m", {"n": n}, session=names[n % 4])
+    sent = [(server.name, m) for server in servers for m in server.messages if m.get("op", "infer") == "infer"]
+    for name in names:
+        assert len({server for server, m in sent if m["session"] == name}) == 1, name
+    assert len({server for server, _ in sent}) == 2  # different sessions still spread

@@ -149,6 +149,20 @@ def test_max_clients_defaults_to_1024_and_takes_a_value(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "[server]\nmax_clients = 1\n" + MODEL)).server.max_clients == 1
 
 
+@pytest.mark.parametrize("key", ["session_ttl_ms", "max_sessions"])
+@pytest.mark.parametrize("value", ["0", "-1", '"2"', "1.5", "true"])
+def test_session_bounds_must_be_positive_integers(tmp_path: Path, key: str, value: str) -> None:
+    message = config_error(tmp_path, f"[server]\n{key} = {value}\n" + MODEL, key)
+    assert "must be an integer >= 1" in message
+
+
+def test_session_bounds_default_and_take_values(tmp_path: Path) -> None:
+    server = load_config(write(tmp_path, MODEL)).server
+    assert (server.session_ttl_ms, server.max_sessions) == (60000, 10000)
+    server = load_config(write(tmp_path, "[server]\nsession_ttl_ms = 5\nmax_sessions = 3\n" + MODEL)).server
+    assert (server.session_ttl_ms, server.max_sessions) == (5, 3)
+
+
 def test_bad_server_strings_and_limits(tmp_path: Path) -> None:
     config_error(tmp_path, '[server]\naddress = ""\n' + MODEL, "address")
     config_error(tmp_path, "[server]\naddress = 5555\n" + MODEL, "address")

@@ -390,6 +390,7 @@ def test_ill_typed_optional_fields_are_bad_request(client: RawClient) -> None:
     assert_error(client.call(infer(81, [1, 2]) | {"deadline_ms": "soon"}), BAD_REQUEST, 81)
     assert_error(client.call(infer(82, [1, 2]) | {"deadline_ms": [100]}), BAD_REQUEST, 82)
     assert_error(client.call(infer(83, [1, 2]) | {"priority": "high"}), BAD_REQUEST, 83)
+    assert_error(client.call(infer(84, [1, 2]) | {"priority": 2**40}), BAD_REQUEST, 84)  # beyond +-(2**31 - 1)
 
 
 def test_an_oversize_frame_closes_its_connection_and_disturbs_no_other(

@@ -258,3 +258,60 @@ def test_a_request_moves_only_between_workers_of_its_host(harness):
             h.schedule(worker)
     assert sorted(r.request_id for r, e in h.finished if e is None) == sorted([request.request_id, newcomer.request_id])
     assert h.slots_in_use() == 0
+
+
+def run_one_task_at_a_time(h, worker, total: int) -> list[list[str]]:
+    """Schedule one task, complete it, and so on until `total` requests are answered: the requests of each task."""
+    timeline = []
+    while len(h.finished) < total:
+        assert h.schedule(worker) == 1
+        timeline.append(sorted(h.requests_in(h.in_flight(worker)[0])))
+        h.complete_oldest(worker)
+    assert all(error is None for _, error in h.finished)
+    return timeline
+
+
+def test_higher_priority_lanes_go_first_and_a_passed_lane_gets_its_turn(harness):
+    """Batch size 2: H1 and H2 (priority 1) take every task from L1 (priority 0, queued first)
+    until L1 has been left out of MAX_PASSES tasks; it then joins the next one, before either."""
+    from manager.scheduler import MAX_PASSES
+
+    h = harness(lstm_models("[1, 2]"), max_tasks_to_submit=1)
+    worker = h.workers[0]
+    h.admit("lstm", {"tokens": list(range(1, 21))}, name="L1")
+    for name in ("H1", "H2"):
+        h.admit("lstm", {"tokens": list(range(1, 13))}, name=name, priority=1)
+    timeline = run_one_task_at_a_time(h, worker, 3)
+    high = ["H1", "H2"]
+    expected = [high] * MAX_PASSES + [["H1", "L1"]] + [high] * 3 + [["H2", "L1"]] + [["L1"]] * 18
+    assert timeline == expected
+    assert [request.request_id for request, _ in h.finished] == ["H1", "H2", "L1"]
+
+
+def test_equal_priorities_keep_the_oldest_first_order(harness):
+    """Priorities that are all alike (here all 3) change nothing: the oldest lanes go first."""
+    h = harness(lstm_models("[1, 2]"), max_tasks_to_submit=1)
+    worker = h.workers[0]
+    for name, length in (("A", 3), ("B", 2), ("C", 2)):
+        h.admit("lstm", {"tokens": list(range(1, length + 1))}, name=name, priority=3)
+    assert run_one_task_at_a_time(h, worker, 3) == [["A", "B"], ["A", "B"], ["A", "C"], ["C"]]
+
+
+def test_a_lower_priority_lane_waits_at_most_max_passes_tasks(harness):
+    """A stream of high-priority requests that always fills the batch: the low one still advances one
+    step per MAX_PASSES + 1 tasks, and no high one is left out for it more than once in a row."""
+    from manager.scheduler import MAX_PASSES
+
+    h = harness(lstm_models("[1]"), max_tasks_to_submit=1)
+    worker = h.workers[0]
+    low = h.admit("lstm", {"tokens": [1, 2, 3]}, name="low", priority=-5)
+    served_low_at = []
+    for turn in range(3 * (MAX_PASSES + 1)):
+        if not any(request.request_id.startswith("high") and not request.done for request in h.table.live.values()):
+            h.admit("lstm", {"tokens": [1] * 50}, name=f"high{turn}", priority=5)
+        assert h.schedule(worker) == 1
+        if h.requests_in(h.in_flight(worker)[0]) == ["low"]:
+            served_low_at.append(turn)
+        h.complete_oldest(worker)
+    assert served_low_at == [MAX_PASSES, 2 * MAX_PASSES + 1, 3 * MAX_PASSES + 2]
+    assert low.done
