@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RunningServer, start_server, stop_server, write_config
+from conftest import RunningServer, start_server, stop_server, wait_idle, write_config
 
 from clients import AsyncClient
 from clients.text import Vocabulary
 from common.config import load_config
 from common.models.base import save_weights
-from examples.forecaster import forecast
+from examples.forecaster import forecast, stream
 from examples.forecaster import train as forecaster_example
 from examples.forecaster.train import Forecaster
 from examples.tagger import tag
@@ -101,3 +101,17 @@ def test_the_served_forecaster_returns_the_trained_modules_forecast_for_float_in
         alone = forecast.forecast(client, windows[0].astype(np.float64))  # the client sends float32
     assert np.abs(alone - expected[0]).max() <= TOLERANCE
 
+
+
+def test_a_series_sent_in_chunks_of_a_session_forecasts_as_the_whole_series(served_forecaster, capsys):
+    server, forecaster = served_forecaster
+    readings, _ = forecaster_example.sensor_series(np.random.default_rng(5), 301)
+    with server.client() as client:
+        replies = stream.forecast_in_chunks(client, readings, chunk=37, session="sensor-1")
+        assert [reply.session_step for reply in replies] == list(range(1, 10))
+        assert wait_idle(client)["sessions"] == 0  # session_end on the last chunk freed it
+    with torch.inference_mode():
+        (whole,) = forecaster([torch.from_numpy(readings)]).numpy()
+    assert np.abs(replies[-1].outputs["logits"] - whole).max() <= TOLERANCE
+    assert stream.main(["--address", server.address, "--length", "200", "--chunk", "30"]) == 0
+    assert "chunked and whole-series forecasts agree" in capsys.readouterr().out
