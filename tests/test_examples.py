@@ -15,6 +15,7 @@ from conftest import RunningServer, start_server, stop_server, wait_idle, write_
 from clients import AsyncClient
 from clients.text import Vocabulary
 from common.config import load_config
+from common.models import build_model
 from common.models.base import save_weights
 from examples.forecaster import forecast, stream
 from examples.forecaster import train as forecaster_example
@@ -34,6 +35,16 @@ def example_models(config: Path, name: str) -> str:
 def test_the_tagging_rule_marks_runs_of_capitalized_words_after_the_first():
     words = ["It", "is", "the", "Italian", "Federation", "of", "Aerobic", "Fitness", ",", "said", "I"]
     assert [tagger_example.TAGS[t] for t in tagger_example.tag_words(words)] == list("OOOBIOBIOOB")
+
+
+@pytest.mark.parametrize("example", [tagger_example, forecaster_example], ids=["tagger", "forecaster"])
+def test_a_training_script_writes_the_weights_its_config_serves(example, tmp_path: Path, capsys):
+    config = tmp_path / example.CONFIG.name
+    config.write_text(example.CONFIG.read_text())
+    example.main(["--config", str(config), "--steps", "2"])
+    (model_config,) = load_config(config).models.values()
+    assert f"wrote {model_config.weights}" in capsys.readouterr().out
+    build_model(model_config).load_weights()  # every key the server reads, with its shape
 
 
 def test_the_served_tagger_returns_the_trained_modules_logits_for_every_token(tmp_path: Path):

@@ -12,7 +12,6 @@ the names the server reads (gru.weight_ih_l0, ..., head.weight, head.bias).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,9 +23,8 @@ from torch.nn.utils.rnn import pack_sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.config import ModelConfig, load_config
-from common.models.base import save_weights
-from examples.training import fit
+from common.config import ModelConfig
+from examples.training import command_line, fit, save
 
 CONFIG = Path(__file__).with_name("forecaster.toml")
 NOISE = 0.05
@@ -89,21 +87,14 @@ def mean_squared_error(forecaster: Forecaster, pairs: list[tuple[np.ndarray, np.
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--model", default="forecaster", help="the [models.NAME] table to train")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    config = load_config(args.config).models[args.model]
-    forecaster, loss = train(config, args.steps, args.seed)
-    rng = np.random.default_rng(args.seed + 1)
+    config, steps, seed = command_line(__doc__, CONFIG, "forecaster", argv)
+    forecaster, loss = train(config, steps, seed)
+    rng = np.random.default_rng(seed + 1)
     test = [window(rng, 48, config.params["head_size"]) for _ in range(200)]
     last_value = float(np.mean([(future - readings[-1, 0]) ** 2 for readings, future in test]))
     print(f"last loss {loss:.4f}; held-out mean squared error {mean_squared_error(forecaster, test):.4f} "
           f"(repeating the last reading: {last_value:.4f})")
-    save_weights(forecaster.state_dict(), config.weights)
-    print(f"wrote {config.weights}")
+    save(forecaster, config)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ with the names the server reads (embedding.weight, lstm.weight_ih_l0, ..._revers
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,9 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from clients.text import Vocabulary, load_sentences
-from common.config import ModelConfig, load_config
-from common.models.base import save_weights
-from examples.training import fit
+from common.config import ModelConfig
+from examples.training import command_line, fit, save
 
 CONFIG = Path(__file__).with_name("tagger.toml")
 TAGS = ("O", "B", "I")
@@ -99,19 +97,12 @@ def accuracy(tagger: Tagger, sentences: list[tuple[torch.Tensor, torch.Tensor]])
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--model", default="tagger", help="the [models.NAME] table to train")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    config = load_config(args.config).models[args.model]
-    tagger, loss = train(config, args.steps, args.seed)
+    config, steps, seed = command_line(__doc__, CONFIG, "tagger", argv)
+    tagger, loss = train(config, steps, seed)
     held_out = tagged_sentences(Vocabulary())[-HELD_OUT:]
     all_o = float((torch.cat([tags for _, tags in held_out]) == O).float().mean())
     print(f"last loss {loss:.3f}; held-out token accuracy {accuracy(tagger, held_out):.3f} (all O: {all_o:.3f})")
-    save_weights(tagger.state_dict(), config.weights)
-    print(f"wrote {config.weights}")
+    save(tagger, config)
 
 
 if __name__ == "__main__":
