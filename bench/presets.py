@@ -42,6 +42,19 @@ priority = 1
 SEQ2SEQ_ATTENTION = SEQ2SEQ.replace("bench-seq2seq-h256.pt", "bench-seq2seq-luong-h256.pt").replace(
     "max_decode_length = 200\n", 'max_decode_length = 200\nattention = "luong"\n'
 )
+TAGGER = f"""
+[models.tagger]
+builder = "common.models.lstm:build"
+weights = "{{weights}}/bench-tagger-h256.pt"
+vocab_size = 8192
+embedding_size = 256
+hidden_size = 256
+bidirectional = true
+per_step = true
+head_size = 9
+max_length = 400
+batch_sizes = {BATCH_SIZES}
+"""
 
 TREELSTM = f"""
 [models.treelstm]
@@ -80,6 +93,8 @@ PRESETS = {
                ("padded", "cellular"), "padded"),
         Preset("attention", "Seq2Seq with Luong attention on WMT sentences, decoding to EOS", "seq2seq",
                SEQ2SEQ_ATTENTION, "wmt", ("padded", "cellular"), "padded", in_all=False),
+        Preset("tagger", "BiLSTM tagger, 9 tags for every token, on WMT sentence lengths", "tagger", TAGGER, "wmt",
+               ("padded", "cellular"), "padded", in_all=False),
         Preset("treelstm", "TreeLSTM on SST trees (paper Fig. 14)", "treelstm", TREELSTM, "sst",
                ("graph", "cellular"), "graph"),
         Preset("tree16", "TreeLSTM on identical complete binary trees of 16 leaves (paper Fig. 15)", "treelstm",

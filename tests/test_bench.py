@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from bench import __main__ as bench_main
 from bench import overload, plots, report
 from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from bench.generator import Replies, open_loop, poisson_schedule, request_frames
@@ -19,6 +20,7 @@ from bench.kernel import ideal
 from bench.presets import PRESETS, presets_named
 from bench.sweep import point, saturated
 from common.config import load_config
+from common.models import build_model
 
 
 def lengths(name: str) -> np.ndarray:
@@ -142,6 +144,31 @@ def test_all_runs_the_presets_marked_for_it_and_attention_runs_by_name():
     assert "attention" not in presets_named("all") and {"lstm", "seq2seq", "treelstm"} <= set(presets_named("all"))
     assert presets_named("attention") == ["attention"]
     assert 'attention = "luong"' in PRESETS["attention"].model_toml
+def test_the_tagger_preset_is_held_to_its_own_peak_goal_beside_padded():
+    result = synthetic_result()
+    result["preset"] = "tagger"
+    result["policies"]["cellular"] = synthetic_result()["policies"]["padded"]
+    result["policies"]["cellular"]["points"][1]["achieved_rps"] = 510  # 1.275x padded's peak of 400
+    for run in result["policies"]["cellular"]["points"] + list(result["policies"]["cellular"]["moderate"].values()):
+        run["latency_ms"]["p90"] /= 4
+    summary = report.summarize(result)
+    met = {t["what"]: (t["target"], t["met"]) for t in report.targets(result, summary)}
+    assert met == {"cellular p90 / padded p90 at 50% of padded peak": (0.5, True),
+                   "cellular peak / padded peak": (1.3, False)}
+    result["preset"] = "lstm"  # the same run meets the LSTM's goal of 1.25
+    assert next(t for t in report.targets(result, summary) if t["what"] == "cellular peak / padded peak")["met"]
+
+
+def test_the_tagger_preset_serves_every_tokens_tags_from_a_bilstm_and_is_left_out_of_all(tmp_path: Path):
+    preset = PRESETS["tagger"]
+    config = tmp_path / "bench.toml"
+    config.write_text('[server]\naddress = "tcp://127.0.0.1:5999"\n' + preset.model_toml.replace("{weights}", str(tmp_path)))
+    model = build_model(load_config(config).models[preset.model])
+    assert list(model.cell_types) == ["tagger/layer0", "tagger/layer0_reverse", "tagger/head"]
+    assert model.describe()["outputs"]["logits"]["shape"] == [-1, 9]
+    assert (preset.dataset, preset.policies, preset.reference) == ("wmt", ("padded", "cellular"), "padded")
+    assert presets_named("all") == [name for name in PRESETS if name not in ("tagger", "attention")]
+    assert presets_named("tagger") == ["tagger"]
 
 
 def test_plots_and_json_are_written(tmp_path: Path):
