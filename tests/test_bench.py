@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import zmq
 
-from bench import __main__ as bench_main
 from bench import overload, plots, report
 from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from bench.generator import Replies, open_loop, poisson_schedule, request_frames
