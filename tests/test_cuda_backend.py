@@ -30,9 +30,9 @@ from test_cuda_fake import (
 )
 from torch.overrides import TorchFunctionMode
 
-from common.task import TaskMessage
+from common.task import TaskMessage, decode_notice
 from worker import cuda
-from worker.backend import DeviceFault
+from worker.backend import FULL_TASK_RUNS, DeviceFault
 from worker.cuda import CudaBackend
 from worker.device_tasks import consecutive_runs
 from worker.main import InProgressFIFO, Poller
@@ -273,7 +273,48 @@ def test_warm_up_runs_every_operation_serving_runs(small):
         assert backend.finish(1) is None
         served = {call.what for call in runtime.calls[start:]}
     assert {"aten.index_copy_.default", "download", "upload", "signal"} <= served
-    assert served - warmed == {"signal"}  # warm-up leaves the counter at 0; its write is a download's copy
+    assert served <= warmed
+
+
+def test_warm_up_times_each_cell_types_full_task_through_the_stream(small):
+    """The manager's admission has a step cost from the first request: each cell type's task at its largest
+    batch, issued, signalled and awaited FULL_TASK_RUNS times as serving runs it."""
+    specs, _, _ = small
+    with fake_backend(small) as (backend, runtime, _):
+        backend.warm_up()
+        timed = backend.full_task_seconds()
+        signals = [call for call in runtime.calls if call.what == "signal"]
+    assert set(timed) == {spec.key for spec in specs}
+    assert all(seconds > 0 for seconds in timed.values())
+    assert len(signals) == FULL_TASK_RUNS * len(specs) == backend.signal()
+    assert all(call.stream is backend._calls.stream for call in signals)
+
+
+def test_the_poller_reports_from_where_warm_up_left_the_counter(small, tmp_path: Path):
+    """Warm-up's timed tasks moved the counter and are in no FIFO: the first notice is of the first served task."""
+    context = zmq.Context()
+    receiver = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/completions"
+    receiver.bind(address)
+    try:
+        with fake_backend(small) as (backend, _, _):
+            backend.warm_up()
+            fifo = InProgressFIFO()
+            poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
+            poller.start()
+            fifo.push(1, [])
+            backend.issue(lstm_task(1, small, backend))
+            notices = []
+            while not any(notice.task_ids for notice in notices):
+                assert receiver.poll(60_000), "no notice"
+                notices.append(decode_notice(receiver.recv()))
+            poller.stopping.set()
+            poller.join(timeout=60)
+        assert [notice.task_ids for notice in notices if notice.task_ids] == [[1]]
+        assert notices[-1].signal == FULL_TASK_RUNS * len(small[0]) + 1
+    finally:
+        receiver.close()
+        context.destroy(linger=0)  # a poller that died would leave its socket open
 
 
 # -- polling and device faults --------------------------------------------------------------------------

@@ -113,6 +113,7 @@ class CudaBackend(Backend):
         self._gpus = {self._runtime.uuid(index): index for index in range(self._runtime.device_count())}
         own = self._runtime.uuid(self._dev.index)
         ids = arena_ids(kinds)
+        self._specs, self._ids = specs, ids
         self._arena_info: list[ArenaInfo] = []
         self._shared: list[SharedArray] = []
         arenas: dict[int, torch.Tensor] = {}
@@ -148,6 +149,7 @@ class CudaBackend(Backend):
         self._tasks.warm_up(capture_on(self._calls.stream) if self._cuda_graphs else None)
         if not self._calls.wait(WARM_UP_TIMEOUT_S):
             raise RuntimeError(f"warm-up on {self.device} did not finish within {WARM_UP_TIMEOUT_S:.0f} s")
+        self.time_full_tasks(self._specs, self._ids)
 
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
         """Open a peer's device arenas; a peer that cannot be opened (it has died, its GPU is not visible
