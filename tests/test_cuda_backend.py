@@ -214,7 +214,7 @@ def test_a_peer_that_cannot_be_opened_is_not_read_and_the_worker_lives(small, re
     back = peer_arenas(small, uuid_index=1)
     with fake_backend(small, FakeRuntime(peer_access=frozenset({(0, 1)}))) as (backend, runtime, _):
         runtime.refuse_open = refusal
-        backend.attach_peer(DISTANT_PEER, announced)
+        assert said in backend.attach_peer(DISTANT_PEER, announced)  # for the manager, which places by it
         assert said in backend._tasks.unreadable[DISTANT_PEER]
         task = lstm_task(1, small, backend)
         state = task.inputs[1]
@@ -224,7 +224,7 @@ def test_a_peer_that_cannot_be_opened_is_not_read_and_the_worker_lives(small, re
         assert said in backend.finish(2)
         assert backend.finish(3) is None
         runtime.refuse_open = None
-        backend.attach_peer(DISTANT_PEER, back)  # it came back
+        assert backend.attach_peer(DISTANT_PEER, back) is None  # it came back
         assert DISTANT_PEER not in backend._tasks.unreadable
         backend.detach_peer(DISTANT_PEER)
         assert not backend._tasks.peers
@@ -244,7 +244,8 @@ def test_cross_gpu_reads_follow_the_setting(small, setting: str, access, mapped_
     announced = peer_arenas(small, uuid_index=1)
     runtime = FakeRuntime(peer_access=access)
     with fake_backend(small, runtime, cross_gpu_reads=setting) as (backend, _, _):
-        backend.attach_peer(DISTANT_PEER, announced)
+        said = backend.attach_peer(DISTANT_PEER, announced)
+        assert (said is None) is (mapped_on is not None)
         assert [device for _, device in runtime.opened][:1] == ([] if mapped_on is None else [mapped_on])
         assert (DISTANT_PEER in backend._tasks.unreadable) is (mapped_on is None)
 

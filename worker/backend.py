@@ -157,8 +157,9 @@ class Backend(ABC):
         return dict(self._full_task_s)
 
     @abstractmethod
-    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
-        """Open another worker's device arenas (as announced at its registration) to read values produced there."""
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> str | None:
+        """Open another worker's device arenas (as announced at its registration) to read values produced there;
+        returns why they cannot be read from here (None once they can), for the manager to place requests by."""
 
     @abstractmethod
     def detach_peer(self, worker_id: int) -> None:

@@ -83,15 +83,20 @@ class CpuBackend(Backend):
                     raise warm_up_failure(self._specs[task.cell_index], task.batch_size, exc) from exc
         self.time_full_tasks(self._specs, self._ids)
 
-    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> str | None:
         self.detach_peer(worker_id)
-        mapped = []
-        for arena in arenas:
-            if arena["space"] == "device" and arena.get("shm"):
-                shared = SharedArray(arena["dtype"], (arena["rows"], *arena["shape"]), name=arena["shm"])
-                mapped.append(shared)
-                self._peers[(worker_id, arena["id"])] = torch.from_numpy(shared.array)
+        mapped: list[SharedArray] = []
         self._peer_memory[worker_id] = mapped
+        try:
+            for arena in arenas:
+                if arena["space"] == "device" and arena.get("shm"):
+                    mapped.append(SharedArray(arena["dtype"], (arena["rows"], *arena["shape"]), name=arena["shm"]))
+                    self._peers[(worker_id, arena["id"])] = torch.from_numpy(mapped[-1].array)
+        except (OSError, ValueError) as exc:  # its shared memory is gone (the peer died) or is not as announced
+            self.detach_peer(worker_id)
+            log.warning("cannot map the arenas of worker %d (%s); it will not read from it", worker_id, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def detach_peer(self, worker_id: int) -> None:
         for key in [key for key in self._peers if key[0] == worker_id]:
