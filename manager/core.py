@@ -87,7 +87,7 @@ class BatchingCore:
         if len(self.requests) >= limit:
             raise RequestError(OVERLOADED, f"{len(self.requests)} requests in flight (limit {limit}); retry later")
         deadline_ms = deadline_ms if deadline_ms is not None else self._server.default_deadline_ms or None
-        self.admission.check(self.processor.unsubmitted_nodes, deadline_ms)
+        self.admission.check(self.processor.unfinished_nodes, deadline_ms)
         unfolded = self.policy.unfold(model, message["inputs"])
         queued = self.processor.unsubmitted_nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
@@ -172,7 +172,7 @@ class BatchingCore:
         return {
             "requests_in_flight": len(self.requests),
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
-            "admission": self.admission.snapshot(self.processor.unsubmitted_nodes),
+            "admission": self.admission.snapshot(self.processor.unfinished_nodes),
             "ready_nodes": self.scheduler.ready_nodes(),
         }
 
