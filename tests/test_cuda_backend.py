@@ -291,31 +291,38 @@ def test_warm_up_times_each_cell_types_full_task_through_the_stream(small):
     assert all(call.stream is backend._calls.stream for call in signals)
 
 
-def test_the_poller_reports_from_where_warm_up_left_the_counter(small, tmp_path: Path):
-    """Warm-up's timed tasks moved the counter and are in no FIFO: the first notice is of the first served task."""
+@contextlib.contextmanager
+def poller_of(backend: CudaBackend, fifo: InProgressFIFO, tmp_path: Path) -> Iterator[tuple[Poller, zmq.Socket]]:
+    """A started Poller of `backend`, and the socket its notices arrive on."""
     context = zmq.Context()
     receiver = context.socket(zmq.PULL)
     address = f"ipc://{tmp_path}/completions"
     receiver.bind(address)
     try:
-        with fake_backend(small) as (backend, _, _):
-            backend.warm_up()
-            fifo = InProgressFIFO()
-            poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
-            poller.start()
+        poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
+        poller.start()
+        yield poller, receiver
+        poller.stopping.set()
+        poller.join(timeout=60)
+    finally:
+        receiver.close()
+        context.destroy(linger=0)  # a poller that died would leave its socket open
+
+
+def test_the_poller_reports_from_where_warm_up_left_the_counter(small, tmp_path: Path):
+    """Warm-up's timed tasks moved the counter and are in no FIFO: the first notice is of the first served task."""
+    fifo = InProgressFIFO()
+    with fake_backend(small) as (backend, _, _):
+        backend.warm_up()
+        with poller_of(backend, fifo, tmp_path) as (_, receiver):
             fifo.push(1, [])
             backend.issue(lstm_task(1, small, backend))
             notices = []
             while not any(notice.task_ids for notice in notices):
                 assert receiver.poll(60_000), "no notice"
                 notices.append(decode_notice(receiver.recv()))
-            poller.stopping.set()
-            poller.join(timeout=60)
-        assert [notice.task_ids for notice in notices if notice.task_ids] == [[1]]
-        assert notices[-1].signal == FULL_TASK_RUNS * len(small[0]) + 1
-    finally:
-        receiver.close()
-        context.destroy(linger=0)  # a poller that died would leave its socket open
+    assert [notice.task_ids for notice in notices if notice.task_ids] == [[1]]
+    assert notices[-1].signal == FULL_TASK_RUNS * len(small[0]) + 1
 
 
 # -- polling and device faults --------------------------------------------------------------------------
@@ -388,26 +395,17 @@ def test_a_device_fault_reaches_the_poller_when_no_task_comes(small, monkeypatch
 def test_the_poller_stops_on_a_device_fault_for_the_worker_to_exit(small, tmp_path: Path):
     """The poller learns of the fault while waiting for the counter: it records it and ends, and the
     worker's issue loop ends on it (worker.main exits with EXIT_DEVICE_FAULT, to be restarted)."""
-    context = zmq.Context()
-    receiver = context.socket(zmq.PULL)
-    address = f"ipc://{tmp_path}/completions"
-    receiver.bind(address)
-    try:
-        with fake_backend(small) as (backend, runtime, _):
-            backend.stall()
-            fifo = InProgressFIFO()
-            fifo.push(1, [])
-            backend.issue(lstm_task(1, small, backend))
-            runtime.fail()
-            poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
-            poller.start()
+    with fake_backend(small) as (backend, runtime, _):
+        backend.stall()
+        fifo = InProgressFIFO()
+        fifo.push(1, [])
+        backend.issue(lstm_task(1, small, backend))
+        runtime.fail()
+        with poller_of(backend, fifo, tmp_path) as (poller, _):
             poller.join(timeout=60)
             assert not poller.is_alive()
             assert isinstance(poller.fault, DeviceFault)
             assert "device-side assert" in str(poller.fault)
-    finally:
-        receiver.close()
-        context.term()
 
 
 def test_a_detached_peer_is_unmapped_only_after_the_stream_passes_its_last_reads(small):
