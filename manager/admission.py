@@ -2,9 +2,11 @@
 
 A new request is expected to wait until the cells queued ahead of it have run: queued cells /
 cells the server runs per second at capacity, measured on the nearly full tasks of the last second.
-Cells of every model count alike: they share the same workers. The queued cells are the ones admitted and not yet submitted
-to a worker (the request processor counts them); completions are fed in per task, so the check
-and the bookkeeping cost O(1) per request (amortised over the window).
+Cells of every model count alike: they share the same workers. The queued cells are the ones admitted and not yet
+completed: those not yet submitted to a worker and those in the tasks the workers hold (several tasks
+ahead each, a few tens of milliseconds of work the new request waits for too); the request processor
+counts both. Completions are fed in per task, so the check and the bookkeeping cost O(1) per request
+(amortised over the window).
 
 Until the capacity has been measured (a cold start, or a server never loaded enough to fill its
 batches) the workers' own timing of full tasks at warm-up stands in for it (warm_up_capacity), so a

@@ -129,7 +129,7 @@ class BatchingCore:
         self, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float, deadline_ms: int | None, priority: int,
         stream: bool,
     ) -> Request:
-        self.admission.check(self.processor.unsubmitted_nodes, deadline_ms)
+        self.admission.check(self.processor.unfinished_nodes, deadline_ms)
         unfolded = self.policy.unfold(model, inputs)
         queued = self.processor.unsubmitted_nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
@@ -241,7 +241,7 @@ class BatchingCore:
         return {
             "requests_in_flight": len(self.requests),
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
-            "admission": self.admission.snapshot(self.processor.unsubmitted_nodes),
+            "admission": self.admission.snapshot(self.processor.unfinished_nodes),
             "ready_nodes": self.scheduler.ready_nodes(),
             "sessions": len(self.sessions),
             "requests_waiting_for_their_session": self.sessions.waiting,

@@ -49,6 +49,7 @@ class RequestProcessor:
         self._outcomes: list[Outcome] = []
         self._streams_changed: dict[Request, None] = {}  # streamed requests with values read since their last partial
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
+        self.running_nodes = 0  # issued to a worker and not yet completed there
 
     def admit(
         self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float,
@@ -72,10 +73,17 @@ class RequestProcessor:
 
     def task_submitted(self, task: Task) -> None:
         self.unsubmitted_nodes -= task.nodes
+        self.running_nodes += task.nodes
+
+    @property
+    def unfinished_nodes(self) -> int:
+        """Cells a newly admitted request waits for: those queued and those its workers have yet to run."""
+        return self.unsubmitted_nodes + self.running_nodes
 
     def task_completed(self, task: Task, error: str | None) -> None:
         """Host copies are read by the dispatcher; here requests progress, finish and are forgotten."""
         observed = self._dispatcher.complete(task)
+        self.running_nodes -= task.nodes
         self._scheduler.task_completed(task)
         table, rows = self._table, task.rows
         table.task_ended(rows, task.counts)
@@ -220,6 +228,7 @@ class RequestProcessor:
         """Write off a dead worker's tasks in flight; return the unanswered requests that had values there."""
         table = self._table
         for task in tasks:
+            self.running_nodes -= task.nodes
             self._scheduler.task_completed(task)
             table.task_ended(task.rows, None)
         affected = []

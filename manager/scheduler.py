@@ -16,7 +16,8 @@ ahead. A request is pinned to the worker its values are written on while it has 
 flight; with several workers, a request with nothing in flight may move (affinity "subgraph",
 the paper's) to another worker of the same host, and reads the values it needs from the first
 worker's arena: a request with values on a host stays on that host (a replay starts afresh, on
-any). With affinity "request" it stays on the worker of its first task. Readiness, placement,
+any), and moves only to a worker that said it can read the arenas of every worker holding its
+values (GPUs without peer access may not). With affinity "request" it stays on the worker of its first task. Readiness, placement,
 the arena's room and the batch size are checked for all lanes of a queue at once; nothing here
 loops over cells.
 """
@@ -185,6 +186,8 @@ class Scheduler:
             movable = home == NO_WORKER
             if self.several_workers and not self._request_affinity:  # to a worker that can read its values
                 movable |= (table.inflight[rows] == 0) & (table.host[rows] == worker.host_number)
+                if worker.unread:
+                    self._keep_readable(movable & ~here, rows, movable, worker)
             keep = allowed & (here | movable)
         else:
             keep = np.ones(len(rows), bool)
@@ -209,6 +212,14 @@ class Scheduler:
         sizes = ready.sizes[: last + 1].copy()
         sizes[last] = limit - (total[last] - sizes[last])
         return Ready(ready.lanes[: last + 1], ready.rows[: last + 1], sizes, ready.first[: last + 1], ready.lanes[last + 1 :])
+
+    def _keep_readable(self, moving: np.ndarray, rows: np.ndarray, movable: np.ndarray, worker: WorkerHandle) -> None:
+        """Of the requests `moving` to `worker`, clear in `movable` those with values on a worker whose arenas
+        it cannot read, or has not yet said it can: a request's rows name every worker it has values on.
+        Only for a worker with such peers, which are rare: a worker reports its peers as it registers."""
+        requests = self._table.requests
+        at = np.flatnonzero(moving)
+        movable[at] = [worker.unread.isdisjoint(requests[row].rows) for row in rows[at]]
 
     def _issue(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle) -> Task:
         """UpdateNodesDependency: the lanes advance, their requests count the issued nodes and are

@@ -331,6 +331,7 @@ class Manager:
                     "local": w.local,
                     "rows_read_from_peers": {str(peer): rows for peer, rows in w.rows_read_from.items()},
                     "rows_in_notices": w.rows_in_notices,
+                    "unreadable_peers": {str(peer): why for peer, why in w.unreadable.items()},
                     "arenas": w.occupancy(),
                     "slots_in_use": w.slots_in_use(),
                 }

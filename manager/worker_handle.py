@@ -86,6 +86,10 @@ class WorkerHandle:
         self.rows_read_from: collections.Counter[int] = collections.Counter()  # rows its tasks read from each peer
         self.rows_in_notices = 0  # result rows that reached the manager inside its notices
         self.arenas = registration.get("arenas", [])  # as announced, for peers to open
+        # Workers of its host whose arenas it has not said it can read (the pool keeps this): no request
+        # with values on one of them moves here. `unreadable` says why, for those it said it cannot read.
+        self.unread: set[int] = set()
+        self.unreadable: dict[int, str] = {}
         self.full_task_s = registration.get("full_task_s")  # timed at its warm-up, for admission (unchecked)
         now = time.monotonic()
         self.registered_at = now

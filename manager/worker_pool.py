@@ -163,6 +163,8 @@ class WorkerPool:
                     for worker in self.workers.values()
                     if worker.local and worker.pid == message.get("pid")
                 ]
+            elif op == "peers":  # which of the announced arenas a registered worker could open
+                self._peers_read(identity, message)
             else:
                 worker = self._register(identity, message)
                 if worker is not None and (worker.host, worker.index) in self.seen:
@@ -177,6 +179,20 @@ class WorkerPool:
     def _from_supervisor(self, message: dict[str, Any]) -> bool:
         token = message.get("token")
         return bool(self._supervisor_token) and isinstance(token, bytes) and hmac.compare_digest(token, self._supervisor_token)
+
+    def _peers_read(self, identity: bytes, message: dict[str, Any]) -> None:
+        """A worker says which peers' arenas it opened and which it could not (an IPC open that failed, GPUs
+        without peer access, server.cross_gpu_reads): placement moves a request to it only from the former."""
+        worker = next((w for w in self.workers.values() if w.identity == identity), None)
+        readable, unreadable = message.get("readable"), message.get("unreadable")
+        if worker is None or not isinstance(readable, list) or not isinstance(unreadable, dict):
+            self._drop("a malformed peers report on the worker control socket")
+            return
+        worker.unread.difference_update(readable)
+        for peer, reason in unreadable.items():
+            log.warning("worker %d cannot read the arenas of worker %s: %s", worker.worker_id, echo(peer), echo(reason))
+            if isinstance(peer, str) and peer.isdigit() and int(peer) in worker.unread:
+                worker.unreadable[int(peer)] = str(reason)
 
     def _drop(self, what: str) -> None:
         """A message on the worker sockets that no worker of ours sent as it is: counted, logged, ignored."""
@@ -206,6 +222,9 @@ class WorkerPool:
         self._next_worker_id += 1
         neighbours = self._neighbours(worker)
         self.workers[worker.worker_id] = worker
+        worker.unread = {other.worker_id for other in neighbours}  # until it says it opened their arenas
+        for other in neighbours:
+            other.unread.add(worker.worker_id)
         log.info(
             "worker %s (pid %s, %s) on %s host %s registered as %d",
             worker.index, worker.pid, worker.device, "this" if worker.local else "another", host, worker.worker_id,
@@ -251,6 +270,8 @@ class WorkerPool:
         """Forget a dead worker; the others of its host stop reading its arenas."""
         del self.workers[worker.worker_id]
         for other in self._neighbours(worker):
+            other.unread.discard(worker.worker_id)
+            other.unreadable.pop(worker.worker_id, None)
             self.control.send_multipart([other.identity, b"forget-peer", encode({"worker_id": worker.worker_id})])
         worker.close()
 

@@ -94,3 +94,25 @@ def test_a_lost_last_worker_fails_its_requests_with_worker_lost(harness):
     del h.core.workers[worker.worker_id]
     [failed] = h.core.worker_lost(worker, "exited")
     assert isinstance(failed, Failed) and failed.error.code == WORKER_LOST
+
+
+def test_the_expected_wait_counts_the_cells_the_workers_hold_until_they_complete(harness):
+    """Cells issued to a worker are still ahead of a new request: admission refuses on them as on queued
+    ones, and counts them off as their tasks complete (or their worker is lost)."""
+    h = harness(server="max_queue_delay_ms = 250", workers=2)
+    h.core.admission.estimator.assume(10.0)  # cells per second: 2 cells are a 200 ms wait, 3 are 300 ms
+    first, second = h.workers
+    h.admit("lstm", {"tokens": [1, 2, 3]})
+    assert h.schedule(first) == 3
+    assert (h.processor.unsubmitted_nodes, h.processor.unfinished_nodes) == (0, 3)
+    with pytest.raises(RequestError, match="estimated wait 300 ms") as refused:
+        h.admit("lstm", {"tokens": [1]})
+    assert refused.value.code == OVERLOADED
+    h.complete_oldest(first)
+    assert h.processor.unfinished_nodes == 2
+    h.admit("lstm", {"tokens": [1]})  # 200 ms
+    assert h.schedule(second) == 1
+    del h.core.workers[first.worker_id]  # the pool forgets it first
+    h.core.worker_lost(first, "killed")
+    assert h.processor.running_nodes == 1  # the replayed request's 3 cells are queued again
+    assert h.processor.unfinished_nodes == 4

@@ -30,9 +30,9 @@ from test_cuda_fake import (
 )
 from torch.overrides import TorchFunctionMode
 
-from common.task import TaskMessage
+from common.task import TaskMessage, decode_notice
 from worker import cuda
-from worker.backend import DeviceFault
+from worker.backend import FULL_TASK_RUNS, DeviceFault
 from worker.cuda import CudaBackend
 from worker.device_tasks import consecutive_runs
 from worker.main import InProgressFIFO, Poller
@@ -214,7 +214,7 @@ def test_a_peer_that_cannot_be_opened_is_not_read_and_the_worker_lives(small, re
     back = peer_arenas(small, uuid_index=1)
     with fake_backend(small, FakeRuntime(peer_access=frozenset({(0, 1)}))) as (backend, runtime, _):
         runtime.refuse_open = refusal
-        backend.attach_peer(DISTANT_PEER, announced)
+        assert said in backend.attach_peer(DISTANT_PEER, announced)  # for the manager, which places by it
         assert said in backend._tasks.unreadable[DISTANT_PEER]
         task = lstm_task(1, small, backend)
         state = task.inputs[1]
@@ -224,7 +224,7 @@ def test_a_peer_that_cannot_be_opened_is_not_read_and_the_worker_lives(small, re
         assert said in backend.finish(2)
         assert backend.finish(3) is None
         runtime.refuse_open = None
-        backend.attach_peer(DISTANT_PEER, back)  # it came back
+        assert backend.attach_peer(DISTANT_PEER, back) is None  # it came back
         assert DISTANT_PEER not in backend._tasks.unreadable
         backend.detach_peer(DISTANT_PEER)
         assert not backend._tasks.peers
@@ -244,7 +244,8 @@ def test_cross_gpu_reads_follow_the_setting(small, setting: str, access, mapped_
     announced = peer_arenas(small, uuid_index=1)
     runtime = FakeRuntime(peer_access=access)
     with fake_backend(small, runtime, cross_gpu_reads=setting) as (backend, _, _):
-        backend.attach_peer(DISTANT_PEER, announced)
+        said = backend.attach_peer(DISTANT_PEER, announced)
+        assert (said is None) is (mapped_on is not None)
         assert [device for _, device in runtime.opened][:1] == ([] if mapped_on is None else [mapped_on])
         assert (DISTANT_PEER in backend._tasks.unreadable) is (mapped_on is None)
 
@@ -273,7 +274,55 @@ def test_warm_up_runs_every_operation_serving_runs(small):
         assert backend.finish(1) is None
         served = {call.what for call in runtime.calls[start:]}
     assert {"aten.index_copy_.default", "download", "upload", "signal"} <= served
-    assert served - warmed == {"signal"}  # warm-up leaves the counter at 0; its write is a download's copy
+    assert served <= warmed
+
+
+def test_warm_up_times_each_cell_types_full_task_through_the_stream(small):
+    """The manager's admission has a step cost from the first request: each cell type's task at its largest
+    batch, issued, signalled and awaited FULL_TASK_RUNS times as serving runs it."""
+    specs, _, _ = small
+    with fake_backend(small) as (backend, runtime, _):
+        backend.warm_up()
+        timed = backend.full_task_seconds()
+        signals = [call for call in runtime.calls if call.what == "signal"]
+    assert set(timed) == {spec.key for spec in specs}
+    assert all(seconds > 0 for seconds in timed.values())
+    assert len(signals) == FULL_TASK_RUNS * len(specs) == backend.signal()
+    assert all(call.stream is backend._calls.stream for call in signals)
+
+
+@contextlib.contextmanager
+def poller_of(backend: CudaBackend, fifo: InProgressFIFO, tmp_path: Path) -> Iterator[tuple[Poller, zmq.Socket]]:
+    """A started Poller of `backend`, and the socket its notices arrive on."""
+    context = zmq.Context()
+    receiver = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/completions"
+    receiver.bind(address)
+    try:
+        poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
+        poller.start()
+        yield poller, receiver
+        poller.stopping.set()
+        poller.join(timeout=60)
+    finally:
+        receiver.close()
+        context.destroy(linger=0)  # a poller that died would leave its socket open
+
+
+def test_the_poller_reports_from_where_warm_up_left_the_counter(small, tmp_path: Path):
+    """Warm-up's timed tasks moved the counter and are in no FIFO: the first notice is of the first served task."""
+    fifo = InProgressFIFO()
+    with fake_backend(small) as (backend, _, _):
+        backend.warm_up()
+        with poller_of(backend, fifo, tmp_path) as (_, receiver):
+            fifo.push(1, [])
+            backend.issue(lstm_task(1, small, backend))
+            notices = []
+            while not any(notice.task_ids for notice in notices):
+                assert receiver.poll(60_000), "no notice"
+                notices.append(decode_notice(receiver.recv()))
+    assert [notice.task_ids for notice in notices if notice.task_ids] == [[1]]
+    assert notices[-1].signal == FULL_TASK_RUNS * len(small[0]) + 1
 
 
 # -- polling and device faults --------------------------------------------------------------------------
@@ -346,26 +395,17 @@ def test_a_device_fault_reaches_the_poller_when_no_task_comes(small, monkeypatch
 def test_the_poller_stops_on_a_device_fault_for_the_worker_to_exit(small, tmp_path: Path):
     """The poller learns of the fault while waiting for the counter: it records it and ends, and the
     worker's issue loop ends on it (worker.main exits with EXIT_DEVICE_FAULT, to be restarted)."""
-    context = zmq.Context()
-    receiver = context.socket(zmq.PULL)
-    address = f"ipc://{tmp_path}/completions"
-    receiver.bind(address)
-    try:
-        with fake_backend(small) as (backend, runtime, _):
-            backend.stall()
-            fifo = InProgressFIFO()
-            fifo.push(1, [])
-            backend.issue(lstm_task(1, small, backend))
-            runtime.fail()
-            poller = Poller(context, address, worker_id=7, key=b"key-7", backend=backend, fifo=fifo, curve=None)
-            poller.start()
+    with fake_backend(small) as (backend, runtime, _):
+        backend.stall()
+        fifo = InProgressFIFO()
+        fifo.push(1, [])
+        backend.issue(lstm_task(1, small, backend))
+        runtime.fail()
+        with poller_of(backend, fifo, tmp_path) as (poller, _):
             poller.join(timeout=60)
             assert not poller.is_alive()
             assert isinstance(poller.fault, DeviceFault)
             assert "device-side assert" in str(poller.fault)
-    finally:
-        receiver.close()
-        context.term()
 
 
 def test_a_detached_peer_is_unmapped_only_after_the_stream_passes_its_last_reads(small):

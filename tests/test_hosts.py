@@ -179,6 +179,7 @@ def test_workers_on_two_hosts_answer_correctly_without_reading_across_hosts(two_
     for worker_id, worker in workers.items():
         assert worker["tasks_completed"] > 0
         assert (worker["rows_in_notices"] > 0) is (not worker["local"]), worker
+        assert worker["unreadable_peers"] == {}, worker  # each reported having opened its neighbours' arenas
         for peer in worker["rows_read_from_peers"]:
             assert hosts[peer] == hosts[worker_id], f"worker {worker_id} read the arena of {peer}, on another host"
     assert sum(sum(w["rows_read_from_peers"].values()) for w in workers.values() if w["local"]) > 0

@@ -315,3 +315,29 @@ def test_a_lower_priority_lane_waits_at_most_max_passes_tasks(harness):
         h.complete_oldest(worker)
     assert served_low_at == [MAX_PASSES, 2 * MAX_PASSES + 1, 3 * MAX_PASSES + 2]
     assert low.done
+
+
+def test_a_request_moves_only_to_a_worker_that_can_read_where_its_values_are(harness):
+    """A worker that cannot read a peer's arenas (or has not yet said it can) gets no request with values
+    there; a worker beside it that can takes the request, and once it can, it does too."""
+    h = harness(max_tasks_to_submit=2, hosts=[0, 0, 0])
+    first, blind, beside = h.workers
+    blind.unread = {first.worker_id}
+    request = h.admit("lstm", {"tokens": [1, 2, 3, 4, 5, 6]})
+    assert h.schedule(first) == 2
+    while first.tasks:
+        h.complete_oldest(first)
+    assert h.schedule(blind) == 0  # its values are on `first`
+    newcomer = h.admit("lstm", {"tokens": [5, 6]})
+    assert h.schedule(blind) == 2 and all(h.processor.requests_of(t) == [newcomer] for t in h.in_flight(blind))
+    assert h.schedule(beside) == 2
+    assert h.processor.requests_of(h.in_flight(beside)[0]) == [request]
+    while beside.tasks:
+        h.complete_oldest(beside)
+    while blind.tasks:
+        h.complete_oldest(blind)
+    assert h.schedule(blind) == 0  # it still holds rows on `first`
+    blind.unread = set()
+    assert h.schedule(blind) == 2
+    assert h.processor.requests_of(h.in_flight(blind)[0]) == [request]
+    assert blind.rows_read_from == {beside.worker_id: 2}  # h and c of its last step, from `beside`

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,10 +15,11 @@ import zmq
 from conftest import SMALL_LSTM, write_config
 
 from common.models import build_model
+from common.protocol import decode
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
 from common.task import CompletionNotice, TaskMessage, decode_notice, decode_task, encode_task
 from worker.backend import arena_ids
-from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, load_cells
+from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, Worker, load_cells
 from worker.notices import InProgressFIFO, Poller
 
 ROWS = 64
@@ -152,6 +154,49 @@ def test_cpu_backend_reports_a_task_it_cannot_resolve_in_its_turn(cells):
         assert "99" in (backend.finish(2) or "")
     finally:
         backend.close()
+
+
+def test_a_cpu_worker_that_cannot_map_a_peer_says_why_and_maps_the_others(cells):
+    """A peer whose shared memory is gone (it died as it was announced) is not read from; the worker lives,
+    reads the peers it could map, and says why for the manager to place requests by."""
+    peer = make_backend("cpu", cells)
+    backend = make_backend("cpu", cells)
+    try:
+        announced = [info.to_wire() for info in peer.arenas]
+        gone = [{**arena, "shm": f"{arena['shm']}-gone"} if arena["space"] == "device" else arena for arena in announced]
+        assert backend.attach_peer(7, announced) is None
+        reason = backend.attach_peer(8, gone)
+        assert reason is not None and "FileNotFoundError" in reason
+        assert {worker_id for worker_id, _ in backend._peers} == {7}
+        assert 8 not in backend._peer_memory
+    finally:
+        backend.close()
+        peer.close()
+
+
+def test_the_worker_tells_the_manager_which_peers_it_can_read(tmp_path: Path):
+    """After opening the arenas it was told of, the worker reports which it can read and why not the others,
+    on its control socket: the manager moves requests to it only from those."""
+    reasons = {7: None, 8: "RuntimeError: GPU 1 has no peer access from GPU 0"}
+    backend = SimpleNamespace(attach_peer=lambda worker_id, arenas: reasons[worker_id])
+    address = f"ipc://{tmp_path}/workers"
+    context = zmq.Context()
+    manager = context.socket(zmq.ROUTER)
+    manager.bind(address)
+    worker = Worker(backend, address, 0, [], None, "host-a")
+    try:
+        worker._socket.connect(address)
+        worker._attach_peers({"7": [], "8": []})
+        assert manager.poll(60_000)
+        _, frame = manager.recv_multipart()
+        assert decode(frame) == {"op": "peers", "readable": [7], "unreadable": {"8": reasons[8]}}
+        worker._attach_peers({})  # nothing announced: nothing to report
+        assert not manager.poll(100)
+    finally:
+        worker._socket.close(linger=0)
+        worker._context.term()
+        manager.close(linger=0)
+        context.term()
 
 
 def test_warm_up_writes_only_the_scratch_row(cells):

@@ -189,6 +189,50 @@ def test_workers_are_told_only_of_the_arenas_of_their_own_host(pool: Pool):
     pool.reply(other, b"ping")
 
 
+def report_peers(pool: Pool, socket: zmq.Socket, report: dict[str, Any]) -> None:
+    """Send a worker's report of the peers it opened, and wait until the pool has read it."""
+    dropped = pool.pool.dropped_messages
+    socket.send(encode({"op": "peers", **report}))
+    pool.pool.watch()  # its ping comes after the report: once the ping is back, the report has been read
+    pool.reply(socket, b"ping")
+    assert pool.pool.dropped_messages == dropped
+
+
+def test_a_worker_is_given_requests_from_a_peer_only_once_it_says_it_can_read_its_arenas(pool: Pool):
+    """Placement (manager/scheduler.py) moves a request to a worker only from the workers not in its
+    `unread` set: every worker of its host until it reports having opened their arenas."""
+    first, first_reply = pool.register("host-a")
+    second, second_reply = pool.register("host-a")
+    pool.register("host-b")
+    a, b = pool.handle(first_reply), pool.handle(second_reply)
+    assert (a.unread, b.unread) == ({b.worker_id}, {a.worker_id})
+    pool.reply(first, b"peers")
+    report_peers(pool, second, {"readable": [], "unreadable": {str(a.worker_id): "no peer access"}})
+    report_peers(pool, first, {"readable": [b.worker_id], "unreadable": {}})
+    assert (a.unread, b.unread) == (set(), {a.worker_id})
+    assert b.unreadable == {a.worker_id: "no peer access"}
+    pool.pool.remove(a)
+    assert (b.unread, b.unreadable) == (set(), {})
+
+
+@pytest.mark.parametrize(
+    "report", [{"readable": "all", "unreadable": {}}, {"readable": [], "unreadable": ["1"]}, {"readable": []}]
+)
+def test_a_malformed_peers_report_is_dropped_and_changes_nothing(pool: Pool, report: dict[str, Any]):
+    first, first_reply = pool.register("host-a")
+    _, second_reply = pool.register("host-a")
+    dropped = pool.pool.dropped_messages
+    first.send(encode({"op": "peers", **report}))
+    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped")
+    assert pool.handle(first_reply).unread == {second_reply["worker_id"]}
+
+
+def test_a_peers_report_from_a_socket_that_never_registered_is_dropped(pool: Pool):
+    dropped = pool.pool.dropped_messages
+    pool.dealer().send(encode({"op": "peers", "readable": [0], "unreadable": {}}))
+    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped")
+
+
 def test_only_a_worker_of_this_host_is_written_off_by_pid(pool: Pool):
     """The supervisor reports exited processes of the manager's host by pid; the same pid on another
     host is another process."""

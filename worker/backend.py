@@ -11,8 +11,9 @@ from __future__ import annotations
 import statistics
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,7 @@ def warm_up_tasks(specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int
 
 
 FULL_TASK_RUNS = 5  # timings of each cell type's full task at warm-up: the median is kept
+FULL_TASK_TIMEOUT_S = 60.0  # a full task timed at warm-up that takes longer has a stream that is stuck
 
 
 def time_full_tasks(
@@ -120,6 +122,7 @@ def warm_up_failure(spec: CellTypeSpec, batch_size: int, exc: Exception) -> Conf
 
 class Backend(ABC):
     device: str
+    _full_task_s: Mapping[str, float] = MappingProxyType({})  # until time_full_tasks
 
     @property
     @abstractmethod
@@ -137,14 +140,26 @@ class Backend(ABC):
     def warm_up(self) -> None:
         """Materialize every (cell type, batch size) once before serving."""
 
+    def time_full_tasks(self, specs: list[CellTypeSpec], ids: dict[ValueKind, tuple[int, int]]) -> None:
+        """Time each cell type's full task through the stream, as serving runs it; the last step of warm-up."""
+        self._full_task_s = time_full_tasks(specs, ids, self._through_stream)
+
+    def _through_stream(self, task: TaskMessage) -> None:
+        """Run one task the way serving does (issued, run on the stream, its completion awaited), before
+        serving starts: the poller starts from the signal counter's value at registration."""
+        seen = self.signal()
+        self.issue(task)
+        self.wait_for_signal(seen, FULL_TASK_TIMEOUT_S)
+        self.finish(task.task_id)
+
     def full_task_seconds(self) -> dict[str, float]:
-        """Seconds per task of each cell type at its largest batch, timed at warm-up (time_full_tasks);
-        empty where the backend does not time them."""
-        return {}
+        """Seconds per task of each cell type at its largest batch, timed at warm-up (time_full_tasks)."""
+        return dict(self._full_task_s)
 
     @abstractmethod
-    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
-        """Open another worker's device arenas (as announced at its registration) to read values produced there."""
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> str | None:
+        """Open another worker's device arenas (as announced at its registration) to read values produced there;
+        returns why they cannot be read from here (None once they can), for the manager to place requests by."""
 
     @abstractmethod
     def detach_peer(self, worker_id: int) -> None:

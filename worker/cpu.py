@@ -22,14 +22,13 @@ from torch import nn
 from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
-from worker.backend import ArenaInfo, Backend, arena_ids, time_full_tasks, warm_up_failure, warm_up_tasks
+from worker.backend import ArenaInfo, Backend, arena_ids, warm_up_failure, warm_up_tasks
 from worker.batched_task import IssuedTask, PeerArenas, resolve, run_task
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 _STALL = object()  # test hook: the stream blocks forever, like a hung device
-WARM_UP_TASK_TIMEOUT_S = 60.0  # a full task timed at warm-up that takes longer has a stream that is stuck
 
 
 @dataclass
@@ -61,7 +60,6 @@ class CpuBackend(Backend):
         self._peer_memory: dict[int, list[SharedArray]] = {}
         self._counter = SharedArray("int64", (1,))
         self._errors: dict[int, str] = {}
-        self._full_task_s: dict[str, float] = {}
         self._advanced = threading.Condition()
         self._report: Callable[[int], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -83,28 +81,22 @@ class CpuBackend(Backend):
                     run_task(resolve(task, self._tensors, self._cells, self._peers))
                 except Exception as exc:
                     raise warm_up_failure(self._specs[task.cell_index], task.batch_size, exc) from exc
-        self._full_task_s = time_full_tasks(self._specs, self._ids, self._through_stream)
+        self.time_full_tasks(self._specs, self._ids)
 
-    def _through_stream(self, task: TaskMessage) -> None:
-        """Run one task the way serving does (issued, run on the stream, its completion awaited), before
-        serving starts: the manager reads the signal counter's changes, never its value."""
-        seen = self.signal()
-        self.issue(task)
-        self.wait_for_signal(seen, WARM_UP_TASK_TIMEOUT_S)
-        self.finish(task.task_id)
-
-    def full_task_seconds(self) -> dict[str, float]:
-        return self._full_task_s
-
-    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> str | None:
         self.detach_peer(worker_id)
-        mapped = []
-        for arena in arenas:
-            if arena["space"] == "device" and arena.get("shm"):
-                shared = SharedArray(arena["dtype"], (arena["rows"], *arena["shape"]), name=arena["shm"])
-                mapped.append(shared)
-                self._peers[(worker_id, arena["id"])] = torch.from_numpy(shared.array)
+        mapped: list[SharedArray] = []
         self._peer_memory[worker_id] = mapped
+        try:
+            for arena in arenas:
+                if arena["space"] == "device" and arena.get("shm"):
+                    mapped.append(SharedArray(arena["dtype"], (arena["rows"], *arena["shape"]), name=arena["shm"]))
+                    self._peers[(worker_id, arena["id"])] = torch.from_numpy(mapped[-1].array)
+        except (OSError, ValueError) as exc:  # its shared memory is gone (the peer died) or is not as announced
+            self.detach_peer(worker_id)
+            log.warning("cannot map the arenas of worker %d (%s); it will not read from it", worker_id, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def detach_peer(self, worker_id: int) -> None:
         for key in [key for key in self._peers if key[0] == worker_id]:

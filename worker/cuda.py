@@ -113,6 +113,7 @@ class CudaBackend(Backend):
         self._gpus = {self._runtime.uuid(index): index for index in range(self._runtime.device_count())}
         own = self._runtime.uuid(self._dev.index)
         ids = arena_ids(kinds)
+        self._specs, self._ids = specs, ids
         self._arena_info: list[ArenaInfo] = []
         self._shared: list[SharedArray] = []
         arenas: dict[int, torch.Tensor] = {}
@@ -148,10 +149,12 @@ class CudaBackend(Backend):
         self._tasks.warm_up(capture_on(self._calls.stream) if self._cuda_graphs else None)
         if not self._calls.wait(WARM_UP_TIMEOUT_S):
             raise RuntimeError(f"warm-up on {self.device} did not finish within {WARM_UP_TIMEOUT_S:.0f} s")
+        self.time_full_tasks(self._specs, self._ids)
 
-    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> None:
+    def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> str | None:
         """Open a peer's device arenas; a peer that cannot be opened (it has died, its GPU is not visible
-        here or has no peer access) is logged and not read from: tasks that need its values fail alone."""
+        here or has no peer access) is logged and not read from: the manager, told why, places no request
+        with values there on this worker, and a task that needs them anyway fails alone."""
         self.detach_peer(worker_id)
         try:
             opened = {
@@ -163,8 +166,9 @@ class CudaBackend(Backend):
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("%s cannot read the arenas of worker %d (%s); it will not read from it", self.device, worker_id, reason)
             self._tasks.unreadable[worker_id] = reason
-            return
+            return reason
         self._tasks.peers.update(opened)
+        return None
 
     def _open(self, arena: dict[str, Any]) -> torch.Tensor:
         uuid, *ipc = arena["handle"]

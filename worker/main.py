@@ -186,8 +186,17 @@ class Worker:
         raise TimeoutError(f"manager at {self._manager} did not answer the registration{hint}")
 
     def _attach_peers(self, peers: dict[Any, list[dict[str, Any]]]) -> None:
+        """Open the peers' arenas and tell the manager which ones this worker can read: it moves a request
+        here only once every worker holding its values is one of them."""
+        readable, unreadable = [], {}
         for worker_id, arenas in peers.items():
-            self._backend.attach_peer(int(worker_id), arenas)
+            reason = self._backend.attach_peer(int(worker_id), arenas)
+            if reason is None:
+                readable.append(int(worker_id))
+            else:
+                unreadable[str(worker_id)] = reason
+        if peers:
+            self._socket.send(encode({"op": "peers", "readable": readable, "unreadable": unreadable}))
 
     def _check_alive(self) -> None:
         """Exit when the supervisor that started us is gone before we registered, or the manager has

@@ -120,7 +120,7 @@ class Poller(threading.Thread):
             self._socket.send(self._heartbeat(self._backend.signal()))
 
     def _watch_signal(self) -> None:
-        done = 0
+        done = self._backend.signal()  # warm-up ran tasks through the stream, none of them in the FIFO
         last_sent = 0.0
         while not self.stopping.is_set():
             finished = self._backend.signal()
