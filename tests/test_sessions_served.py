@@ -249,7 +249,7 @@ def test_a_waiting_request_that_fails_leaves_the_session_as_it_was(served):
     """Behind a long chunk: one request cancelled, one past its deadline, one with bad input; the
     session goes on from the long chunk's state."""
     server, models = served
-    long_part, last = chunks(60, [LONG // 2, 5])
+    long_part, last = chunks(60, [LONG, 5])
 
     async def run() -> tuple[list[Any], dict[str, Any]]:
         async with AsyncClient(server.address, timeout=120) as client:
@@ -262,10 +262,10 @@ def test_a_waiting_request_that_fails_leaves_the_session_as_it_was(served):
             ]
             futures = [asyncio.ensure_future(call) for call in calls]
 
-            async def all_waiting() -> bool:
-                return (await client.stats())["requests_waiting_for_their_session"] == 4
+            async def late_one_expired() -> bool:  # the other three still wait behind the long chunk
+                return futures[2].done() and (await client.stats())["requests_waiting_for_their_session"] == 3
 
-            await wait_until_async(all_waiting, "four requests waiting behind the long chunk")
+            await wait_until_async(late_one_expired, "the late request expiring while three wait behind the long chunk")
             assert (await client.cancel("cancelled"))["cancelled"] is True
             replies = await asyncio.gather(*futures, return_exceptions=True)
             return replies, await client.stats()
