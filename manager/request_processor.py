@@ -141,7 +141,7 @@ class RequestProcessor:
             if request.done:
                 return
         self._end(request)
-        earliest = self.earliest_running_arrival()
+        earliest = self._table.unanswered.earliest_arrival()
         timing = request_timing(request.arrival, float(self._table.started[request.row]), time.perf_counter())
         outputs = request.model.outputs(request.unfolded, request.results)
         self._outcomes.append(Answered(request, outputs, timing, earliest is not None and earliest < request.arrival))
@@ -257,13 +257,6 @@ class RequestProcessor:
         replayed.restarted = request.streamed_rows > 0 or request.restarted  # its client must drop what was streamed
         self._outcomes.append(Replayed(replayed))
         return replayed
-
-    def earliest_running_arrival(self) -> float | None:
-        """Arrival time of the oldest request not yet answered (for the 'leaving' statistic)."""
-        for request in self._table.live.values():
-            if not request.done:
-                return request.arrival
-        return None
 
     def requests_of(self, task: Task) -> list[Request]:
         """The requests a task holds nodes of (for tests and introspection)."""

@@ -1,7 +1,8 @@
 """The request table: the one home of every admitted request until it is forgotten, and the
 per-request state the scheduler reads for whole batches, as numpy columns indexed by a request's
 row (a row is reused once its request is forgotten). It grows by doubling. Beside the rows, its
-index of unanswered requests finds a request by client and id, and keeps the deadline heap.
+index of unanswered requests finds a request by client and id, and keeps the deadline heap and
+the arrival heap.
 
 Only the table's own methods write its columns and its index, each named for the event that
 writes it: admission (`add`, which sets a row's columns to their starting values), the plan
@@ -38,12 +39,15 @@ def grow_rows(array: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
 
 
 class UnansweredIndex:
-    """The requests admitted and not yet answered, by client and id, and the deadlines of those that
-    have one (a heap, so the event loop sleeps until the next). Written by the request table alone."""
+    """The requests admitted and not yet answered, by client and id, the deadlines of those that
+    have one (a heap, so the event loop sleeps until the next), and their arrivals (a heap: a replay
+    or a session's request that waited its turn is admitted after requests that arrived later).
+    Written by the request table alone."""
 
     def __init__(self) -> None:
         self._by_client: dict[tuple[bytes, Any], Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []  # (deadline, tie-breaker, request)
+        self._arrivals: list[tuple[float, int, Request]] = []  # (arrival, tie-breaker, request)
 
     def __len__(self) -> int:
         return len(self._by_client)
@@ -69,6 +73,13 @@ class UnansweredIndex:
             if not request.done:
                 yield request
 
+    def earliest_arrival(self) -> float | None:
+        """Arrival time of the oldest request not yet answered (answered ones leave the heap as they surface)."""
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][2].done:
+            heapq.heappop(arrivals)
+        return arrivals[0][0] if arrivals else None
+
     def wait_ms(self, longest: int) -> int:
         """How long the event loop may sleep before the next deadline (at most `longest`)."""
         if not self._deadlines:
@@ -79,12 +90,16 @@ class UnansweredIndex:
     def _add(self, request: Request) -> None:
         """A replay replaces the record it was made from."""
         self._by_client[(request.client, request.request_id)] = request
+        heapq.heappush(self._arrivals, (request.arrival, id(request), request))
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, id(request), request))
 
     def _remove(self, request: Request) -> None:
         if self._by_client.get((request.client, request.request_id)) is request:
             del self._by_client[(request.client, request.request_id)]
+        if len(self._arrivals) > 2 * len(self._by_client) + 64:  # answered requests behind a long-running one
+            self._arrivals = [entry for entry in self._arrivals if not entry[2].done]
+            heapq.heapify(self._arrivals)
 
 
 class RequestTable:

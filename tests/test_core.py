@@ -116,3 +116,24 @@ def test_the_expected_wait_counts_the_cells_the_workers_hold_until_they_complete
     h.core.worker_lost(first, "killed")
     assert h.processor.running_nodes == 1  # the replayed request's 3 cells are queued again
     assert h.processor.unfinished_nodes == 4
+
+
+def test_a_replayed_request_still_counts_as_arrived_before_those_admitted_after_it(harness):
+    """A replay is admitted again at the end of the table but keeps its arrival: a request answered
+    while it runs was answered before a request that arrived earlier (`leaving_requests`)."""
+    h = harness(workers=2)
+    first, second = h.workers
+    h.admit("lstm", {"tokens": [1] * 8}, name="oldest", arrival=1.0)
+    h.schedule(first)
+    short = h.admit("lstm", {"tokens": [1]}, name="short", arrival=2.0)
+    h.admit("lstm", {"tokens": [1] * 8}, name="long", arrival=3.0)
+    del h.core.workers[first.worker_id]
+    [replayed] = h.core.worker_lost(first, "killed")
+    answered = []
+    while not answered:
+        h.schedule(second)
+        task = second.tasks[min(second.tasks)]
+        outcomes = h.core.complete(second, CompletionNotice(second.worker_id, [task.task_id], {}, 0))
+        answered = [o for o in outcomes if isinstance(o, Answered)]
+    assert [o.request for o in answered] == [short] and answered[0].left_early
+    assert not replayed.request.done

@@ -230,3 +230,21 @@ def test_with_no_deadline_the_event_loop_sleeps_its_longest_and_a_past_deadline_
     assert index.wait_ms(250) == 250 and list(index.expired()) == []
     index = table_of(request(b"x", 1, time.perf_counter() - 1)).unanswered
     assert index.wait_ms(250) == 0
+
+
+def test_the_earliest_arrival_is_the_oldest_unanswered_and_answered_ones_behind_it_are_not_kept():
+    oldest = request(b"x", 0)
+    oldest.arrival = 1.0
+    later = [request(b"x", i) for i in range(1, 1001)]
+    for i, each in enumerate(later):
+        each.arrival = 2.0 + i
+    table = table_of(*later[:10], oldest, *later[10:])  # admitted out of arrival order, as a replay is
+    assert table.unanswered.earliest_arrival() == 1.0
+    for each in later:
+        each.state = each.state.DONE
+        table.conclude(each)
+    assert table.unanswered.earliest_arrival() == 1.0
+    assert len(table.unanswered._arrivals) < 100  # not the 1000 answered while the oldest runs
+    oldest.state = oldest.state.DONE
+    table.conclude(oldest)
+    assert table.unanswered.earliest_arrival() is None
