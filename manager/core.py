@@ -4,7 +4,7 @@ the workers' arena rows and every worker's tasks in flight.
 It does no I/O and never calls back: each method returns what happened, as outcomes (a
 request answered, failed, replayed or refused before admission, or a streamed request's partial
 reply) or as the tasks to send, and the event loop (manager.server) turns those into messages
-and one stats event each (none for a partial). The parts it is made
+and one stats event each. The parts it is made
 of: the request table, which holds every live request and indexes the unanswered ones by
 client with their deadlines, and the plan store (manager.request_table, manager.plan_store),
 the session store (manager.sessions),

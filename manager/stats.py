@@ -38,6 +38,7 @@ class Stats:
         self.leaving_requests = 0
         self.worker_losses = 0
         self.replayed = 0
+        self.partial_replies = 0
         self.batch_sizes: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         self._latency: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=LATENCY_WINDOW)
 
@@ -77,6 +78,10 @@ class Stats:
         self.leaving_requests += outcome.left_early
         if self.metrics is not None:
             self.metrics.request_finished(name, "ok", timing["total_us"] / 1e6, timing["queue_us"] / 1e6)
+
+    def partial_sent(self) -> None:
+        """A streamed request's partial reply was sent (its answer is counted when it concludes)."""
+        self.partial_replies += 1
 
     def worker_lost(self, worker_id: int) -> None:
         self.worker_losses += 1
@@ -128,6 +133,7 @@ class Stats:
             "leaving_requests": self.leaving_requests,
             "worker_losses": self.worker_losses,
             "replayed_requests": self.replayed,
+            "partial_replies": self.partial_replies,
             "batch_sizes": {key: {str(size): n for size, n in sorted(c.items())} for key, c in self.batch_sizes.items()},
             "latency": {name: {k: float(v) for k, v in values.items()} for name, values in latency.items()},
             "latency_window": len(self._latency),

@@ -70,8 +70,10 @@ def joined(partials: list[Partial]) -> np.ndarray:
 def test_streamed_tokens_add_up_to_the_final_and_unstreamed_reply(served):
     server, model, state = served
     with server.client() as client:
+        sent_before, received = client.stats()["partial_replies"], 0
         for inputs in sources(12, seed=3):
             *partials, final = client.stream("seq2seq", inputs)
+            received += len(partials)
             assert isinstance(final, Reply) and all(isinstance(p, Partial) for p in partials)
             tokens = final.outputs["tokens"]
             unstreamed = client.infer("seq2seq", inputs).outputs["tokens"]
@@ -80,6 +82,7 @@ def test_streamed_tokens_add_up_to_the_final_and_unstreamed_reply(served):
             if len(tokens):
                 assert np.array_equal(joined(partials), tokens)
             assert set(final.timing) == {"queue_us", "compute_us", "total_us"}
+        assert received and client.stats()["partial_replies"] - sent_before == received
 
 
 def test_many_streams_at_once_on_the_async_client(served):
