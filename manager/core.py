@@ -15,7 +15,6 @@ the batching policy over the scheduler (manager.policies, manager.scheduler), th
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -183,11 +182,7 @@ class BatchingCore:
     def wait_ms(self, longest: int) -> int:
         """How long the event loop may sleep before the next deadline (at most `longest`), a waiting
         session request's included."""
-        wait = self.requests.wait_ms(longest)
-        deadline = self.sessions.next_deadline()
-        if deadline is None:
-            return wait
-        return min(wait, max(0, math.ceil((deadline - time.perf_counter()) * 1e3)))
+        return min(self.requests.wait_ms(longest), self.sessions.wait_ms(longest))
 
     # -- workers -------------------------------------------------------------------------------
     def schedule(self, worker: WorkerHandle) -> list[Task]:

@@ -13,7 +13,6 @@ store placing a request's plan (`place`), a task issued (`task_issued`), a task 
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from common.graph import ValueKind
+from manager.deadlines import Deadlines
 
 if TYPE_CHECKING:
     from manager.records import Request
@@ -46,7 +46,7 @@ class UnansweredIndex:
 
     def __init__(self) -> None:
         self._by_client: dict[tuple[bytes, Any], Request] = {}
-        self._deadlines: list[tuple[float, int, Request]] = []  # (deadline, tie-breaker, request)
+        self._deadlines: Deadlines[Request] = Deadlines()
         self._arrivals: list[tuple[float, int, Request]] = []  # (arrival, tie-breaker, request)
 
     def __len__(self) -> int:
@@ -67,11 +67,7 @@ class UnansweredIndex:
 
     def expired(self) -> Iterator[Request]:
         """Requests whose deadline has passed and that are not answered yet."""
-        now = time.perf_counter()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            request = heapq.heappop(self._deadlines)[2]
-            if not request.done:
-                yield request
+        return self._deadlines.due(time.perf_counter())
 
     def earliest_arrival(self) -> float | None:
         """Arrival time of the oldest request not yet answered (answered ones leave the heap as they surface)."""
@@ -82,17 +78,14 @@ class UnansweredIndex:
 
     def wait_ms(self, longest: int) -> int:
         """How long the event loop may sleep before the next deadline (at most `longest`)."""
-        if not self._deadlines:
-            return longest
-        wait = (self._deadlines[0][0] - time.perf_counter()) * 1e3
-        return max(0, min(longest, math.ceil(wait)))
+        return self._deadlines.wait_ms(longest)
 
     def _add(self, request: Request) -> None:
         """A replay replaces the record it was made from."""
         self._by_client[(request.client, request.request_id)] = request
         heapq.heappush(self._arrivals, (request.arrival, id(request), request))
         if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, id(request), request))
+            self._deadlines.add(request.deadline, request)
 
     def _remove(self, request: Request) -> None:
         if self._by_client.get((request.client, request.request_id)) is request:

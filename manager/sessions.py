@@ -16,13 +16,13 @@ so does a request that says it continues from step n > 0 of a session this serve
 from __future__ import annotations
 
 import collections
-import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from common.protocol import BAD_REQUEST, INVALID_INPUT, OVERLOADED, SESSION_LOST, RequestError, echo, tensor_to_map
+from common.protocol import BAD_REQUEST, INVALID_INPUT, OVERLOADED, SESSION_LOST, RequestError, echo
+from manager.deadlines import Deadlines
 
 MAX_SESSION_CHARS = 256  # a longer session name is refused: errors and logs echo it
 
@@ -108,7 +108,7 @@ class SessionStore:
         # never left behind an idle session: when the running request ends the next one is admitted.
         self._queues: dict[str, collections.deque[Waiting]] = {}
         self._waiting: dict[tuple[bytes, Any], Waiting] = {}
-        self._deadlines: list[tuple[float, int, Waiting]] = []
+        self._deadlines: Deadlines[Waiting] = Deadlines()
         self._capable: dict[str, bool] = {}  # by model name
 
     def __len__(self) -> int:
@@ -171,14 +171,14 @@ class SessionStore:
         self._waiting[(waiting.client, waiting.request_id)] = waiting
         deadline = waiting.deadline
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, id(waiting), waiting))
+            self._deadlines.add(deadline, waiting)
 
     @staticmethod
     def inputs(session: Session | None, inputs: dict[str, Any]) -> dict[str, Any]:
-        """The request's inputs with the session's state as its initial state."""
+        """The request's inputs with the session's state as its initial state (arrays, as the model takes them)."""
         if session is None or not session.state:
             return inputs
-        return {**inputs, **{name: tensor_to_map(value) for name, value in session.state.items()}}
+        return {**inputs, **session.state}
 
     def started(self, session: Session | None, fields: SessionFields, model: str, key: tuple[bytes, Any]) -> None:
         """A request of the session (a new one if None) was admitted under `key`: it runs now."""
@@ -246,18 +246,13 @@ class SessionStore:
     def all_waiting(self) -> list[Waiting]:
         return list(self._waiting.values())
 
-    def next_deadline(self) -> float | None:
-        """The earliest deadline of a waiting request (perhaps one no longer waiting), if any."""
-        return self._deadlines[0][0] if self._deadlines else None
+    def wait_ms(self, longest: int) -> int:
+        """How long the event loop may sleep before a waiting request's deadline (at most `longest`)."""
+        return self._deadlines.wait_ms(longest)
 
     def past_deadline(self, now: float) -> list[Waiting]:
         """Waiting requests whose deadline has passed."""
-        expired = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            waiting = heapq.heappop(self._deadlines)[2]
-            if not waiting.done:
-                expired.append(waiting)
-        return expired
+        return list(self._deadlines.due(now))
 
     def expire(self, now: float) -> None:
         """Drop the sessions idle for longer than the TTL, leaving tombstones (the last `max_sessions`)."""

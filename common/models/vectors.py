@@ -10,12 +10,15 @@ from common.protocol import INVALID_INPUT, RequestError, is_tensor_map, map_to_t
 
 
 def float_rows(raw: Any, name: str, width: int, rows: int | None = None, max_rows: int | None = None) -> np.ndarray:
-    """A float32 [rows, width] matrix from a float32 tensor map or a list of lists of numbers.
+    """A float32 [rows, width] matrix from a float32 tensor map or a list of lists of numbers (or, from
+    the manager itself, a float32 array: a session's state).
 
     `rows` is the exact row count required; otherwise there must be 1..`max_rows` rows. Every
     problem (shape, dtype, a NaN or infinite value) is an INVALID_INPUT naming it."""
     expected = f"[{rows if rows is not None else 'T'}, {width}]"
-    if is_tensor_map(raw):
+    if isinstance(raw, np.ndarray) and raw.dtype == np.float32 and raw.ndim == 2:  # a state the manager holds (sessions)
+        array = raw
+    elif is_tensor_map(raw):
         array = map_to_tensor(raw, name, rank=2)
         if array.dtype != np.float32:
             raise RequestError(INVALID_INPUT, f"{name} must be a float32 tensor {expected}, got {array.dtype}")

@@ -1,0 +1,45 @@
+"""Deadlines of things that may end before theirs passes (answered, admitted, cancelled): a heap,
+so that the event loop sleeps until the earliest one and then ends, once, those still unfinished.
+The request table keeps one for admitted requests, the session store one for requests waiting for
+their session's turn."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+
+class Ending(Protocol):
+    @property
+    def done(self) -> bool: ...
+
+
+T = TypeVar("T", bound=Ending)
+
+
+class Deadlines(Generic[T]):
+    """perf_counter deadlines; an item that is `done` when its deadline passes is skipped."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, T]] = []  # (deadline, tie-breaker, item)
+
+    def add(self, deadline: float, item: T) -> None:
+        heapq.heappush(self._heap, (deadline, id(item), item))
+
+    def due(self, now: float) -> Iterator[T]:
+        """The unfinished items whose deadline is at or before `now`, earliest first; each comes due once."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            item = heapq.heappop(heap)[2]
+            if not item.done:
+                yield item
+
+    def wait_ms(self, longest: int) -> int:
+        """How long the event loop may sleep before the next deadline (at most `longest`)."""
+        if not self._heap:
+            return longest
+        wait = (self._heap[0][0] - time.perf_counter()) * 1e3
+        return max(0, min(longest, math.ceil(wait)))
