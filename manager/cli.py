@@ -10,7 +10,7 @@ from clients.cli import add_client_commands, run_client_command
 from common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
 from common.logs import setup_logging
 
-TEST_HOOK_PREFIX = "BATCHMAKER_TEST_"  # fault-injection switches of worker/main.py, for the test suite only
+TEST_HOOK_PREFIX = "BATCHMAKER_TEST_"  # fault-injection switches of worker/main.py and manager/main.py, for the test suite only
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -24,7 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _drop_test_hooks() -> None:
-    """`batchmaker serve` is how the server runs in production: no worker it starts may stall or
+    """`batchmaker serve` is how the server runs in production: no process it starts may stall or
     crash on purpose, whatever the environment says (the tests start the supervisor themselves)."""
     for name in [name for name in os.environ if name.startswith(TEST_HOOK_PREFIX)]:
         del os.environ[name]
