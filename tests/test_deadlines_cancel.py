@@ -16,11 +16,13 @@ MAX_LENGTH = 20000
 LONG = [1 + i % 999 for i in range(MAX_LENGTH)]
 
 
-@pytest.fixture
-def long_lstm_server(tmp_path):
+@pytest.fixture(scope="module")
+def long_lstm_server(tmp_path_factory: pytest.TempPathFactory):
     """A server that has planned a request of MAX_LENGTH tokens once (planning a new length takes a
-    while on a busy machine): a deadline then counts the request's running, not its planning."""
-    config = write_config(tmp_path, SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}"))
+    while on a busy machine): a deadline then counts the request's running, not its planning. The
+    module's tests share it: each counts what happened since it started (`before`)."""
+    directory = tmp_path_factory.mktemp("deadlines")
+    config = write_config(directory, SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}"))
     server = start_server(config, workers=1)
     # Admitted and planned, then expired unrun.
     with server.client() as client, pytest.raises(ServerError, match=DEADLINE_EXCEEDED):
@@ -30,18 +32,18 @@ def long_lstm_server(tmp_path):
 
 
 @pytest.fixture
-def outcomes_before(long_lstm_server) -> dict[str, int]:
-    """Request outcomes the server had counted before the test (the planning request's among them)."""
+def before(long_lstm_server) -> dict:
+    """The server's stats once idle, before the test (the earlier tests' requests and the planning one counted)."""
     with long_lstm_server.client() as client:
-        return wait_idle(client)["requests"]
+        return wait_idle(client)
 
 
-def outcomes_since(before: dict[str, int], stats: dict) -> dict[str, int]:
-    return {code: count - before.get(code, 0) for code, count in stats["requests"].items()}
+def outcomes_since(before: dict, stats: dict) -> dict[str, int]:
+    return {code: count - before["requests"].get(code, 0) for code, count in stats["requests"].items()}
 
 
-async def wait_running(client: AsyncClient) -> None:
-    """Until the manager has submitted a task, which can only be of the one request sent so far.
+async def wait_running(client: AsyncClient, before: dict) -> None:
+    """Until the manager has submitted a task since `before`, which can only be of the one request sent so far.
 
     The task count never goes down, so this holds even if the request has ended since. With an idle
     worker, the manager submits a request's first task in the loop turn that admits it: a deadline
@@ -49,7 +51,7 @@ async def wait_running(client: AsyncClient) -> None:
     """
 
     async def running() -> bool:
-        return (await client.stats())["tasks"] > 0
+        return (await client.stats())["tasks"] > before["tasks"]
 
     await wait_until_async(running, "the long request starting")
 
@@ -58,8 +60,8 @@ def infer_message(request_id, tokens, **extra):
     return {"id": request_id, "model": "lstm", "inputs": {"tokens": tokens}, **extra}
 
 
-def test_expired_deadline_while_queued(lstm_server):
-    with lstm_server.client() as client:
+def test_expired_deadline_while_queued(long_lstm_server):
+    with long_lstm_server.client() as client:
         with pytest.raises(ServerError) as error:
             client.call(infer_message("late", [1, 2, 3], deadline_ms=0))
         assert error.value.code == DEADLINE_EXCEEDED and error.value.request_id == "late"
@@ -67,11 +69,11 @@ def test_expired_deadline_while_queued(lstm_server):
         assert wait_idle(client)["workers"]["0"]["slots_in_use"] == 0
 
 
-def test_deadline_ends_a_long_request_mid_flight(long_lstm_server, outcomes_before):
+def test_deadline_ends_a_long_request_mid_flight(long_lstm_server, before):
     async def run():
         async with AsyncClient(long_lstm_server.address, timeout=60) as client:
             long = asyncio.create_task(client.call(infer_message("long", LONG, deadline_ms=500)))
-            await wait_running(client)  # started within its deadline: it expires mid-flight, not in the queue
+            await wait_running(client, before)  # started within its deadline: it expires mid-flight, not in the queue
             short = [client.infer("lstm", {"tokens": [1, 2, 3, 4]}) for _ in range(20)]
             return await asyncio.gather(long, *short, return_exceptions=True)
 
@@ -80,15 +82,15 @@ def test_deadline_ends_a_long_request_mid_flight(long_lstm_server, outcomes_befo
     assert all(reply.outputs["h"].shape == (64,) for reply in short)
     with long_lstm_server.client() as client:
         stats = wait_idle(client)
-    assert outcomes_since(outcomes_before, stats).get(DEADLINE_EXCEEDED) == 1
+    assert outcomes_since(before, stats).get(DEADLINE_EXCEEDED) == 1
     assert stats["workers"]["0"]["slots_in_use"] == 0
 
 
-def test_cancel_a_long_request_mid_flight_is_idempotent(long_lstm_server, outcomes_before):
+def test_cancel_a_long_request_mid_flight_is_idempotent(long_lstm_server, before):
     async def run():
         async with AsyncClient(long_lstm_server.address, timeout=60) as client:
             long = asyncio.create_task(client.call(infer_message("long", LONG)))
-            await wait_running(client)
+            await wait_running(client, before)
             others = asyncio.gather(*(client.infer("lstm", {"tokens": [5] * n}) for n in range(1, 30)))
             first = await client.cancel("long")
             results = await asyncio.gather(long, others, return_exceptions=True)
@@ -102,11 +104,11 @@ def test_cancel_a_long_request_mid_flight_is_idempotent(long_lstm_server, outcom
     assert len(others) == 29 and all(np.isfinite(r.outputs["h"]).all() for r in others)
     with long_lstm_server.client() as client:
         stats = wait_idle(client)
-    assert outcomes_since(outcomes_before, stats).get(CANCELLED) == 1
+    assert outcomes_since(before, stats).get(CANCELLED) == 1
     assert stats["workers"]["0"]["slots_in_use"] == 0
 
 
-def test_requests_of_a_client_that_disconnects_are_cancelled(long_lstm_server, outcomes_before):
+def test_requests_of_a_client_that_disconnects_are_cancelled(long_lstm_server, before):
     import msgpack
     import zmq
 
@@ -119,11 +121,11 @@ def test_requests_of_a_client_that_disconnects_are_cancelled(long_lstm_server, o
 
         def all_running() -> bool:
             stats = client.stats()
-            return stats["requests_in_flight"] == 20 and stats["tasks"] > 0
+            return stats["requests_in_flight"] == 20 and stats["tasks"] > before["tasks"]
 
         wait_until(all_running, "the 20 long requests starting")
         socket.close()  # gone without reading a reply
         stats = wait_idle(client)
-        assert outcomes_since(outcomes_before, stats).get(CANCELLED) == 20  # all were still running
+        assert outcomes_since(before, stats).get(CANCELLED) == 20  # all were still running
         assert stats["workers"]["0"]["slots_in_use"] == 0
         assert client.infer("lstm", {"tokens": [1, 2]}).outputs["h"].shape == (64,)
