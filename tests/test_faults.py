@@ -74,22 +74,27 @@ def test_killing_workers_under_load_loses_nothing(tmp_path: Path):
     server = start_server(config, workers=3)
     try:
         killed: list[int] = []
+        stop = threading.Event()
 
         def killer() -> None:
-            """Twice, at a random moment, SIGKILL a worker the manager has registered."""
+            """Twice, at a random moment, SIGKILL a worker the manager has registered; then the load ends."""
             rng = np.random.default_rng(1)
-            for _ in range(2):
-                time.sleep(float(rng.uniform(1.0, 2.5)))
-                with server.client(timeout=10) as client:
-                    pids = [w["pid"] for w in client.health()["workers"] if w["pid"] not in killed]
-                victim = pids[int(rng.integers(0, len(pids)))]
-                os.kill(victim, signal.SIGKILL)
-                killed.append(victim)
+            try:
+                for _ in range(2):
+                    time.sleep(float(rng.uniform(1.0, 2.5)))
+                    with server.client(timeout=10) as client:
+                        pids = [w["pid"] for w in client.health()["workers"] if w["pid"] not in killed]
+                    victim = pids[int(rng.integers(0, len(pids)))]
+                    os.kill(victim, signal.SIGKILL)
+                    killed.append(victim)
+            finally:
+                stop.set()
 
         thread = threading.Thread(target=killer)
         thread.start()
-        results = asyncio.run(open_loop(server.address, rate=120, duration=8.0, seed=2))
+        results = asyncio.run(open_loop(server.address, rate=120, duration=60.0, seed=2, stop=stop))
         thread.join()
+        assert len(killed) == 2
 
         check_replies(config, results)  # every request answered, correctly, none WORKER_LOST
         wait_until(lambda: healthy_workers(server) == 3, "the killed workers coming back")
@@ -108,14 +113,21 @@ def test_hung_worker_is_killed_replaced_and_its_requests_replayed(tmp_path: Path
     server = start_server(config, workers=2)
     try:
         hung = server.supervisor.slots[0].process
+        stop = threading.Event()
 
         def stall_soon() -> None:
-            time.sleep(1.0)
-            os.kill(hung.pid, signal.SIGUSR1)  # its stream stops advancing; its heartbeats go on
+            """Stall the worker under load; the load ends once the manager has killed it."""
+            try:
+                time.sleep(1.0)
+                os.kill(hung.pid, signal.SIGUSR1)  # its stream stops advancing; its heartbeats go on
+                wait_until(lambda: not psutil.pid_exists(hung.pid) or psutil.Process(hung.pid).status() == "zombie",
+                           "the hung worker being killed")
+            finally:
+                stop.set()
 
         thread = threading.Thread(target=stall_soon)
         thread.start()
-        results = asyncio.run(open_loop(server.address, rate=100, duration=5.0, seed=3))
+        results = asyncio.run(open_loop(server.address, rate=100, duration=60.0, seed=3, stop=stop))
         thread.join()
 
         check_replies(config, results)
@@ -141,7 +153,7 @@ def test_a_request_that_keeps_killing_workers_fails_after_max_replays(tmp_path: 
         with server.client(timeout=60) as client, pytest.raises(ServerError) as failed:
             client.infer("lstm", {"tokens": [1, 666, 2]})
         assert failed.value.code == "INTERNAL" and "lost its worker 2 times" in failed.value.message
-        wait_until(lambda: healthy_workers(server) == 2, "both workers back", timeout=30)
+        wait_until(lambda: healthy_workers(server) == 2, "both workers back")
         sequences = [[t for t in range(i, i + 9) if t != 666] for i in range(0, 1000, 50)]
 
         async def send() -> list:
