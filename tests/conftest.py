@@ -168,14 +168,10 @@ async def wait_until_async(predicate: Callable[[], Awaitable[Any]], what: str, t
         await asyncio.sleep(0.005)
 
 
-@pytest.fixture
-def lstm_config(tmp_path: Path) -> Config:
-    return write_config(tmp_path, SMALL_LSTM)
-
-
-@pytest.fixture
-def lstm_server(lstm_config: Config) -> Iterator[RunningServer]:
-    server = start_server(lstm_config, workers=1)
+@pytest.fixture(scope="module")
+def lstm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One served SMALL_LSTM (one worker) for a module's tests, started once: they must not change it."""
+    server = start_server(write_config(tmp_path_factory.mktemp("lstm"), SMALL_LSTM), workers=1)
     yield server
     stop_server(server)
 
