@@ -116,8 +116,13 @@ class Sweep:
     seconds: float
     saturated_points: int  # stop a policy's sweep after this many loads beyond its capacity
     verify_requests: int  # replies checked against the reference model, per policy
+    # The moderate loads on a freshly started server, not on the one the sweep drove past saturation
+    # (a smoke run measures them on the same one: it checks that they are served, not how well).
+    fresh_server_for_moderate: bool = True
+    kernel_twice: bool = True  # the raw kernel measured again after the sweeps, the faster run kept
 
 
 FULL = Sweep((0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2), seconds=10.0, saturated_points=2,
              verify_requests=60)
-QUICK = Sweep((0.1, 0.5), seconds=1.5, saturated_points=1, verify_requests=12)  # a smoke run: every policy served and checked
+QUICK = Sweep((0.1, 0.5), seconds=1.5, saturated_points=1, verify_requests=12,  # a smoke run: every policy served and checked
+              fresh_server_for_moderate=False, kernel_twice=False)

@@ -93,6 +93,18 @@ def machine() -> dict[str, Any]:
     }
 
 
+def moderate_loads(
+    served: ServedPolicy, preset: Preset, inputs: list[dict[str, Any]], rates: list[float], seconds: float, progress: Progress
+) -> dict[str, Any]:
+    """The moderate loads (fractions of the reference policy's peak) on a served policy, with their CDFs."""
+    moderate = {}
+    for fraction, rate in zip(MODERATE, rates):
+        progress.note(f"{preset.name}: {served.policy} at {rate:.0f} req/s ({fraction:.0%} of {preset.reference})")
+        moderate[str(fraction)] = served.measure(inputs, rate, seconds, seed=100, keep_cdf=True)
+        progress.advance()
+    return moderate
+
+
 def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, Any]:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="batchmaker-bench-") as tmp:
@@ -128,17 +140,17 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
                 progress.note(f"{preset.name}: {policy}: checking answers")
                 check = verify(served.address, model, state, inputs[: sweep.verify_requests])
                 progress.advance()
-            # The moderate loads on a freshly started server: the sweep has just driven this one past saturation.
-            moderate = {}
-            with ServedPolicy(config_path, config.server.address, policy, preset.model) as served:
-                for fraction, rate in zip(MODERATE, moderate_rates):
-                    progress.note(f"{preset.name}: {policy} at {rate:.0f} req/s ({fraction:.0%} of {preset.reference})")
-                    moderate[str(fraction)] = served.measure(inputs, rate, sweep.seconds, seed=100, keep_cdf=True)
-                    progress.advance()
+                if not sweep.fresh_server_for_moderate:
+                    moderate = moderate_loads(served, preset, inputs, moderate_rates, sweep.seconds, progress)
+            if sweep.fresh_server_for_moderate:  # the sweep has just driven that server past saturation
+                with ServedPolicy(config_path, config.server.address, policy, preset.model) as served:
+                    moderate = moderate_loads(served, preset, inputs, moderate_rates, sweep.seconds, progress)
             policies[policy] = {"points": points, "moderate": moderate, "verify": check}
         # Measured again after the sweeps, on a machine that has warmed up; the faster run is the ideal.
-        progress.note(f"{preset.name}: raw kernel again")
-        again = kernel.measure(model, config.server.threads_per_worker, kernel_seconds)
+        again = measured
+        if sweep.kernel_twice:
+            progress.note(f"{preset.name}: raw kernel again")
+            again = kernel.measure(model, config.server.threads_per_worker, kernel_seconds)
         kernels = {}
         for variant, cells in measured.items():
             fastest = {key: max(cell, again[variant][key], key=lambda c: c["cells_per_s"]) for key, cell in cells.items()}
