@@ -12,6 +12,7 @@ import zmq
 
 from common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
 from common.logs import setup_logging
+from manager.memory_trace import MemoryTrace
 from manager.server import Manager
 
 log = logging.getLogger("batchmaker.manager")
@@ -31,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("manager")
     token = bytes.fromhex(os.environ.pop(SUPERVISOR_TOKEN_ENV, ""))  # out of the environment: no child inherits it
+    try:
+        trace = MemoryTrace.from_environment()
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if trace is not None:
+        trace.start()
     try:
         config = load_config(args.config)
         if args.policy is not None:
@@ -60,5 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     gc.set_threshold(100_000, 20, 100)
     signal.signal(signal.SIGTERM, manager.stop)
     signal.signal(signal.SIGINT, manager.stop)
-    manager.run()
+    try:
+        manager.run()
+    finally:
+        if trace is not None:
+            trace.stop()
     return 0
