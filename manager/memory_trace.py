@@ -10,6 +10,7 @@ with its call stack. A leak keeps growing from one report to the next; a bounded
 
 from __future__ import annotations
 
+import linecache
 import logging
 import os
 import threading
@@ -23,7 +24,7 @@ EVERY_ENV = "BATCHMAKER_TRACE_MEMORY_EVERY_S"
 DEFAULT_EVERY_S = 60.0
 FRAMES = 8  # of each allocation's call stack kept, so a site shows who asked for it
 TOP = 25  # allocation sites reported
-IGNORED = (tracemalloc.__file__, "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>", "<unknown>")
+IGNORED = (tracemalloc.__file__, linecache.__file__, "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>", "<unknown>")
 
 
 class MemoryTrace:
