@@ -107,6 +107,8 @@ class Admission:
         self.max_queue_delay_s = max_queue_delay_ms / 1e3  # 0: no refusal by expected wait
         self.estimator = estimator or ExpectedWait()
         self.shedding = False  # whether the latest check refused for the expected wait
+        self._last_key: tuple[Any, ...] | None = None
+        self._last_refusal = RequestError(OVERLOADED, "")
 
     def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float) -> None:
         self.estimator.completed(cells, largest_batch, worker, submitted)
@@ -118,18 +120,32 @@ class Admission:
         if wait is None:
             return
         if deadline_ms is not None and wait * 1e3 > deadline_ms:
-            raise RequestError(
-                DEADLINE_EXCEEDED,
-                f"estimated wait {_ms(wait)} ms exceeds the request's deadline_ms {deadline_ms}; "
-                "raise the deadline or retry later",
+            raise self._refusal(
+                (DEADLINE_EXCEEDED, wait, deadline_ms),
+                lambda: RequestError(
+                    DEADLINE_EXCEEDED,
+                    f"estimated wait {_ms(wait)} ms exceeds the request's deadline_ms {deadline_ms}; "
+                    "raise the deadline or retry later",
+                ),
             )
         if self.max_queue_delay_s and wait > self.max_queue_delay_s:
             self.shedding = True
-            raise RequestError(
-                OVERLOADED,
-                f"estimated wait {_ms(wait)} ms exceeds the server's limit of {_ms(self.max_queue_delay_s)} ms "
-                f"({queued_cells} cells queued); retry later",
+            raise self._refusal(
+                (OVERLOADED, wait, queued_cells),
+                lambda: RequestError(
+                    OVERLOADED,
+                    f"estimated wait {_ms(wait)} ms exceeds the server's limit of {_ms(self.max_queue_delay_s)} ms "
+                    f"({queued_cells} cells queued); retry later",
+                ),
             )
+
+    def _refusal(self, key: tuple[Any, ...], build: Callable[[], RequestError]) -> RequestError:
+        """The refusal for `key` (what its message says), built only when the last one said otherwise: under a
+        flood, refusals come in runs quoting the same wait, since refusing queues nothing. It is raised afresh,
+        without the traceback of its last raise, which would otherwise grow by a frame per raise."""
+        if key != self._last_key:
+            self._last_key, self._last_refusal = key, build()
+        return self._last_refusal.with_traceback(None)
 
     def snapshot(self, queued_cells: int) -> dict[str, float | None]:
         """For the `stats` op: the measured capacity and the wait a new request would be quoted."""

@@ -36,8 +36,9 @@ from common.addresses import is_loopback
 from common.auth import CurveServer
 from common.config import ServerConfig
 from common.protocol import BAD_REQUEST, RequestError, decode, encode
-from common.sockets import NOW, receive, send
+from common.sockets import MORE, NOW, receive
 from manager.connections import ClientConnections
+from manager.error_frames import ErrorFrames
 
 log = logging.getLogger("batchmaker.manager")
 
@@ -78,6 +79,7 @@ class ClientFrontend:
         self._unreachable: list[bytes] = []
         self._abandoned: set[bytes] = set()  # given up on: replies they cannot take are dropped, not queued
         self._held: list[tuple[bytes, bytes]] | None = None  # replies to send together, while held
+        self._error_frames = ErrorFrames()
         self.unreachable_clients = 0  # clients given up on so far (stats)
         self._curve: CurveServer | None = None
         self.socket = context.socket(zmq.ROUTER)
@@ -139,7 +141,13 @@ class ClientFrontend:
                 self._deliver(client, body)
 
     def reply(self, client: bytes, message: dict[str, Any]) -> None:
-        body = encode(message)
+        self._reply(client, encode(message))
+
+    def refuse(self, client: bytes, request_id: Any, error: RequestError) -> None:
+        """Answer a request with an error (packed from a template: most replies under a flood are refusals)."""
+        self._reply(client, self._error_frames.frame(request_id, error))
+
+    def _reply(self, client: bytes, body: bytes) -> None:
         if self._held is not None:
             self._held.append((client, body))
         else:
@@ -160,7 +168,8 @@ class ClientFrontend:
     def _send(self, client: bytes, body: bytes) -> bool:
         """Send one reply; False when the client's queue is full (it is not reading)."""
         try:
-            send(self.socket, (client, body), NOW)
+            self.socket.send(client, MORE | NOW)  # ROUTER_MANDATORY: a full or gone peer fails here, on its address
+            self.socket.send(body, NOW)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:

@@ -12,6 +12,7 @@ import zmq
 
 from common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
 from common.logs import setup_logging
+from manager.memory_trace import MemoryTrace
 from manager.server import Manager
 
 log = logging.getLogger("batchmaker.manager")
@@ -33,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("manager")
     token = bytes.fromhex(os.environ.pop(SUPERVISOR_TOKEN_ENV, ""))  # out of the environment: no child inherits it
+    try:
+        trace = MemoryTrace.from_environment()
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if trace is not None:
+        trace.start()
     try:
         config = load_config(args.config)
         if args.policy is not None:
@@ -64,5 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, manager.stop)
     if TEST_HOOKS:
         signal.signal(signal.SIGUSR1, lambda *_: manager.stall_next_watch(TEST_STALL_S))
-    manager.run()
+    try:
+        manager.run()
+    finally:
+        if trace is not None:
+            trace.stop()
     return 0

@@ -30,7 +30,6 @@ from common.protocol import (
     PROTOCOL_VERSION,
     RequestError,
     echo,
-    error_reply,
     partial_reply,
 )
 from common.sockets import server_context
@@ -175,7 +174,7 @@ class Manager:
         for outcome in outcomes:
             if isinstance(outcome, Refused):
                 self.stats.request_refused(outcome.error.code)
-                self.frontend.reply(outcome.client, error_reply(outcome.request_id, outcome.error.code, outcome.error.message))
+                self.frontend.refuse(outcome.client, outcome.request_id, outcome.error)
                 continue
             request = outcome.request
             if isinstance(outcome, Partial):
@@ -192,7 +191,7 @@ class Manager:
                 error = outcome.error
                 log.info("request %r (%s) ended: %s %s", request.request_id, request.model.name, error.code, error.message,
                          extra={"request_id": request.request_id, "model": request.model.name, "outcome": error.code})
-                self.frontend.reply(request.client, error_reply(request.request_id, error.code, error.message))
+                self.frontend.refuse(request.client, request.request_id, error)
 
     # -- workers -------------------------------------------------------------------------------
     def _worker_control(self) -> None:
@@ -250,7 +249,7 @@ class Manager:
 
     def _refuse(self, incoming: Incoming, error: RequestError) -> None:
         self.stats.request_refused(error.code)
-        self.frontend.reply(incoming.client, error_reply(incoming.request_id, error.code, error.message))
+        self.frontend.refuse(incoming.client, incoming.request_id, error)
 
     def _handle(self, incoming: Incoming) -> None:
         message = incoming.message

@@ -175,3 +175,34 @@ def test_config_keys_have_defaults_and_are_checked(tmp_path: Path):
         load_config(write(tmp_path, "unreachable_client_ms = 50"))
     with pytest.raises(ConfigError, match="max_queue_delay_ms must be an integer"):
         load_config(write(tmp_path, 'max_queue_delay_ms = "250"'))
+
+
+def traceback_frames(error: BaseException) -> int:
+    frames, tb = 0, error.__traceback__
+    while tb is not None:
+        frames, tb = frames + 1, tb.tb_next
+    return frames
+
+
+def refusal(admission: Admission, queued_cells: int, deadline_ms: int | None = None) -> RequestError:
+    with pytest.raises(RequestError) as refused:
+        admission.check(queued_cells, deadline_ms)
+    return refused.value
+
+
+def test_a_run_of_refusals_quoting_the_same_wait_shares_one_error_raised_afresh_each_time():
+    clock = Clock()
+    admission = Admission(250, ExpectedWait(clock))
+    admission.estimator.assume(10_000)
+    first = refusal(admission, 3_000)  # 300 ms
+    frames = traceback_frames(first)
+    for _ in range(100):
+        again = refusal(admission, 3_000)
+        assert again is first and traceback_frames(again) == frames  # not a frame more per raise
+    other = refusal(admission, 4_000)
+    assert other is not first and "estimated wait 400 ms" in other.message and "4000 cells queued" in other.message
+    late = refusal(admission, 4_000, deadline_ms=100)
+    assert late.code == DEADLINE_EXCEEDED and "deadline_ms 100" in late.message
+    assert refusal(admission, 4_000, deadline_ms=50).message.endswith("deadline_ms 50; raise the deadline or retry later")
+    assert refusal(admission, 4_000) is not other  # only the last refusal is kept
+    assert "estimated wait 400 ms" in refusal(admission, 4_000).message

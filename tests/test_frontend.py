@@ -11,7 +11,8 @@ import zmq
 from conftest import free_port
 
 from common.config import ServerConfig
-from manager.frontend import READ_S, ClientFrontend
+from common.protocol import OVERLOADED, RequestError
+from manager.frontend import READ_S, ClientFrontend, Incoming
 
 NOTHING_MS = 200  # long enough for a sent reply to arrive on this machine, even a busy one
 
@@ -70,6 +71,27 @@ def test_replies_held_nest_and_leave_with_the_outermost(sockets):
         assert not client.poll(NOTHING_MS)
         frontend.reply(incoming.client, {"id": 2})
     assert [msgpack.unpackb(client.recv())["id"] for _ in range(2) if client.poll(10_000)] == [1, 2]
+
+
+def test_refusals_and_replies_keep_their_order_and_a_refusal_reads_as_an_error_reply(sockets):
+    frontend, client = sockets
+    send(client, 0, 4)
+    read: list[Incoming] = []
+    while len(read) < 4:
+        assert frontend.socket.poll(10_000)
+        read += frontend.receive()
+    for incoming in read:
+        if incoming.request_id % 2:
+            frontend.refuse(incoming.client, incoming.request_id, RequestError(OVERLOADED, "estimated wait 300 ms"))
+        else:
+            frontend.reply(incoming.client, {"id": incoming.request_id, "ok": True})
+    replies = [msgpack.unpackb(client.recv()) for _ in range(4) if client.poll(10_000)]
+    assert replies == [
+        {"id": 0, "ok": True},
+        {"id": 1, "ok": False, "error": {"code": OVERLOADED, "message": "estimated wait 300 ms"}},
+        {"id": 2, "ok": True},
+        {"id": 3, "ok": False, "error": {"code": OVERLOADED, "message": "estimated wait 300 ms"}},
+    ]
 
 
 def test_a_burst_ends_when_its_time_is_up_and_the_next_reads_the_rest(sockets):
