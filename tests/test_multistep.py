@@ -3,11 +3,13 @@ steps a task takes, counted in steps, never timed."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from conftest import write_config
 from harness import Harness
 
 from common.protocol import CANCELLED
+from common.task import decode_task
 
 LSTM = """
 [models.lstm]
@@ -175,3 +177,15 @@ def test_padded_policy_runs_multi_step_tasks_and_graph_policy_single_steps(tmp_p
         finally:
             h.close()
     assert steps == {"padded": [[2] * 10], "graph": [[2], [2], [2], [1]]}
+
+
+def test_a_single_step_message_is_unchanged_and_a_multi_step_one_carries_its_later_steps(harness):
+    h = harness()
+    worker = h.workers[0]
+    h.admit("lstm", tokens(3))
+    lone = h.core.schedule(worker)[0]
+    assert len(msgpack.unpackb(lone.message)) == 7
+    assert [step.batch_size for step in decode_task(lone.message).steps()] == [1, 1, 1]
+    single = harness(max_steps_per_task=1)
+    single.admit("lstm", tokens(3))
+    assert all(len(msgpack.unpackb(task.message)) == 6 for task in single.core.schedule(single.workers[0]))
