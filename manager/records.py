@@ -97,8 +97,7 @@ class Task:
     `rows` are the request rows it holds nodes of (each once) and `counts` how many nodes of each;
     `reads` are the host copies to take at completion: (request, result name or watch index, kind, io slot).
     A multi-step task runs several consecutive waves of the same lanes: `step_nodes` and `step_sizes`
-    hold each step's nodes and padded batch size, `batch_size` the rows of all its steps, and
-    `expected_s` what it is expected to take (manager.step_costs), while it is in flight.
+    hold each step's nodes and padded batch size, and `batch_size` the rows of all its steps.
     """
 
     __slots__ = (
@@ -115,7 +114,6 @@ class Task:
         "steps",
         "step_nodes",
         "step_sizes",
-        "expected_s",
     )
 
     def __init__(self, task_id: int, spec: CellTypeSpec, worker_id: int, rows: np.ndarray, counts: np.ndarray):
@@ -132,7 +130,6 @@ class Task:
         self.steps: list[Any] = []  # each step's common.task.TaskStep, until the message is encoded
         self.step_nodes: list[int] = []
         self.step_sizes: list[int] = []
-        self.expected_s = 0.0
 
     @property
     def nodes(self) -> int:

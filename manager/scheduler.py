@@ -24,8 +24,7 @@ loops over cells.
 Multi-step tasks (docs/architecture.md, "Multi-step tasks"): when a task takes every ready lane of
 its type that may run on the worker, whole waves, nothing else of that type waits that could join it, so the
 same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and while the
-multi-step work queued on the worker is expected to take at most `max_join_delay_us`
-(manager.step_costs). Lanes that end drop out of the later steps, which run at the smallest batch
+task is expected to take at most `max_join_delay_us` (manager.step_costs). Lanes that end drop out of the later steps, which run at the smallest batch
 size that holds them.
 """
 
@@ -122,7 +121,6 @@ class Scheduler:
         self.max_steps_per_task = max_steps_per_task
         self._max_join_delay_s = max_join_delay_us / 1e6
         self.step_costs = StepCosts()
-        self._ahead_s: dict[int, float] = {}  # by worker id: expected seconds of its multi-step tasks in flight
 
     # -- readiness ---------------------------------------------------------------------------
     def release(self, request: Request) -> None:
@@ -191,12 +189,11 @@ class Scheduler:
 
     def _more_steps(self, queue: CellTypeQueue, task: Task, taken: Ready, worker: WorkerHandle) -> None:
         """Go on with the next waves of the task's lanes while every lane still going is ready again, all
-        of them fit, and the worker's multi-step work stays within the join delay; a lane that ends drops out."""
+        of them fit, and the task is expected to take at most the join delay; a lane that ends drops out."""
         cost = self.step_costs.seconds(queue.spec.key, task.step_sizes[0])
         if cost is None or cost <= 0:
             return
-        ahead = self._ahead_s.get(worker.worker_id, 0.0)
-        steps = min(self.max_steps_per_task, int((self._max_join_delay_s - ahead) / cost + ROUNDING))
+        steps = min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING))
         going = int((queue.need[taken.lanes] != FINISHED).sum())
         while len(task.step_sizes) < steps and going:
             step = self.form_batched_task(queue, worker)
@@ -206,9 +203,6 @@ class Scheduler:
             self._table.step_issued(step.rows, step.sizes)
             self._advance(queue, step)
             going = int((queue.need[step.lanes] != FINISHED).sum())
-        if len(task.step_sizes) > 1:
-            task.expected_s = cost * len(task.step_sizes)
-            self._ahead_s[worker.worker_id] = ahead + task.expected_s
 
     def form_batched_task(self, queue: CellTypeQueue, worker: WorkerHandle) -> Ready | None:
         """The waves the next task of this type on `worker` takes: ready lanes in queue order whose
@@ -291,8 +285,6 @@ class Scheduler:
 
     def task_completed(self, task: Task) -> None:
         self.queues[task.spec.key].running_tasks -= 1
-        if task.expected_s:
-            self._ahead_s[task.worker_id] -= task.expected_s
 
 
 def in_order_of_service(queue: CellTypeQueue, ready: Ready) -> Ready:

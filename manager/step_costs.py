@@ -1,8 +1,7 @@
 """What one step of a cell type costs on a worker, for the scheduler to bound multi-step tasks.
 
 A multi-step task holds its worker for all its steps, and a request that arrives meanwhile waits
-for it: the scheduler keeps the expected duration of the multi-step work it queues on a worker
-under `[scheduler] max_join_delay_us`. A step's cost is measured per (cell type, padded batch
+for it: the scheduler keeps a task's expected duration under `[scheduler] max_join_delay_us`. A step's cost is measured per (cell type, padded batch
 size) on completed tasks, as seconds of the worker's busy time per step (the same busy time
 admission's expected wait measures, manager.admission), smoothed over recent tasks. Until a
 (cell type, batch size) has been measured, the workers' warm-up timing of the type's largest batch

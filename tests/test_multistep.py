@@ -73,13 +73,13 @@ def test_max_steps_per_task_bounds_a_task(harness):
     assert len(h.finished) == 1 and h.finished[0][1] is None
 
 
-def test_the_join_delay_bounds_the_multi_step_work_in_flight(harness):
-    """500 µs a step: 4 steps fill the 2000 µs; the tasks issued behind them are single steps."""
+def test_the_join_delay_bounds_each_task(harness):
+    """500 µs a step: 4 steps fill the 2000 µs."""
     h = harness(step_us=500.0)
     worker = h.workers[0]
-    h.admit("lstm", tokens(12))
+    h.admit("lstm", tokens(10))
     h.schedule(worker)
-    assert sent_steps(h) == [[1] * 4, [1], [1], [1], [1]]
+    assert sent_steps(h) == [[1] * 4, [1] * 4, [1] * 2]
 
 
 def test_one_step_per_task_when_turned_off(harness):
@@ -129,8 +129,8 @@ def test_a_request_arriving_during_a_multi_step_task_joins_the_next_task(harness
     h.schedule(worker)
     assert sent_steps(h) == [[1] * 16]
     second = h.admit("lstm", tokens(3))
-    h.schedule(worker)  # the new lane joins the task issued behind the first, which leaves 400 µs: 4 steps
-    assert sent_steps(h)[1] == [2, 2, 2, 1]
+    h.schedule(worker)  # the new lane joins the task issued behind the first, and leaves it after 3 steps
+    assert sent_steps(h)[1] == [2, 2, 2] + [1] * 11
     assert sorted(h.requests_in(h.in_flight(worker)[1]), key=str) == sorted([first.request_id, second.request_id], key=str)
 
 
