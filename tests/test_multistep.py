@@ -7,19 +7,12 @@ import msgpack
 import pytest
 from conftest import write_config
 from harness import Harness
+from test_scheduler import lstm_models
 
 from common.protocol import CANCELLED
 from common.task import decode_task
 
-LSTM = """
-[models.lstm]
-builder = "common.models.lstm:build"
-weights = "lstm.pt"
-vocab_size = 100
-embedding_size = 8
-hidden_size = 8
-batch_sizes = [1, 2, 3, 4]
-"""
+LSTM = lstm_models()
 CELL = "lstm/layer0"
 
 

@@ -118,6 +118,13 @@ def test_cpu_backend_runs_chained_tasks_in_stream_order(cells):
     np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
 
 
+def reading_an_unknown_peer(task: TaskMessage, task_id: int) -> TaskMessage:
+    """`task` (one row) with its h input read from worker 99, which this worker has not opened; no downloads."""
+    state = task.inputs[1]
+    unknown_peer = (*state[:3], [(99, state[0], np.array([5]), np.array([0]))], None)
+    return TaskMessage(task_id, 0, 1, [task.inputs[0], unknown_peer, task.inputs[2]], task.outputs, [])
+
+
 def multi_step(task_id: int, steps: list[TaskMessage]) -> TaskMessage:
     """One task running `steps` back to back, as the manager sends a multi-step task."""
     first, *later = steps
@@ -154,10 +161,7 @@ def test_a_multi_step_task_with_a_step_it_cannot_resolve_fails_whole_and_writes_
     try:
         results = io_array(backend, "float32[64]")
         first = lstm_step_task(1, kinds, [5], [ZERO_SLOT], [10], [6])
-        second = lstm_step_task(1, kinds, [7], [10], [20], None)
-        state = second.inputs[1]
-        unknown_peer = (*state[:3], [(99, state[0], np.array([5]), np.array([0]))], None)
-        second = TaskMessage(1, 0, 1, [second.inputs[0], unknown_peer, second.inputs[2]], second.outputs, [])
+        second = reading_an_unknown_peer(lstm_step_task(1, kinds, [7], [10], [20], None), 1)
         backend.issue(decode_task(encode_task(multi_step(1, [first, second]))))
         backend.issue(decode_task(encode_task(lstm_step_task(2, kinds, [2], [ZERO_SLOT], [12], None))))
         wait_signal(backend, 2)
@@ -194,9 +198,7 @@ def test_cpu_backend_reports_a_task_it_cannot_resolve_in_its_turn(cells):
     backend = make_backend("cpu", cells)
     try:
         first = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [10], None)
-        state = first.inputs[1]
-        unknown_peer = (*state[:3], [(99, state[0], np.array([5]), np.array([0]))], None)
-        bad = TaskMessage(2, 0, 1, [first.inputs[0], unknown_peer, first.inputs[2]], first.outputs, [])
+        bad = reading_an_unknown_peer(first, 2)
         for task in (first, bad, lstm_step_task(3, kinds, [2], [ZERO_SLOT], [12], None)):
             backend.issue(decode_task(encode_task(task)))
         wait_signal(backend, 3)
