@@ -22,10 +22,10 @@ the arena's room and the batch size are checked for all lanes of a queue at once
 loops over cells.
 
 Multi-step tasks (docs/architecture.md, "Multi-step tasks"): when a task takes every ready lane of
-its type that may run on the worker, whole waves, nothing else of that type waits that could join it, so the
-same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and while the
-task is expected to take at most `max_join_delay_us` (manager.step_costs). Lanes that end drop out of the later steps, which run at the smallest batch
-size that holds them.
+its type that may run on the worker, whole waves, nothing else of that type waits that could join
+it, so the same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and while
+it is expected to take at most `max_join_delay_us` (manager.step_costs). Lanes that end drop out
+of the later steps, which run at the smallest batch size that holds them.
 """
 
 from __future__ import annotations
