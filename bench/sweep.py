@@ -109,6 +109,7 @@ def point(replies: Replies, due: np.ndarray, rate: float, before: dict[str, Any]
     # scores the offered rate and an overloaded one scores the rate at which it drains its backlog.
     span = float(np.nanmax(replies.received)) - float(latency.min()) if ok else 0.0
     tasks = after["tasks"] - before["tasks"]
+    steps = after["steps"] - before["steps"]  # a multi-step task runs several batches
     cells = after["nodes"] - before["nodes"]
     queue_ms = [replies.replies[i]["timing"]["queue_us"] / 1e3 for i in ok]
     compute_ms = [replies.replies[i]["timing"]["compute_us"] / 1e3 for i in ok]
@@ -121,7 +122,7 @@ def point(replies: Replies, due: np.ndarray, rate: float, before: dict[str, Any]
         "latency_ms": percentiles(latency * 1e3),
         "queue_ms": percentiles(queue_ms),
         "compute_ms": percentiles(compute_ms),
-        "mean_batch_size": cells / tasks if tasks else 0.0,
+        "mean_batch_size": cells / steps if steps else 0.0,
         "cells_run": cells,
         "tasks": tasks,
         "generator_cpu_s_per_request": replies.cpu_seconds / max(1, len(due)),

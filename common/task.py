@@ -16,6 +16,14 @@ A task: slot lists, plus the requests' own inputs.
 * downloads: [[arena, slots, io_arena, io_slots], ...] rows the host must see (results,
              stop decisions), copied to the io arena after compute
 
+A multi-step task (several consecutive waves of the same lanes, run back to back) appends a
+seventh field, its later steps, each with its own batch size and slot lists:
+
+    [task_id, cell_index, batch_size, inputs, outputs, downloads, [[batch_size, inputs, outputs, downloads], ...]]
+
+A single-step task has no seventh field, so its bytes are what they were before multi-step tasks.
+The worker runs the steps in order and reports the task once, after its last step.
+
 A completion notice: [worker_id, key, task ids, errors, signal, rows], rows being
 [[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty).
 `key` is the secret the manager gave the worker when it registered: the notice socket does not
@@ -80,14 +88,37 @@ class SlotCopy(NamedTuple):
     io_slots: np.ndarray
 
 
+class TaskStep(NamedTuple):
+    """One wave of a task's lanes: its batch size and slot lists (a later step of a multi-step task)."""
+
+    batch_size: int
+    inputs: list[TaskInput]
+    outputs: list[SlotList]
+    downloads: list[SlotCopy]
+
+
 @dataclass(frozen=True)
 class TaskMessage:
+    """A task: its first step's fields, and the steps that follow it in a multi-step task (`later`)."""
+
     task_id: int
     cell_index: int
     batch_size: int
     inputs: list[TaskInput]
     outputs: list[SlotList]
     downloads: list[SlotCopy]
+    later: tuple[TaskStep, ...] = ()
+
+    def steps(self) -> list[TaskMessage]:
+        """Each step as a single-step task of the same id and cell type, in the order they run."""
+        if not self.later:
+            return [self]
+        first = TaskMessage(self.task_id, self.cell_index, self.batch_size, self.inputs, self.outputs, self.downloads)
+        return [first, *(TaskMessage(self.task_id, self.cell_index, *step) for step in self.later)]
+
+    def all_downloads(self) -> list[SlotCopy]:
+        """The downloads of every step, in order."""
+        return [download for step in self.steps() for download in step.downloads]
 
 
 def _slots(values: list[int] | np.ndarray) -> bytes:
@@ -95,17 +126,19 @@ def _slots(values: list[int] | np.ndarray) -> bytes:
 
 
 def encode_task(message: TaskMessage) -> bytes:
-    return msgpack.packb(
-        [
-            message.task_id,
-            message.cell_index,
-            message.batch_size,
-            [_encode_input(*entry) for entry in message.inputs],
-            [[arena, _slots(slots)] for arena, slots in message.outputs],
-            [[arena, _slots(slots), io_arena, _slots(io_slots)] for arena, slots, io_arena, io_slots in message.downloads],
-        ],
-        use_bin_type=True,
-    )
+    fields = [message.task_id, message.cell_index, *_encode_step(message.batch_size, message.inputs, message.outputs, message.downloads)]
+    if message.later:
+        fields.append([_encode_step(*step) for step in message.later])
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _encode_step(batch_size: int, inputs: list[TaskInput], outputs: list[SlotList], downloads: list[SlotCopy]) -> list:
+    return [
+        batch_size,
+        [_encode_input(*entry) for entry in inputs],
+        [[arena, _slots(slots)] for arena, slots in outputs],
+        [[arena, _slots(slots), io_arena, _slots(io_slots)] for arena, slots, io_arena, io_slots in downloads],
+    ]
 
 
 def _encode_input(
@@ -136,10 +169,13 @@ def _decode_input(arena: int, slots: bytes, segments: bytes | None, remote: list
 
 
 def decode_task(frame: bytes) -> TaskMessage:
-    task_id, cell_index, batch_size, inputs, outputs, downloads = msgpack.unpackb(frame, raw=False)
-    return TaskMessage(
-        task_id,
-        cell_index,
+    task_id, cell_index, *first = msgpack.unpackb(frame, raw=False)
+    later = tuple(_decode_step(*step) for step in first[4]) if len(first) == 5 else ()
+    return TaskMessage(task_id, cell_index, *_decode_step(*first[:4]), later)
+
+
+def _decode_step(batch_size: int, inputs: list, outputs: list, downloads: list) -> TaskStep:
+    return TaskStep(
         batch_size,
         [_decode_input(*entry) for entry in inputs],
         [SlotList(a, _view(s)) for a, s in outputs],

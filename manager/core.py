@@ -199,7 +199,9 @@ class BatchingCore:
             task = worker.tasks.pop(task_id, None)
             if task is not None:
                 worker.tasks_completed += 1
-                self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted)
+                steps = len(task.step_sizes)
+                busy = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
+                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy)
                 self.processor.task_completed(task, notice.errors.get(task_id))
         return self._outcomes()
 
@@ -209,6 +211,7 @@ class BatchingCore:
         self.scheduler.several_workers = len(self.workers) > 1
         timings = [worker.full_task_s for worker in self.workers.values()]
         self.admission.estimator.assume(warm_up_capacity(timings, self._max_batches))
+        self.scheduler.step_costs.assume(timings)
 
     def worker_lost(self, worker: WorkerHandle, reason: str, draining: bool = False) -> list[Outcome]:
         """Forget a dead worker (already gone from `workers`) and replay, on the others, every request

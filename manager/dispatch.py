@@ -3,7 +3,8 @@
 At submission the dispatcher gives requests new on the worker their rows there, resolves every
 input of the task's nodes to a slot (a register's latest value, the zero row, or a value read
 from another worker's arena) or to an inline external value, points every output at its
-register's row on the worker, and encodes the task. All of it is numpy over the task's nodes;
+register's row on the worker, and encodes the task; a multi-step task gets one such step per wave
+of its lanes, each with its own slot lists and batch size. All of it is numpy over the task's nodes;
 only the few nodes whose outputs the host reads (results, watched values) take Python each.
 At completion it reads those host copies back and frees their io rows.
 """
@@ -17,7 +18,7 @@ import numpy as np
 from common.graph import CellTypeSpec, ValueKind
 from common.plan import ZERO_REF
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import InlineValues, RemoteRows, SlotCopy, SlotList, TaskInput, TaskMessage, encode_task
+from common.task import InlineValues, RemoteRows, SlotCopy, SlotList, TaskInput, TaskMessage, TaskStep, encode_task
 from manager.plan_store import NodeColumns, PlanStore
 from manager.records import Request, Task
 from manager.request_table import RequestTable
@@ -49,17 +50,35 @@ class Dispatcher:
         return limit
 
     def make_task(
-        self, spec: CellTypeSpec, cell_index: int, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle
+        self, spec: CellTypeSpec, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle
     ) -> Task:
         """The batched task on `worker` of `counts[i]` nodes from node `first[i]` of the request at `rows[i]`:
-        rows placed, inputs and outputs resolved to slots, the message encoded."""
-        table, store = self._table, self._store
-        count = int(counts.sum())
-        size = spec.padded_size(count)
-        task = Task(self._next_task_id, spec, worker.worker_id, size, rows, counts)
+        rows placed, inputs and outputs resolved to slots; `seal` encodes it once its steps are added."""
+        task = Task(self._next_task_id, spec, worker.worker_id, rows, counts.copy())
         self._next_task_id += 1
+        task.submitted = time.perf_counter()
+        table = self._table
         for row in rows[table.home[rows] != worker.worker_id]:
             self._place(table.requests[row], worker)
+        self._add_step(task, rows, counts, first, worker)
+        return task
+
+    def add_step(self, task: Task, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle) -> None:
+        """One more wave of lanes the task already runs (`rows` are some of its requests), after its last step."""
+        order = np.argsort(task.rows)
+        task.counts[order[np.searchsorted(task.rows, rows, sorter=order)]] += counts
+        self._add_step(task, rows, counts, first, worker)
+
+    def seal(self, task: Task, cell_index: int) -> None:
+        """Encode the task's message, its steps in order."""
+        first, *later = task.steps
+        task.message = encode_task(TaskMessage(task.task_id, cell_index, *first, tuple(later)))
+        task.steps = []
+
+    def _add_step(self, task: Task, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle) -> None:
+        table, store, spec = self._table, self._store, task.spec
+        count = int(counts.sum())
+        size = spec.padded_size(count)
         nodes = _expand(first, counts)
         node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows
         reg_base = table.reg_base[node_rows]
@@ -93,10 +112,10 @@ class Dispatcher:
             registers["worker"][where] = worker.worker_id
             outputs.append(SlotList(worker.arena_id[kind], slots))
         downloads = self._downloads(task, nodes, node_data, node_rows, outputs, worker)
-        message = TaskMessage(task.task_id, cell_index, size, inputs, outputs, downloads)
-        task.submitted = time.perf_counter()
-        task.message = encode_task(message)
-        return task
+        task.steps.append(TaskStep(size, inputs, outputs, downloads))
+        task.step_nodes.append(count)
+        task.step_sizes.append(size)
+        task.batch_size += size
 
     def _place(self, request: Request, worker: WorkerHandle) -> None:
         """The request's next values go to its rows on `worker` (taken now, unless it has been there)."""

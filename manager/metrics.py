@@ -24,7 +24,7 @@ requests_total{model,outcome}              counter    requests answered; outcome
                                                       a served model was known (unreadable frame, ...)
 request_latency_seconds{model}             histogram  arrival to reply, successful requests only
 request_queue_seconds{model}               histogram  arrival to first task submitted, successful requests only
-batch_size{cell_type}                      histogram  nodes per submitted task (buckets 1, 2, 4 ... 1024)
+batch_size{cell_type}                      histogram  nodes per step of a submitted task (buckets 1, 2, 4 ... 1024)
 tasks_total{cell_type}                     counter    batched tasks submitted to workers
 queue_depth_nodes{cell_type}               gauge      nodes ready to run and not yet submitted
 worker_tasks_in_flight{worker}             gauge      tasks submitted to a worker and not yet completed
@@ -116,7 +116,7 @@ class Metrics:
             ("model",), buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self._batch_size = Histogram(
-            "batchmaker_batch_size", "Nodes per batched task submitted to a worker.",
+            "batchmaker_batch_size", "Nodes per step of a batched task submitted to a worker.",
             ("cell_type",), buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
         )
         self._tasks = Counter(
@@ -182,9 +182,11 @@ class Metrics:
         """Count a request refused before it named a served model."""
         self.request_finished(NO_MODEL, outcome, None, None)
 
-    def task_submitted(self, cell_type: str, batch_size: int) -> None:
+    def task_submitted(self, cell_type: str, *step_nodes: int) -> None:
+        """A task of the nodes of each of its steps (one, unless it is a multi-step task): each step is a batch."""
         batch, tasks, _ = self._cell(cell_type)
-        batch.observe(batch_size)
+        for nodes in step_nodes:
+            batch.observe(nodes)
         tasks.inc()
 
     def set_queue_depth(self, cell_type: str, ready_nodes: int) -> None:

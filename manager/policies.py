@@ -133,11 +133,20 @@ def make_scheduler(
     config: Config, specs: list[CellTypeSpec], table: RequestTable, store: PlanStore, dispatcher: Dispatcher
 ) -> Scheduler:
     """The scheduler the configured policy runs on: the graph policy chooses cell types by its
-    agenda, and a baseline's batch runs on one worker (request affinity)."""
+    agenda, one step at a time (its choice after each step is the point of it), and a baseline's
+    batch runs on one worker (request affinity)."""
     settings = config.scheduler
     cellular = settings.policy == "cellular"
-    return (AgendaScheduler if settings.policy == "graph" else Scheduler)(
-        specs, settings.max_tasks_to_submit, table, store, dispatcher, settings.affinity if cellular else "request"
+    graph = settings.policy == "graph"
+    return (AgendaScheduler if graph else Scheduler)(
+        specs,
+        settings.max_tasks_to_submit,
+        table,
+        store,
+        dispatcher,
+        settings.affinity if cellular else "request",
+        1 if graph else settings.max_steps_per_task,
+        settings.max_join_delay_us,
     )
 
 

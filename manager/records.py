@@ -96,29 +96,40 @@ class Task:
 
     `rows` are the request rows it holds nodes of (each once) and `counts` how many nodes of each;
     `reads` are the host copies to take at completion: (request, result name or watch index, kind, io slot).
+    A multi-step task runs several consecutive waves of the same lanes: `step_nodes` and `step_sizes`
+    hold each step's nodes and padded batch size, and `batch_size` the rows of all its steps.
     """
 
-    __slots__ = ("task_id", "spec", "worker_id", "batch_size", "rows", "counts", "reads", "submitted", "message", "joining")
+    __slots__ = (
+        "task_id",
+        "spec",
+        "worker_id",
+        "batch_size",
+        "rows",
+        "counts",
+        "reads",
+        "submitted",
+        "message",
+        "joining",
+        "steps",
+        "step_nodes",
+        "step_sizes",
+    )
 
-    def __init__(
-        self,
-        task_id: int,
-        spec: CellTypeSpec,
-        worker_id: int,
-        batch_size: int,
-        rows: np.ndarray,
-        counts: np.ndarray,
-    ):
+    def __init__(self, task_id: int, spec: CellTypeSpec, worker_id: int, rows: np.ndarray, counts: np.ndarray):
         self.task_id = task_id
         self.spec = spec
         self.worker_id = worker_id  # the worker it is sent to
-        self.batch_size = batch_size
+        self.batch_size = 0
         self.rows = rows
         self.counts = counts
         self.reads: list[tuple[Request, str | int, ValueKind, int]] = []
         self.submitted = 0.0
         self.message = b""  # the encoded TaskMessage, for the caller to send
         self.joining = False  # it mixes requests already running with requests starting (for stats)
+        self.steps: list[Any] = []  # each step's common.task.TaskStep, until the message is encoded
+        self.step_nodes: list[int] = []
+        self.step_sizes: list[int] = []
 
     @property
     def nodes(self) -> int:

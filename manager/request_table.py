@@ -6,7 +6,7 @@ the arrival heap.
 
 Only the table's own methods write its columns and its index, each named for the event that
 writes it: admission (`add`, which sets a row's columns to their starting values), the plan
-store placing a request's plan (`place`), a task issued (`task_issued`), a task ended
+store placing a request's plan (`place`), a task issued (`task_issued`, its later steps `step_issued`), a task ended
 (`task_ended`), affinity (`bind`), lanes released (`set_runnable`), lanes stopped
 (`stop_lanes`), the request answered (`conclude`) and forgetting (`remove`)."""
 
@@ -197,6 +197,11 @@ class RequestTable:
             return False
         self.started[rows[starting]] = now
         return not starting.all()
+
+    def step_issued(self, rows: np.ndarray, sizes: np.ndarray) -> None:
+        """A later step of a task already issued (manager.scheduler: multi-step tasks) took `sizes` more
+        nodes of the requests at `rows`, all of them already in the task."""
+        self.issued[rows] += sizes
 
     def task_ended(self, rows: np.ndarray, counts: np.ndarray | None) -> None:
         """A task holding nodes of the requests at `rows` completed (`counts` nodes each) or was lost (None)."""

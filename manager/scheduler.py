@@ -20,6 +20,12 @@ any), and moves only to a worker that said it can read the arenas of every worke
 values (GPUs without peer access may not). With affinity "request" it stays on the worker of its first task. Readiness, placement,
 the arena's room and the batch size are checked for all lanes of a queue at once; nothing here
 loops over cells.
+
+Multi-step tasks (docs/architecture.md, "Multi-step tasks"): when a task takes every ready lane of
+its type that may run on the worker, whole waves, nothing else of that type waits that could join
+it, so the same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and while
+it is expected to take at most `max_join_delay_us` (manager.step_costs). Lanes that end drop out
+of the later steps, which run at the smallest batch size that holds them.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from manager.dispatch import Dispatcher
 from manager.plan_store import NodeColumns, PlanStore
 from manager.records import Request, Task
 from manager.request_table import NO_WORKER, RequestTable
+from manager.step_costs import StepCosts
 from manager.worker_handle import WorkerHandle
 
 FINISHED = np.iinfo(np.int64).max  # the `need` of a lane with nothing left to issue
 MAX_PASSES = 8  # tasks in a row that may take higher-priority lanes and leave out a ready one
 FIRST = 2**62  # the rank of a lane passed over MAX_PASSES times: above any request's priority
+ROUNDING = 1e-6  # of a step: a delay that holds exactly k steps' cost holds k steps, whatever float division says
 
 
 class CellTypeQueue:
@@ -83,6 +91,7 @@ class Ready:
     sizes: np.ndarray  # nodes in each lane's next wave
     first: np.ndarray  # the wave's first node, as an index into the plan store
     left_out: np.ndarray | None = None  # lanes that could have joined the task formed, had it room
+    everyone: bool = False  # every ready lane that may run on the worker is in it, whole: nothing could join
 
     @property
     def nodes(self) -> int:
@@ -98,6 +107,8 @@ class Scheduler:
         store: PlanStore,
         dispatcher: Dispatcher,
         affinity: str = "subgraph",
+        max_steps_per_task: int = 1,
+        max_join_delay_us: int = 0,
     ):
         self.queues = {spec.key: CellTypeQueue(spec, i) for i, spec in enumerate(specs)}
         self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
@@ -107,6 +118,9 @@ class Scheduler:
         self._dispatcher = dispatcher
         self._request_affinity = affinity == "request"
         self.several_workers = False  # set by the manager: placement only needs checking then
+        self.max_steps_per_task = max_steps_per_task
+        self._max_join_delay_s = max_join_delay_us / 1e6
+        self.step_costs = StepCosts()
 
     # -- readiness ---------------------------------------------------------------------------
     def release(self, request: Request) -> None:
@@ -166,8 +180,29 @@ class Scheduler:
             taken = self.form_batched_task(queue, worker)
             if taken is None or (taken.nodes < queue.spec.min_batch and tasks):
                 break
-            tasks.append(self._issue(queue, taken, worker))
+            task = self._issue(queue, taken, worker)
+            if taken.everyone and self.max_steps_per_task > 1:
+                self._more_steps(queue, task, taken, worker)
+            self._dispatcher.seal(task, queue.index)
+            tasks.append(task)
         return tasks
+
+    def _more_steps(self, queue: CellTypeQueue, task: Task, taken: Ready, worker: WorkerHandle) -> None:
+        """Go on with the next waves of the task's lanes while every lane still going is ready again, all
+        of them fit, and the task is expected to take at most the join delay; a lane that ends drops out."""
+        cost = self.step_costs.seconds(queue.spec.key, task.step_sizes[0])
+        if cost is None or cost <= 0:
+            return
+        steps = min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING))
+        going = int((queue.need[taken.lanes] != FINISHED).sum())
+        while len(task.step_sizes) < steps and going:
+            step = self.form_batched_task(queue, worker)
+            if step is None or not step.everyone or len(step.lanes) != going:
+                break
+            self._dispatcher.add_step(task, step.rows, step.sizes, step.first, worker)
+            self._table.step_issued(step.rows, step.sizes)
+            self._advance(queue, step)
+            going = int((queue.need[step.lanes] != FINISHED).sum())
 
     def form_batched_task(self, queue: CellTypeQueue, worker: WorkerHandle) -> Ready | None:
         """The waves the next task of this type on `worker` takes: ready lanes in queue order whose
@@ -191,6 +226,7 @@ class Scheduler:
             keep = allowed & (here | movable)
         else:
             keep = np.ones(len(rows), bool)
+        placed = int(keep.sum())  # the lanes that may run here
         # Requests new on this worker take their rows here: stop at the first that does not fit.
         new = ~here & keep
         if new.any():
@@ -207,6 +243,7 @@ class Scheduler:
             return None
         total = np.cumsum(ready.sizes)
         if total[-1] <= limit:
+            ready.everyone = len(ready.lanes) == placed  # none waits for room
             return ready
         last = int(np.searchsorted(total, limit, side="left"))  # the lane that reaches the limit gives part of its wave
         sizes = ready.sizes[: last + 1].copy()
@@ -224,7 +261,7 @@ class Scheduler:
     def _issue(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle) -> Task:
         """UpdateNodesDependency: the lanes advance, their requests count the issued nodes and are
         pinned to the worker; the dispatcher turns the waves into the task message."""
-        task = self._dispatcher.make_task(queue.spec, queue.index, taken.rows, taken.sizes, taken.first, worker)
+        task = self._dispatcher.make_task(queue.spec, taken.rows, taken.sizes, taken.first, worker)
         self._advance(queue, taken)
         count_passes(queue, taken)
         queue.running_tasks += 1

@@ -60,6 +60,7 @@ class Stats:
         self.metrics = metrics
         self.requests: collections.Counter[str] = collections.Counter()
         self.tasks = 0
+        self.steps = 0  # a multi-step task runs several
         self.nodes = 0
         self.padded_rows = 0
         self.joining_tasks = 0
@@ -72,13 +73,15 @@ class Stats:
 
     def task_submitted(self, task: Task) -> None:
         self.tasks += 1
+        self.steps += len(task.step_nodes)
         count = task.nodes
         self.nodes += count
         self.padded_rows += task.batch_size - count
-        self.batch_sizes[task.spec.key][count] += 1
+        for nodes in task.step_nodes:  # each step of a multi-step task is a batch of its own
+            self.batch_sizes[task.spec.key][nodes] += 1
         self.joining_tasks += task.joining
         if self.metrics is not None:
-            self.metrics.task_submitted(task.spec.key, count)
+            self.metrics.task_submitted(task.spec.key, *task.step_nodes)
 
     def request_received(self) -> None:
         self.requests["received"] += 1
@@ -154,8 +157,9 @@ class Stats:
         return {
             "requests": dict(self.requests),
             "tasks": self.tasks,
+            "steps": self.steps,
             "nodes": self.nodes,
-            "mean_batch_size": self.nodes / self.tasks if self.tasks else 0.0,
+            "mean_batch_size": self.nodes / self.steps if self.steps else 0.0,
             "padded_rows": self.padded_rows,
             "joining_tasks": self.joining_tasks,
             "leaving_requests": self.leaving_requests,

@@ -28,12 +28,17 @@ class Harness:
         max_tasks_to_submit: int = 5,
         affinity: str = "subgraph",
         hosts: list[int] | None = None,
+        max_steps_per_task: int = 1,
+        full_task_s: dict[str, float] | None = None,
     ):
-        """`hosts`: each worker's host number (default: all on one host)."""
+        """`hosts`: each worker's host number (default: all on one host). Tasks are single steps unless
+        `max_steps_per_task` says otherwise; `full_task_s` is what each worker says its warm-up timed."""
         self.models, self.specs, self.kinds = load_models(config)
         self._shared: list[SharedArray] = []
-        self.workers = [self._worker(i, rows, host) for i, host in enumerate(hosts or [0] * workers)]
-        scheduling = dataclasses.replace(config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity)
+        self.workers = [self._worker(i, rows, host, full_task_s) for i, host in enumerate(hosts or [0] * workers)]
+        scheduling = dataclasses.replace(
+            config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity, max_steps_per_task=max_steps_per_task
+        )
         config = dataclasses.replace(config, scheduler=scheduling)
         self.core = BatchingCore(config, self.models, self.specs, self.kinds, {w.worker_id: w for w in self.workers})
         self.core.workers_changed()
@@ -43,14 +48,15 @@ class Harness:
         self._next_id = 0
         self.task_requests: dict[int, list[Request]] = {}
 
-    def _worker(self, index: int, rows: int, host: int) -> WorkerHandle:
+    def _worker(self, index: int, rows: int, host: int, full_task_s: dict[str, float] | None) -> WorkerHandle:
         arenas = []
         for i, kind in enumerate(self.kinds):
             for space, arena_id in (("device", 2 * i), ("io", 2 * i + 1)):
                 shared = SharedArray(kind.dtype, (rows, *kind.shape))
                 self._shared.append(shared)
                 arenas.append({"id": arena_id, "kind": kind.key, "space": space, "rows": rows, "shm": shared.name})
-        return WorkerHandle(index, f"w{index}".encode(), {"index": index, "arenas": arenas}, self.kinds, host)
+        registration = {"index": index, "arenas": arenas, "full_task_s": full_task_s}
+        return WorkerHandle(index, f"w{index}".encode(), registration, self.kinds, host)
 
     def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0, **fields: Any) -> Request:
         """Admit an `infer` request; `fields` are its other fields (priority, ...)."""

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from common.config import load_config
 from common.graph import CellTypeSpec
 from common.models.base import build_model, cell_layout
-from common.task import SLOT_DTYPE, TaskMessage
+from common.task import SLOT_DTYPE, TaskMessage, TaskStep
 from worker.backend import arena_ids
 from worker.batched_task import IssuedTask, run_task
 from worker.cuda import TORCH_DTYPES, StreamCalls
@@ -233,6 +233,24 @@ def test_every_cell_serves_a_task_on_the_device(layout, batch: int):
     # Rows of the peer mapped on its own GPU are gathered on that GPU's stream; the other peer's need no stream.
     float_inputs = sum(1 for spec in specs for kind in spec.inputs if kind.dtype != "int64")
     assert calls.peer_streams == [PEER_DEVICE] * float_inputs
+
+
+def test_a_multi_step_task_enqueues_every_step_and_one_signal_without_a_host_sync(layout):
+    """Three steps of every cell type, the batch shrinking 5, 3, 1: each step's staging copy, gathers, cell,
+    scatters and downloads go on the stream; no synchronize between them, and the counter is written once."""
+    specs, _, _ = layout
+    with fake_cuda():
+        calls = FakeCalls()
+        tasks, ids = fake_tasks(layout, calls)
+        for task_id, spec in enumerate(specs, start=1):
+            first, *later = (serving_task(task_id, task_id - 1, spec, ids, batch) for batch in (5, 3, 1))
+            steps = tuple(TaskStep(step.batch_size, step.inputs, step.outputs, step.downloads) for step in later)
+            tasks.issue(TaskMessage(task_id, first.cell_index, 5, first.inputs, first.outputs, first.downloads, steps))
+            assert calls.signals == task_id
+            assert tasks.finish(task_id) is None, spec.key
+    assert calls.sent == 3 * len(specs)
+    assert calls.downloads == 3 * sum(len(spec.outputs) for spec in specs)
+    assert calls.count("synchronize") == 0
 
 
 def test_a_task_that_cannot_be_issued_completes_with_its_error(layout):

@@ -17,7 +17,7 @@ from conftest import SMALL_LSTM, write_config
 from common.models import build_model
 from common.protocol import decode
 from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import CompletionNotice, TaskMessage, decode_notice, decode_task, encode_task
+from common.task import CompletionNotice, TaskMessage, TaskStep, decode_notice, decode_task, encode_task
 from worker.backend import arena_ids
 from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, Worker, load_cells
 from worker.notices import InProgressFIFO, Poller
@@ -118,6 +118,60 @@ def test_cpu_backend_runs_chained_tasks_in_stream_order(cells):
     np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
 
 
+def reading_an_unknown_peer(task: TaskMessage, task_id: int) -> TaskMessage:
+    """`task` (one row) with its h input read from worker 99, which this worker has not opened; no downloads."""
+    state = task.inputs[1]
+    unknown_peer = (*state[:3], [(99, state[0], np.array([5]), np.array([0]))], None)
+    return TaskMessage(task_id, 0, 1, [task.inputs[0], unknown_peer, task.inputs[2]], task.outputs, [])
+
+
+def multi_step(task_id: int, steps: list[TaskMessage]) -> TaskMessage:
+    """One task running `steps` back to back, as the manager sends a multi-step task."""
+    first, *later = steps
+    return TaskMessage(task_id, first.cell_index, first.batch_size, first.inputs, first.outputs, first.downloads,
+                       tuple(TaskStep(s.batch_size, s.inputs, s.outputs, s.downloads) for s in later))  # fmt: skip
+
+
+def test_cpu_backend_runs_a_multi_step_task_and_signals_once(cells):
+    """Sequences A = 5, 7, 4 and B = 9, 3 in one task: B drops out of the third step, which runs one row."""
+    _, _, kinds, _ = cells
+    backend = make_backend("cpu", cells)
+    try:
+        results = io_array(backend, "float32[64]")
+        steps = [
+            lstm_step_task(1, kinds, [5, 9], [ZERO_SLOT, ZERO_SLOT], [10, 12], None),
+            lstm_step_task(1, kinds, [7, 3], [10, 12], [20, 22], [3, 4]),
+            lstm_step_task(1, kinds, [4], [20], [30], [2]),
+        ]
+        message = decode_task(encode_task(multi_step(1, steps)))
+        assert [step.batch_size for step in message.steps()] == [2, 2, 1]
+        backend.issue(message)
+        wait_signal(backend, 1)
+        assert backend.finish(1) is None and backend.signal() == 1
+        got = results.array[[2, 4]].copy()
+        results.close()
+        np.testing.assert_allclose(got, expected_h(cells, [[5, 7, 4], [9, 3]]), atol=1e-5)
+    finally:
+        backend.close()
+
+
+def test_a_multi_step_task_with_a_step_it_cannot_resolve_fails_whole_and_writes_nothing(cells):
+    _, _, kinds, _ = cells
+    backend = make_backend("cpu", cells)
+    try:
+        results = io_array(backend, "float32[64]")
+        first = lstm_step_task(1, kinds, [5], [ZERO_SLOT], [10], [6])
+        second = reading_an_unknown_peer(lstm_step_task(1, kinds, [7], [10], [20], None), 1)
+        backend.issue(decode_task(encode_task(multi_step(1, [first, second]))))
+        backend.issue(decode_task(encode_task(lstm_step_task(2, kinds, [2], [ZERO_SLOT], [12], None))))
+        wait_signal(backend, 2)
+        assert "99" in (backend.finish(1) or "") and backend.finish(2) is None
+        assert not results.array[6].any()  # the first step never ran: nothing was downloaded
+        results.close()
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize(
     ("device", "said"), [("cpu", "index"), pytest.param("cuda:0", "out of range", marks=pytest.mark.cuda)]
 )
@@ -144,9 +198,7 @@ def test_cpu_backend_reports_a_task_it_cannot_resolve_in_its_turn(cells):
     backend = make_backend("cpu", cells)
     try:
         first = lstm_step_task(1, kinds, [2], [ZERO_SLOT], [10], None)
-        state = first.inputs[1]
-        unknown_peer = (*state[:3], [(99, state[0], np.array([5]), np.array([0]))], None)
-        bad = TaskMessage(2, 0, 1, [first.inputs[0], unknown_peer, first.inputs[2]], first.outputs, [])
+        bad = reading_an_unknown_peer(first, 2)
         for task in (first, bad, lstm_step_task(3, kinds, [2], [ZERO_SLOT], [12], None)):
             backend.issue(decode_task(encode_task(task)))
         wait_signal(backend, 3)

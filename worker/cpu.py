@@ -1,6 +1,7 @@
 """CPU backend: arenas in shared memory and an executor thread standing in for a device stream.
 
-The "stream" drains a FIFO of issued tasks in order; after each task it advances an
+The "stream" drains a FIFO of issued tasks in order (a multi-step task's steps back to back,
+as one task); after each task it advances an
 int64 signal counter in shared memory, as a GPU stream writes its pinned counter, and
 sends the task's completion notice itself (waking a poller per task would cost as much
 as the task).
@@ -105,8 +106,8 @@ class CpuBackend(Backend):
             shared.close()
 
     def issue(self, task: TaskMessage) -> None:
-        try:
-            issued: IssuedTask | FailedTask = resolve(task, self._tensors, self._cells, self._peers)
+        try:  # every step is resolved before any runs: a step that cannot be fails its whole task
+            issued: list[IssuedTask] | FailedTask = [resolve(step, self._tensors, self._cells, self._peers) for step in task.steps()]
         except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed
             log.exception("task %d failed", task.task_id)
             issued = FailedTask(task.task_id, f"{type(exc).__name__}: {exc}")
@@ -157,12 +158,15 @@ class CpuBackend(Backend):
                     counter[0] += 1
                     self._advanced.notify()
 
-    def _run(self, task: IssuedTask) -> None:
-        try:
-            run_task(task)
-        except Exception as exc:  # a failed task must still advance the counter
-            log.exception("task %d failed", task.task_id)
-            self._errors[task.task_id] = f"{type(exc).__name__}: {exc}"
+    def _run(self, steps: list[IssuedTask]) -> None:
+        """A task's steps back to back; a step that fails ends its task, with that step's error."""
+        for step in steps:
+            try:
+                run_task(step)
+            except Exception as exc:  # a failed task must still advance the counter
+                log.exception("task %d failed", step.task_id)
+                self._errors[step.task_id] = f"{type(exc).__name__}: {exc}"
+                return
 
     def close(self) -> None:
         self._queue.put(_STOP)

@@ -10,7 +10,8 @@ device mismatch, as it would on a GPU.
 Per task on the device's stream: one host-to-device copy of all the task's slot lists and
 inline values (packed into one buffer), the gathers, the cell, the scatters, per download a
 gather and one device-to-host copy per run of consecutive io rows (straight into the io
-arena, page-locked), and the counter write. Everything a task could fail on at the host
+arena, page-locked), and the counter write. A multi-step task enqueues that body once per step
+(its own staging copy each) and writes the counter once, after its last step. Everything a task could fail on at the host
 (slots out of range, an unknown arena or peer) is checked before any of it is enqueued.
 """
 
@@ -147,7 +148,8 @@ class DeviceTasks:
         """
         with self._calls.on_stream(), torch.inference_mode(), device_faults(self._calls.device):
             try:
-                self._run(task)
+                for step in task.steps():  # a multi-step task: every step enqueued, no host sync between them
+                    self._run(step)
             except torch.AcceleratorError:
                 raise
             except Exception as exc:  # shape errors, bad slots, out of memory: this task fails, the worker lives

@@ -256,13 +256,13 @@ class Worker:
     def _issue(self, task: TaskMessage) -> None:
         if CRASH_TOKEN is not None:
             _crash_on(task, CRASH_TOKEN)
-        self._fifo.push(task.task_id, [] if self._local else [(b, t) for _, _, b, t in task.downloads])
+        self._fifo.push(task.task_id, [] if self._local else [(b, t) for _, _, b, t in task.all_downloads()])
         self._backend.issue(task)
 
 
 def _crash_on(task: TaskMessage, token: int) -> None:
     """Test hook: exit at once, without a word, when the task reads `token` inline."""
-    for *_, inline in task.inputs:
+    for *_, inline in (entry for step in task.steps() for entry in step.inputs):
         if inline is not None and len(inline[1]) % 8 == 0 and token in np.frombuffer(inline[1], dtype=np.int64):
             os._exit(70)
 
