@@ -163,7 +163,7 @@ def test_the_tagger_preset_serves_every_tokens_tags_from_a_bilstm_and_is_left_ou
     config = tmp_path / "bench.toml"
     config.write_text('[server]\naddress = "tcp://127.0.0.1:5999"\n' + preset.model_toml.replace("{weights}", str(tmp_path)))
     model = build_model(load_config(config).models[preset.model])
-    assert list(model.cell_types) == ["tagger/layer0", "tagger/layer0_reverse", "tagger/head"]
+    assert list(model.cell_types) == ["tagger/layer0", "tagger/layer0_reverse"]  # the head rides on both
     assert model.describe()["outputs"]["logits"]["shape"] == [-1, 9]
     assert (preset.dataset, preset.policies, preset.reference) == ("wmt", ("padded", "cellular"), "padded")
     assert presets_named("all") == [name for name in PRESETS if name not in ("tagger", "attention")]

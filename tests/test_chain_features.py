@@ -251,10 +251,22 @@ def test_head_over_the_final_state_and_over_every_step():
 
 
 def test_heads_of_many_requests_run_as_one_cell_type():
-    model = chain("lstm", bidirectional=True, head_size=3, per_step=True)
+    model = chain("lstm", bidirectional=True, head_size=3)
     plan = model.plan({"tokens": [1, 2, 3, 4]}).plan
     assert plan.lane_cells == ("m/layer0", "m/layer0_reverse", "m/head")
     assert model.cell_types["m/head"].inputs == (model.state_kind, model.state_kind)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_head_at_every_step_rides_on_the_last_layers_cells(layers: int):
+    """A per-step head costs no node of its own: a request of T steps runs 2 T cells a layer, and the
+    last layer's cells emit [h, their part of the head]."""
+    model = chain("lstm", num_layers=layers, bidirectional=True, head_size=3, per_step=True)
+    graph = model.unfold({"tokens": [1, 2, 3, 4]})
+    assert len(graph.nodes) == 4 * 2 * layers
+    assert "m/head" not in model.cell_types
+    top = [model.cell_types[key] for key in model.layer_keys[-2:]]
+    assert [spec.outputs[-1].shape for spec in top] == [(model.hidden_size + 3,)] * 2
 
 
 @pytest.mark.parametrize("layers", [1, 3])
@@ -263,7 +275,7 @@ def test_padding_feeds_nothing_the_answer_reads(layers: int):
     model = chain("lstm", num_layers=layers, bidirectional=True, per_step=True, head_size=2)
     graph = model.unfold_padded({"tokens": [1, 2, 3]}, 8)
     padding = len(graph.externals) - 1
-    assert graph.padded_length == 8 and len(graph.nodes) == 8 * 2 * layers + 3
+    assert graph.padded_length == 8 and len(graph.nodes) == 8 * 2 * layers
     needed = {ref.node for ref in graph.results.values()}
     pending = list(needed)
     while pending:

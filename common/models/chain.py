@@ -4,7 +4,11 @@ Node (layer l, step t) reads layer l-1's h at step t (the input for layer 0) and
 layer's state at step t-1; each layer is its own cell type because it has its own weights.
 A bidirectional layer adds a reverse cell type scanning from the last step to the first, and
 the layer above reads both directions at step t (two inputs, no concatenation). An optional
-linear head is a cell type of its own, so the heads of many requests batch together. Weights use
+linear head over the final output is a cell type of its own, so the heads of many requests batch
+together; a head at every step (`per_step`) rides on the last layer's cells instead: each direction's
+cell also emits its h beside its part of the head (the head's columns for that direction, the bias
+on the forward part), and the reply adds the parts, so a step costs no cell and no task of its own.
+Weights use
 torch.nn.Embedding + torch.nn.LSTM / torch.nn.GRU (+ torch.nn.Linear) state_dict names
 (`embedding.weight`, `<rnn>.weight_ih_l0`, `<rnn>.weight_hh_l0`, `<rnn>.bias_ih_l0`,
 `<rnn>.bias_hh_l0`, `_l0_reverse`, then `_l1`, ..., `head.weight`, `head.bias`), so a model trained
@@ -64,15 +68,19 @@ class ChainPlanner(Planner):
         self.directions = 2 if bool_param(params, "bidirectional", self.name) else 1
         self.head_size = int_param(params, "head_size", self.name) if "head_size" in params else None
         self.state_kind = state = ValueKind("float32", (self.hidden_size,))
+        self.step_heads = self.per_step and self.head_size is not None  # the head rides on the last layer's cells
         self._cell_types = {}
         states = (state,) * len(self.state_names)
         for layer in range(self.num_layers):
             below = (self.input_kind,) if layer == 0 else (state,) * self.directions
+            outputs = states
+            if self.step_heads and layer == self.num_layers - 1:
+                outputs += (ValueKind("float32", (self.hidden_size + self.head_size,)),)  # [h, its head part]
             for direction in ("", "_reverse")[: self.directions]:
-                spec = self._cell_type(f"layer{layer}{direction}", (*below, *states), states)
+                spec = self._cell_type(f"layer{layer}{direction}", (*below, *states), outputs)
                 self._cell_types[spec.key] = spec
         self.layer_keys = list(self._cell_types)  # by h_n row: layer * directions + direction
-        if self.head_size is not None:
+        if self.head_size is not None and not self.step_heads:
             spec = self._cell_type("head", (state,) * self.directions, (ValueKind("float32", (self.head_size,)),))
             self._cell_types[spec.key] = spec
             self.head_key = spec.key
@@ -240,11 +248,9 @@ class ChainPlanner(Planner):
         """Results beyond the final states: the last layer's output at every step and the head."""
         if self.per_step:
             names = self.step_names(len(top))
+            port = len(self.state_names) if self.step_heads else 0  # [h, head part] or h
             for direction in range(self.directions):
-                graph.results.update(zip(names[direction], [step[direction] for step in top]))
-            if self.head_size is not None:
-                heads = [NodeOutput(graph.add_node(self.head_key, *step)) for step in top]
-                graph.results.update(zip(names[-1], heads))
+                graph.results.update(zip(names[direction], [NodeOutput(step[direction].node, port) for step in top]))
         elif self.head_size is not None:
             finals = [graph.results[name] for name in self.final_names["h"][self.top :]]
             graph.results["logits"] = NodeOutput(graph.add_node(self.head_key, *finals))
@@ -258,10 +264,10 @@ class ChainPlanner(Planner):
 
     def step_names(self, length: int) -> tuple[tuple[str, ...], ...]:
         """The per-step results (`per_step`), made once per length: the last layer's output of each
-        direction at every step, then the head's logits at every step when there is a head."""
+        direction at every step (beside that direction's part of the head when there is one)."""
         names = self._step_names.get(length)
         if names is None:
-            prefixes = ("y", "y_reverse")[: self.directions] + (("logits",) if self.head_size is not None else ())
+            prefixes = ("y", "y_reverse")[: self.directions]
             names = self._step_names[length] = tuple(tuple(f"{prefix}{t}" for t in range(length)) for prefix in prefixes)
         return names
 
@@ -280,11 +286,16 @@ class ChainPlanner(Planner):
         return reply
 
     def _step_rows(self, length: int, results: dict[str, np.ndarray], start: int, end: int) -> dict[str, np.ndarray]:
-        """`y` (and the head's `logits`) of steps `start` to `end` - 1, from their per-step results."""
+        """`y` (and the head's `logits`: the sum of the directions' parts) of steps `start` to `end` - 1,
+        from their per-step results."""
         columns = [np.stack([results[key] for key in names[start:end]]) for names in self.step_names(length)]
-        rows = {"y": columns[0] if self.directions == 1 else np.concatenate(columns[:2], axis=1)}
-        if self.head_size is not None:
-            rows["logits"] = columns[-1]
+        hidden = self.hidden_size
+        y = [column[:, :hidden] for column in columns]
+        rows = {"y": np.ascontiguousarray(y[0]) if self.directions == 1 else np.concatenate(y, axis=1)}
+        if self.step_heads:
+            logits = rows["logits"] = columns[0][:, hidden:].copy()
+            for column in columns[1:]:
+                logits += column[:, hidden:]
         return rows
 
     @property
@@ -293,7 +304,7 @@ class ChainPlanner(Planner):
 
     def partial_outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray], start: int) -> dict[str, Any] | None:
         """With `per_step`: the rows of `y` (and `logits`) from `start` up to the first step not yet final. A
-        step's row is final once all its results are read: both directions' outputs, and the head's; a
+        step's row is final once all its results are read: both directions' outputs (with their head parts); a
         bidirectional model's first rows wait for the reverse direction to reach them."""
         length = graph.state
         columns = self.step_names(length)

@@ -23,6 +23,7 @@ from common.models.kernels import (
     LSTMKernel,
     PairGRUKernel,
     PairLSTMKernel,
+    Projection,
     gru_input,
     lstm_input,
     table_bytes,
@@ -65,6 +66,19 @@ class LinearHead(nn.Module):
         return self.linear(torch.cat(directions, dim=1))
 
 
+class StepHead(nn.Module):
+    """A last layer's step that also emits [h, h's part of the head]: a per-step head without a cell of its own."""
+
+    def __init__(self, step: nn.Module, head: nn.Module):
+        super().__init__()
+        self.step = step
+        self.head = head
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state = self.step(*inputs)
+        return (*state, torch.cat([state[0], self.head(state[0])], dim=1))
+
+
 class ChainModel(ChainPlanner, Model):
     """The shared weights layout, cells and reference of LSTM and GRU chains."""
 
@@ -100,10 +114,24 @@ class ChainModel(ChainPlanner, Model):
             embedding = state["embedding.weight"] if layer == 0 and self.vocab_size is not None else None
             split = self.hidden_size if layer > 0 and self.directions == 2 else None
             cells[key] = self.make_kernel(embedding, self._layer_weights(state, suffix), fold, split)
-        if self.head_size is not None:
+        if self.step_heads:
+            self._add_step_heads(cells, [Projection(weight, bias) for weight, bias in self._head_parts(state)])
+        elif self.head_size is not None:
             split = self.hidden_size if self.directions == 2 else None
             cells[self.head_key] = vector_projection(state["head.weight"], state["head.bias"], split)
         return cells
+
+    def _head_parts(self, state: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The head's (weight, bias) on each direction's h: its columns for that direction; the bias
+        goes with the forward part, the others add zeros."""
+        weight, bias = state["head.weight"], state["head.bias"]
+        columns = weight.split(self.hidden_size, dim=1)
+        return [(part, bias if direction == 0 else torch.zeros_like(bias)) for direction, part in enumerate(columns)]
+
+    def _add_step_heads(self, cells: dict[str, nn.Module], heads: list[nn.Module]) -> None:
+        """Wrap the last layer's step of each direction to emit its part of the head."""
+        for key, head in zip(self.layer_keys[-self.directions :], heads, strict=True):
+            cells[key] = StepHead(cells[key], head)
 
     def _layer_weights(self, state: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
         return {name: state[f"{self.rnn_name}.{name}{suffix}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
@@ -122,14 +150,20 @@ class ChainModel(ChainPlanner, Model):
                 cells[key] = step if embedding is None else EmbeddingStep(embedding, step)
             else:
                 cells[key] = PairStep(step) if self.directions == 2 else step
-        if self.head_size is not None:
+        if self.step_heads:
+            self._add_step_heads(cells, [self._linear(weight, bias) for weight, bias in self._head_parts(state)])
+        elif self.head_size is not None:
             cells[self.head_key] = LinearHead(self._head(state))
         return cells
 
+    @staticmethod
+    def _linear(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+        linear = nn.Linear(weight.shape[1], weight.shape[0])
+        linear.load_state_dict({"weight": weight, "bias": bias})
+        return linear
+
     def _head(self, state: dict[str, torch.Tensor]) -> nn.Linear:
-        head = nn.Linear(self.hidden_size * self.directions, self.head_size)
-        head.load_state_dict({"weight": state["head.weight"], "bias": state["head.bias"]})
-        return head
+        return self._linear(state["head.weight"], state["head.bias"])
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {} if self.vocab_size is None else {"embedding.weight": (self.vocab_size, self.embedding_size)}
