@@ -9,22 +9,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import SMALL_LSTM, SMALL_SEQ2SEQ, write_config
+from conftest import SMALL_LSTM, SMALL_SEQ2SEQ, SST_TREELSTM, write_config
 
 from bench import idle
 from bench.datasets import DATASETS
 from common.models import build_model
 
-TREE = """
-[models.tree]
-builder = "common.models.treelstm:build"
-weights = "tree.pt"
-vocab_size = 8737
-embedding_size = 32
-hidden_size = 64
-num_classes = 5
-batch_sizes = [1, 2, 4, 8]
-"""
 ATTENTION = SMALL_SEQ2SEQ.replace("[models.seq2seq", "[models.attention").replace(
     "max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n'
 )
@@ -57,7 +47,7 @@ def test_the_lone_request_has_its_documented_length():
         (SMALL_LSTM, "lstm", {"tokens": [5, 17, 342, 9]}),
         (SMALL_SEQ2SEQ, "seq2seq", {"tokens": [5, 17, 342, 9, 11]}),
         (ATTENTION, "attention", {"tokens": [5, 17, 342, 9, 11]}),
-        (TREE, "tree", DATASETS["sst"]()[3]),
+        (SST_TREELSTM, "tree", DATASETS["sst"]()[3]),
     ],
 )
 def test_the_timed_forward_is_the_reference(tmp_path: Path, models: str, name: str, inputs: dict):
