@@ -38,6 +38,7 @@ from common.models import build_model
 GOAL = 1.5  # served p50 over in-process p50
 LONE_LENGTH = 22  # the fixed request's tokens: about the mean WMT sentence
 POINTS = (50, 99)
+READY_TIMEOUT_S_PER_MODEL = 180  # the server warms every model's cells up before it answers: slow on a busy machine
 MODELS = {
     "lstm": LSTM,
     "gru": GRU,
@@ -136,7 +137,8 @@ def run(quick: bool, out: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, Any]:
             model = build_model(config.models[name])
             forwards[name] = model.reference_forward(model.load_weights())
         progress.note("starting the server")
-        with ServedPolicy(config_path, config.server.address, "cellular", rows[0].model) as served:
+        ready_timeout = READY_TIMEOUT_S_PER_MODEL * len(config.models)
+        with ServedPolicy(config_path, config.server.address, "cellular", rows[0].model, ready_timeout=ready_timeout) as served:
             progress.advance()
             results = []
             with Client(served.address, timeout=120) as client:
