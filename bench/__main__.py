@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import ceiling, chaos, overload, plots, report, servers, servers_report, startup
+from bench import ceiling, chaos, idle, overload, plots, report, servers, servers_report, startup
 from bench.presets import FULL, PRESETS, QUICK, presets_named
 from bench.progress import Progress
 from bench.run import MODERATE, ROOT, run_preset
@@ -15,7 +15,7 @@ from bench.run import MODERATE, ROOT, run_preset
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
-    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "servers", "overload", "chaos", "startup", "all"])
+    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "idle", "servers", "overload", "chaos", "startup", "all"])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     args = parser.parse_args(argv)
@@ -27,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
             print("ceiling: answers differ from the reference model", file=sys.stderr)
             return 1
         if args.preset == "ceiling":
+            return 0
+    if args.preset in ("idle", "all"):
+        if not idle.main(args.quick, args.out):
+            print("idle: answers differ from the reference model", file=sys.stderr)
+            return 1
+        if args.preset == "idle":
             return 0
     if args.preset in ("servers", "all"):
         result = servers.run(args.quick)

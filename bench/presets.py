@@ -56,6 +56,11 @@ max_length = 400
 batch_sizes = {BATCH_SIZES}
 """
 
+# The same one-layer chain with GRU cells (the idle preset's GRU row).
+GRU = LSTM.replace("[models.lstm]", "[models.gru]").replace("common.models.lstm:build", "common.models.gru:build").replace(
+    "bench-lstm-h256.pt", "bench-gru-h256.pt"
+)
+
 TREELSTM = f"""
 [models.treelstm]
 builder = "common.models.treelstm:build"

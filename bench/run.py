@@ -32,8 +32,8 @@ COUNTED_REQUESTS = 500  # requests unfolded to count cells per request
 DECODED_REQUESTS = 60  # requests decoded by the reference to count the steps of models that observe outputs
 
 
-def write_config(preset: Preset, directory: Path) -> Path:
-    """A one-worker CPU config serving the preset's model, with weights made once in weights/."""
+def write_config(models_toml: str, directory: Path) -> Path:
+    """A one-worker CPU config serving the given [models.NAME] tables, with weights made once in weights/."""
     path = directory / "bench.toml"
     path.write_text(
         f"""
@@ -47,7 +47,7 @@ max_queue_delay_ms = 0
 [scheduler]
 max_tasks_to_submit = 5
 """
-        + preset.model_toml.replace("{weights}", str(ROOT / "weights"))
+        + models_toml.replace("{weights}", str(ROOT / "weights"))
     )
     init_missing_weights(load_config(path))
     return path
@@ -108,7 +108,7 @@ def moderate_loads(
 def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, Any]:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="batchmaker-bench-") as tmp:
-        config_path = write_config(preset, Path(tmp))
+        config_path = write_config(preset.model_toml, Path(tmp))
         config = load_config(config_path)
         model = build_model(config.models[preset.model])
         state = model.load_weights()

@@ -28,9 +28,11 @@ def cdf(values: list[float]) -> list[float]:
 class ServedPolicy:
     """The server started on a config with one policy; `measure` runs one load point against it."""
 
-    def __init__(self, config: Path, address: str, policy: str, model: str, *options: str):
-        """`options` go to `batchmaker serve` after the policy (e.g. `--address`)."""
+    def __init__(self, config: Path, address: str, policy: str, model: str, *options: str, ready_timeout: float = 180):
+        """`options` go to `batchmaker serve` after the policy (e.g. `--address`); `ready_timeout` is how long
+        the server may take to start (more models warm up for longer)."""
         self.address = address
+        self.ready_timeout = ready_timeout
         self.policy = policy
         self.model = model
         # The server's output, open for its whole lifetime; close() deletes it once the server has stopped.
@@ -41,7 +43,7 @@ class ServedPolicy:
 
     def __enter__(self) -> Self:
         try:
-            wait_until_ready(self.address, self._server, timeout=180)
+            wait_until_ready(self.address, self._server, timeout=self.ready_timeout)
         except SystemExit:
             self.close()
             raise SystemExit(f"the {self.policy} server did not start; its log is {self._log.name}") from None

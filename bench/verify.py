@@ -17,7 +17,11 @@ NEAR_TIE = 1e-4  # a decoded token may differ only where the reference's top-two
 
 def mismatch(model: Model, state: dict, inputs: dict[str, Any], outputs: dict[str, Any]) -> tuple[float, str | None]:
     """(max abs error over float outputs, description of a wrong decoded sequence or None)."""
-    expected = model.reference(state, inputs)
+    return differences(model.reference(state, inputs), outputs)
+
+
+def differences(expected: dict[str, Any], outputs: dict[str, Any]) -> tuple[float, str | None]:
+    """`mismatch` against the reference's reply `expected`, already computed."""
     worst = 0.0
     for name, value in outputs.items():
         want = expected[name]
@@ -46,10 +50,15 @@ def verify(address: str, model: Model, state: dict, requests: list[dict[str, Any
 
 def compare(model: Model, state: dict, requests: list[dict[str, Any]], outputs: list[dict[str, Any]]) -> dict[str, Any]:
     """Served outputs against the reference's, request by request: the largest error and what was wrong."""
+    return compare_replies([model.reference(state, inputs) for inputs in requests], outputs)
+
+
+def compare_replies(expected: list[dict[str, Any]], outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """`compare` against the reference's replies, already computed."""
     worst, problems = 0.0, []
-    for inputs, served in zip(requests, outputs):
-        error, problem = mismatch(model, state, inputs, served)
+    for want, served in zip(expected, outputs, strict=True):
+        error, problem = differences(want, served)
         worst = max(worst, error)
         if problem:
             problems.append(problem)
-    return {"checked": len(requests), "max_abs_error": worst, "wrong": problems[:3], "ok": worst <= TOLERANCE and not problems}
+    return {"checked": len(outputs), "max_abs_error": worst, "wrong": problems[:3], "ok": worst <= TOLERANCE and not problems}

@@ -243,3 +243,16 @@ def make_harness(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     yield make
     for harness in made:
         harness.close()
+
+
+# A small binary TreeLSTM over the bundled SST vocabulary (data/sst): bench/datasets.py's trees fit it.
+SST_TREELSTM = """
+[models.tree]
+builder = "common.models.treelstm:build"
+weights = "tree.pt"
+vocab_size = 8737
+embedding_size = 32
+hidden_size = 64
+num_classes = 5
+batch_sizes = [1, 2, 4, 8]
+"""

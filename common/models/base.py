@@ -217,6 +217,11 @@ class Model(Planner):
     def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
         """Unbatched reference: what the served model must return for these inputs."""
 
+    def reference_forward(self, state: dict[str, torch.Tensor]) -> Callable[[Any], dict[str, Any]]:
+        """The reference as a function of one request's inputs, its modules built once: timing it times
+        the forward alone (`./scripts/bench idle`). Models whose reference builds modules override this."""
+        return functools.partial(self.reference, state)
+
 
 def build_model(config: ModelConfig) -> Model:
     """Import the configured builder ("package.module:function") and build the whole model (planner and cells).

@@ -9,6 +9,7 @@ into its input projection; layers above a bidirectional one split their input pr
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -197,30 +198,40 @@ class ChainModel(ChainPlanner, Model):
 
     def reference(self, state: dict[str, torch.Tensor], inputs: Any) -> dict[str, Any]:
         """torch.nn.Embedding (for tokens) + the whole-sequence torch RNN (+ torch.nn.Linear), one request at a time."""
-        sequence = torch.tensor(self.input_rows(inputs))
+        return self.reference_forward(state)(inputs)
+
+    def reference_forward(self, state: dict[str, torch.Tensor]) -> Callable[[Any], dict[str, Any]]:
+        embedding = None
         if self.vocab_size is not None:
             embedding = nn.Embedding(self.vocab_size, self.embedding_size)
             embedding.load_state_dict({"weight": state["embedding.weight"]})
-            sequence = embedding(sequence)
         rnn = self.reference_rnn()
         prefix = f"{self.rnn_name}."
         rnn.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
-        given = self.initial_states(inputs)
-        initial = tuple(
-            torch.tensor(given[name]) if name in given else torch.zeros(self.final_rows, self.hidden_size)
-            for name in self.state_names
-        )
-        with torch.inference_mode():
-            output, final = rnn(sequence, initial if len(initial) > 1 else initial[0])
-            final = final if isinstance(final, tuple) else (final,)
-            reply: dict[str, Any] = {"y": output.numpy().astype(np.float32)} if self.per_step else {}
-            for name, value in zip(self.state_names, final):
-                reply[name] = value[self.top].numpy().astype(np.float32)
-                reply[f"{name}_n"] = value.numpy().astype(np.float32)
-            if self.head_size is not None:
-                last = torch.cat(list(final[0][self.top :]))  # torch.cat([h_n[-2], h_n[-1]]) when bidirectional
-                reply["logits"] = self._head(state)(output if self.per_step else last).numpy().astype(np.float32)
-        return reply
+        head = self._head(state) if self.head_size is not None else None
+
+        def forward(inputs: Any) -> dict[str, Any]:
+            sequence = torch.tensor(self.input_rows(inputs))
+            given = self.initial_states(inputs)
+            initial = tuple(
+                torch.tensor(given[name]) if name in given else torch.zeros(self.final_rows, self.hidden_size)
+                for name in self.state_names
+            )
+            with torch.inference_mode():
+                if embedding is not None:
+                    sequence = embedding(sequence)
+                output, final = rnn(sequence, initial if len(initial) > 1 else initial[0])
+                final = final if isinstance(final, tuple) else (final,)
+                reply: dict[str, Any] = {"y": output.numpy().astype(np.float32)} if self.per_step else {}
+                for name, value in zip(self.state_names, final):
+                    reply[name] = value[self.top].numpy().astype(np.float32)
+                    reply[f"{name}_n"] = value.numpy().astype(np.float32)
+                if head is not None:
+                    last = torch.cat(list(final[0][self.top :]))  # torch.cat([h_n[-2], h_n[-1]]) when bidirectional
+                    reply["logits"] = head(output if self.per_step else last).numpy().astype(np.float32)
+            return reply
+
+        return forward
 
 
 class LSTMStep(nn.Module):

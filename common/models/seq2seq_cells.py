@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -174,8 +175,9 @@ class Seq2SeqModel(Seq2SeqPlanner, Model):
         Besides `tokens`, returns `margins`: each step's gap between the two largest logits,
         so a comparison can tell a real difference from a float near-tie of the argmax.
         """
-        source = torch.from_numpy(token_ids(inputs, "tokens", self.src_vocab_size, self.max_length))
-        max_len = self._max_len(inputs, len(source))
+        return self.reference_forward(state)(inputs)
+
+    def reference_forward(self, state: dict[str, torch.Tensor]) -> Callable[[Any], dict[str, Any]]:
         embeddings, lstms = {}, {}
         for part, vocab_size in (("encoder", self.src_vocab_size), ("decoder", self.tgt_vocab_size)):
             embeddings[part] = nn.Embedding(vocab_size, self.embedding_size)
@@ -184,22 +186,28 @@ class Seq2SeqModel(Seq2SeqPlanner, Model):
             prefix = f"{part}.lstm."
             lstms[part].load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
         projection = self._projection(state)
-        decoded: list[int] = []
-        margins: list[float] = []
-        with torch.inference_mode():
-            memory, (h, c) = lstms["encoder"](embeddings["encoder"](source))
-            token = self.go_id
-            while len(decoded) < max_len:
-                output, (h, c) = lstms["decoder"](embeddings["decoder"](torch.tensor([token])), (h, c))
-                top = output[0]
-                if self.attention is not None:
-                    weights = torch.softmax(memory @ (state["decoder.attention.weight"] @ top), dim=0)
-                    top = torch.tanh(state["decoder.combine.weight"] @ torch.cat([weights @ memory, top]))
-                logits = projection(top)
-                best = torch.topk(logits, 2).values
-                margins.append(float(best[0] - best[1]))
-                token = int(logits.argmax())
-                if token == self.eos_id:
-                    break
-                decoded.append(token)
-        return {"tokens": np.array(decoded, dtype=np.int64), "margins": np.array(margins, dtype=np.float32)}
+
+        def forward(inputs: Any) -> dict[str, Any]:
+            source = torch.from_numpy(token_ids(inputs, "tokens", self.src_vocab_size, self.max_length))
+            max_len = self._max_len(inputs, len(source))
+            decoded: list[int] = []
+            margins: list[float] = []
+            with torch.inference_mode():
+                memory, (h, c) = lstms["encoder"](embeddings["encoder"](source))
+                token = self.go_id
+                while len(decoded) < max_len:
+                    output, (h, c) = lstms["decoder"](embeddings["decoder"](torch.tensor([token])), (h, c))
+                    top = output[0]
+                    if self.attention is not None:
+                        weights = torch.softmax(memory @ (state["decoder.attention.weight"] @ top), dim=0)
+                        top = torch.tanh(state["decoder.combine.weight"] @ torch.cat([weights @ memory, top]))
+                    logits = projection(top)
+                    best = torch.topk(logits, 2).values
+                    margins.append(float(best[0] - best[1]))
+                    token = int(logits.argmax())
+                    if token == self.eos_id:
+                        break
+                    decoded.append(token)
+            return {"tokens": np.array(decoded, dtype=np.int64), "margins": np.array(margins, dtype=np.float32)}
+
+        return forward

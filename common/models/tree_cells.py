@@ -8,7 +8,7 @@ that a training script trains exactly the cells the workers serve and saves them
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,18 +111,25 @@ class TreeModel(TreePlanner, Model):
         The recursion h_j, c_j = f(x_j, children's h and c) is evaluated bottom-up rather
         than by recursive calls, so trees deeper than Python's recursion limit work too.
         """
-        tree = self.parse(inputs)
-        weights = {key: value.double() for key, value in state.items()}
-        h: dict[int, torch.Tensor] = {}
-        c: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for i in tree.order:
-                kids = [(h[k], c[k]) for k in tree.children[i]]
-                h[i], c[i] = self.reference_node(weights, tree.tokens[i], kids)
-            result = {"h": h[tree.root], "c": c[tree.root]}
-            if self.num_classes:
-                result["logits"] = weights["classifier.weight"] @ h[tree.root] + weights["classifier.bias"]
-        return {name: value.numpy().astype(np.float32) for name, value in result.items()}
+        return self.reference_forward({key: value.double() for key, value in state.items()})(inputs)
+
+    def reference_forward(self, state: dict[str, torch.Tensor]) -> Callable[[Any], dict[str, Any]]:
+        """The reference's equations in the dtype of `state` (float32 for a weights file: what a timing compares)."""
+
+        def forward(inputs: Any) -> dict[str, Any]:
+            tree = self.parse(inputs)
+            h: dict[int, torch.Tensor] = {}
+            c: dict[int, torch.Tensor] = {}
+            with torch.no_grad():
+                for i in tree.order:
+                    kids = [(h[k], c[k]) for k in tree.children[i]]
+                    h[i], c[i] = self.reference_node(state, tree.tokens[i], kids)
+                result = {"h": h[tree.root], "c": c[tree.root]}
+                if self.num_classes:
+                    result["logits"] = state["classifier.weight"] @ h[tree.root] + state["classifier.bias"]
+            return {name: value.numpy().astype(np.float32) for name, value in result.items()}
+
+        return forward
 
 
 def gate_blocks(matrix: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
