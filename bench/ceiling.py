@@ -6,7 +6,9 @@ requests outstanding. What remains is scheduling and messaging, so the cells/s a
 here are what the manager and the worker's task handling can sustain. The generator is measured
 alone first, against an echo server that answers every request at once with a reply shaped like
 the server's, so the table shows it is not the bottleneck. A sample of every row's replies is
-checked against the model's reference.
+checked against the model's reference. Each row also reports the manager's CPU time (user and
+system, read from the operating system around the measured run) per request and per task it formed:
+the control plane's own cost, whatever else shares the machine.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import zmq
 
 from bench.datasets import DATASETS
-from bench.generator import closed_loop, request_frames
+from bench.generator import Replies, closed_loop, request_frames
 from bench.run import ROOT, git, machine
 from bench.sweep import ServedPolicy
 from bench.verify import verify
@@ -150,6 +152,20 @@ def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
     return len(graph.nodes) - len(graph.watch) + min(decoded + 1, len(graph.watch))
 
 
+def measure(served: ServedPolicy, frames: list[bytes]) -> tuple[Replies, dict[str, float]]:
+    """One closed-loop run of `frames`, and the manager's CPU µs per request and per task during it (the
+    task count from the server's stats, read before the CPU time and after it, so the stats op is not counted)."""
+    tasks, cpu = served.stats()["tasks"], served.cpu_seconds()["manager"]
+    replies = closed_loop(served.address, frames, WINDOW)
+    cpu = served.cpu_seconds()["manager"] - cpu
+    tasks = served.stats()["tasks"] - tasks
+    return replies, {
+        "tasks": tasks,
+        "manager_cpu_us_per_request": cpu * 1e6 / len(frames),
+        "manager_cpu_us_per_task": cpu * 1e6 / max(1, tasks),
+    }
+
+
 def run(quick: bool, out: Path) -> dict[str, Any]:
     scale = 5 if quick else 1
     with tempfile.TemporaryDirectory(prefix="batchmaker-ceiling-") as tmp:
@@ -174,14 +190,14 @@ max_queue_delay_ms = 0
         models = {name: build_model(model_config) for name, model_config in config.models.items()}
         states = {name: model.load_weights() for name, model in models.items()}
         rows = []
-        with ServedPolicy(config_path, address, "cellular", "lstm"):
+        with ServedPolicy(config_path, address, "cellular", "lstm") as served:
             for row in ROWS:
                 inputs = row.inputs()
                 count = row.requests // scale
                 requests = [inputs[i % len(inputs)] for i in range(count)]
                 frames = request_frames(row.model, requests)
                 closed_loop(address, frames[: min(200, count)], WINDOW)  # warm up: plans of the common shapes
-                run = closed_loop(address, frames, WINDOW)
+                run, manager = measure(served, frames)
                 seconds = float(np.nanmax(run.received))
                 replies = run.replies
                 failed = sum(1 for reply in replies if reply is None or not reply["ok"])
@@ -198,6 +214,7 @@ max_queue_delay_ms = 0
                         "cells_per_request": cells / max(1, count - failed),
                         "verify": check,
                     }
+                    | manager
                 )
             lengths = [{"tokens": list(range(22))}] * (2000 // scale)
             generator = generator_alone(request_frames("lstm", lengths))
@@ -220,8 +237,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"ceiling at {result['describe']} (hidden 8, one CPU worker, {result['window']} requests outstanding)",
         f"load generator alone (echo server): {result['generator_alone_requests_per_s']:,.0f} requests/s",
-        "| workload | requests/s | cells/s | cells per request | answers checked |",
-        "|---|---|---|---|---|",
+        "| workload | requests/s | cells/s | cells per request | manager CPU µs per request | per task | answers checked |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         check = row["verify"]
@@ -229,7 +246,8 @@ def table(result: dict[str, Any]) -> str:
         failed = f", {row['failed']} requests failed" if row["failed"] else ""
         lines.append(
             f"| {row['row']} | {row['requests_per_s']:,.0f} | {row['cells_per_s']:,.0f} | "
-            f"{row['cells_per_request']:.1f} | {ok}{failed} |"
+            f"{row['cells_per_request']:.1f} | {row['manager_cpu_us_per_request']:.1f} | "
+            f"{row['manager_cpu_us_per_task']:.1f} | {ok}{failed} |"
         )
     return "\n".join(lines)
 

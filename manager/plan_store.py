@@ -72,6 +72,14 @@ def packed(plan: Plan, ports: int, outputs: int) -> np.ndarray:
     return matrix
 
 
+def _fits(needs: list[tuple[_Log, int]]) -> bool:
+    """Every region has room for its count at its tail (a loop, not any() over a generator: once per request)."""
+    for log, count in needs:
+        if log.tail + count > log.capacity:
+            return False
+    return True
+
+
 class PlanStore:
     """Plans of admitted requests, concatenated: nodes, ragged inputs, registers and external values."""
 
@@ -98,7 +106,7 @@ class PlanStore:
             (self.registers, plan.registers),
             *[(self.externals[kind], len(values)) for kind, values in unfolded.externals.items()],
         ]
-        if any(log.tail + count > log.capacity for log, count in needs):
+        if not _fits(needs):
             self._compact(list(live))
             for log, count in needs:
                 if 2 * (log.tail + count) > log.capacity:  # mostly live: grow, or compaction would repeat soon

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 NO_WORKER = -1
 Region = str | ValueKind  # a plan store region: "node", "ragged", "reg", or the external values of a kind
+BASE_COLUMNS = {"node": "node_base", "ragged": "ragged_base", "reg": "reg_base"}  # a region's column of starts
 
 
 def grow_rows(array: np.ndarray, size: int, fill: float = 0) -> np.ndarray:
@@ -117,6 +118,7 @@ class RequestTable:
 
     def __init__(self, kinds: list[ValueKind], capacity: int = 1024):
         self.kinds = {kind: i for i, kind in enumerate(kinds)}  # column of each kind in ext_base and blocks
+        self._reset = [(name, self.COLUMNS[name][1]) for name in self.RESET]  # (column, its starting value)
         for name, (dtype, fill) in self.COLUMNS.items():
             setattr(self, name, np.full(capacity, fill, dtype=dtype))
         self.ext_base = np.zeros((capacity, len(kinds)), np.int64)  # where its external values start, per kind
@@ -131,9 +133,8 @@ class RequestTable:
             self._grow()
         row = self._free.pop()
         self.requests[row] = request
-        for name in self.RESET:
-            column = getattr(self, name)
-            column[row] = self.COLUMNS[name][1]
+        for name, fill in self._reset:
+            getattr(self, name)[row] = fill
         self.blocks[row] = 0
         for kind, registers in request.unfolded.plan.register_groups.items():
             self.blocks[row, self.kinds[kind]] = len(registers)
@@ -146,11 +147,14 @@ class RequestTable:
         """Where each row's range starts in a region of the plan store (a view: read it, write with `place`)."""
         if isinstance(region, ValueKind):
             return self.ext_base[:, self.kinds[region]]
-        return getattr(self, f"{region}_base")
+        return getattr(self, BASE_COLUMNS[region])
 
     def place(self, region: Region, rows: np.ndarray | int, starts: np.ndarray | int) -> None:
         """The plan store put (or moved) the ranges of the requests at `rows` in `region` at `starts`."""
-        self.bases(region)[rows] = starts
+        if type(region) is str:  # written at every admission: no view of ext_base, no name formatted
+            getattr(self, BASE_COLUMNS[region])[rows] = starts
+        else:
+            self.ext_base[rows, self.kinds[region]] = starts
 
     def others(self, request: Request) -> Iterator[Request]:
         """The live requests besides `request`, in admission order."""

@@ -278,7 +278,7 @@ class ChainPlanner(Planner):
         for name, finals in self.final_names.items():
             rows = [results[key] for key in finals]
             reply[name] = rows[self.top]
-            reply[f"{name}_n"] = np.stack(rows)
+            reply[f"{name}_n"] = np.array(rows)  # rows of one shape: np.stack's checks cost more than the copy
         if self.per_step:
             reply.update(self._step_rows(graph.state, results, 0, graph.state))
         elif self.head_size is not None:

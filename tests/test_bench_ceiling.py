@@ -1,0 +1,42 @@
+"""`./scripts/bench ceiling`'s measurement on a real server: the manager's CPU per request and per task
+is read from its process around a closed-loop run, and shown in the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_LSTM, write_config
+
+from bench import ceiling
+from bench.generator import request_frames
+from bench.sweep import ServedPolicy
+
+
+def test_a_run_reports_the_managers_cpu_per_request_and_per_task(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM)
+    frames = request_frames("lstm", [{"tokens": list(range(1, 23))}] * 300)
+    with ServedPolicy(config.path, config.server.address, "cellular", "lstm") as served:
+        replies, manager = ceiling.measure(served, frames)
+    assert replies.lost == 0 and all(reply["ok"] for reply in replies.replies)
+    assert manager["tasks"] >= 22  # every request has 22 steps, each at least one task
+    assert manager["manager_cpu_us_per_request"] > 0
+    assert manager["manager_cpu_us_per_task"] > 0
+    assert manager["manager_cpu_us_per_task"] * manager["tasks"] == pytest.approx(manager["manager_cpu_us_per_request"] * 300)
+
+
+def test_the_table_shows_the_managers_cpu_per_request_and_per_task():
+    row = {
+        "row": "LSTM, WMT lengths",
+        "requests_per_s": 12000.0,
+        "cells_per_s": 260000.0,
+        "cells_per_request": 21.7,
+        "manager_cpu_us_per_request": 41.0,
+        "manager_cpu_us_per_task": 120.5,
+        "failed": 0,
+        "verify": {"ok": True, "checked": 40, "wrong": []},
+    }
+    result = {"describe": "abc", "window": 2000, "generator_alone_requests_per_s": 50000.0, "rows": [row]}
+    table = ceiling.table(result)
+    assert "| manager CPU µs per request | per task |" in table
+    assert "| LSTM, WMT lengths | 12,000 | 260,000 | 21.7 | 41.0 | 120.5 | 40 ok |" in table
