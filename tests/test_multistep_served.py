@@ -11,7 +11,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import ROOT, SMALL_SEQ2SEQ, RunningServer, start_server, stop_server, wait_idle, write_config
+from conftest import (
+    ROOT,
+    SMALL_SEQ2SEQ,
+    SST_TREELSTM,
+    RunningServer,
+    start_server,
+    stop_server,
+    wait_idle,
+    write_config,
+)
 
 from clients import AsyncClient, Partial, ServerError
 from common.models import build_model
@@ -43,16 +52,7 @@ head_size = 5
 builder = "common.models.lstm:build"
 weights = "lstm.pt"
 {CHAIN.replace("max_length = 40", f"max_length = {len(LONG)}")}
-
-[models.sst]
-builder = "common.models.treelstm:build"
-weights = "sst.pt"
-vocab_size = {len(load_vocabulary(SST / "vocab.txt"))}
-embedding_size = 16
-hidden_size = 32
-num_classes = 5
-batch_sizes = [1, 2, 4, 8, 16]
-""" + SMALL_SEQ2SEQ.replace("max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n')
+""" + SST_TREELSTM.replace("[models.tree]", "[models.sst]") + SMALL_SEQ2SEQ.replace("max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n')
 # The join delay is no bound here: tasks take up to max_steps_per_task steps whenever nothing could join.
 SCHEDULER = "max_steps_per_task = 8\nmax_join_delay_us = 10000000"
 
