@@ -1,8 +1,9 @@
 """The body of a batched task on tensors, the same on every backend: a task message resolved to
-index tensors over the arenas (`resolve`), then gather, compute, scatter (`run_task`)."""
+index tensors over the arenas, a step at a time (`resolve`), then gather, compute, scatter (`run_task`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -62,31 +63,84 @@ class IssuedTask:
 PeerArenas = dict[tuple[int, int], torch.Tensor]  # (worker id, arena id) -> tensor
 
 
-def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> IssuedTask:
-    """Turn a task message into tensors: the issuer's share of the work, done off the stream."""
+def resolve(
+    task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas
+) -> list[IssuedTask]:
+    """Turn a task message into tensors, a step each: the issuer's share of the work, done off the stream.
 
-    def index(slots) -> torch.Tensor:
-        return torch.from_numpy(slots.copy())
+    A multi-step task is resolved once for all its steps: every slot list of every step becomes one
+    index tensor, split into a view per list, and each input's inline values one tensor of rows,
+    split per step, so a step costs the issuer little more than a lone task's bookkeeping.
+    """
+    steps = task.steps()
+    arrays = [array for step in steps for array in slot_arrays(step)]
+    sizes = [len(array) for array in arrays]
+    views = iter(torch.from_numpy(np.concatenate(arrays)).split(sizes) if arrays else ())
+    inline = [_inline_per_step(steps, port, tensors) for port in range(len(task.inputs))]
+    cell = cells[task.cell_index]
+
+    def index(_: np.ndarray) -> torch.Tensor:  # the next slot list's view, in `slot_arrays` order
+        return next(views)
 
     def input_rows(
-        arena_id: int, slots: np.ndarray, segments: np.ndarray | None, remote: list[RemoteRows] | None, values: InlineValues | None
+        step: int,
+        port: int,
+        arena_id: int,
+        slots: np.ndarray,
+        segments: np.ndarray | None,
+        remote: list[RemoteRows] | None,
+        values: InlineValues | None,
     ) -> InputRows:  # a TaskInput's fields
-        arena = tensors[arena_id]
         return InputRows(
-            arena,
+            tensors[arena_id],
             index(slots),
             None if segments is None else index(segments),
-            [RemoteInput(peers[(peer, peer_arena)], index(rows), index(at)) for peer, peer_arena, rows, at in remote or ()],
-            None if values is None else Inline(index(values[0]), inline_rows(values[1], arena)),
+            [
+                RemoteInput(peers[(peer, peer_arena)], index(rows), index(at))
+                for peer, peer_arena, rows, at in remote or ()
+            ],
+            None if values is None else Inline(index(values[0]), inline[port][step]),
         )
 
-    return IssuedTask(
-        task.task_id,
-        cells[task.cell_index],
-        [input_rows(*entry) for entry in task.inputs],
-        [(tensors[arena], index(slots)) for arena, slots in task.outputs],
-        [TensorCopy(tensors[a], index(s), tensors[io], index(io_slots)) for a, s, io, io_slots in task.downloads],
-    )
+    return [
+        IssuedTask(
+            step.task_id,
+            cell,
+            [input_rows(number, port, *entry) for port, entry in enumerate(step.inputs)],
+            [(tensors[arena], index(slots)) for arena, slots in step.outputs],
+            [TensorCopy(tensors[a], index(s), tensors[io], index(io_slots)) for a, s, io, io_slots in step.downloads],
+        )
+        for number, step in enumerate(steps)
+    ]
+
+
+def slot_arrays(step: TaskMessage) -> Iterator[np.ndarray]:
+    """A step's slot lists in the order `resolve` turns them into tensors."""
+    for _, slots, segments, remote, values in step.inputs:
+        yield slots
+        if segments is not None:
+            yield segments
+        for _, _, rows, at in remote or ():
+            yield rows
+            yield at
+        if values is not None:
+            yield values[0]
+    for _, slots in step.outputs:
+        yield slots
+    for _, slots, _, io_slots in step.downloads:
+        yield slots
+        yield io_slots
+
+
+def _inline_per_step(steps: list[TaskMessage], port: int, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Input `port`'s inline rows of every step (None where a step has none), made from one buffer."""
+    values = [step.inputs[port][4] for step in steps]  # a TaskInput, or a plain tuple of its fields
+    present = [entry for entry in values if entry is not None]
+    if not present:
+        return [None] * len(steps)
+    rows = inline_rows(b"".join(data for _, data in present), tensors[steps[0].inputs[port][0]])
+    split = iter(rows.split([len(positions) for positions, _ in present]))
+    return [None if entry is None else next(split) for entry in values]
 
 
 def inline_rows(data: bytes, arena: torch.Tensor) -> torch.Tensor:

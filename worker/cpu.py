@@ -79,7 +79,7 @@ class CpuBackend(Backend):
         with torch.inference_mode():
             for task in warm_up_tasks(self._specs, self._ids):
                 try:
-                    run_task(resolve(task, self._tensors, self._cells, self._peers))
+                    run_task(*resolve(task, self._tensors, self._cells, self._peers))
                 except Exception as exc:
                     raise warm_up_failure(self._specs[task.cell_index], task.batch_size, exc) from exc
         self.time_full_tasks(self._specs, self._ids)
@@ -107,7 +107,7 @@ class CpuBackend(Backend):
 
     def issue(self, task: TaskMessage) -> None:
         try:  # every step is resolved before any runs: a step that cannot be fails its whole task
-            issued: list[IssuedTask] | FailedTask = [resolve(step, self._tensors, self._cells, self._peers) for step in task.steps()]
+            issued: list[IssuedTask] | FailedTask = resolve(task, self._tensors, self._cells, self._peers)
         except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed
             log.exception("task %d failed", task.task_id)
             issued = FailedTask(task.task_id, f"{type(exc).__name__}: {exc}")

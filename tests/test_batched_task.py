@@ -1,0 +1,46 @@
+"""worker.batched_task.resolve: a multi-step task's slot lists and inline values made into tensors once."""
+
+from __future__ import annotations
+
+import torch
+from test_worker import cells, lstm_step_task, multi_step  # noqa: F401 (a fixture)
+
+from common.slots import ZERO_SLOT
+from common.task import TaskMessage, decode_task, encode_task
+from worker.batched_task import resolve
+
+
+def without_tokens(step: TaskMessage) -> TaskMessage:
+    """The step with its tokens read from the arena instead of sent inline."""
+    tokens = (*step.inputs[0][:4], None)
+    return TaskMessage(
+        step.task_id, step.cell_index, step.batch_size, [tokens, *step.inputs[1:]], step.outputs, step.downloads
+    )
+
+
+def test_a_multi_step_task_is_resolved_into_one_index_tensor_and_one_inline_buffer(cells):  # noqa: F811
+    _, modules, kinds, _ = cells
+    tensors = [
+        torch.zeros(8, *kind.shape, dtype=getattr(torch, kind.dtype)) for kind in kinds for _ in ("device", "io")
+    ]
+    steps = [
+        lstm_step_task(1, kinds, [5, 9], [ZERO_SLOT, ZERO_SLOT], [10, 12], None),
+        without_tokens(lstm_step_task(1, kinds, [7, 3], [10, 12], [20, 22], [3, 4])),
+        lstm_step_task(1, kinds, [4], [20], [30], [2]),
+    ]
+    issued = resolve(decode_task(encode_task(multi_step(1, steps))), tensors, modules, {})
+
+    assert len(issued) == 3 and {step.task_id for step in issued} == {1}
+    storages = {rows.slots.untyped_storage().data_ptr() for step in issued for rows in step.inputs}
+    storages |= {slots.untyped_storage().data_ptr() for step in issued for _, slots in step.outputs}
+    assert len(storages) == 1  # every step's slot lists are views of one tensor
+    for step, sent in zip(issued, steps):
+        assert [rows.slots.tolist() for rows in step.inputs] == [list(entry[1]) for entry in sent.inputs]
+        assert [slots.tolist() for _, slots in step.outputs] == [list(slots) for _, slots in sent.outputs]
+        assert [copy.io_slots.tolist() for copy in step.downloads] == [list(entry[3]) for entry in sent.downloads]
+    tokens = [None if step.inputs[0].inline is None else step.inputs[0].inline.rows.tolist() for step in issued]
+    assert tokens == [[5, 9], None, [4]]
+    assert (
+        issued[0].inputs[0].inline.rows.untyped_storage().data_ptr()
+        == issued[2].inputs[0].inline.rows.untyped_storage().data_ptr()
+    )
