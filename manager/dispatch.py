@@ -65,8 +65,11 @@ class Dispatcher:
 
     def add_step(self, task: Task, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle) -> None:
         """One more wave of lanes the task already runs (`rows` are some of its requests), after its last step."""
-        order = np.argsort(task.rows)
-        task.counts[order[np.searchsorted(task.rows, rows, sorter=order)]] += counts
+        if len(rows) == len(task.rows) and (rows == task.rows).all():  # every lane goes on, in the same order
+            task.counts += counts
+        else:  # some lanes have ended: find the others among the task's rows
+            order = np.argsort(task.rows)
+            task.counts[order[np.searchsorted(task.rows, rows, sorter=order)]] += counts
         self._add_step(task, rows, counts, first, worker)
 
     def seal(self, task: Task, cell_index: int) -> None:
