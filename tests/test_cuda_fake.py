@@ -236,8 +236,9 @@ def test_every_cell_serves_a_task_on_the_device(layout, batch: int):
 
 
 def test_a_multi_step_task_enqueues_every_step_and_one_signal_without_a_host_sync(layout):
-    """Three steps of every cell type, the batch shrinking 5, 3, 1: each step's staging copy, gathers, cell,
-    scatters and downloads go on the stream; no synchronize between them, and the counter is written once."""
+    """Three steps of every cell type, the batch shrinking 5, 3, 1: one staging copy for all steps, then each
+    step's gathers, cell, scatters and downloads go on the stream; no synchronize between them, and the
+    counter is written once."""
     specs, _, _ = layout
     with fake_cuda():
         calls = FakeCalls()
@@ -248,7 +249,7 @@ def test_a_multi_step_task_enqueues_every_step_and_one_signal_without_a_host_syn
             tasks.issue(TaskMessage(task_id, first.cell_index, 5, first.inputs, first.outputs, first.downloads, steps))
             assert calls.signals == task_id
             assert tasks.finish(task_id) is None, spec.key
-    assert calls.sent == 3 * len(specs)
+    assert calls.sent == len(specs)  # every step's slot lists and inline values in one copy
     assert calls.downloads == 3 * sum(len(spec.outputs) for spec in specs)
     assert calls.count("synchronize") == 0
 
@@ -280,6 +281,22 @@ def test_a_task_that_cannot_be_issued_completes_with_its_error(layout):
     assert errors[2] is not None
     assert "worker 99" in errors[3]
     assert "io slot index 257 out of range" in errors[4]
+
+
+def test_a_multi_step_task_with_a_step_it_cannot_issue_enqueues_nothing(layout):
+    """The third step writes outside its arena: the task fails whole, before its first step's copy or gathers."""
+    specs, _, _ = layout
+    index = next(i for i, spec in enumerate(specs) if spec.key == "lstm/layer0")
+    with fake_cuda():
+        calls = FakeCalls()
+        tasks, ids = fake_tasks(layout, calls)
+        first, second = (serving_task(1, index, specs[index], ids, batch) for batch in (4, 2))
+        outside = TaskStep(2, second.inputs, [(second.outputs[0][0], slots([2, ROWS]))], [])
+        later = (TaskStep(2, second.inputs, second.outputs, second.downloads), outside)
+        tasks.issue(TaskMessage(1, index, 4, first.inputs, first.outputs, first.downloads, later))
+        assert "output index 256 out of range 0..255" in tasks.finish(1)
+        assert calls.signals == 1
+    assert calls.sent == 0 and calls.downloads == 0
 
 
 def test_staging_holds_exactly_what_the_task_sends(layout):

@@ -148,8 +148,7 @@ class DeviceTasks:
         """
         with self._calls.on_stream(), torch.inference_mode(), device_faults(self._calls.device):
             try:
-                for step in task.steps():  # a multi-step task: every step enqueued, no host sync between them
-                    self._run(step)
+                self._run(task)  # a multi-step task: every step enqueued, no host sync between them
             except torch.AcceleratorError:
                 raise
             except Exception as exc:  # shape errors, bad slots, out of memory: this task fails, the worker lives
@@ -166,24 +165,32 @@ class DeviceTasks:
         return self._io_arena(arena_id)[slots].tobytes()
 
     def _run(self, task: TaskMessage) -> None:
-        staging = self._calls.staging(staged_bytes(task))
-        inputs = [self._input(staging, task.batch_size, *entry) for entry in task.inputs]
-        outputs = [
-            (self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs
-        ]
-        sources = [self._source(staging, *download) for download in task.downloads]
+        """Every step checked and staged on the host, all sent in one copy, then the steps back to back:
+        a step that cannot be issued fails its whole task before anything is enqueued."""
+        steps = task.steps()
+        staging = self._calls.staging(sum(staged_bytes(step) for step in steps))
+        prepared = [self._prepare(staging, step) for step in steps]
         staging.send()  # the first operation enqueued: every host-side check has passed
-        inputs = [entry._replace(remote=self._local(entry.remote)) for entry in inputs]
-        issued = IssuedTask(task.task_id, self._cells[task.cell_index], inputs, outputs, [])
-        graph = self.graphs.get((task.cell_index, task.batch_size))
-        if graph is None:
-            run_task(issued)
-        else:
-            graph.run(issued)
-        for arena, slots, io, io_slots in sources:
-            rows = arena.index_select(0, slots)
-            for start, at, count in consecutive_runs(io_slots):
-                self._calls.download(io[at : at + count], rows.narrow(0, start, count))
+        for step, (issued, sources) in zip(steps, prepared):
+            issued.inputs = [entry._replace(remote=self._local(entry.remote)) for entry in issued.inputs]
+            graph = self.graphs.get((step.cell_index, step.batch_size))
+            if graph is None:
+                run_task(issued)
+            else:
+                graph.run(issued)
+            for arena, slots, io, io_slots in sources:
+                rows = arena.index_select(0, slots)
+                for start, at, count in consecutive_runs(io_slots):
+                    self._calls.download(io[at : at + count], rows.narrow(0, start, count))
+
+    def _prepare(self, staging: Staging, step: TaskMessage) -> tuple[IssuedTask, list[Source]]:
+        """A step's slot lists and inline values staged (their device views), its downloads' sources."""
+        inputs = [self._input(staging, step.batch_size, *entry) for entry in step.inputs]
+        outputs = [
+            (self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in step.outputs
+        ]
+        sources = [self._source(staging, *download) for download in step.downloads]
+        return IssuedTask(step.task_id, self._cells[step.cell_index], inputs, outputs, []), sources
 
     def _source(self, staging: Staging, arena_id: int, slots: np.ndarray, io_id: int, io_slots: np.ndarray) -> Source:
         arena, io = self._arena(arena_id), self._io_arena(io_id)
