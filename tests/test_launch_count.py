@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,3 +37,32 @@ def test_counts_follow_the_task_structure():
     assert rows["lstm/layer0"].cell > 5
     table = launch_count.table(list(rows.values()))
     assert table.count("\n") == len(rows) + 1 and "| `lstm/layer0` | 3 | 2 | 4 |" in table
+
+
+def test_a_multi_step_task_launches_each_steps_work_and_uploads_once():
+    launch_count = load_script()
+    config = ROOT / "configs" / "all.toml"
+    single = {row.cell_type: row for row in launch_count.count_step_launches(8, config, 1)}
+    double = {row.cell_type: row for row in launch_count.count_step_launches(8, config, 2)}
+    plain = {row.cell_type: row for row in launch_count.count_launches(8, config)}
+    assert set(single) == set(double) == set(plain)
+    for key, one in single.items():
+        two, row = double[key], plain[key]
+        assert (one.total, one.cell) == (row.gather + row.cell + row.scatter, row.cell), key  # a step, no downloads
+        assert (two.steps, two.total, two.cell) == (2, 2 * one.total, 2 * one.cell), key  # each step the same work
+        assert one.uploads == two.uploads == 1, key  # every step's slot lists in one copy
+        graphs = one.total - one.cell + 1 if one.capturable else one.total  # a graph launch per step for its cell
+        assert two.with_graphs == 2 * graphs, key
+    assert double["lstm/layer0"].capturable and not double["childsum/node"].capturable
+    table = launch_count.steps_table(list(double.values()))
+    assert table.count("\n") == len(double) + 1 and "| `lstm/layer0` | 2 | 34 | 17 | 11 | 1 | 7 |" in table
+
+
+def test_a_task_of_no_steps_is_refused():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "launch_count.py"), "--steps", "1", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and "--steps must be at least 1" in done.stderr and not done.stdout
