@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from test_worker import cells, lstm_step_task, multi_step  # noqa: F401 (a fixture)
 
@@ -44,3 +46,17 @@ def test_a_multi_step_task_is_resolved_into_one_index_tensor_and_one_inline_buff
         issued[0].inputs[0].inline.rows.untyped_storage().data_ptr()
         == issued[2].inputs[0].inline.rows.untyped_storage().data_ptr()
     )
+
+
+def test_inline_values_that_do_not_fill_their_rows_fail_the_task(cells):  # noqa: F811
+    """A step with a token too many and the next with one too few: each is wrong, though they add up."""
+    _, modules, kinds, _ = cells
+    tensors = [
+        torch.zeros(8, *kind.shape, dtype=getattr(torch, kind.dtype)) for kind in kinds for _ in ("device", "io")
+    ]
+    long, short = (lstm_step_task(1, kinds, [5, 9], [ZERO_SLOT, ZERO_SLOT], [10, 12], None) for _ in range(2))
+    tokens = long.inputs[0]
+    long.inputs[0] = (*tokens[:4], (tokens[4][0], np.array([5, 9, 4]).tobytes()))
+    short.inputs[0] = (*tokens[:4], (tokens[4][0], np.array([7]).tobytes()))
+    with pytest.raises(ValueError, match="input 0 has 24 bytes of inline values for 2 rows"):
+        resolve(multi_step(1, [long, short]), tensors, modules, {})

@@ -1,5 +1,5 @@
 """The body of a batched task on tensors, the same on every backend: a task message resolved to
-index tensors over the arenas, a step at a time (`resolve`), then gather, compute, scatter (`run_task`)."""
+index tensors over the arenas, every step of it at once (`resolve`), then gather, compute, scatter (`run_task`)."""
 
 from __future__ import annotations
 
@@ -138,8 +138,12 @@ def _inline_per_step(steps: list[TaskMessage], port: int, tensors: list[torch.Te
     present = [entry for entry in values if entry is not None]
     if not present:
         return [None] * len(steps)
-    rows = inline_rows(b"".join(data for _, data in present), tensors[steps[0].inputs[port][0]])
-    split = iter(rows.split([len(positions) for positions, _ in present]))
+    arena = tensors[steps[0].inputs[port][0]]
+    row_bytes = arena[0].nbytes
+    for positions, data in present:  # one buffer for all steps: a step's rows must not run into the next
+        if len(data) != len(positions) * row_bytes:
+            raise ValueError(f"input {port} has {len(data)} bytes of inline values for {len(positions)} rows")
+    split = iter(inline_rows(b"".join(data for _, data in present), arena).split([len(at) for at, _ in present]))
     return [None if entry is None else next(split) for entry in values]
 
 
