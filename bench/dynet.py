@@ -1,0 +1,138 @@
+"""The treelstm preset's `dynet` section: the same TreeLSTM in DyNet 2.1.2, offline, as a baseline.
+
+DyNet is an optional dependency kept out of the project's environment: `BATCHMAKER_DYNET_PYTHON`
+names a Python that can `import dynet` (BENCHMARKS.md says how to build one). That interpreter runs
+bench/dynet_treelstm.py on the preset's weights and SST trees (agenda-based autobatching, `BATCH`
+trees per graph, one thread) and reports trees/s; its roots are checked against our reference.
+In the same run, the cellular server is driven by a closed loop, and our sustained (from the
+preset's sweep) and closed-loop throughput are divided by DyNet's. Without the variable the
+section says it was skipped; a variable naming an interpreter that cannot run DyNet is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.datasets import DATASETS
+from bench.generator import closed_loop, request_frames
+from bench.presets import Preset
+from bench.run import ROOT, write_config
+from bench.sweep import ServedPolicy
+from bench.verify import compare_replies, verify
+from common.config import load_config
+from common.models import build_model
+from common.models.base import Model
+
+PYTHON_ENV = "BATCHMAKER_DYNET_PYTHON"
+SCRIPT = ROOT / "bench" / "dynet_treelstm.py"
+BATCH = 64  # trees per DyNet graph
+WINDOW = 256  # trees the closed loop keeps outstanding: four full batches
+QUICK_TREES = 640
+TIMEOUT_S = 1800
+
+
+class DyNetError(RuntimeError):
+    """The DyNet interpreter named by PYTHON_ENV could not run the baseline."""
+
+
+def interpreter() -> str | None:
+    return os.environ.get(PYTHON_ENV) or None
+
+
+def tree_rows(model: Model, inputs: dict[str, Any]) -> list[list[int]]:
+    """One tree as bench/dynet_treelstm.py reads it: [token, left, right] rows, children first, root last."""
+    tree = model.parse(inputs)
+    order = list(tree.order)
+    position = {node: k for k, node in enumerate(order)}
+    rows = []
+    for node in order:
+        kids = [position[child] for child in tree.children[node]] or [-1, -1]
+        rows.append([int(tree.tokens[node]), *kids])
+    return rows
+
+
+def offline(python: str, model: Model, state: dict, trees: list[dict[str, Any]]) -> dict[str, Any]:
+    """DyNet's trees/s on `trees`, `BATCH` to a graph, and its first graph's roots checked against the reference."""
+    with tempfile.TemporaryDirectory(prefix="batchmaker-dynet-") as tmp:
+        weights, spec, out = Path(tmp) / "weights.npz", Path(tmp) / "trees.json", Path(tmp) / "out.json"
+        np.savez(weights, **{key: value.numpy() for key, value in state.items()})
+        spec.write_text(json.dumps({"batch": BATCH, "trees": [tree_rows(model, tree) for tree in trees]}))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        try:
+            command = [python, str(SCRIPT), str(weights), str(spec), str(out)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        except OSError as exc:
+            raise DyNetError(f"{PYTHON_ENV}={python} cannot be run: {exc}") from None
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise DyNetError(f"{PYTHON_ENV}={python} failed to run the DyNet TreeLSTM: {last}")
+        result = json.loads(out.read_text())
+    expected = [model.reference(state, tree) for tree in trees[: len(result["roots"])]]
+    served = [{"h": np.array(root, dtype=np.float32)} for root in result["roots"]]
+    result["verify"] = compare_replies(expected, served)
+    result.pop("roots")
+    return result
+
+
+def section(preset: Preset, summary: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """The `dynet` section of a tree preset's result: DyNet offline, our closed loop, and the ratios."""
+    python = interpreter()
+    if python is None:
+        return {"skipped": f"DyNet not found (set {PYTHON_ENV} to a Python with dynet 2.1.2)"}
+    trees = DATASETS[preset.dataset]()
+    trees = trees[:QUICK_TREES] if quick else trees
+    with tempfile.TemporaryDirectory(prefix="batchmaker-dynet-") as tmp:
+        config_path = write_config(preset.model_toml, Path(tmp))
+        config = load_config(config_path)
+        model = build_model(config.models[preset.model])
+        state = model.load_weights()
+        dynet = offline(python, model, state, trees)
+        with ServedPolicy(config_path, config.server.address, "cellular", preset.model) as served:
+            frames = request_frames(preset.model, trees)
+            closed_loop(served.address, frames[:WINDOW], WINDOW)  # warm up
+            run = closed_loop(served.address, frames, WINDOW)
+            check = verify(served.address, model, state, trees[:BATCH])
+    answered = sum(1 for reply in run.replies if reply and reply["ok"])
+    closed = answered / float(np.nanmax(run.received))
+    sustained = summary["cellular"]["sustained_throughput"]
+    return {
+        "dynet": dynet,
+        "closed_loop": {"window": WINDOW, "trees": len(trees), "answered": answered, "trees_per_s": closed, "verify": check},
+        "sustained_trees_per_s": sustained,
+        "sustained_over_dynet": sustained / dynet["trees_per_s"],
+        "closed_loop_over_dynet": closed / dynet["trees_per_s"],
+    }
+
+
+def ok(result: dict[str, Any]) -> bool:
+    """False when the section failed: DyNet named but not runnable, or answers that differ from the reference."""
+    if "skipped" in result or not result:
+        return True
+    return "error" not in result and result["dynet"]["verify"]["ok"] and result["closed_loop"]["verify"]["ok"]
+
+
+def lines(result: dict[str, Any]) -> list[str]:
+    """The section for the printed report."""
+    if "skipped" in result:
+        return [f"dynet: skipped: {result['skipped']}"]
+    if "error" in result:
+        return [f"dynet: FAILED: {result['error']}"]
+    dynet, closed = result["dynet"], result["closed_loop"]
+    offline_line = (
+        f"dynet {dynet['dynet']} offline ({dynet['batch']} trees a graph, agenda autobatching, one thread): "
+        f"{dynet['trees_per_s']:,.0f} trees/s on {dynet['trees']} trees; roots {dynet['verify']['checked']} checked, "
+        f"max abs error {dynet['verify']['max_abs_error']:.1e}"
+    )
+    ratio_line = (
+        f"cellular closed loop ({closed['window']} outstanding): {closed['trees_per_s']:,.0f} trees/s = "
+        f"{result['closed_loop_over_dynet']:.2f}x DyNet; sustained (p90 <= 100 ms) "
+        f"{result['sustained_trees_per_s']:,.0f} trees/s = {result['sustained_over_dynet']:.2f}x DyNet"
+    )
+    return [offline_line, ratio_line]
