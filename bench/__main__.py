@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import ceiling, chaos, dynet, idle, overload, plots, report, servers, servers_report, startup
+from bench import ceiling, chaos, dynet_baseline, idle, overload, plots, report, servers, servers_report, startup
 from bench.presets import FULL, PRESETS, QUICK, presets_named
 from bench.progress import Progress
 from bench.run import MODERATE, ROOT, run_preset
@@ -64,14 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = report.targets(result, result["summary"])
         if name == "treelstm":
             try:
-                result["dynet"] = dynet.section(PRESETS[name], result["summary"], args.quick)
-            except dynet.DyNetError as exc:
+                result["dynet"] = dynet_baseline.section(PRESETS[name], result["summary"], args.quick)
+            except dynet_baseline.DyNetError as exc:
                 result["dynet"] = {"error": str(exc)}
         path = args.out / f"{name}.json"
         path.write_text(json.dumps(report.finite(result), indent=1))
         outputs.append((result, path, plots.draw(result, args.out)))
         wrong += [f"{name}/{policy}" for policy, runs in result["policies"].items() if not runs["verify"]["ok"]]
-        if not dynet.ok(result.get("dynet", {})):
+        if not dynet_baseline.ok(result.get("dynet", {})):
             wrong.append(f"{name}/dynet")
     progress.close()
     for result, path, figures in outputs:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report.table(result))
         for line in report.target_lines(result):
             print(line)
-        for line in dynet.lines(result["dynet"]) if "dynet" in result else []:
+        for line in dynet_baseline.lines(result["dynet"]) if "dynet" in result else []:
             print(line)
         for policy, runs in result["policies"].items():
             check = runs["verify"]

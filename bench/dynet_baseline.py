@@ -7,6 +7,8 @@ trees per graph, one thread) and reports trees/s; its roots are checked against 
 In the same run, the cellular server is driven by a closed loop, and our sustained (from the
 preset's sweep) and closed-loop throughput are divided by DyNet's. Without the variable the
 section says it was skipped; a variable naming an interpreter that cannot run DyNet is an error.
+(This module is not named `dynet`: the script runs with bench/ first on its path, where such a
+name would shadow the package.)
 """
 
 from __future__ import annotations
