@@ -25,7 +25,8 @@ Multi-step tasks (docs/architecture.md, "Multi-step tasks"): when a task takes e
 its type that may run on the worker, whole waves, nothing else of that type waits that could join
 it, so the same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and while
 it is expected to take at most `max_join_delay_us` (manager.step_costs). Lanes that end drop out
-of the later steps, which run at the smallest batch size that holds them.
+of the later steps, which run at the smallest batch size that holds them. A worker already holding
+more than that delay of expected work gets single steps: what arrives joins the next step.
 """
 
 from __future__ import annotations
@@ -176,13 +177,17 @@ class Scheduler:
 
     def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[Task]:
         tasks: list[Task] = []
+        multi_step = None  # whether this call's tasks may take several steps; decided when the first could
         while len(tasks) < self.max_tasks_to_submit:
             taken = self.form_batched_task(queue, worker)
             if taken is None or (taken.nodes < queue.spec.min_batch and tasks):
                 break
             task = self._issue(queue, taken, worker)
             if taken.everyone and self.max_steps_per_task > 1:
-                self._more_steps(queue, task, taken, worker)
+                if multi_step is None:
+                    multi_step = self.queued_seconds(worker) <= self._max_join_delay_s
+                if multi_step:
+                    self._more_steps(queue, task, taken, worker)
             self._dispatcher.seal(task, queue.index)
             tasks.append(task)
         return tasks
@@ -203,6 +208,16 @@ class Scheduler:
             self._table.step_issued(step.rows, step.sizes)
             self._advance(queue, step)
             going = int((queue.need[step.lanes] != FINISHED).sum())
+
+    def queued_seconds(self, worker: WorkerHandle) -> float:
+        """Expected seconds of the work `worker` holds (its tasks in flight, not those being formed); a
+        step with no estimate counts nothing."""
+        queued = 0.0
+        for task in worker.tasks.values():
+            cost = self.step_costs.seconds(task.spec.key, task.step_sizes[0])
+            if cost is not None:
+                queued += cost * len(task.step_sizes)
+        return queued
 
     def form_batched_task(self, queue: CellTypeQueue, worker: WorkerHandle) -> Ready | None:
         """The waves the next task of this type on `worker` takes: ready lanes in queue order whose

@@ -127,6 +127,20 @@ def test_a_request_arriving_during_a_multi_step_task_joins_the_next_task(harness
     assert sorted(h.requests_in(h.in_flight(worker)[1]), key=str) == sorted([first.request_id, second.request_id], key=str)
 
 
+def test_a_worker_holding_more_than_the_join_delay_gets_single_steps(harness):
+    """Two tasks of 16 steps of 100 µs hold the worker 3200 µs, more than the 2000 µs delay: the next
+    task is one step, which a request arriving meanwhile could join at the next one."""
+    h = harness(step_us=100.0, max_tasks_to_submit=2)
+    worker = h.workers[0]
+    h.admit("lstm", tokens(40))
+    h.schedule(worker)
+    assert sent_steps(h) == [[1] * 16, [1] * 16]
+    h.schedule(worker)
+    assert sent_steps(h)[2:] == [[1], [1]]
+    run_to_the_end(h, worker)
+    assert len(h.finished) == 1 and h.finished[0][1] is None
+
+
 def test_a_cancel_inside_a_multi_step_task_frees_its_rows_when_the_task_ends(harness):
     h = harness()
     worker = h.workers[0]
