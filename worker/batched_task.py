@@ -75,12 +75,13 @@ def resolve(
     steps = task.steps()
     arrays = [array for step in steps for array in slot_arrays(step)]
     sizes = [len(array) for array in arrays]
-    views = iter(torch.from_numpy(np.concatenate(arrays)).split(sizes) if arrays else ())
+    views = torch.from_numpy(np.concatenate(arrays)).split(sizes) if arrays else ()
+    view_of = {id(array): view for array, view in zip(arrays, views)}  # a list repeated has one view
     inline = [_inline_per_step(steps, port, tensors) for port in range(len(task.inputs))]
     cell = cells[task.cell_index]
 
-    def index(_: np.ndarray) -> torch.Tensor:  # the next slot list's view, in `slot_arrays` order
-        return next(views)
+    def index(slots: np.ndarray) -> torch.Tensor:
+        return view_of[id(slots)]
 
     def input_rows(
         step: int,
@@ -115,7 +116,7 @@ def resolve(
 
 
 def slot_arrays(step: TaskMessage) -> Iterator[np.ndarray]:
-    """A step's slot lists in the order `resolve` turns them into tensors."""
+    """Every slot list of a step, for `resolve` to make into one index tensor."""
     for _, slots, segments, remote, values in step.inputs:
         yield slots
         if segments is not None:
