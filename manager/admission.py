@@ -34,11 +34,14 @@ class ExpectedWait:
     implies for queued cells.
 
     Throughput is counted per second a worker was busy, not per second of wall time: a lightly
-    loaded server completes only what it is offered. How long a task kept its worker busy is what
-    the worker timed and reported in its notice (common.task.CompletionNotice): the time the manager
-    sees from submission to notice would also count its own delay in reading the notice, which
-    grows with its load and made the capacity look lower the busier the server was. And only nearly
-    full tasks count: small batches run far fewer cells
+    loaded server completes only what it is offered. A task kept its worker busy from its
+    submission, or from the worker's previous completion if that came later (a worker runs its
+    tasks one after another), to the moment the manager reads its notice. That is the manager's
+    view on purpose: queued cells drain at the rate the whole server runs them, and a manager short
+    of CPU (reading, refusing and answering a flood) drains them slower than its workers could run
+    them. The busy time a worker reports for itself (the step costs go by it) is the rate of the
+    worker alone: under overload on two cores it put the capacity half as high again as the
+    server ran, and admitted requests that then waited past the limit. And only nearly full tasks count: small batches run far fewer cells
     per second than full ones, so a rate measured on them would turn away bursts the server could
     absorb, and a server filling up from idle (a cold start under load) is measured as soon as
     its first full tasks have run, not once they outnumber the small ones. The capacity last
@@ -52,18 +55,21 @@ class ExpectedWait:
         self._cells = 0  # of the window's full tasks
         self._busy_s = 0.0  # of the window's full tasks
         self._tasks_by_worker: collections.Counter[Hashable] = collections.Counter()  # full ones, in the window
+        self._last_completion: dict[Hashable, float] = {}
         self._capacity: float | None = None  # cells per second, measured on nearly full tasks
         self._assumed: float | None = None  # cells per second, from the workers' warm-up, until measured
 
-    def completed(self, cells: int, largest_batch: int, worker: Hashable, busy_s: float, steps: int = 1) -> None:
-        """Record a task of `cells` cells in `steps` steps (of a cell type batching up to `largest_batch`)
-        that kept `worker` busy `busy_s` seconds. A multi-step task counts as full when its steps are,
-        on average."""
+    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> None:
+        """Record a task of `cells` cells in `steps` steps (of a cell type batching up to `largest_batch`),
+        submitted at `submitted` (on this clock), that `worker` finished. A multi-step task counts as full
+        when its steps are, on average."""
         now = self._clock()
+        busy = max(0.0, now - max(submitted, self._last_completion.get(worker, submitted)))
+        self._last_completion[worker] = now
         if cells >= FULL_FILL * largest_batch * steps:
-            self._completions.append((now, cells, busy_s, worker))
+            self._completions.append((now, cells, busy, worker))
             self._cells += cells
-            self._busy_s += busy_s
+            self._busy_s += busy
             self._tasks_by_worker[worker] += 1
         self._expire(now)
         if self._busy_s >= MIN_BUSY_S:
@@ -94,6 +100,8 @@ class ExpectedWait:
             self._tasks_by_worker[worker] -= 1
             if not self._tasks_by_worker[worker]:
                 del self._tasks_by_worker[worker]
+                if self._last_completion.get(worker, now) < horizon:  # gone quiet, or gone: forget it
+                    del self._last_completion[worker]
         if not self._completions:
             self._busy_s = 0.0  # no float residue once the window is empty
 
@@ -108,8 +116,8 @@ class Admission:
         self._last_key: tuple[Any, ...] | None = None
         self._last_refusal = RequestError(OVERLOADED, "")
 
-    def completed(self, cells: int, largest_batch: int, worker: Hashable, busy_s: float, steps: int = 1) -> None:
-        self.estimator.completed(cells, largest_batch, worker, busy_s, steps)
+    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> None:
+        self.estimator.completed(cells, largest_batch, worker, submitted, steps)
 
     def check(self, queued_cells: int, deadline_ms: int | None) -> None:
         """Raise DEADLINE_EXCEEDED if the expected wait exceeds the deadline, OVERLOADED if it exceeds the limit."""

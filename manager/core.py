@@ -199,9 +199,9 @@ class BatchingCore:
             task = worker.tasks.pop(task_id, None)
             if task is not None:
                 worker.tasks_completed += 1
-                steps, busy_s = len(task.step_sizes), busy_us / 1e6
-                self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, busy_s, steps)
-                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy_s)
+                steps = len(task.step_sizes)
+                self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
+                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy_us / 1e6)
                 self.processor.task_completed(task, notice.errors.get(task_id))
         return self._outcomes()
 

@@ -2,8 +2,10 @@
 
 A multi-step task holds its worker for all its steps, and a request that arrives meanwhile waits
 for it: the scheduler keeps a task's expected duration under `[scheduler] max_join_delay_us`. A step's cost is measured per (cell type, padded batch
-size) on completed tasks, as seconds of the worker's busy time per step (the same busy time
-admission's expected wait measures, manager.admission), smoothed over recent tasks. Until a
+size) on completed tasks, as seconds of the worker's busy time per step, as the worker timed it and
+reported in its notice (common.task.CompletionNotice), smoothed over recent tasks. The worker's own
+timing leaves out the round trip to the manager, which a request arriving during the task does not
+wait for the task to make. Until a
 (cell type, batch size) has been measured, the workers' warm-up timing of the type's largest batch
 stands in: no smaller batch costs more. With neither, there is no estimate and tasks stay single
 steps: a delay that cannot be bounded is not taken.

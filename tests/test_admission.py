@@ -22,24 +22,27 @@ class Clock:
 
 
 def saturated(estimator: ExpectedWait, clock: Clock, cells_per_task: int, task_s: float, tasks: int) -> None:
-    """One worker running tasks back to back, each reported `task_s` busy by the worker."""
-    for _ in range(tasks):
+    """One worker running tasks back to back, each submitted well before the previous one completed."""
+    for i in range(tasks):
+        submitted = clock.now - (5 * task_s if i else 0)  # the first task found the worker idle
         clock.now += task_s
-        estimator.completed(cells_per_task, FULL, 0, task_s)
+        estimator.completed(cells_per_task, FULL, 0, submitted)
 
 
 def light(estimator: ExpectedWait, clock: Clock, tasks: int) -> None:
     """A 1 ms task of 4 cells every 40 ms: small batches, an idle worker in between."""
     for _ in range(tasks):
-        clock.now += 0.04
-        estimator.completed(4, FULL, 0, 0.001)
+        clock.now += 0.039
+        submitted = clock.now
+        clock.now += 0.001
+        estimator.completed(4, FULL, 0, submitted)
 
 
 def test_cold_start_has_no_estimate():
     clock = Clock()
     estimator = ExpectedWait(clock)
     assert estimator.cells_per_second() is None and estimator.wait_s(10_000) is None
-    estimator.completed(FULL, FULL, 0, MIN_BUSY_S / 4)  # too little busy time to go by
+    estimator.completed(FULL, FULL, 0, clock.now - MIN_BUSY_S / 4)  # too little busy time to go by
     assert estimator.wait_s(10_000) is None
 
 
@@ -83,10 +86,11 @@ def test_a_server_filling_up_is_measured_on_its_first_full_tasks():
 def test_workers_add_up():
     clock = Clock()
     estimator = ExpectedWait(clock)
-    for _ in range(100):
+    for i in range(100):
+        submitted = clock.now - (0.01 if i else 0)
         clock.now += 0.001
-        estimator.completed(60, FULL, "a", 0.001)
-        estimator.completed(60, FULL, "b", 0.001)  # the same instant: b ran alongside a
+        estimator.completed(60, FULL, "a", submitted)
+        estimator.completed(60, FULL, "b", submitted)  # the same instant: b ran alongside a
     assert estimator.cells_per_second() == pytest.approx(120_000, rel=0.01)
 
 
@@ -105,11 +109,11 @@ def test_admission_refuses_beyond_the_limit_and_says_the_estimated_wait():
 def test_admission_refuses_a_deadline_the_estimate_cannot_meet():
     clock = Clock()
     admission = Admission(0, ExpectedWait(clock))  # the limit is off; deadlines still count
-    saturated(admission.estimator, clock, cells_per_task=50, task_s=2**-9, tasks=100)  # 25,600 cells/s, exactly
+    saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # 25,000 cells/s
     admission.check(10**6, None)
-    admission.check(2_560, deadline_ms=100)  # 100 ms: met exactly
+    admission.check(2_500, deadline_ms=100)  # 100 ms: met exactly
     with pytest.raises(RequestError) as refused:
-        admission.check(2_560, deadline_ms=99)
+        admission.check(2_500, deadline_ms=99)
     assert refused.value.code == DEADLINE_EXCEEDED and "estimated wait 100 ms" in refused.value.message
     assert "deadline_ms 99" in refused.value.message
 
