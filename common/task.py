@@ -199,9 +199,9 @@ class CompletionNotice:
     there (`rows`); a worker on the manager's host sends none. `key` proves who sent it.
 
     `busy_us` holds, for each finished task, the microseconds it kept the worker busy, timed by the
-    worker (from its receipt, or from the previous task's end if that came later, to its own end):
-    the manager's capacity and step-cost estimates go by it, since the time the manager itself sees
-    between submission and notice also counts its own delays in reading the notice."""
+    worker (from its receipt, or from the previous task's end if that came later, to its own end).
+    The step costs that bound multi-step tasks go by it: the time the manager sees between submission
+    and notice also counts the task's round trip, which a request arriving meanwhile does not wait for."""
 
     worker_id: int
     task_ids: list[int]

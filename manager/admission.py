@@ -41,10 +41,13 @@ class ExpectedWait:
     of CPU (reading, refusing and answering a flood) drains them slower than its workers could run
     them. The busy time a worker reports for itself (the step costs go by it) is the rate of the
     worker alone: under overload on two cores it put the capacity half as high again as the
-    server ran, and admitted requests that then waited past the limit. And only nearly full tasks count: small batches run far fewer cells
-    per second than full ones, so a rate measured on them would turn away bursts the server could
-    absorb, and a server filling up from idle (a cold start under load) is measured as soon as
-    its first full tasks have run, not once they outnumber the small ones. The capacity last
+    server ran, and admitted requests that then waited past the limit (BENCHMARKS.md, "A task's
+    busy time, timed by the worker").
+
+    Only nearly full tasks count: small batches run far fewer cells per second than full ones, so
+    a rate measured on them would turn away bursts the server could absorb, and a server filling
+    up from idle (a cold start under load) is measured as soon as its first full tasks have run,
+    not once they outnumber the small ones. The capacity last
     measured is kept while no full task runs; until it is first measured there is no estimate.
     """
 
