@@ -44,19 +44,21 @@ class ServedPolicy:
     def __enter__(self) -> Self:
         try:
             wait_until_ready(self.address, self._server, timeout=self.ready_timeout)
-        except SystemExit:
-            self.close()
-            raise SystemExit(f"the {self.policy} server did not start; its log is {self._log.name}") from None
+        except SystemExit as exc:
+            self.close(keep_log=True)  # the log says why: it stays for the reader
+            raise SystemExit(f"the {self.policy} server did not start ({exc}); its log is {self._log.name}") from None
         return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, keep_log: bool = False) -> None:
         leftovers = stop_server(self._server)
+        self._log.close()
         if leftovers:
             raise SystemExit(f"server processes left after stopping: {leftovers}")
-        Path(self._log.name).unlink(missing_ok=True)
+        if not keep_log:
+            Path(self._log.name).unlink(missing_ok=True)
 
     def stats(self) -> dict[str, Any]:
         with Client(self.address, timeout=10) as client:

@@ -24,6 +24,7 @@ requests_total{model,outcome}              counter    requests answered; outcome
                                                       a served model was known (unreadable frame, ...)
 request_latency_seconds{model}             histogram  arrival to reply, successful requests only
 request_queue_seconds{model}               histogram  arrival to first task submitted, successful requests only
+partial_replies_total{model}               counter    partial replies sent to streamed requests (`stream: true`)
 batch_size{cell_type}                      histogram  nodes per step of a submitted task (buckets 1, 2, 4 ... 1024)
 tasks_total{cell_type}                     counter    batched tasks submitted to workers
 queue_depth_nodes{cell_type}               gauge      nodes ready to run and not yet submitted
@@ -115,6 +116,10 @@ class Metrics:
             "Time from a request's arrival to its first task being submitted (successful requests).",
             ("model",), buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self._partials = Counter(
+            "batchmaker_partial_replies", "Partial replies sent to streamed requests.", ("model",),
+            registry=self.registry,
+        )
         self._batch_size = Histogram(
             "batchmaker_batch_size", "Nodes per step of a batched task submitted to a worker.",
             ("cell_type",), buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
@@ -146,6 +151,7 @@ class Metrics:
         }
         self._request_children.update({(NO_MODEL, code): self._requests.labels(NO_MODEL, code) for code in ERROR_CODES})
         self._latency_children = {model: (self._latency.labels(model), self._queue.labels(model)) for model in models}
+        self._partial_children = {model: self._partials.labels(model) for model in models}
         self._cell_children = {
             cell: (self._batch_size.labels(cell), self._tasks.labels(cell), self._queue_depth.labels(cell))
             for cell in cell_types
@@ -177,6 +183,10 @@ class Metrics:
                 latency.observe(total_s)
             if queue_s is not None:
                 queue.observe(queue_s)
+
+    def partial_sent(self, model: str) -> None:
+        """A streamed request of a served `model` got a partial reply."""
+        self._partial_children[model].inc()
 
     def request_refused(self, outcome: str) -> None:
         """Count a request refused before it named a served model."""

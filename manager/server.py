@@ -178,7 +178,7 @@ class Manager:
                 continue
             request = outcome.request
             if isinstance(outcome, Partial):
-                self.stats.partial_sent()
+                self.stats.partial_sent(request.model.name)
                 self.frontend.reply(request.client, partial_reply(request.request_id, outcome.outputs, outcome.restarted))
                 continue
             self.stats.concluded(outcome)

@@ -110,9 +110,11 @@ class Stats:
         if self.metrics is not None:
             self.metrics.request_finished(name, "ok", timing["total_us"] / 1e6, timing["queue_us"] / 1e6)
 
-    def partial_sent(self) -> None:
+    def partial_sent(self, model: str) -> None:
         """A streamed request's partial reply was sent (its answer is counted when it concludes)."""
         self.partial_replies += 1
+        if self.metrics is not None:
+            self.metrics.partial_sent(model)
 
     def worker_lost(self, worker_id: int) -> None:
         self.worker_losses += 1
