@@ -110,7 +110,7 @@ def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: 
     seconds = float(np.nanmax(run.received))
     ok = sum(1 for reply in run.replies if reply is not None and reply["ok"])
     cells = after["nodes"] - before["nodes"]
-    tasks = after["tasks"] - before["tasks"]
+    steps = after["steps"] - before["steps"]  # a multi-step task runs several batches
     return {
         "window": CAPACITY_WINDOW,
         "requests": count,
@@ -118,7 +118,7 @@ def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: 
         "seconds": seconds,
         "requests_per_s": ok / seconds,
         "cells_per_s": cells / seconds,
-        "mean_batch_size": cells / tasks if tasks else 0.0,
+        "mean_batch_size": cells / steps if steps else 0.0,
         "estimated_cells_per_s": after["admission"]["cells_per_s"],
         "warm_up_cells_per_s": after["admission"].get("warm_up_cells_per_s"),
         "cpu_s_per_s": {role: (cpu_after[role] - cpu_before[role]) / seconds for role in cpu_before},

@@ -20,14 +20,32 @@ class Ending(Protocol):
 T = TypeVar("T", bound=Ending)
 
 
+SLACK = 64  # entries of finished items tolerated beyond twice the unfinished ones
+
+
 class Deadlines(Generic[T]):
-    """perf_counter deadlines; an item that is `done` when its deadline passes is skipped."""
+    """perf_counter deadlines; an item that is `done` when its deadline passes is skipped.
+
+    An item that finishes long before its deadline (a request answered in milliseconds with a
+    minute's deadline) would stay in the heap, and keep everything it refers to, until then: at a
+    few thousand requests a second that is hundreds of thousands of finished requests. The owner
+    says how many of its items are unfinished (`forget_done`), and once the heap holds more than
+    twice that, the finished entries are dropped, at a cost amortised over the items added since."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, T]] = []  # (deadline, tie-breaker, item)
 
+    def __len__(self) -> int:
+        return len(self._heap)
+
     def add(self, deadline: float, item: T) -> None:
         heapq.heappush(self._heap, (deadline, id(item), item))
+
+    def forget_done(self, unfinished: int) -> None:
+        """Drop the finished items' entries if they outnumber the `unfinished` ones (the owner's count)."""
+        if len(self._heap) > 2 * unfinished + SLACK:
+            self._heap = [entry for entry in self._heap if not entry[2].done]
+            heapq.heapify(self._heap)
 
     def due(self, now: float) -> Iterator[T]:
         """The unfinished items whose deadline is at or before `now`, earliest first; each comes due once."""

@@ -94,6 +94,7 @@ class UnansweredIndex:
         if len(self._arrivals) > 2 * len(self._by_client) + 64:  # answered requests behind a long-running one
             self._arrivals = [entry for entry in self._arrivals if not entry[2].done]
             heapq.heapify(self._arrivals)
+        self._deadlines.forget_done(len(self._by_client))
 
 
 class RequestTable:

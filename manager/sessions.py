@@ -238,6 +238,7 @@ class SessionStore:
         waiting = self._waiting.pop(key, None)
         if waiting is not None:
             waiting.done = True
+            self._deadlines.forget_done(len(self._waiting))
         return waiting
 
     def of_clients(self, clients: set[bytes]) -> list[Waiting]:

@@ -225,6 +225,19 @@ def test_deadlines_come_due_in_order_and_answered_requests_are_skipped():
     assert 0 < table.unanswered.wait_ms(10**9) <= 3600 * 1000 and table.unanswered.wait_ms(5) == 5
 
 
+def test_requests_answered_long_before_their_deadline_are_not_kept_until_it():
+    far = time.perf_counter() + 3600
+    running = request(b"x", 0, far)
+    table = table_of(running)
+    for i in range(1, 1001):
+        answered = request(b"x", i, far)
+        table.add(answered)
+        answered.state = answered.state.DONE
+        table.conclude(answered)
+    assert len(table.unanswered._deadlines) < 100  # not the 1000 answered while one runs
+    assert table.unanswered.wait_ms(10**9) > 0 and list(table.unanswered.expired()) == []
+
+
 def test_with_no_deadline_the_event_loop_sleeps_its_longest_and_a_past_deadline_wakes_it_at_once():
     index = table_of(request(b"x", 1)).unanswered
     assert index.wait_ms(250) == 250 and list(index.expired()) == []
