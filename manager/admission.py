@@ -62,10 +62,10 @@ class ExpectedWait:
         self._capacity: float | None = None  # cells per second, measured on nearly full tasks
         self._assumed: float | None = None  # cells per second, from the workers' warm-up, until measured
 
-    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> None:
+    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> float:
         """Record a task of `cells` cells in `steps` steps (of a cell type batching up to `largest_batch`),
-        submitted at `submitted` (on this clock), that `worker` finished. A multi-step task counts as full
-        when its steps are, on average."""
+        submitted at `submitted` (on this clock), that `worker` finished; returns the seconds it held the
+        worker, as the manager saw it. A multi-step task counts as full when its steps are, on average."""
         now = self._clock()
         busy = max(0.0, now - max(submitted, self._last_completion.get(worker, submitted)))
         self._last_completion[worker] = now
@@ -77,6 +77,7 @@ class ExpectedWait:
         self._expire(now)
         if self._busy_s >= MIN_BUSY_S:
             self._capacity = self._cells / self._busy_s * len(self._tasks_by_worker)
+        return busy
 
     def assume(self, cells_per_second: float | None) -> None:
         """The capacity to quote until one is measured (None: none)."""
@@ -119,8 +120,8 @@ class Admission:
         self._last_key: tuple[Any, ...] | None = None
         self._last_refusal = RequestError(OVERLOADED, "")
 
-    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> None:
-        self.estimator.completed(cells, largest_batch, worker, submitted, steps)
+    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> float:
+        return self.estimator.completed(cells, largest_batch, worker, submitted, steps)
 
     def check(self, queued_cells: int, deadline_ms: int | None) -> None:
         """Raise DEADLINE_EXCEEDED if the expected wait exceeds the deadline, OVERLOADED if it exceeds the limit."""

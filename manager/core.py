@@ -200,8 +200,8 @@ class BatchingCore:
             if task is not None:
                 worker.tasks_completed += 1
                 steps = len(task.step_sizes)
-                self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
-                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy_us / 1e6)
+                held = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
+                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy_us / 1e6, held)
                 self.processor.task_completed(task, notice.errors.get(task_id))
         return self._outcomes()
 
