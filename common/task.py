@@ -196,12 +196,7 @@ class CompletionNotice:
     """What a worker reports: tasks its stream finished (in stream order), the errors of those that
     failed, and its signal counter; a notice without tasks is a heartbeat. A worker on another host
     than the manager, which cannot map its io arenas, also sends the rows its finished tasks copied
-    there (`rows`); a worker on the manager's host sends none. `key` proves who sent it.
-
-    `busy_us` holds, for each finished task, the microseconds it kept the worker busy, timed by the
-    worker (from its receipt, or from the previous task's end if that came later, to its own end).
-    The step costs that bound multi-step tasks go by it: the time the manager sees between submission
-    and notice also counts the task's round trip, which a request arriving meanwhile does not wait for."""
+    there (`rows`); a worker on the manager's host sends none. `key` proves who sent it."""
 
     worker_id: int
     task_ids: list[int]
@@ -209,16 +204,11 @@ class CompletionNotice:
     signal: int
     rows: list[IoRows] = field(default_factory=list)
     key: bytes = b""
-    busy_us: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if len(self.busy_us) != len(self.task_ids):
-            raise ValueError(f"{len(self.busy_us)} busy times for {len(self.task_ids)} tasks")
 
 
 def encode_notice(notice: CompletionNotice) -> bytes:
     rows = [[io_arena, _slots(io_slots), data] for io_arena, io_slots, data in notice.rows]
-    fields = [notice.worker_id, notice.key, notice.task_ids, notice.errors, notice.signal, rows, notice.busy_us]
+    fields = [notice.worker_id, notice.key, notice.task_ids, notice.errors, notice.signal, rows]
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -228,9 +218,9 @@ def decode_notice(frame: bytes) -> CompletionNotice:
         fields = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise ValueError(f"not msgpack ({type(exc).__name__})") from None
-    if not isinstance(fields, list) or len(fields) != 7:
-        raise ValueError("not a list of seven fields")
-    worker_id, key, task_ids, errors, signal, rows, busy_us = fields
+    if not isinstance(fields, list) or len(fields) != 6:
+        raise ValueError("not a list of six fields")
+    worker_id, key, task_ids, errors, signal, rows = fields
     if not (_is_int(worker_id) and _is_int(signal) and isinstance(key, bytes)):
         raise ValueError("ill-typed worker id, key or signal")
     if not isinstance(task_ids, list) or not all(map(_is_int, task_ids)):
@@ -239,10 +229,7 @@ def decode_notice(frame: bytes) -> CompletionNotice:
         raise ValueError("errors are not a map of task ids to text")
     if not isinstance(rows, list) or not all(_is_io_rows(entry) for entry in rows):
         raise ValueError("rows are not [io arena, slots, data] entries")
-    if not isinstance(busy_us, list) or not all(_is_int(us) and us >= 0 for us in busy_us):
-        raise ValueError("busy times are not a list of microseconds")
-    rows = [IoRows(a, _view(s), data) for a, s, data in rows]
-    return CompletionNotice(worker_id, task_ids, errors, signal, rows, key, busy_us)  # checks one time a task
+    return CompletionNotice(worker_id, task_ids, errors, signal, [IoRows(a, _view(s), data) for a, s, data in rows], key)
 
 
 def _is_int(value: object) -> bool:

@@ -38,16 +38,12 @@ class ExpectedWait:
     submission, or from the worker's previous completion if that came later (a worker runs its
     tasks one after another), to the moment the manager reads its notice. That is the manager's
     view on purpose: queued cells drain at the rate the whole server runs them, and a manager short
-    of CPU (reading, refusing and answering a flood) drains them slower than its workers could run
-    them. The busy time a worker reports for itself (the step costs go by it) is the rate of the
-    worker alone: under overload on two cores it put the capacity half as high again as the
-    server ran, and admitted requests that then waited past the limit (BENCHMARKS.md, "A task's
-    busy time, timed by the worker").
-
-    Only nearly full tasks count: small batches run far fewer cells per second than full ones, so
-    a rate measured on them would turn away bursts the server could absorb, and a server filling
-    up from idle (a cold start under load) is measured as soon as its first full tasks have run,
-    not once they outnumber the small ones. The capacity last
+    of CPU drains them slower than its workers could run them. A build in which each worker timed
+    its own tasks put the capacity up to 46% above the rate the server answered at under overload
+    (BENCHMARKS.md, "A task's busy time, timed by the worker"). And only nearly full tasks count: small batches run far fewer cells
+    per second than full ones, so a rate measured on them would turn away bursts the server could
+    absorb, and a server filling up from idle (a cold start under load) is measured as soon as
+    its first full tasks have run, not once they outnumber the small ones. The capacity last
     measured is kept while no full task runs; until it is first measured there is no estimate.
     """
 
@@ -64,8 +60,8 @@ class ExpectedWait:
 
     def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> float:
         """Record a task of `cells` cells in `steps` steps (of a cell type batching up to `largest_batch`),
-        submitted at `submitted` (on this clock), that `worker` finished; returns the seconds it held the
-        worker, as the manager saw it. A multi-step task counts as full when its steps are, on average."""
+        submitted at `submitted` (on this clock), that `worker` finished; returns the seconds it kept the
+        worker busy. A multi-step task counts as full when its steps are, on average."""
         now = self._clock()
         busy = max(0.0, now - max(submitted, self._last_completion.get(worker, submitted)))
         self._last_completion[worker] = now

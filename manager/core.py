@@ -195,13 +195,13 @@ class BatchingCore:
 
     def complete(self, worker: WorkerHandle, notice: CompletionNotice) -> list[Outcome]:
         """The tasks a worker's notice reports finished: requests progress, and those done are answered."""
-        for task_id, busy_us in zip(notice.task_ids, notice.busy_us):
+        for task_id in notice.task_ids:
             task = worker.tasks.pop(task_id, None)
             if task is not None:
                 worker.tasks_completed += 1
                 steps = len(task.step_sizes)
-                held = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
-                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy_us / 1e6, held)
+                busy = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
+                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy)
                 self.processor.task_completed(task, notice.errors.get(task_id))
         return self._outcomes()
 

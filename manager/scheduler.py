@@ -210,9 +210,9 @@ class Scheduler:
             going = int((queue.need[step.lanes] != FINISHED).sum())
 
     def queued_seconds(self, worker: WorkerHandle) -> float:
-        """Expected seconds of the work `worker` holds (its tasks in flight, not those being formed, each
-        with its round trip); a step with no estimate counts nothing."""
-        queued = self.step_costs.round_trip_s() * len(worker.tasks)
+        """Expected seconds of the work `worker` holds (its tasks in flight, not those being formed); a
+        step with no estimate counts nothing."""
+        queued = 0.0
         for task in worker.tasks.values():
             cost = self.step_costs.seconds(task.spec.key, task.step_sizes[0])
             if cost is not None:

@@ -2,12 +2,8 @@
 
 A multi-step task holds its worker for all its steps, and a request that arrives meanwhile waits
 for it: the scheduler keeps a task's expected duration under `[scheduler] max_join_delay_us`. A step's cost is measured per (cell type, padded batch
-size) on completed tasks, as seconds of the worker's busy time per step, as the worker timed it and
-reported in its notice (common.task.CompletionNotice), smoothed over recent tasks. The worker's own
-timing leaves out the round trip to the manager, which a request arriving during the task does not
-wait for the task to make. The round trip is kept apart, as the time the manager saw a task hold its
-worker beyond the worker's own: the work a worker already holds (Scheduler.queued_seconds) is its
-tasks' steps and their round trips, which is what a request arriving there waits for. Until a
+size) on completed tasks, as seconds of the worker's busy time per step (the same busy time
+admission's expected wait measures, manager.admission), smoothed over recent tasks. Until a
 (cell type, batch size) has been measured, the workers' warm-up timing of the type's largest batch
 stands in: no smaller batch costs more. With neither, there is no estimate and tasks stay single
 steps: a delay that cannot be bounded is not taken.
@@ -25,7 +21,6 @@ class StepCosts:
     def __init__(self) -> None:
         self._measured: dict[tuple[str, int], float] = {}  # seconds per step, by (cell type, batch size)
         self._assumed: dict[str, float] = {}  # seconds of a largest-batch step, timed at warm-up
-        self._round_trip: float | None = None  # a task's time beyond its steps: message, notice, the manager's turn
 
     def assume(self, timings: Iterable[Any]) -> None:
         """The workers' warm-up timings (each a map of cell type to the seconds of a largest-batch task);
@@ -39,21 +34,13 @@ class StepCosts:
                     assumed[key] = max(assumed.get(key, 0.0), float(seconds))
         self._assumed = assumed
 
-    def completed(self, key: str, batch_size: int, steps: int, busy_s: float, held_s: float) -> None:
-        """A task of `steps` steps, the first at `batch_size`, kept its worker busy `busy_s` seconds (the
-        worker's timing) and held it `held_s` seconds as the manager saw it (submission to notice read)."""
-        self._measured[(key, batch_size)] = _smoothed(self._measured.get((key, batch_size)), busy_s / steps)
-        self._round_trip = _smoothed(self._round_trip, max(0.0, held_s - busy_s))
-
-    def round_trip_s(self) -> float:
-        """Expected seconds a task holds its worker beyond its steps (0 until a task has completed)."""
-        return self._round_trip or 0.0
+    def completed(self, key: str, batch_size: int, steps: int, busy_s: float) -> None:
+        """A task of `steps` steps, the first at `batch_size`, kept its worker busy `busy_s` seconds."""
+        cost = busy_s / steps
+        previous = self._measured.get((key, batch_size))
+        self._measured[(key, batch_size)] = cost if previous is None else previous + SMOOTHING * (cost - previous)
 
     def seconds(self, key: str, batch_size: int) -> float | None:
         """Expected seconds of one step of cell type `key` at `batch_size`; None without an estimate."""
         measured = self._measured.get((key, batch_size))
         return measured if measured is not None else self._assumed.get(key)
-
-
-def _smoothed(previous: float | None, newest: float) -> float:
-    return newest if previous is None else previous + SMOOTHING * (newest - previous)

@@ -18,8 +18,6 @@ from manager.records import Request, Task
 from manager.server import load_models
 from manager.worker_handle import WorkerHandle
 
-TASK_US = 100  # the busy time each task's notice reports: a short step, so multi-step tasks take their longest
-
 
 class Harness:
     def __init__(
@@ -85,7 +83,7 @@ class Harness:
     def complete_oldest(self, worker: WorkerHandle) -> Task:
         """The worker's stream finishes its oldest task (FIFO) and says so in a notice."""
         task = worker.tasks[min(worker.tasks)]
-        self._record(self.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0, busy_us=[TASK_US])))
+        self._record(self.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0)))
         return task
 
     def cancel(self, request: Request) -> None:

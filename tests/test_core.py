@@ -43,8 +43,8 @@ def test_complete_returns_the_answer_once_and_the_registry_forgets_the_request(h
     request = h.admit("lstm", {"tokens": [1, 2]})
     assert h.schedule(worker) == 2
     first, second = sorted(worker.tasks)
-    assert h.core.complete(worker, CompletionNotice(worker.worker_id, [first], {}, 1, busy_us=[100])) == []
-    [answered] = h.core.complete(worker, CompletionNotice(worker.worker_id, [second, 999], {}, 2, busy_us=[100, 100]))  # 999: unknown
+    assert h.core.complete(worker, CompletionNotice(worker.worker_id, [first], {}, 1)) == []
+    [answered] = h.core.complete(worker, CompletionNotice(worker.worker_id, [second, 999], {}, 2))  # 999: unknown
     assert isinstance(answered, Answered) and answered.request is request
     assert set(answered.outputs) == {"h", "c", "h_n", "c_n"} and answered.timing["total_us"] >= 0
     assert len(h.core.requests) == 0 and not worker.tasks and h.slots_in_use() == 0
@@ -56,7 +56,7 @@ def test_a_task_that_failed_on_the_worker_fails_its_requests(harness):
     request = h.admit("lstm", {"tokens": [1]})
     h.schedule(worker)
     [task_id] = worker.tasks
-    [failed] = h.core.complete(worker, CompletionNotice(worker.worker_id, [task_id], {task_id: "boom"}, 1, busy_us=[100]))
+    [failed] = h.core.complete(worker, CompletionNotice(worker.worker_id, [task_id], {task_id: "boom"}, 1))
     assert isinstance(failed, Failed) and failed.request is request
     assert failed.error.code == INTERNAL and "boom" in failed.error.message
 
@@ -133,22 +133,7 @@ def test_a_replayed_request_still_counts_as_arrived_before_those_admitted_after_
     while not answered:
         h.schedule(second)
         task = second.tasks[min(second.tasks)]
-        outcomes = h.core.complete(second, CompletionNotice(second.worker_id, [task.task_id], {}, 0, busy_us=[100]))
+        outcomes = h.core.complete(second, CompletionNotice(second.worker_id, [task.task_id], {}, 0))
         answered = [o for o in outcomes if isinstance(o, Answered)]
     assert [o.request for o in answered] == [short] and answered[0].left_early
     assert not replayed.request.done
-
-
-def test_step_costs_go_by_the_busy_time_the_worker_reports_and_capacity_by_the_managers_view(harness):
-    """A step costs what the worker timed, without the round trip; the capacity is the rate the whole
-    server drains its queue at, which the worker cannot see."""
-    h = harness()
-    worker = h.workers[0]
-    for _ in range(32):
-        h.admit("lstm", {"tokens": [1]})
-    h.schedule(worker)
-    task = worker.tasks[min(worker.tasks)]
-    assert task.nodes == 32 == task.step_sizes[0]
-    h.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 1, busy_us=[40_000]))
-    assert h.core.scheduler.step_costs.seconds(task.spec.key, 32) == pytest.approx(0.04)
-    assert h.core.admission.estimator.cells_per_second() is None  # read at once: far too little busy time to go by

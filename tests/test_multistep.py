@@ -11,7 +11,6 @@ from test_scheduler import lstm_models
 
 from common.protocol import CANCELLED
 from common.task import decode_task
-from manager.step_costs import StepCosts
 
 LSTM = lstm_models()
 CELL = "lstm/layer0"
@@ -140,27 +139,6 @@ def test_a_worker_holding_more_than_the_join_delay_gets_single_steps(harness):
     assert sent_steps(h)[2:] == [[1], [1]]
     run_to_the_end(h, worker)
     assert len(h.finished) == 1 and h.finished[0][1] is None
-
-
-def test_the_work_a_worker_holds_counts_each_tasks_round_trip(harness):
-    """Two tasks of 16 steps of 10 µs are 320 µs of steps, but each also takes its 1 ms round trip
-    before a request arriving meanwhile can join a task: 2320 µs, more than the delay."""
-    h = harness(step_us=10.0, max_tasks_to_submit=2)
-    h.core.scheduler.step_costs.completed(CELL, 64, 1, busy_s=0.0, held_s=0.001)  # a batch size not used here
-    worker = h.workers[0]
-    h.admit("lstm", tokens(60))
-    h.schedule(worker)
-    assert sent_steps(h) == [[1] * 16, [1] * 16]
-    h.schedule(worker)
-    assert sent_steps(h)[2:] == [[1], [1]]
-
-
-def test_the_round_trip_is_what_the_manager_saw_beyond_the_workers_own_time():
-    costs = StepCosts()
-    costs.completed("lstm/layer0", 64, 4, busy_s=0.004, held_s=0.005)
-    assert costs.seconds("lstm/layer0", 64) == pytest.approx(0.001) and costs.round_trip_s() == pytest.approx(0.001)
-    costs.completed("lstm/layer0", 64, 1, busy_s=0.002, held_s=0.001)  # read before the worker's own end: none
-    assert costs.round_trip_s() == pytest.approx(0.0008)
 
 
 def test_a_cancel_inside_a_multi_step_task_frees_its_rows_when_the_task_ends(harness):

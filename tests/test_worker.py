@@ -304,42 +304,11 @@ def test_poller_reports_completions_in_fifo_order(cells, polled):
     seen: list[int] = []
     for notice in notices_until(receiver, 20):
         assert notice.errors == {} and notice.rows == []
-        assert len(notice.busy_us) == len(notice.task_ids) and all(us > 0 for us in notice.busy_us)
         seen.extend(notice.task_ids)
         # Every notice carries the stream's counter; a heartbeat, sent apart, may be ahead of the notices.
         assert notice.signal == len(seen) if notice.task_ids else notice.signal >= len(seen)
     assert seen == list(range(1, 21))
     assert len(fifo) == 0
-
-
-class StepClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_a_task_is_busy_from_its_receipt_or_the_previous_end_to_its_own_end():
-    """Work queued behind a running task is not counted twice, idle time between tasks not at all,
-    and tasks found finished together share their span."""
-    clock = StepClock()
-    fifo = InProgressFIFO(clock)
-    fifo.push(1, [])
-    clock.now = 1.0
-    fifo.push(2, [])  # queued behind task 1
-    clock.now = 3.0
-    assert [(t.task_id, t.busy_us) for t in fifo.pop_finished(1)] == [(1, 3_000_000)]
-    clock.now = 4.0
-    assert [(t.task_id, t.busy_us) for t in fifo.pop_finished(1)] == [(2, 1_000_000)]
-    clock.now = 10.0
-    fifo.push(3, [])  # after 6 s idle
-    clock.now = 10.5
-    assert fifo.pop_finished(1)[0].busy_us == 500_000
-    fifo.push(4, [])
-    fifo.push(5, [])
-    clock.now = 12.5
-    assert [t.busy_us for t in fifo.pop_finished(2)] == [1_000_000, 1_000_000]
 
 
 def test_notices_carry_the_downloaded_rows_they_are_asked_for(cells, polled):

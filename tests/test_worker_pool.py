@@ -272,7 +272,7 @@ def test_a_notice_without_its_workers_key_is_dropped(pool: Pool):
     """The notice socket does not say who sent a message: a peer naming another worker cannot complete its tasks."""
     _, first = pool.register("elsewhere")
     _, second = pool.register("elsewhere")
-    forged = CompletionNotice(first["worker_id"], [5], {}, 1, key=second["notice_key"], busy_us=[100])
+    forged = CompletionNotice(first["worker_id"], [5], {}, 1, key=second["notice_key"])
     assert pool.notices(forged, signed=False) == []
     assert pool.notices(dataclasses.replace(forged, key=b""), signed=False) == []
     assert pool.pool.dropped_messages == 2
@@ -285,15 +285,11 @@ MALFORMED_NOTICES = [
     b"",
     encode(5),
     encode([0, b"", [1], {}, 1]),  # five fields: the format before keys
-    encode([0, b"", [1], {}, 1, []]),  # six fields: the format before busy times
-    encode([0, b"", ["x"], {}, 1, [], [1]]),
-    encode([0, b"", [1], {1: 5}, 1, [], [1]]),
-    encode([0, b"", [1], {}, 1, [[0, b"\x00" * 3, b""]], [1]]),
-    encode([0, "key", [1], {}, 1, [], [1]]),
-    encode([True, b"", [1], {}, 1, [], [1]]),
-    encode([0, b"", [1], {}, 1, [], []]),  # no busy time for its task
-    encode([0, b"", [1], {}, 1, [], [-1]]),
-    encode([0, b"", [1], {}, 1, [], [1.5]]),
+    encode([0, b"", ["x"], {}, 1, []]),
+    encode([0, b"", [1], {1: 5}, 1, []]),
+    encode([0, b"", [1], {}, 1, [[0, b"\x00" * 3, b""]]]),
+    encode([0, "key", [1], {}, 1, []]),
+    encode([True, b"", [1], {}, 1, []]),
 ]
 
 
@@ -307,7 +303,7 @@ def test_malformed_frames_on_the_worker_sockets_are_dropped_and_the_pool_goes_on
     pool.dealer().send_multipart([b"a", b"b"])
     dropped = len(MALFORMED_NOTICES) + 4
     wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages == dropped, "the drops")
-    [(_, notice)] = pool.notices(CompletionNotice(reply["worker_id"], [5], {}, 1, busy_us=[100]))
+    [(_, notice)] = pool.notices(CompletionNotice(reply["worker_id"], [5], {}, 1))
     assert notice.task_ids == [5]
     _, again = pool.register("elsewhere")
     assert again["ok"]
@@ -318,7 +314,7 @@ def test_rows_in_a_notice_from_another_host_land_where_results_are_read(pool: Po
     worker = pool.handle(reply)
     io_arena = worker.io_arena_id[pool.state]
     rows = np.arange(2 * 64, dtype=np.float32).reshape(2, 64)
-    notice = CompletionNotice(worker.worker_id, [5], {}, 1, [(io_arena, np.array([3, 7]), rows.tobytes())], busy_us=[100])
+    notice = CompletionNotice(worker.worker_id, [5], {}, 1, [(io_arena, np.array([3, 7]), rows.tobytes())])
     [(got, received)] = pool.notices(notice)
     assert got is worker and received.errors == {}
     np.testing.assert_array_equal(worker.io[pool.state][[3, 7]], rows)
@@ -341,8 +337,8 @@ def test_unusable_rows_fail_the_tasks_of_their_notice_and_nothing_else(
     worker = pool.handle(reply)
     data = np.ones((rows, *pool.state.shape), np.float32).tobytes()
     bad = (worker.io_arena_id[pool.state] if arena is None else arena, np.array(slots), data)
-    [(_, received)] = pool.notices(CompletionNotice(worker.worker_id, [5, 6], {}, 2, [bad], busy_us=[100, 100]))
+    [(_, received)] = pool.notices(CompletionNotice(worker.worker_id, [5, 6], {}, 2, [bad]))
     assert set(received.errors) == {5, 6} and all(message in error for error in received.errors.values())
     assert not worker.io[pool.state].any() and worker.rows_in_notices == 0
-    [(_, later)] = pool.notices(CompletionNotice(worker.worker_id, [7], {}, 3, [], busy_us=[100]))
+    [(_, later)] = pool.notices(CompletionNotice(worker.worker_id, [7], {}, 3, []))
     assert later.errors == {}
