@@ -40,10 +40,12 @@ class ExpectedWait:
     view on purpose: queued cells drain at the rate the whole server runs them, and a manager short
     of CPU drains them slower than its workers could run them. A build in which each worker timed
     its own tasks put the capacity up to 46% above the rate the server answered at under overload
-    (BENCHMARKS.md, "A task's busy time, timed by the worker"). And only nearly full tasks count: small batches run far fewer cells
-    per second than full ones, so a rate measured on them would turn away bursts the server could
-    absorb, and a server filling up from idle (a cold start under load) is measured as soon as
-    its first full tasks have run, not once they outnumber the small ones. The capacity last
+    (BENCHMARKS.md, "A task's busy time, timed by the worker").
+
+    Only nearly full tasks count: small batches run far fewer cells per second than full ones, so
+    a rate measured on them would turn away bursts the server could absorb, and a server filling
+    up from idle (a cold start under load) is measured as soon as its first full tasks have run,
+    not once they outnumber the small ones. The capacity last
     measured is kept while no full task runs; until it is first measured there is no estimate.
     """
 
