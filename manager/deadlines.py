@@ -23,6 +23,17 @@ T = TypeVar("T", bound=Ending)
 SLACK = 64  # entries of finished items tolerated beyond twice the unfinished ones
 
 
+def without_done(heap: list[tuple[float, int, T]], unfinished: int) -> list[tuple[float, int, T]]:
+    """A heap of (time, tie-breaker, item) entries whose items may finish before their entry comes up:
+    the same heap, or, once it holds more than twice the `unfinished` items (the owner's count), a new
+    one of their entries only. The cost is amortised over the entries added since the last."""
+    if len(heap) <= 2 * unfinished + SLACK:
+        return heap
+    kept = [entry for entry in heap if not entry[2].done]
+    heapq.heapify(kept)
+    return kept
+
+
 class Deadlines(Generic[T]):
     """perf_counter deadlines; an item that is `done` when its deadline passes is skipped.
 
@@ -30,7 +41,7 @@ class Deadlines(Generic[T]):
     minute's deadline) would stay in the heap, and keep everything it refers to, until then: at a
     few thousand requests a second that is hundreds of thousands of finished requests. The owner
     says how many of its items are unfinished (`forget_done`), and once the heap holds more than
-    twice that, the finished entries are dropped, at a cost amortised over the items added since."""
+    twice that, the finished entries are dropped (`without_done`)."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, T]] = []  # (deadline, tie-breaker, item)
@@ -43,9 +54,7 @@ class Deadlines(Generic[T]):
 
     def forget_done(self, unfinished: int) -> None:
         """Drop the finished items' entries if they outnumber the `unfinished` ones (the owner's count)."""
-        if len(self._heap) > 2 * unfinished + SLACK:
-            self._heap = [entry for entry in self._heap if not entry[2].done]
-            heapq.heapify(self._heap)
+        self._heap = without_done(self._heap, unfinished)
 
     def due(self, now: float) -> Iterator[T]:
         """The unfinished items whose deadline is at or before `now`, earliest first; each comes due once."""

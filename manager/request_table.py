@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from common.graph import ValueKind
-from manager.deadlines import Deadlines
+from manager.deadlines import Deadlines, without_done
 
 if TYPE_CHECKING:
     from manager.records import Request
@@ -91,9 +91,7 @@ class UnansweredIndex:
     def _remove(self, request: Request) -> None:
         if self._by_client.get((request.client, request.request_id)) is request:
             del self._by_client[(request.client, request.request_id)]
-        if len(self._arrivals) > 2 * len(self._by_client) + 64:  # answered requests behind a long-running one
-            self._arrivals = [entry for entry in self._arrivals if not entry[2].done]
-            heapq.heapify(self._arrivals)
+        self._arrivals = without_done(self._arrivals, len(self._by_client))  # answered behind a long-running one
         self._deadlines.forget_done(len(self._by_client))
 
 
