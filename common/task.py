@@ -21,6 +21,12 @@ seventh field, its later steps, each with its own batch size and slot lists:
 
     [task_id, cell_index, batch_size, inputs, outputs, downloads, [[batch_size, inputs, outputs, downloads], ...]]
 
+A later step that repeats the step before it (the same batch size and slot lists, no ragged input and
+nothing read from peers: a chain whose lanes all go on, its state overwritten in place) is sent as
+its inline values and downloads alone, [[values, ...], downloads], one `values` (or nil) per input;
+it is decoded into a step that shares the previous step's slot arrays, which lets the worker resolve
+them once and carry the state from step to step (worker.batched_task).
+
 A single-step task has no seventh field, so its bytes are what they were before multi-step tasks.
 The worker runs the steps in order and reports the task once, after its last step.
 
@@ -126,10 +132,38 @@ def _slots(values: list[int] | np.ndarray) -> bytes:
 
 
 def encode_task(message: TaskMessage) -> bytes:
-    fields = [message.task_id, message.cell_index, *_encode_step(message.batch_size, message.inputs, message.outputs, message.downloads)]
+    first = TaskStep(message.batch_size, message.inputs, message.outputs, message.downloads)
+    fields = [message.task_id, message.cell_index, *_encode_step(*first)]
     if message.later:
-        fields.append([_encode_step(*step) for step in message.later])
+        later, previous = [], first
+        for step in message.later:
+            later.append(_encode_repeat(step) if repeats(previous, step) else _encode_step(*step))
+            previous = step
+        fields.append(later)
     return msgpack.packb(fields, use_bin_type=True)
+
+
+def repeats(previous: TaskStep, step: TaskStep) -> bool:
+    """Whether `step` runs on the very slot arrays of `previous` (shared, not merely equal): only its
+    inline values and downloads differ, and nothing is read from peers or ragged."""
+    return (
+        step.outputs is previous.outputs
+        and step.batch_size == previous.batch_size
+        and len(step.inputs) == len(previous.inputs)
+        and all(  # by position: a plain tuple of a TaskInput's fields is accepted too
+            entry[1] is before[1] and entry[0] == before[0] and entry[2] is None and entry[3] is None and before[3] is None
+            for entry, before in zip(step.inputs, previous.inputs)
+        )
+    )
+
+
+def _encode_repeat(step: TaskStep) -> list:
+    values = [None if entry[4] is None else [_slots(entry[4][0]), entry[4][1]] for entry in step.inputs]
+    return [values, _encode_downloads(step.downloads)]
+
+
+def _encode_downloads(downloads: list[SlotCopy]) -> list:
+    return [[arena, _slots(slots), io_arena, _slots(io_slots)] for arena, slots, io_arena, io_slots in downloads]
 
 
 def _encode_step(batch_size: int, inputs: list[TaskInput], outputs: list[SlotList], downloads: list[SlotCopy]) -> list:
@@ -137,7 +171,7 @@ def _encode_step(batch_size: int, inputs: list[TaskInput], outputs: list[SlotLis
         batch_size,
         [_encode_input(*entry) for entry in inputs],
         [[arena, _slots(slots)] for arena, slots in outputs],
-        [[arena, _slots(slots), io_arena, _slots(io_slots)] for arena, slots, io_arena, io_slots in downloads],
+        _encode_downloads(downloads),
     ]
 
 
@@ -169,9 +203,13 @@ def _decode_input(arena: int, slots: bytes, segments: bytes | None, remote: list
 
 
 def decode_task(frame: bytes) -> TaskMessage:
-    task_id, cell_index, *first = msgpack.unpackb(frame, raw=False)
-    later = tuple(_decode_step(*step) for step in first[4]) if len(first) == 5 else ()
-    return TaskMessage(task_id, cell_index, *_decode_step(*first[:4]), later)
+    task_id, cell_index, *fields = msgpack.unpackb(frame, raw=False)
+    previous = first = _decode_step(*fields[:4])
+    later = []
+    for entry in fields[4] if len(fields) == 5 else ():
+        previous = _decode_repeat(previous, *entry) if len(entry) == 2 else _decode_step(*entry)
+        later.append(previous)
+    return TaskMessage(task_id, cell_index, *first, tuple(later))
 
 
 def _decode_step(batch_size: int, inputs: list, outputs: list, downloads: list) -> TaskStep:
@@ -179,8 +217,23 @@ def _decode_step(batch_size: int, inputs: list, outputs: list, downloads: list) 
         batch_size,
         [_decode_input(*entry) for entry in inputs],
         [SlotList(a, _view(s)) for a, s in outputs],
-        [SlotCopy(a, _view(s), b, _view(t)) for a, s, b, t in downloads],
+        _decode_downloads(downloads),
     )
+
+
+def _decode_repeat(previous: TaskStep, values: list, downloads: list) -> TaskStep:
+    """A step on the previous step's slot arrays, with its own inline values and downloads."""
+    if len(values) != len(previous.inputs):
+        raise ValueError(f"a repeated step has values for {len(values)} inputs; the step before it has {len(previous.inputs)}")
+    inputs = [
+        TaskInput(entry.arena, entry.slots, None, None, None if value is None else InlineValues(_view(value[0]), value[1]))
+        for entry, value in zip(previous.inputs, values)
+    ]
+    return TaskStep(previous.batch_size, inputs, previous.outputs, _decode_downloads(downloads))
+
+
+def _decode_downloads(downloads: list) -> list[SlotCopy]:
+    return [SlotCopy(a, _view(s), b, _view(t)) for a, s, b, t in downloads]
 
 
 class IoRows(NamedTuple):

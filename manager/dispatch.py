@@ -4,14 +4,18 @@ At submission the dispatcher gives requests new on the worker their rows there, 
 input of the task's nodes to a slot (a register's latest value, the zero row, or a value read
 from another worker's arena) or to an inline external value, points every output at its
 register's row on the worker, and encodes the task; a multi-step task gets one such step per wave
-of its lanes, each with its own slot lists and batch size. All of it is numpy over the task's nodes;
-only the few nodes whose outputs the host reads (results, watched values) take Python each.
+of its lanes, each with its own slot lists and batch size, all resolved in one pass, and a step
+that repeats the one before shares its slot arrays (sent as its values alone: common.task). All of
+it is numpy over the task's nodes; only the few nodes whose outputs the host reads (results,
+watched values) take Python each.
 At completion it reads those host copies back and frees their io rows.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,13 +29,126 @@ from manager.request_table import RequestTable
 from manager.worker_handle import WorkerHandle
 
 
-def _expand(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """first[i], first[i] + 1, ..., first[i] + counts[i] - 1 for every i, concatenated."""
     if len(counts) == len(first) and (counts == 1).all():
         return first
     total = int(counts.sum())
     starts = np.cumsum(counts) - counts
     return np.repeat(first - starts, counts) + np.arange(total)
+
+
+class Waves(NamedTuple):
+    """Consecutive steps of a task, one after the other: step s takes, for each of its `per_step[s]`
+    entries i (in order), `counts[i]` nodes from node `first[i]` of the request at `rows[i]`."""
+
+    rows: np.ndarray
+    counts: np.ndarray
+    first: np.ndarray
+    per_step: list[int]
+
+    @staticmethod
+    def one(rows: np.ndarray, counts: np.ndarray, first: np.ndarray) -> Waves:
+        return Waves(rows, counts, first, [len(rows)])
+
+    @staticmethod
+    def joined(steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Waves:
+        """Steps given one by one, as (rows, counts, first)."""
+        if not steps:
+            empty = np.zeros(0, np.int64)
+            return Waves(empty, empty, empty, [])
+        rows, counts, first = (np.concatenate(column) for column in zip(*steps))
+        return Waves(rows, counts, first, [len(step[0]) for step in steps])
+
+    def step_nodes(self) -> list[int]:
+        if len(self.per_step) == 1:
+            return [int(self.counts.sum())]
+        starts = np.cumsum(self.per_step) - self.per_step
+        return np.add.reduceat(self.counts, starts).tolist()
+
+
+class _Layout:
+    """Where a task's nodes sit among its steps' rows: steps one after the other, each padded to its
+    batch size, a node's `position` counting the padding of the steps before it."""
+
+    def __init__(self, step_nodes: list[int], step_sizes: list[int]):
+        self.steps = len(step_sizes)
+        self.rows = sum(step_sizes)
+        self.offset = np.cumsum(step_sizes) - step_sizes  # each step's first row
+        if self.steps == 1:
+            self.step_of = np.zeros(step_nodes[0], np.int64)
+            self.position = np.arange(step_nodes[0])
+        else:
+            padding_before = self.offset - (np.cumsum(step_nodes) - step_nodes)
+            self.step_of = np.repeat(np.arange(self.steps), step_nodes)
+            self.position = np.arange(len(self.step_of)) + padding_before[self.step_of]
+        self._bounds = list(zip(self.offset.tolist(), np.cumsum(step_sizes).tolist()))
+        self._sizes = np.asarray(step_sizes)
+        self._uniform = min(step_sizes) == max(step_sizes)
+
+    def split(self, rows: np.ndarray) -> list[np.ndarray]:
+        """A view of `rows` (a value per row of every step) per step."""
+        return [rows] if self.steps == 1 else [rows[start:end] for start, end in self._bounds]
+
+    def same_sizes_as_before(self) -> np.ndarray:
+        """Per step, whether the step before it has as many rows (never for the first)."""
+        same = np.zeros(self.steps, bool)
+        same[1:] = self._sizes[1:] == self._sizes[:-1]
+        return same
+
+    def same_as_before(self, rows: np.ndarray) -> np.ndarray:
+        """Per step, whether its part of `rows` equals the step before's (never for the first)."""
+        same = np.zeros(self.steps, bool)
+        if self.steps == 1:
+            return same
+        if self._uniform:
+            by_step = rows.reshape(self.steps, -1)
+            same[1:] = (by_step[1:] == by_step[:-1]).all(axis=1)
+            return same
+        parts = self.split(rows)
+        for step in range(1, self.steps):
+            same[step] = np.array_equal(parts[step], parts[step - 1])
+        return same
+
+    def by_step(self, nodes: np.ndarray) -> Iterator[tuple[int, slice]]:
+        """For ascending node indices, the steps that hold any, with the part of `nodes` in each."""
+        bounds = np.searchsorted(self.step_of[nodes], np.arange(self.steps + 1))
+        for step in range(self.steps):
+            if bounds[step] < bounds[step + 1]:
+                yield step, slice(int(bounds[step]), int(bounds[step + 1]))
+
+
+class _Reads:
+    """Which slot, on which worker, a node's input register holds when the node's step runs.
+
+    Read before the task's outputs are written to the registers: a register an earlier step of the
+    same task writes holds that step's value, at the register's row on this worker; any other holds
+    the value it had before the task (a step reads its inputs before it writes, so a register
+    written in place by the same step reads its old value)."""
+
+    def __init__(self, registers: dict[str, np.ndarray], out_where: list[np.ndarray], layout: _Layout, worker_id: int):
+        self._registers = registers
+        self._worker_id = worker_id
+        self._written = None
+        if layout.steps > 1 and out_where:
+            where = np.concatenate(out_where)
+            written, inverse = np.unique(where, return_inverse=True)
+            first_step = np.full(len(written), layout.steps, np.int64)
+            np.minimum.at(first_step, inverse, np.tile(layout.step_of, len(out_where)))
+            self._written = (written, first_step)
+
+    def at(self, where: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The slots and owning workers of registers `where` read by nodes of steps `step`."""
+        registers = self._registers
+        slots, owners = registers["slot"][where], registers["worker"][where]
+        if self._written is not None and len(where):
+            written, first_step = self._written
+            index = np.minimum(np.searchsorted(written, where), len(written) - 1)
+            earlier = (written[index] == where) & (first_step[index] < step)
+            if earlier.any():
+                slots[earlier] = registers["write"][where[earlier]]
+                owners[earlier] = self._worker_id
+        return slots, owners
 
 
 class Dispatcher:
@@ -42,12 +159,30 @@ class Dispatcher:
         self._next_task_id = 1
 
     @staticmethod
-    def capacity(spec: CellTypeSpec, worker: WorkerHandle) -> int:
-        """How many nodes of this cell type the worker's io rows can take copies of (at most a full batch)."""
+    def capacity(spec: CellTypeSpec, worker: WorkerHandle | None, io_free: dict[ValueKind, int] | None = None) -> int:
+        """How many nodes of this cell type the worker's free io rows (or `io_free` of them) can take
+        copies of, at most a full batch."""
         limit = spec.max_batch
         for kind in set(spec.outputs):
-            limit = min(limit, worker.io_slots[kind].available // spec.outputs.count(kind))
+            free = worker.io_slots[kind].available if io_free is None else io_free[kind]
+            limit = min(limit, free // spec.outputs.count(kind))
         return limit
+
+    def take_io_rows(
+        self, spec: CellTypeSpec, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, io_free: dict[ValueKind, int]
+    ) -> None:
+        """Count off `io_free` the io rows that the downloads of `counts[i]` nodes from node `first[i]` of
+        the request at `rows[i]` will take (for steps not yet resolved)."""
+        nodes = consecutive(first, counts)
+        copied = np.flatnonzero(self._store.nodes.arrays["data"][nodes, NodeColumns.HAS_COPIES])
+        if not len(copied):
+            return
+        table = self._table
+        node_rows = np.repeat(rows, counts)
+        for position in copied:
+            request = table.requests[node_rows[position]]
+            for _, port in request.unfolded.plan.copies[int(nodes[position] - table.node_base[request.row])]:
+                io_free[spec.outputs[port]] -= 1
 
     def make_task(
         self, spec: CellTypeSpec, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle
@@ -60,17 +195,14 @@ class Dispatcher:
         table = self._table
         for row in rows[table.home[rows] != worker.worker_id]:
             self._place(table.requests[row], worker)
-        self._add_step(task, rows, counts, first, worker)
+        self._add_steps(task, Waves.one(rows, counts, first), worker)
         return task
 
-    def add_step(self, task: Task, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle) -> None:
-        """One more wave of lanes the task already runs (`rows` are some of its requests), after its last step."""
-        if len(rows) == len(task.rows) and (rows == task.rows).all():  # every lane goes on, in the same order
-            task.counts += counts
-        else:  # some lanes have ended: find the others among the task's rows
-            order = np.argsort(task.rows)
-            task.counts[order[np.searchsorted(task.rows, rows, sorter=order)]] += counts
-        self._add_step(task, rows, counts, first, worker)
+    def add_steps(self, task: Task, waves: Waves, worker: WorkerHandle) -> None:
+        """More steps of lanes the task already runs (each step's rows are some of its requests), after its last."""
+        order = np.argsort(task.rows)
+        np.add.at(task.counts, order[np.searchsorted(task.rows, waves.rows, sorter=order)], waves.counts)
+        self._add_steps(task, waves, worker)
 
     def seal(self, task: Task, cell_index: int) -> None:
         """Encode the task's message, its steps in order."""
@@ -78,47 +210,55 @@ class Dispatcher:
         task.message = encode_task(TaskMessage(task.task_id, cell_index, *first, tuple(later)))
         task.steps = []
 
-    def _add_step(self, task: Task, rows: np.ndarray, counts: np.ndarray, first: np.ndarray, worker: WorkerHandle) -> None:
+    def _add_steps(self, task: Task, waves: Waves, worker: WorkerHandle) -> None:
+        """Resolve the nodes of every step at once, then cut the slot lists into a step each.
+
+        A step reads a register's value from an earlier step of the same call when one wrote it (on
+        this worker, at its row here), else the value it held before (`_Reads`)."""
         table, store, spec = self._table, self._store, task.spec
-        count = int(counts.sum())
-        size = spec.padded_size(count)
-        nodes = _expand(first, counts)
+        step_nodes = waves.step_nodes()
+        step_sizes = [spec.padded_size(count) for count in step_nodes]
+        layout = _Layout(step_nodes, step_sizes)
+        rows, counts, first, _ = waves
+        nodes = consecutive(first, counts)
         node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows
         reg_base = table.reg_base[node_rows]
         node_data = store.nodes.arrays["data"][nodes]  # the task's rows of the node matrix
         registers = store.registers.arrays
-        inputs = []
+        out_where = [reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port] for port in range(len(spec.outputs))]
+        reads = _Reads(registers, out_where, layout, worker.worker_id)
+        repeat = layout.same_sizes_as_before()  # steps that may repeat the one before: see common.task
+        inputs: list[list[TaskInput]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.inputs):
-            arena = worker.arena_id[kind]
             if port in spec.ragged_inputs:
-                inputs.append(self._ragged(port, kind, node_data, node_rows, worker))
-                continue
-            refs = node_data[:, NodeColumns.INPUTS + port]
-            slots = np.full(size, ZERO_SLOT, np.int64)
-            remote = inline = None
-            held = refs >= 0
-            if held.any():
-                where = reg_base[held] + refs[held]
-                slots[:count][held] = registers["slot"][where]
-                remote = self._remote(np.flatnonzero(held), registers["worker"][where], slots, worker, kind)
-            external = refs <= -2
-            if external.any():
-                at = table.ext_base[node_rows[external], table.kinds[kind]] + (-2 - refs[external])
-                inline = InlineValues(np.flatnonzero(external), store.externals[kind].arrays["values"][at].tobytes())
-            inputs.append(TaskInput(arena, slots, None, remote, inline))
-        outputs = []
+                entries = self._ragged(port, kind, node_data, node_rows, layout, reads, worker)
+                repeat[:] = False
+            else:
+                entries, slots = self._regular(port, kind, node_data, node_rows, reg_base, layout, reads, worker)
+                repeat &= layout.same_as_before(slots)
+            for step, entry in enumerate(entries):
+                inputs[step].append(entry)
+                if entry.remote is not None:
+                    repeat[step : step + 2] = False
+        outputs: list[list[SlotList]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.outputs):
-            where = reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port]
-            slots = np.full(size, SCRATCH_SLOT, np.int64)
-            slots[:count] = written = registers["write"][where]
+            where = out_where[port]
+            slots = np.full(layout.rows, SCRATCH_SLOT, np.int64)
+            slots[layout.position] = written = registers["write"][where]
             registers["slot"][where] = written
             registers["worker"][where] = worker.worker_id
-            outputs.append(SlotList(worker.arena_id[kind], slots))
-        downloads = self._downloads(task, nodes, node_data, node_rows, outputs, worker)
-        task.steps.append(TaskStep(size, inputs, outputs, downloads))
-        task.step_nodes.append(count)
-        task.step_sizes.append(size)
-        task.batch_size += size
+            repeat &= layout.same_as_before(slots)
+            for step, step_slots in enumerate(layout.split(slots)):
+                outputs[step].append(SlotList(worker.arena_id[kind], step_slots))
+        for step in np.flatnonzero(repeat):  # share the step before's slot arrays
+            outputs[step] = outputs[step - 1]
+            inputs[step] = [entry._replace(slots=before.slots) for entry, before in zip(inputs[step], inputs[step - 1])]
+        downloads = self._downloads(task, nodes, node_data, node_rows, outputs, layout, worker)
+        for step, size in enumerate(step_sizes):
+            task.steps.append(TaskStep(size, inputs[step], outputs[step], downloads[step]))
+        task.step_nodes.extend(step_nodes)
+        task.step_sizes.extend(step_sizes)
+        task.batch_size += layout.rows
 
     def _place(self, request: Request, worker: WorkerHandle) -> None:
         """The request's next values go to its rows on `worker` (taken now, unless it has been there)."""
@@ -139,6 +279,44 @@ class Dispatcher:
                 slots[kind].give(rows)
         request.rows = {}
 
+    def _regular(
+        self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, reg_base: np.ndarray,
+        layout: _Layout, reads: _Reads, worker: WorkerHandle,
+    ) -> tuple[list[TaskInput], np.ndarray]:
+        """An input of one row per node, a step each: a register's slot (or a peer's), the zero row,
+        or an external value sent inline; and the slots of all steps, one after the other."""
+        table, store = self._table, self._store
+        refs = node_data[:, NodeColumns.INPUTS + port]
+        slots = np.full(layout.rows, ZERO_SLOT, np.int64)
+        owners = None
+        held = np.flatnonzero(refs >= 0)
+        if len(held):
+            found, held_owners = reads.at(reg_base[held] + refs[held], layout.step_of[held])
+            slots[layout.position[held]] = found
+            if (held_owners != worker.worker_id).any():
+                owners = np.full(layout.rows, worker.worker_id, np.int64)
+                owners[layout.position[held]] = held_owners
+        inline: list[InlineValues | None] = [None] * layout.steps
+        external = np.flatnonzero(refs <= -2)
+        if len(external):
+            where = table.ext_base[node_rows[external], table.kinds[kind]] + (-2 - refs[external])
+            values = store.externals[kind].arrays["values"][where]
+            for step, part in layout.by_step(external):
+                positions = layout.position[external[part]] - layout.offset[step]
+                inline[step] = InlineValues(positions, values[part].tobytes())
+        arena = worker.arena_id[kind]
+        step_slots = layout.split(slots)
+        remote = self._remote_per_step(step_slots, None if owners is None else layout.split(owners), worker, kind)
+        return [TaskInput(arena, s, None, r, i) for s, r, i in zip(step_slots, remote, inline)], slots
+
+    def _remote_per_step(
+        self, step_slots: list[np.ndarray], step_owners: list[np.ndarray] | None, worker: WorkerHandle, kind: ValueKind
+    ) -> list[list[RemoteRows] | None]:
+        """Each step's reads from peers' arenas (none when every value read lives on `worker`)."""
+        if step_owners is None:
+            return [None] * len(step_slots)
+        return [self._remote(np.arange(len(s)), o, s, worker, kind) for s, o in zip(step_slots, step_owners)]
+
     def _remote(self, positions: np.ndarray, owners: np.ndarray, slots: np.ndarray, worker: WorkerHandle, kind: ValueKind) -> list[RemoteRows] | None:
         """Inputs whose value lives on another worker of its host (whose task has completed): read from its arena."""
         elsewhere = owners != worker.worker_id
@@ -153,42 +331,54 @@ class Dispatcher:
             slots[at] = ZERO_SLOT
         return reads
 
-    def _ragged(self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle) -> TaskInput:
-        """A ragged input: every node's values flattened, with the batch row each belongs to."""
+    def _ragged(
+        self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, layout: _Layout, reads: _Reads,
+        worker: WorkerHandle,
+    ) -> list[TaskInput]:
+        """A ragged input, a step each: the step's nodes' values flattened, with the batch row each belongs to."""
         store, table = self._store, self._table
         counts = node_data[:, NodeColumns.RAGGED_COUNT]
         starts = node_data[:, NodeColumns.RAGGED_START] + table.ragged_base[node_rows]
-        flat = _expand(starts, counts)
+        flat = consecutive(starts, counts)
         arena = worker.arena_id[kind]
         if len(flat) == 0:
-            return TaskInput(arena, np.zeros(0, np.int64), np.zeros(0, np.int64), None, None)
+            return [TaskInput(arena, np.zeros(0, np.int64), np.zeros(0, np.int64), None, None)] * layout.steps
         refs = store.ragged.arrays["refs"][flat, port]
-        where = np.repeat(table.reg_base[node_rows], counts) + refs
-        slots = store.registers.arrays["slot"][where].copy()
+        node_of = np.repeat(np.arange(len(node_data)), counts)
+        step_of = layout.step_of[node_of]
+        slots, owners = reads.at(table.reg_base[node_rows][node_of] + refs, step_of)
         slots[refs == ZERO_REF] = ZERO_SLOT
-        owners = store.registers.arrays["worker"][where]
-        remote = self._remote(np.arange(len(flat)), owners, slots, worker, kind)
-        segments = np.repeat(np.arange(len(node_data)), counts)
-        return TaskInput(arena, slots, segments, remote, None)
+        segments = layout.position[node_of] - layout.offset[step_of]
+        bounds = np.searchsorted(step_of, np.arange(layout.steps + 1))
+        cut = bounds[1:-1]
+        step_slots = np.split(slots, cut)
+        remote = self._remote_per_step(step_slots, np.split(owners, cut), worker, kind)
+        return [TaskInput(arena, s, g, r, None) for s, g, r in zip(step_slots, np.split(segments, cut), remote)]
 
-    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, worker: WorkerHandle) -> list[SlotCopy]:
-        """Rows the host reads at completion (results, watched values): an io row each."""
+    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, layout: _Layout, worker: WorkerHandle) -> list[list[SlotCopy]]:
+        """Rows the host reads at completion (results, watched values): an io row each, copied by the
+        step that computes them (a later step may overwrite the value)."""
         copied = np.flatnonzero(node_data[:, NodeColumns.HAS_COPIES])
         if not len(copied):
-            return []
+            return [[] for _ in range(layout.steps)]
         table, spec = self._table, task.spec
-        copies: dict = {}
+        copies: list[dict] = [{} for _ in range(layout.steps)]
         for position in copied:
             request = table.requests[node_rows[position]]
             local = int(nodes[position] - table.node_base[request.row])
+            step = int(layout.step_of[position])
+            row = int(layout.position[position] - layout.offset[step])
             for key, port in request.unfolded.plan.copies[local]:
                 kind = spec.outputs[port]
                 io_slot = worker.io_slots[kind].take_one()
-                device, io = copies.setdefault(kind, ([], []))
-                device.append(int(outputs[port].slots[position]))
+                device, io = copies[step].setdefault(kind, ([], []))
+                device.append(int(outputs[step][port].slots[row]))
                 io.append(io_slot)
                 task.reads.append((request, key, kind, io_slot))
-        return [SlotCopy(worker.arena_id[k], device, worker.io_arena_id[k], io) for k, (device, io) in copies.items()]
+        return [
+            [SlotCopy(worker.arena_id[k], device, worker.io_arena_id[k], io) for k, (device, io) in step.items()]
+            for step in copies
+        ]
 
     def complete(self, task: Task) -> list[tuple[Request, int, np.ndarray]]:
         """Read the task's host copies and free their io rows.

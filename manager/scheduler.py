@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.graph import CellTypeSpec
-from manager.dispatch import Dispatcher
+from manager.dispatch import Dispatcher, Waves, consecutive
 from manager.plan_store import NodeColumns, PlanStore
 from manager.records import Request, Task
 from manager.request_table import NO_WORKER, RequestTable
@@ -194,20 +194,87 @@ class Scheduler:
 
     def _more_steps(self, queue: CellTypeQueue, task: Task, taken: Ready, worker: WorkerHandle) -> None:
         """Go on with the next waves of the task's lanes while every lane still going is ready again, all
-        of them fit, and the task is expected to take at most the join delay; a lane that ends drops out."""
-        cost = self.step_costs.seconds(queue.spec.key, task.step_sizes[0])
+        of them fit, and the task is expected to take at most the join delay; a lane that ends drops out.
+
+        The task took every ready lane of its type that may run here, and only its own requests'
+        nodes are issued meanwhile: no other lane of the queue (another request's) turns ready, so
+        only the task's lanes need checking. The steps are resolved to slots together, once."""
+        spec = queue.spec
+        cost = self.step_costs.seconds(spec.key, task.step_sizes[0])
         if cost is None or cost <= 0:
             return
-        steps = min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING))
-        going = int((queue.need[taken.lanes] != FINISHED).sum())
-        while len(task.step_sizes) < steps and going:
-            step = self.form_batched_task(queue, worker)
-            if step is None or not step.everyone or len(step.lanes) != going:
+        steps = min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING)) - 1
+        going = queue.need[taken.lanes] != FINISHED
+        lanes, rows = taken.lanes[going], taken.rows[going]
+        if steps <= 0 or not len(lanes):
+            return
+        io_free = {kind: worker.io_slots[kind].available for kind in set(spec.outputs)}
+        waves = self._chain_steps(queue, lanes, rows, steps, io_free)
+        if waves is None:
+            waves = self._wave_steps(queue, lanes, rows, steps, io_free)
+        if waves.per_step:
+            self._dispatcher.add_steps(task, waves, worker)
+
+    def _chain_steps(
+        self, queue: CellTypeQueue, lanes: np.ndarray, rows: np.ndarray, steps: int, io_free: dict
+    ) -> Waves | None:
+        """Up to `steps` more steps for lanes whose next waves are single nodes (chains), found for all
+        lanes and steps at once: a lane takes its next node while it is ready once the lane's earlier
+        nodes are issued, and the task stops at the first step where a lane still going is not ready.
+        None when a lane's next wave is not a single node, or the downloads might not fit: then the
+        steps are found one by one (`_wave_steps`)."""
+        table, data = self._table, self._store.nodes.arrays["data"]
+        cursor = queue.cursor[lanes]
+        left = np.minimum(queue.end[lanes] - cursor, steps)
+        base = table.node_base[rows]
+        window = consecutive(base + cursor, left)  # the next `left` nodes of each lane, lane by lane
+        starts = np.cumsum(left) - left
+        offset = np.arange(len(window)) - np.repeat(starts, left)  # of each node from its lane's cursor
+        local = np.repeat(cursor, left) + offset
+        nodes = data[window]
+        single = nodes[:, NodeColumns.WAVE_END] == local + 1
+        if not single[starts].all():
+            return None
+        ready = np.repeat(table.issued[rows], left) + offset >= nodes[:, NodeColumns.NEED]
+        stop = np.minimum.reduceat(np.where(single & ready, steps, offset), starts)  # a lane's first node it cannot take
+        can = np.minimum(stop, left)
+        blocked = can < queue.end[lanes] - cursor  # lanes that cannot finish within the task
+        count = min(steps, int(can[blocked].min())) if blocked.any() else int(left.max())
+        take = np.minimum(can, count)
+        copies = int(nodes[offset < np.repeat(take, left), NodeColumns.HAS_COPIES].sum())
+        if any(copies * queue.spec.outputs.count(kind) > free for kind, free in io_free.items()):
+            return None
+        if count == 0:
+            return Waves.joined([])
+        grid = np.arange(count)[:, None] < take[None, :]  # step by lane: whether the lane takes a node then
+        first = (base + cursor)[None, :] + np.arange(count)[:, None]
+        nodes_taken = int(take.sum())
+        waves = Waves(np.broadcast_to(rows, grid.shape)[grid], np.ones(nodes_taken, np.int64), first[grid], grid.sum(axis=1).tolist())
+        table.step_issued(rows, take)
+        self._advance(queue, Ready(lanes, rows, take, base + cursor))
+        return waves
+
+    def _wave_steps(self, queue: CellTypeQueue, lanes: np.ndarray, rows: np.ndarray, steps: int, io_free: dict) -> Waves:
+        """Up to `steps` more steps, a wave of each lane still going at a time."""
+        spec, table, dispatcher = queue.spec, self._table, self._dispatcher
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        while len(found) < steps:
+            if found:
+                going = queue.need[lanes] != FINISHED
+                if not going.all():
+                    lanes, rows = lanes[going], rows[going]
+                    if not len(lanes):
+                        break
+            if (table.issued[rows] < queue.need[lanes]).any():
                 break
-            self._dispatcher.add_step(task, step.rows, step.sizes, step.first, worker)
-            self._table.step_issued(step.rows, step.sizes)
-            self._advance(queue, step)
-            going = int((queue.need[step.lanes] != FINISHED).sum())
+            sizes, first = queue.wave[lanes], table.node_base[rows] + queue.cursor[lanes]
+            if int(sizes.sum()) > dispatcher.capacity(spec, None, io_free):
+                break
+            dispatcher.take_io_rows(spec, rows, sizes, first, io_free)
+            table.step_issued(rows, sizes)
+            self._advance(queue, Ready(lanes, rows, sizes, first))
+            found.append((rows, sizes, first))
+        return Waves.joined(found)
 
     def queued_seconds(self, worker: WorkerHandle) -> float:
         """Expected seconds of the work `worker` holds (its tasks in flight, not those being formed); a

@@ -1,7 +1,8 @@
 """CPU backend: arenas in shared memory and an executor thread standing in for a device stream.
 
 The "stream" drains a FIFO of issued tasks in order (a multi-step task's steps back to back,
-as one task); after each task it advances an
+as one task, a step that repeats the one before taking the state it writes in place from that
+step's results rather than through the arena: worker.batched_task.carry_state); after each task it advances an
 int64 signal counter in shared memory, as a GPU stream writes its pinned counter, and
 sends the task's completion notice itself (waking a poller per task would cost as much
 as the task).
@@ -24,7 +25,7 @@ from common.graph import CellTypeSpec, ValueKind
 from common.shm import SharedArray
 from common.task import TaskMessage
 from worker.backend import ArenaInfo, Backend, arena_ids, warm_up_failure, warm_up_tasks
-from worker.batched_task import IssuedTask, PeerArenas, resolve, run_task
+from worker.batched_task import IssuedTask, PeerArenas, resolve, run_steps, run_task
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class CpuBackend(Backend):
 
     def issue(self, task: TaskMessage) -> None:
         try:  # every step is resolved before any runs: a step that cannot be fails its whole task
-            issued: list[IssuedTask] | FailedTask = resolve(task, self._tensors, self._cells, self._peers)
+            issued: list[IssuedTask] | FailedTask = resolve(task, self._tensors, self._cells, self._peers, carry=True)
         except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed
             log.exception("task %d failed", task.task_id)
             issued = FailedTask(task.task_id, f"{type(exc).__name__}: {exc}")
@@ -159,14 +160,13 @@ class CpuBackend(Backend):
                     self._advanced.notify()
 
     def _run(self, steps: list[IssuedTask]) -> None:
-        """A task's steps back to back; a step that fails ends its task, with that step's error."""
-        for step in steps:
-            try:
-                run_task(step)
-            except Exception as exc:  # a failed task must still advance the counter
-                log.exception("task %d failed", step.task_id)
-                self._errors[step.task_id] = f"{type(exc).__name__}: {exc}"
-                return
+        """A task's steps back to back, carrying state from step to step; a step that fails ends its
+        task, with that step's error."""
+        try:
+            run_steps(steps)
+        except Exception as exc:  # a failed task must still advance the counter
+            log.exception("task %d failed", steps[0].task_id)
+            self._errors[steps[0].task_id] = f"{type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._queue.put(_STOP)
