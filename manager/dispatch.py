@@ -78,10 +78,11 @@ class _Layout:
         if self.steps == 1:
             self.step_of = np.zeros(step_nodes[0], np.int64)
             self.position = np.arange(step_nodes[0])
+            self.node_rows: slice | np.ndarray = slice(0, step_nodes[0])  # `position`, as cheap an index as can be
         else:
             padding_before = self.offset - (np.cumsum(step_nodes) - step_nodes)
             self.step_of = np.repeat(np.arange(self.steps), step_nodes)
-            self.position = np.arange(len(self.step_of)) + padding_before[self.step_of]
+            self.position = self.node_rows = np.arange(len(self.step_of)) + padding_before[self.step_of]
         self._bounds = list(zip(self.offset.tolist(), np.cumsum(step_sizes).tolist()))
         self._sizes = np.asarray(step_sizes)
         self._uniform = min(step_sizes) == max(step_sizes)
@@ -129,6 +130,7 @@ class _Reads:
     def __init__(self, registers: dict[str, np.ndarray], out_where: list[np.ndarray], layout: _Layout, worker_id: int):
         self._registers = registers
         self._worker_id = worker_id
+        self._step_of = layout.step_of
         self._written = None
         if layout.steps > 1 and out_where:
             where = np.concatenate(out_where)
@@ -137,14 +139,14 @@ class _Reads:
             np.minimum.at(first_step, inverse, np.tile(layout.step_of, len(out_where)))
             self._written = (written, first_step)
 
-    def at(self, where: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The slots and owning workers of registers `where` read by nodes of steps `step`."""
+    def at(self, where: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The slots and owning workers of registers `where` read by the task's nodes `nodes`."""
         registers = self._registers
         slots, owners = registers["slot"][where], registers["worker"][where]
         if self._written is not None and len(where):
             written, first_step = self._written
             index = np.minimum(np.searchsorted(written, where), len(written) - 1)
-            earlier = (written[index] == where) & (first_step[index] < step)
+            earlier = (written[index] == where) & (first_step[index] < self._step_of[nodes])
             if earlier.any():
                 slots[earlier] = registers["write"][where[earlier]]
                 owners[earlier] = self._worker_id
@@ -227,30 +229,32 @@ class Dispatcher:
         registers = store.registers.arrays
         out_where = [reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port] for port in range(len(spec.outputs))]
         reads = _Reads(registers, out_where, layout, worker.worker_id)
-        repeat = layout.same_sizes_as_before()  # steps that may repeat the one before: see common.task
+        repeat = layout.same_sizes_as_before() if layout.steps > 1 else None  # steps that may repeat the one before
         inputs: list[list[TaskInput]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.inputs):
             if port in spec.ragged_inputs:
                 entries = self._ragged(port, kind, node_data, node_rows, layout, reads, worker)
-                repeat[:] = False
+                repeat = None
             else:
                 entries, slots = self._regular(port, kind, node_data, node_rows, reg_base, layout, reads, worker)
-                repeat &= layout.same_as_before(slots)
+                if repeat is not None:
+                    repeat &= layout.same_as_before(slots)
             for step, entry in enumerate(entries):
                 inputs[step].append(entry)
-                if entry.remote is not None:
+                if entry.remote is not None and repeat is not None:
                     repeat[step : step + 2] = False
         outputs: list[list[SlotList]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.outputs):
             where = out_where[port]
             slots = np.full(layout.rows, SCRATCH_SLOT, np.int64)
-            slots[layout.position] = written = registers["write"][where]
+            slots[layout.node_rows] = written = registers["write"][where]
             registers["slot"][where] = written
             registers["worker"][where] = worker.worker_id
-            repeat &= layout.same_as_before(slots)
+            if repeat is not None:
+                repeat &= layout.same_as_before(slots)
             for step, step_slots in enumerate(layout.split(slots)):
                 outputs[step].append(SlotList(worker.arena_id[kind], step_slots))
-        for step in np.flatnonzero(repeat):  # share the step before's slot arrays
+        for step in () if repeat is None else np.flatnonzero(repeat):  # share the step before's slot arrays
             outputs[step] = outputs[step - 1]
             inputs[step] = [entry._replace(slots=before.slots) for entry, before in zip(inputs[step], inputs[step - 1])]
         downloads = self._downloads(task, nodes, node_data, node_rows, outputs, layout, worker)
@@ -291,11 +295,12 @@ class Dispatcher:
         owners = None
         held = np.flatnonzero(refs >= 0)
         if len(held):
-            found, held_owners = reads.at(reg_base[held] + refs[held], layout.step_of[held])
-            slots[layout.position[held]] = found
+            found, held_owners = reads.at(reg_base[held] + refs[held], held)
+            rows = held if layout.steps == 1 else layout.position[held]
+            slots[rows] = found
             if (held_owners != worker.worker_id).any():
                 owners = np.full(layout.rows, worker.worker_id, np.int64)
-                owners[layout.position[held]] = held_owners
+                owners[rows] = held_owners
         inline: list[InlineValues | None] = [None] * layout.steps
         external = np.flatnonzero(refs <= -2)
         if len(external):
@@ -346,7 +351,7 @@ class Dispatcher:
         refs = store.ragged.arrays["refs"][flat, port]
         node_of = np.repeat(np.arange(len(node_data)), counts)
         step_of = layout.step_of[node_of]
-        slots, owners = reads.at(table.reg_base[node_rows][node_of] + refs, step_of)
+        slots, owners = reads.at(table.reg_base[node_rows][node_of] + refs, node_of)
         slots[refs == ZERO_REF] = ZERO_SLOT
         segments = layout.position[node_of] - layout.offset[step_of]
         bounds = np.searchsorted(step_of, np.arange(layout.steps + 1))
