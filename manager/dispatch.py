@@ -350,9 +350,11 @@ class Dispatcher:
             return [TaskInput(arena, np.zeros(0, np.int64), np.zeros(0, np.int64), None, None)] * layout.steps
         refs = store.ragged.arrays["refs"][flat, port]
         node_of = np.repeat(np.arange(len(node_data)), counts)
-        step_of = layout.step_of[node_of]
         slots, owners = reads.at(table.reg_base[node_rows][node_of] + refs, node_of)
         slots[refs == ZERO_REF] = ZERO_SLOT
+        if layout.steps == 1:
+            return [TaskInput(arena, slots, node_of, self._remote(np.arange(len(flat)), owners, slots, worker, kind), None)]
+        step_of = layout.step_of[node_of]
         segments = layout.position[node_of] - layout.offset[step_of]
         bounds = np.searchsorted(step_of, np.arange(layout.steps + 1))
         cut = bounds[1:-1]
