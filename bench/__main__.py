@@ -7,10 +7,21 @@ import json
 import sys
 from pathlib import Path
 
-from bench import ceiling, chaos, dynet_baseline, idle, overload, plots, report, servers, servers_report, startup
-from bench.presets import FULL, PRESETS, QUICK, presets_named
-from bench.progress import Progress
-from bench.run import MODERATE, ROOT, run_preset
+from batchmaker.bench import (
+    ceiling,
+    chaos,
+    dynet_baseline,
+    idle,
+    overload,
+    plots,
+    report,
+    servers,
+    servers_report,
+    startup,
+)
+from batchmaker.bench.presets import FULL, PRESETS, QUICK, presets_named
+from batchmaker.bench.progress import Progress
+from batchmaker.bench.run import MODERATE, ROOT, run_preset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,15 +24,15 @@ import msgpack
 import numpy as np
 import zmq
 
-from bench.datasets import DATASETS
-from bench.generator import Replies, closed_loop, request_frames
-from bench.run import ROOT, git, machine
-from bench.sweep import ServedPolicy
-from bench.verify import verify
-from common.config import load_config
-from common.models import build_model, init_missing_weights
-from common.protocol import encode, tensor_to_map
-from manager.launcher import free_port_on
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.generator import Replies, closed_loop, request_frames
+from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.bench.verify import verify
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model, init_missing_weights
+from batchmaker.common.protocol import encode, tensor_to_map
+from batchmaker.manager.launcher import free_port_on
 
 WINDOW = 2000  # requests the generator keeps outstanding
 CHECKED = 40  # replies per row compared with the reference
@@ -40,7 +40,7 @@ BATCH_SIZES = "[1, 2, 4, 8, 16, 32, 64, 128, 256, 512]"
 
 MODELS = f"""
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "{{weights}}/ceiling-lstm-h8.pt"
 vocab_size = 8192
 hidden_size = 8
@@ -48,7 +48,7 @@ max_length = 400
 batch_sizes = {BATCH_SIZES}
 
 [models.gru]
-builder = "common.models.gru:build"
+builder = "batchmaker.common.models.gru:build"
 weights = "{{weights}}/ceiling-gru2-h8.pt"
 vocab_size = 8192
 hidden_size = 8
@@ -57,7 +57,7 @@ max_length = 400
 batch_sizes = {BATCH_SIZES}
 
 [models.seq2seq]
-builder = "common.models.seq2seq:build"
+builder = "batchmaker.common.models.seq2seq:build"
 weights = "{{weights}}/ceiling-seq2seq-h8.pt"
 src_vocab_size = 8192
 tgt_vocab_size = 4096
@@ -70,7 +70,7 @@ batch_sizes = {BATCH_SIZES}
 priority = 1
 
 [models.treelstm]
-builder = "common.models.treelstm:build"
+builder = "batchmaker.common.models.treelstm:build"
 weights = "{{weights}}/ceiling-treelstm-h8.pt"
 vocab_size = 8737
 hidden_size = 8

@@ -43,23 +43,23 @@ import torch
 import zmq
 import zmq.asyncio
 
-from bench import chaos_report
-from bench.client_load import RecordingClient
-from bench.datasets import DATASETS
-from bench.generator import poisson_schedule
-from bench.presets import LSTM, SEQ2SEQ, TREELSTM
-from bench.progress import Progress
-from bench.report import finite
-from bench.run import ROOT, git, machine
-from bench.servers import HOSTS, SERVER, Fleet
-from bench.verify import TOLERANCE, mismatch
-from clients import ServerError
-from clients.servers import Server, is_probe
-from clients.sync_client import infer_message, to_infer_reply
-from common.config import load_config
-from common.models import build_model, init_missing_weights
-from common.protocol import encode
-from manager.launcher import ServerProcess, free_port_on, roles
+from batchmaker.bench import chaos_report
+from batchmaker.bench.client_load import RecordingClient
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.generator import poisson_schedule
+from batchmaker.bench.presets import LSTM, SEQ2SEQ, TREELSTM
+from batchmaker.bench.progress import Progress
+from batchmaker.bench.report import finite
+from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.bench.servers import HOSTS, SERVER, Fleet
+from batchmaker.bench.verify import TOLERANCE, mismatch
+from batchmaker.clients import ServerError
+from batchmaker.clients.servers import Server, is_probe
+from batchmaker.clients.sync_client import infer_message, to_infer_reply
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model, init_missing_weights
+from batchmaker.common.protocol import encode
+from batchmaker.manager.launcher import ServerProcess, free_port_on, roles
 
 RATE = 40.0  # requests per second offered: well within what two of the three servers serve
 FULL_S, QUICK_S = 300.0, 60.0

@@ -7,7 +7,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any
 
-from clients.servers import RETRYABLE_CODES
+from batchmaker.clients.servers import RETRYABLE_CODES
 
 OK = "ok"
 LOST = "LOST"  # never answered within the client's timeout, or failed without an answer

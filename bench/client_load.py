@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import psutil
 
-from bench.generator import spawned
-from clients import AsyncClient, ServerError
-from clients.loadgen import percentiles
-from clients.servers import ASIDE, RequestId, Server, is_probe, is_stopping
-from clients.sync_client import infer_message, to_infer_reply
-from manager.launcher import cpu_seconds
+from batchmaker.bench.generator import spawned
+from batchmaker.clients import AsyncClient, ServerError
+from batchmaker.clients.loadgen import percentiles
+from batchmaker.clients.servers import ASIDE, RequestId, Server, is_probe, is_stopping
+from batchmaker.clients.sync_client import infer_message, to_infer_reply
+from batchmaker.manager.launcher import cpu_seconds
 
 FAULT_WAIT_S = 1.0  # at most this long past its time a fault waits for its server to owe answers
 

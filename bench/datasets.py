@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from clients.text import Vocabulary, load_sentences
-from common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.clients.text import Vocabulary, load_sentences
+from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
 
 SST_DIR = Path(__file__).resolve().parents[1] / "data" / "sst"
 FIXED_LENGTH = 24

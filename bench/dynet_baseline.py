@@ -22,15 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.datasets import DATASETS
-from bench.generator import closed_loop, request_frames
-from bench.presets import Preset
-from bench.run import ROOT, write_config
-from bench.sweep import ServedPolicy
-from bench.verify import compare_replies, verify
-from common.config import load_config
-from common.models import build_model
-from common.models.base import Model
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.generator import closed_loop, request_frames
+from batchmaker.bench.presets import Preset
+from batchmaker.bench.run import ROOT, write_config
+from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.bench.verify import compare_replies, verify
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model
+from batchmaker.common.models.base import Model
 
 PYTHON_ENV = "BATCHMAKER_DYNET_PYTHON"
 SCRIPT = ROOT / "bench" / "dynet_treelstm.py"

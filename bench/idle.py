@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.datasets import DATASETS
-from bench.presets import GRU, LSTM, SEQ2SEQ, SEQ2SEQ_ATTENTION, TAGGER, TREELSTM
-from bench.progress import Progress
-from bench.run import git, machine, write_config
-from bench.sweep import ServedPolicy
-from bench.verify import compare_replies
-from clients import Client
-from clients.loadgen import percentiles
-from common.config import load_config
-from common.models import build_model
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.presets import GRU, LSTM, SEQ2SEQ, SEQ2SEQ_ATTENTION, TAGGER, TREELSTM
+from batchmaker.bench.progress import Progress
+from batchmaker.bench.run import git, machine, write_config
+from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.bench.verify import compare_replies
+from batchmaker.clients import Client
+from batchmaker.clients.loadgen import percentiles
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model
 
 GOAL = 1.5  # served p50 over in-process p50
 LONE_LENGTH = 22  # the fixed request's tokens: about the mean WMT sentence

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from common.graph import CellTypeSpec, ValueKind
-from common.models.base import Model
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.models.base import Model
 
 MIN_SECONDS = 1.0
 MIN_CALLS = 20

@@ -36,18 +36,18 @@ from typing import Any
 
 import numpy as np
 
-from bench.datasets import DATASETS
-from bench.generator import Replies, closed_loop, open_loop, poisson_schedule, request_frames
-from bench.progress import Progress
-from bench.report import finite, target, target_lines
-from bench.run import ROOT, git, machine
-from bench.sweep import ServedPolicy
-from bench.verify import verify
-from clients.loadgen import percentiles
-from common.config import load_config
-from common.models import build_model, init_missing_weights
-from common.protocol import OVERLOADED
-from manager.launcher import free_port_on
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.generator import Replies, closed_loop, open_loop, poisson_schedule, request_frames
+from batchmaker.bench.progress import Progress
+from batchmaker.bench.report import finite, target, target_lines
+from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.bench.verify import verify
+from batchmaker.clients.loadgen import percentiles
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model, init_missing_weights
+from batchmaker.common.protocol import OVERLOADED
+from batchmaker.manager.launcher import free_port_on
 
 DEFAULT_CONFIG = ROOT / "configs" / "default.toml"
 MODEL = "lstm"

@@ -13,7 +13,7 @@ BATCH_SIZES = "[1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]"
 
 LSTM = f"""
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "{{weights}}/bench-lstm-h256.pt"
 vocab_size = 8192
 embedding_size = 256
@@ -24,7 +24,7 @@ batch_sizes = {BATCH_SIZES}
 
 SEQ2SEQ = f"""
 [models.seq2seq]
-builder = "common.models.seq2seq:build"
+builder = "batchmaker.common.models.seq2seq:build"
 weights = "{{weights}}/bench-seq2seq-h256.pt"
 src_vocab_size = 8192
 tgt_vocab_size = 4096
@@ -44,7 +44,7 @@ SEQ2SEQ_ATTENTION = SEQ2SEQ.replace("bench-seq2seq-h256.pt", "bench-seq2seq-luon
 )
 TAGGER = f"""
 [models.tagger]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "{{weights}}/bench-tagger-h256.pt"
 vocab_size = 8192
 embedding_size = 256
@@ -57,13 +57,15 @@ batch_sizes = {BATCH_SIZES}
 """
 
 # The same one-layer chain with GRU cells (the idle preset's GRU row).
-GRU = LSTM.replace("[models.lstm]", "[models.gru]").replace("common.models.lstm:build", "common.models.gru:build").replace(
-    "bench-lstm-h256.pt", "bench-gru-h256.pt"
+GRU = (
+    LSTM.replace("[models.lstm]", "[models.gru]")
+    .replace("batchmaker.common.models.lstm:build", "batchmaker.common.models.gru:build")
+    .replace("bench-lstm-h256.pt", "bench-gru-h256.pt")
 )
 
 TREELSTM = f"""
 [models.treelstm]
-builder = "common.models.treelstm:build"
+builder = "batchmaker.common.models.treelstm:build"
 weights = "{{weights}}/bench-treelstm-h256.pt"
 vocab_size = 8737
 embedding_size = 256

@@ -15,16 +15,16 @@ from typing import Any
 import psutil
 import torch
 
-from bench import kernel
-from bench.datasets import DATASETS
-from bench.presets import Preset, Sweep
-from bench.progress import Progress
-from bench.sweep import ServedPolicy, saturated
-from bench.verify import verify
-from common.config import load_config
-from common.models import build_model, init_missing_weights
-from common.models.base import Model
-from manager.launcher import free_port_on
+from batchmaker.bench import kernel
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.presets import Preset, Sweep
+from batchmaker.bench.progress import Progress
+from batchmaker.bench.sweep import ServedPolicy, saturated
+from batchmaker.bench.verify import verify
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model, init_missing_weights
+from batchmaker.common.models.base import Model
+from batchmaker.manager.launcher import free_port_on
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERATE = (0.25, 0.5)  # fractions of the reference policy's peak

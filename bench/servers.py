@@ -35,16 +35,16 @@ from typing import IO, Any, Self
 import numpy as np
 import torch
 
-from bench import client_load, servers_report
-from bench.datasets import DATASETS
-from bench.generator import open_loop as raw_open_loop
-from bench.generator import poisson_schedule, request_frames
-from bench.progress import Progress
-from bench.run import ROOT, git, machine
-from bench.verify import compare
-from common.config import load_config
-from common.models import build_model, init_missing_weights
-from manager.launcher import ServerProcess, free_port_on, roles
+from batchmaker.bench import client_load, servers_report
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.generator import open_loop as raw_open_loop
+from batchmaker.bench.generator import poisson_schedule, request_frames
+from batchmaker.bench.progress import Progress
+from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.bench.verify import compare
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model, init_missing_weights
+from batchmaker.manager.launcher import ServerProcess, free_port_on, roles
 
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 WINDOW = 128  # requests outstanding per server in the closed loop: two full batches
@@ -61,7 +61,7 @@ max_queue_delay_ms = 0
 """  # each server of a fleet: one CPU worker, refusal by expected wait off
 CONFIG = SERVER + """
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "{weights}/servers-lstm-h64.pt"
 vocab_size = 8192
 embedding_size = 64

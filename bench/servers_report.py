@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.client_load import OpenLoop, Saturated
-from clients.loadgen import percentiles
+from batchmaker.bench.client_load import OpenLoop, Saturated
+from batchmaker.clients.loadgen import percentiles
 
 ROLES = ("client", "supervisor", "manager", "worker")
 

@@ -1,6 +1,6 @@
 """`./scripts/bench startup`: how long the manager takes to start, and the memory each process holds.
 
-The manager alone (`python -m manager`, no worker) is started on the ceiling's four built-in
+The manager alone (`python -m batchmaker.manager`, no worker) is started on the ceiling's four built-in
 models, and timed from its launch to its first answer (the `models` op, sent as it starts):
 loading the config, building the planners and binding its sockets. Its resident memory is read
 at that answer. Then a whole server (`batchmaker serve`, one CPU worker) is started and, once
@@ -24,11 +24,11 @@ import numpy as np
 import psutil
 import zmq
 
-from bench.ceiling import MODELS
-from bench.run import ROOT, git, machine
-from common.config import load_config
-from common.models import init_missing_weights
-from manager.launcher import ServerProcess, free_port_on, roles
+from batchmaker.bench.ceiling import MODELS
+from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.common.config import load_config
+from batchmaker.common.models import init_missing_weights
+from batchmaker.manager.launcher import ServerProcess, free_port_on, roles
 
 MB = 2**20
 ROLES = ("supervisor", "manager", "worker")
@@ -43,7 +43,7 @@ def manager_alone(config: Path, address: str) -> tuple[float, int]:
         socket.connect(address)
         start = time.perf_counter()
         process = subprocess.Popen(
-            [sys.executable, "-m", "manager", "--config", str(config), "--worker-address", worker_address],
+            [sys.executable, "-m", "batchmaker.manager", "--config", str(config), "--worker-address", worker_address],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
         )  # fmt: skip
         try:

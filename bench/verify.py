@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from clients import AsyncClient
-from common.models.base import Model
-from common.models.seq2seq import decoding_mismatch
+from batchmaker.clients import AsyncClient
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.seq2seq import decoding_mismatch
 
 TOLERANCE = 1e-4  # float32, hidden 256: batched and unbatched sums differ in the last bits
 NEAR_TIE = 1e-4  # a decoded token may differ only where the reference's top-two logits are this close

@@ -21,7 +21,7 @@ from typing import Any, Self
 import zmq
 import zmq.asyncio
 
-from common.protocol import encode, is_partial
+from batchmaker.common.protocol import encode, is_partial
 
 from .errors import ServerLost
 from .servers import (

@@ -1,4 +1,4 @@
-"""Command-line client: `python -m clients.cli {infer,models,health,stats} ...`.
+"""Command-line client: `python -m batchmaker.clients.cli {infer,models,health,stats} ...`.
 
 The subcommands are built by `add_client_commands` and run by `run_client_command`
 so the `batchmaker` entry point can mount the same commands under its own parser.
@@ -112,7 +112,9 @@ def run_client_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m clients.cli", description="Talk to a batchmaker server.")
+    parser = argparse.ArgumentParser(
+        prog="python -m batchmaker.clients.cli", description="Talk to a batchmaker server."
+    )
     add_client_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     return run_client_command(parser.parse_args(argv))
 

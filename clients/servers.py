@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from common.protocol import OVERLOADED, UNAVAILABLE, WORKER_LOST
+from batchmaker.common.protocol import OVERLOADED, UNAVAILABLE, WORKER_LOST
 
 UP, DRAINING, ASIDE = "up", "draining", "aside"
 PROBE_PREFIX = "\x00probe-"  # health probes use string ids no caller picks by accident

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.protocol import encode, partial_reply
+from batchmaker.common.protocol import encode, partial_reply
 
 from .servers import RequestId
 

@@ -19,8 +19,8 @@ from typing import Any, Self
 import numpy as np
 import zmq
 
-from common.auth import apply_curve_client
-from common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode, is_partial
+from batchmaker.common.auth import apply_curve_client
+from batchmaker.common.protocol import INTERNAL, RequestError, decode, decode_outputs, encode, is_partial
 
 from .errors import ServerError, ServerLost
 from .servers import (

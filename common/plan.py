@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from common.graph import CellGraph, CellTypeSpec, External, NodeOutput, Ragged, ValueKind, Zero
-from common.protocol import INTERNAL, RequestError
+from batchmaker.common.graph import CellGraph, CellTypeSpec, External, NodeOutput, Ragged, ValueKind, Zero
+from batchmaker.common.protocol import INTERNAL, RequestError
 
 ZERO_REF = -1  # an input reading the all-zero row
 # An input reading external value e of the port's kind is -2 - e: externals are numbered per kind.

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.auth import CurveClient
-from common.config import ConfigError, ServerConfig
+from batchmaker.common.auth import CurveClient
+from batchmaker.common.config import ConfigError, ServerConfig
 
 
 def worker_curve(server: ServerConfig, files: Sequence[str] | None = None) -> CurveClient | None:

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import ast
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# The tools' virtualenv has no batchmaker installed: batchmaker.common is this checkout's common/,
+# as pyproject.toml maps it (its config module needs only the standard library).
+for name, path in (("batchmaker", []), ("batchmaker.common", [str(ROOT / "common")])):
+    sys.modules[name] = types.ModuleType(name)
+    sys.modules[name].__path__ = path
 
-from common.config import Config, parse_config
+from batchmaker.common.config import Config, parse_config
 
 MANIFESTS = ROOT / "deploy" / "k8s"
 CONFIG_PATH = Path("/etc/batchmaker/config.toml")

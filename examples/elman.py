@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.config import ModelConfig
-from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.models.base import Model, check_params, int_param, token_ids
+from batchmaker.common.config import ModelConfig
+from batchmaker.common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from batchmaker.common.models.base import Model, check_params, int_param, token_ids
 
 TOKEN = ValueKind("int64", ())
 

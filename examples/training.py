@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.config import ModelConfig, load_config
-from common.models.base import save_weights
+from batchmaker.common.config import ModelConfig, load_config
+from batchmaker.common.models.base import save_weights
 
 
 def command_line(doc: str, config: Path, model: str, argv: list[str] | None) -> tuple[ModelConfig, int, int]:

@@ -1,5 +1,5 @@
 import sys
 
-from manager.main import main
+from batchmaker.manager.main import main
 
 sys.exit(main())

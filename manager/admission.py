@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
+from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
 
 WINDOW_S = 1.0  # completions older than this no longer count towards the measured throughput
 MIN_BUSY_S = 0.02  # a throughput measured over less busy time than this is noise, not an estimate

@@ -9,8 +9,8 @@ they batch together later.
 
 from __future__ import annotations
 
-from manager.plan_store import NodeColumns
-from manager.scheduler import CellTypeQueue, Scheduler
+from batchmaker.manager.plan_store import NodeColumns
+from batchmaker.manager.scheduler import CellTypeQueue, Scheduler
 
 
 class AgendaScheduler(Scheduler):

@@ -6,15 +6,15 @@ import argparse
 import os
 import sys
 
-from clients.cli import add_client_commands, run_client_command
-from common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
-from common.logs import setup_logging
+from batchmaker.clients.cli import add_client_commands, run_client_command
+from batchmaker.common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
+from batchmaker.common.logs import setup_logging
 
 TEST_HOOK_PREFIX = "BATCHMAKER_TEST_"  # fault-injection switches of worker/main.py and manager/main.py, for the test suite only
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from manager.supervisor import serve
+    from batchmaker.manager.supervisor import serve
 
     if args.log_format == "json":
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
@@ -32,7 +32,7 @@ def _drop_test_hooks() -> None:
 
 
 def _init_weights(args: argparse.Namespace) -> int:
-    from common.models import init_missing_weights
+    from batchmaker.common.models import init_missing_weights
 
     created = init_missing_weights(load_config(args.config))
     for path in created:
@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("supervisor")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
-        from common.auth import keygen_main
+        from batchmaker.common.auth import keygen_main
 
         return keygen_main(argv[1:])
     if argv[:1] == ["worker"]:  # its own parser, shared with the worker processes the supervisor starts
-        from worker.main import main as worker_main
+        from batchmaker.worker.main import main as worker_main
 
         return worker_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from common.config import Config
-from common.graph import CellTypeSpec, ValueKind
-from common.models.base import Planner
-from common.protocol import (
+from batchmaker.common.config import Config
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.models.base import Planner
+from batchmaker.common.protocol import (
     BAD_REQUEST,
     CANCELLED,
     DEADLINE_EXCEEDED,
@@ -35,16 +35,16 @@ from common.protocol import (
     RequestError,
     echo,
 )
-from common.task import CompletionNotice
-from manager.admission import Admission, warm_up_capacity
-from manager.dispatch import Dispatcher
-from manager.outcomes import Answered, Outcome, Partial, Refused, Replayed
-from manager.plan_store import make_tables
-from manager.policies import make_policy, make_scheduler
-from manager.records import Request, Task
-from manager.request_processor import RequestProcessor
-from manager.sessions import Session, SessionStore, Waiting, session_fields
-from manager.worker_handle import WorkerHandle
+from batchmaker.common.task import CompletionNotice
+from batchmaker.manager.admission import Admission, warm_up_capacity
+from batchmaker.manager.dispatch import Dispatcher
+from batchmaker.manager.outcomes import Answered, Outcome, Partial, Refused, Replayed
+from batchmaker.manager.plan_store import make_tables
+from batchmaker.manager.policies import make_policy, make_scheduler
+from batchmaker.manager.records import Request, Task
+from batchmaker.manager.request_processor import RequestProcessor
+from batchmaker.manager.sessions import Session, SessionStore, Waiting, session_fields
+from batchmaker.manager.worker_handle import WorkerHandle
 
 MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
 

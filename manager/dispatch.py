@@ -19,14 +19,23 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common.graph import CellTypeSpec, ValueKind
-from common.plan import ZERO_REF
-from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import InlineValues, RemoteRows, SlotCopy, SlotList, TaskInput, TaskMessage, TaskStep, encode_task
-from manager.plan_store import NodeColumns, PlanStore
-from manager.records import Request, Task
-from manager.request_table import RequestTable
-from manager.worker_handle import WorkerHandle
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.plan import ZERO_REF
+from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
+from batchmaker.common.task import (
+    InlineValues,
+    RemoteRows,
+    SlotCopy,
+    SlotList,
+    TaskInput,
+    TaskMessage,
+    TaskStep,
+    encode_task,
+)
+from batchmaker.manager.plan_store import NodeColumns, PlanStore
+from batchmaker.manager.records import Request, Task
+from batchmaker.manager.request_table import RequestTable
+from batchmaker.manager.worker_handle import WorkerHandle
 
 
 def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from common.protocol import RequestError, encode, error_reply
+from batchmaker.common.protocol import RequestError, encode, error_reply
 
 ID_AT = len(encode({"id": None})) - 1  # where the id's value starts in a small map whose first key is "id"
 MAX_TEMPLATES = 64  # distinct errors kept encoded; all are dropped when one more comes

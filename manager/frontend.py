@@ -32,13 +32,13 @@ from typing import Any
 
 import zmq
 
-from common.addresses import is_loopback
-from common.auth import CurveServer
-from common.config import ServerConfig
-from common.protocol import BAD_REQUEST, RequestError, decode, encode
-from common.sockets import MORE, NOW, receive
-from manager.connections import ClientConnections
-from manager.error_frames import ErrorFrames
+from batchmaker.common.addresses import is_loopback
+from batchmaker.common.auth import CurveServer
+from batchmaker.common.config import ServerConfig
+from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, encode
+from batchmaker.common.sockets import MORE, NOW, receive
+from batchmaker.manager.connections import ClientConnections
+from batchmaker.manager.error_frames import ErrorFrames
 
 log = logging.getLogger("batchmaker.manager")
 

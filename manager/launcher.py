@@ -13,15 +13,18 @@ from typing import IO
 
 import psutil
 
-from clients import Client
+from batchmaker.clients import Client
 
-ROLES = {"manager.cli": "supervisor", "manager": "manager", "worker": "worker"}  # module run with -m -> role
+# The module each process runs with -m -> its role.
+ROLES = {"batchmaker.manager.cli": "supervisor", "batchmaker.manager": "manager", "batchmaker.worker": "worker"}
 
 
 def launch(config: Path, log: IO | int | None, *options: str) -> subprocess.Popen:
     """Start the server on `config` with its output going to `log` (a file, subprocess.DEVNULL, or None: ours)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "manager.cli", "serve", str(config), *options], stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config), *options],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
 

@@ -10,10 +10,10 @@ import signal
 
 import zmq
 
-from common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
-from common.logs import setup_logging
-from manager.memory_trace import MemoryTrace
-from manager.server import Manager
+from batchmaker.common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
+from batchmaker.common.logs import setup_logging
+from batchmaker.manager.memory_trace import MemoryTrace
+from batchmaker.manager.server import Manager
 
 log = logging.getLogger("batchmaker.manager")
 
@@ -23,7 +23,9 @@ TEST_STALL_S = 2.0  # far past the shortest heartbeat timeout (500 ms), far from
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m manager", description="Run the batchmaker manager process.")
+    parser = argparse.ArgumentParser(
+        prog="python -m batchmaker.manager", description="Run the batchmaker manager process."
+    )
     parser.add_argument("--config", required=True)
     parser.add_argument("--address", help="client address (default: from the config)")
     parser.add_argument("--worker-address", required=True, help="address workers register at")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from common.protocol import RequestError
-from manager.records import Request
+from batchmaker.common.protocol import RequestError
+from batchmaker.manager.records import Request
 
 
 class Answered(NamedTuple):

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.graph import CellTypeSpec, ValueKind
-from common.plan import ZERO_REF, Plan, Unfolded
-from common.slots import ZERO_SLOT
-from manager.request_table import NO_WORKER, Region, RequestTable, grow_rows
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.plan import ZERO_REF, Plan, Unfolded
+from batchmaker.common.slots import ZERO_SLOT
+from batchmaker.manager.request_table import NO_WORKER, Region, RequestTable, grow_rows
 
 if TYPE_CHECKING:
-    from manager.records import Request
+    from batchmaker.manager.records import Request
 
 
 class _Log:

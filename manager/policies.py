@@ -20,17 +20,17 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable
 
-from common.config import Config, ConfigError
-from common.graph import CellTypeSpec
-from common.models.base import Planner
-from common.plan import Unfolded
-from manager.agenda import AgendaScheduler
-from manager.dispatch import Dispatcher
-from manager.plan_store import PlanStore
-from manager.records import Group, Lifecycle, Request, Task
-from manager.request_table import RequestTable
-from manager.scheduler import Scheduler
-from manager.worker_handle import WorkerHandle
+from batchmaker.common.config import Config, ConfigError
+from batchmaker.common.graph import CellTypeSpec
+from batchmaker.common.models.base import Planner
+from batchmaker.common.plan import Unfolded
+from batchmaker.manager.agenda import AgendaScheduler
+from batchmaker.manager.dispatch import Dispatcher
+from batchmaker.manager.plan_store import PlanStore
+from batchmaker.manager.records import Group, Lifecycle, Request, Task
+from batchmaker.manager.request_table import RequestTable
+from batchmaker.manager.scheduler import Scheduler
+from batchmaker.manager.worker_handle import WorkerHandle
 
 
 class CellularPolicy:

@@ -3,7 +3,7 @@ fit them, and the ports the manager will bind are free. Each failure is one Conf
 names the fix, instead of a traceback in a child process's log after the server seemed to start.
 
 Reading weights needs torch, which the supervisor never imports: the weights are checked by
-`python -m manager.preflight CONFIG` in a child process, whose error becomes the supervisor's.
+`python -m batchmaker.manager.preflight CONFIG` in a child process, whose error becomes the supervisor's.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import socket
 import subprocess
 import sys
 
-from common.config import Config, ConfigError, load_config
-from common.models.base import Planner, build_model, build_planner
-from manager.launcher import free_port_on
-from manager.policies import check_policy
+from batchmaker.common.config import Config, ConfigError, load_config
+from batchmaker.common.models.base import Planner, build_model, build_planner
+from batchmaker.manager.launcher import free_port_on
+from batchmaker.manager.policies import check_policy
 
 log = logging.getLogger("batchmaker.supervisor")
 
@@ -35,14 +35,20 @@ def check_before_start(config: Config, address: str) -> None:
 def check_weights(config: Config) -> None:
     """Every model's weights file read and checked against the model, in a child process (see above)."""
     done = subprocess.run(
-        [sys.executable, "-m", "manager.preflight", str(config.path)], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "batchmaker.manager.preflight", str(config.path)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise ConfigError(done.stderr.strip() or f"checking the weights files failed (exit status {done.returncode})")
 
 
 def _read_all_weights(argv: list[str]) -> int:
-    """`python -m manager.preflight CONFIG`: read every model's weights; a ConfigError's message on stderr, status 2."""
+    """`python -m batchmaker.manager.preflight CONFIG`: read every model's weights.
+
+    A ConfigError's message goes to stderr, with status 2.
+    """
     try:
         for model_config in load_config(argv[0]).models.values():
             build_model(model_config).load_weights()

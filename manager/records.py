@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.graph import CellTypeSpec, ValueKind
-from common.plan import Unfolded
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.plan import Unfolded
 
 if TYPE_CHECKING:
-    from common.models.base import Planner
+    from batchmaker.common.models.base import Planner
 
 
 class Lifecycle(enum.Enum):

@@ -20,16 +20,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.plan import Unfolded
-from common.protocol import INTERNAL, RequestError
-from manager.dispatch import Dispatcher
-from manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
-from manager.plan_store import PlanStore
-from manager.records import Group, Lifecycle, Request, Task
-from manager.request_table import RequestTable
-from manager.scheduler import Scheduler
-from manager.stats import request_timing
-from manager.worker_handle import WorkerHandle
+from batchmaker.common.plan import Unfolded
+from batchmaker.common.protocol import INTERNAL, RequestError
+from batchmaker.manager.dispatch import Dispatcher
+from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
+from batchmaker.manager.plan_store import PlanStore
+from batchmaker.manager.records import Group, Lifecycle, Request, Task
+from batchmaker.manager.request_table import RequestTable
+from batchmaker.manager.scheduler import Scheduler
+from batchmaker.manager.stats import request_timing
+from batchmaker.manager.worker_handle import WorkerHandle
 
 
 class RequestProcessor:

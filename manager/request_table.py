@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from common.graph import ValueKind
-from manager.deadlines import Deadlines, without_done
+from batchmaker.common.graph import ValueKind
+from batchmaker.manager.deadlines import Deadlines, without_done
 
 if TYPE_CHECKING:
-    from manager.records import Request
+    from batchmaker.manager.records import Request
 
 NO_WORKER = -1
 Region = str | ValueKind  # a plan store region: "node", "ragged", "reg", or the external values of a kind

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.graph import CellTypeSpec
-from manager.dispatch import Dispatcher, Waves, consecutive
-from manager.plan_store import NodeColumns, PlanStore
-from manager.records import Request, Task
-from manager.request_table import NO_WORKER, RequestTable
-from manager.step_costs import StepCosts
-from manager.worker_handle import WorkerHandle
+from batchmaker.common.graph import CellTypeSpec
+from batchmaker.manager.dispatch import Dispatcher, Waves, consecutive
+from batchmaker.manager.plan_store import NodeColumns, PlanStore
+from batchmaker.manager.records import Request, Task
+from batchmaker.manager.request_table import NO_WORKER, RequestTable
+from batchmaker.manager.step_costs import StepCosts
+from batchmaker.manager.worker_handle import WorkerHandle
 
 FINISHED = np.iinfo(np.int64).max  # the `need` of a lane with nothing left to issue
 MAX_PASSES = 8  # tasks in a row that may take higher-priority lanes and leave out a ready one

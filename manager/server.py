@@ -19,10 +19,10 @@ from typing import Any
 
 import zmq
 
-from common.config import Config
-from common.graph import CellTypeSpec, ValueKind
-from common.models.base import Planner, build_planner, cell_layout
-from common.protocol import (
+from batchmaker.common.config import Config
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.models.base import Planner, build_planner, cell_layout
+from batchmaker.common.protocol import (
     BAD_REQUEST,
     INTERNAL,
     OPS,
@@ -32,14 +32,14 @@ from common.protocol import (
     echo,
     partial_reply,
 )
-from common.sockets import server_context
-from manager.core import BatchingCore
-from manager.frontend import ClientFrontend, Incoming
-from manager.metrics import Metrics
-from manager.outcomes import Answered, Failed, Outcome, Partial, Refused
-from manager.stats import Stats
-from manager.worker_handle import WorkerHandle
-from manager.worker_pool import WorkerPool
+from batchmaker.common.sockets import server_context
+from batchmaker.manager.core import BatchingCore
+from batchmaker.manager.frontend import ClientFrontend, Incoming
+from batchmaker.manager.metrics import Metrics
+from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Refused
+from batchmaker.manager.stats import Stats
+from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.worker_pool import WorkerPool
 
 log = logging.getLogger("batchmaker.manager")
 

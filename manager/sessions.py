@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from common.protocol import BAD_REQUEST, INVALID_INPUT, OVERLOADED, SESSION_LOST, RequestError, echo
-from manager.deadlines import Deadlines
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, OVERLOADED, SESSION_LOST, RequestError, echo
+from batchmaker.manager.deadlines import Deadlines
 
 MAX_SESSION_CHARS = 256  # a longer session name is refused: errors and logs echo it
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.slots import FIRST_FREE_SLOT
+from batchmaker.common.slots import FIRST_FREE_SLOT
 
 
 class SlotAllocator:

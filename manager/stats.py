@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from manager.outcomes import Failed, Outcome, Replayed
-from manager.records import Task
+from batchmaker.manager.outcomes import Failed, Outcome, Replayed
+from batchmaker.manager.records import Task
 
 if TYPE_CHECKING:
-    from manager.metrics import Metrics
-    from manager.worker_handle import WorkerHandle
+    from batchmaker.manager.metrics import Metrics
+    from batchmaker.manager.worker_handle import WorkerHandle
 
 LATENCY_WINDOW = 20000
 TIMINGS = ("total_us", "queue_us", "compute_us")  # kept per answered request, in the latency window

@@ -25,13 +25,13 @@ import time
 import psutil
 import zmq
 
-from common.auth import connect_socket
-from common.config import Config, with_metrics_address, with_policy
-from common.protocol import decode, encode
-from common.shm import remove_stale_segments
-from common.worker_keys import worker_curve
-from manager.main import SUPERVISOR_TOKEN_ENV
-from manager.preflight import check_before_start
+from batchmaker.common.auth import connect_socket
+from batchmaker.common.config import Config, with_metrics_address, with_policy
+from batchmaker.common.protocol import decode, encode
+from batchmaker.common.shm import remove_stale_segments
+from batchmaker.common.worker_keys import worker_curve
+from batchmaker.manager.main import SUPERVISOR_TOKEN_ENV
+from batchmaker.manager.preflight import check_before_start
 
 log = logging.getLogger("batchmaker.supervisor")
 
@@ -114,14 +114,14 @@ class Supervisor:
 
     def _spawn_worker(self, slot: WorkerSlot) -> None:
         slot.process = self._spawn(
-            "worker", "--manager", self.worker_address, "--device", slot.device, "--index", str(slot.index)
+            "batchmaker.worker", "--manager", self.worker_address, "--device", slot.device, "--index", str(slot.index)
         )
 
     def start(self) -> None:
         for name in remove_stale_segments():
             log.info("removed stale shared memory %s (its process is gone)", name)
         self.manager = self._spawn(
-            "manager",
+            "batchmaker.manager",
             "--address",
             self.address,
             "--worker-address",

@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from common.graph import ValueKind
-from common.protocol import BAD_REQUEST, INTERNAL, RequestError, echo
-from common.shm import SharedArray
-from common.slots import FIRST_FREE_SLOT
-from common.task import IoRows
-from manager.records import Task
-from manager.slot_allocator import SlotAllocator
+from batchmaker.common.graph import ValueKind
+from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, RequestError, echo
+from batchmaker.common.shm import SharedArray
+from batchmaker.common.slots import FIRST_FREE_SLOT
+from batchmaker.common.task import IoRows
+from batchmaker.manager.records import Task
+from batchmaker.manager.slot_allocator import SlotAllocator
 
 
 def check_registration(message: dict[str, Any], max_rows: dict[str, int]) -> None:

@@ -23,16 +23,16 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from common.addresses import completion_address
-from common.auth import CurveServer
-from common.config import ConfigError, ServerConfig, check_worker_address
-from common.graph import CellTypeSpec, ValueKind
-from common.hosts import default_host_id
-from common.protocol import BAD_REQUEST, RequestError, decode, echo, encode
-from common.sockets import NOW, send, server_context
-from common.task import CompletionNotice, decode_notice
-from manager.records import Task
-from manager.worker_handle import WorkerHandle, check_registration
+from batchmaker.common.addresses import completion_address
+from batchmaker.common.auth import CurveServer
+from batchmaker.common.config import ConfigError, ServerConfig, check_worker_address
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.hosts import default_host_id
+from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, echo, encode
+from batchmaker.common.sockets import NOW, send, server_context
+from batchmaker.common.task import CompletionNotice, decode_notice
+from batchmaker.manager.records import Task
+from batchmaker.manager.worker_handle import WorkerHandle, check_registration
 
 log = logging.getLogger("batchmaker.manager")
 

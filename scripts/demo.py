@@ -21,12 +21,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client
-from clients.loadgen import run_open_loop, summarize
-from clients.text import Vocabulary, load_sentences
-from common.config import load_config
-from common.models import build_model
-from manager.launcher import launch, stop_server, wait_until_ready
+from batchmaker.clients import Client
+from batchmaker.clients.loadgen import run_open_loop, summarize
+from batchmaker.clients.text import Vocabulary, load_sentences
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model
+from batchmaker.manager.launcher import launch, stop_server, wait_until_ready
 
 TOLERANCE = 1e-5
 

@@ -33,11 +33,11 @@ sys.path.insert(1, str(ROOT / "tests"))
 from conftest import free_port
 from test_tree_models import random_tree
 
-from bench.verify import TOLERANCE, mismatch
-from clients import AsyncClient, Client
-from common.config import load_config
-from common.models import build_model, init_missing_weights
-from manager.supervisor import Supervisor
+from batchmaker.bench.verify import TOLERANCE, mismatch
+from batchmaker.clients import AsyncClient, Client
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model, init_missing_weights
+from batchmaker.manager.supervisor import Supervisor
 
 REQUESTS_PER_MODEL = 120
 

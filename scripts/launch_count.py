@@ -32,8 +32,8 @@ sys.path.insert(1, str(ROOT / "tests"))
 from test_cuda_fake import FakeCalls, all_cells, fake_cuda, fake_tasks, serving_task
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.task import TaskMessage, TaskStep
-from worker.cuda_graphs import capturable
+from batchmaker.common.task import TaskMessage, TaskStep
+from batchmaker.worker.cuda_graphs import capturable
 
 NO_WORK = {"aten::empty", "aten::empty_strided", "aten::lift_fresh"}  # allocations and wrappers: no kernel
 TRANSFERS = {"aten::to", "aten::_to_copy"}  # may alias their input (so they are marked views), but move data here

@@ -28,14 +28,14 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import AsyncClient, Client, ServerError
-from common.config import load_config
-from common.models import init_missing_weights
-from manager.supervisor import Supervisor
+from batchmaker.clients import AsyncClient, Client, ServerError
+from batchmaker.common.config import load_config
+from batchmaker.common.models import init_missing_weights
+from batchmaker.manager.supervisor import Supervisor
 
 MODELS = """
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 vocab_size = 1000
 hidden_size = 64
@@ -43,7 +43,7 @@ max_length = 200
 batch_sizes = [1, 2, 4, 8, 16, 32]
 
 [models.seq2seq]
-builder = "common.models.seq2seq:build"
+builder = "batchmaker.common.models.seq2seq:build"
 weights = "seq2seq.pt"
 src_vocab_size = 1000
 tgt_vocab_size = 40
@@ -55,7 +55,7 @@ batch_sizes = [1, 2, 4, 8, 16, 32]
 priority = 1
 
 [models.childsum]
-builder = "common.models.childsum:build"
+builder = "batchmaker.common.models.childsum:build"
 weights = "childsum.pt"
 vocab_size = 1000
 hidden_size = 64

@@ -35,10 +35,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.config import CellTypeConfig, ModelConfig
-from common.models.base import save_weights
-from common.models.tree import load_vocabulary, ptb_to_tree
-from common.models.treelstm_cells import TreeLSTMModel
+from batchmaker.common.config import CellTypeConfig, ModelConfig
+from batchmaker.common.models.base import save_weights
+from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.treelstm_cells import TreeLSTMModel
 
 SST = ROOT / "data" / "sst"
 UNK = "<unk>"
@@ -277,7 +277,8 @@ def main() -> None:
         "hidden_size": args.hidden_size,
         "num_classes": NUM_CLASSES,
     }
-    config = ModelConfig("sst", "common.models.treelstm:build", args.out.resolve(), params, CellTypeConfig((1,), 0), {})
+    builder = "batchmaker.common.models.treelstm:build"
+    config = ModelConfig("sst", builder, args.out.resolve(), params, CellTypeConfig((1,), 0), {})
     model = TreeLSTMModel(config)
     shuffled = [lines[i] for i in np.random.default_rng(args.seed).permutation(len(lines))]
     cut = int(len(shuffled) * args.holdout)

@@ -24,11 +24,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client
-from clients.loadgen import run_open_loop, summarize
-from common.config import load_config
-from common.models import init_missing_weights
-from manager.supervisor import Supervisor
+from batchmaker.clients import Client
+from batchmaker.clients.loadgen import run_open_loop, summarize
+from batchmaker.common.config import load_config
+from batchmaker.common.models import init_missing_weights
+from batchmaker.manager.supervisor import Supervisor
 
 
 def offer(address: str, inputs: list[dict], rate: float, duration: float) -> str:
@@ -54,7 +54,7 @@ def main() -> int:
         cpu_workers = 1
 
         [models.lstm]
-        builder = "common.models.lstm:build"
+        builder = "batchmaker.common.models.lstm:build"
         weights = "lstm.pt"
         vocab_size = 1000
         embedding_size = 256
@@ -76,8 +76,8 @@ def main() -> int:
         threading.Thread(target=supervisor.watch, daemon=True).start()
         print(f"1 worker : {offer(supervisor.address, inputs, args.rate, args.duration)}", flush=True)
         joined = subprocess.Popen(
-            [sys.executable, "-m", "manager.cli", "worker", "--config", str(config.path), "--manager", worker_address,
-             "--index", "1"],
+            [sys.executable, "-m", "batchmaker.manager.cli", "worker", "--config", str(config.path),
+             "--manager", worker_address, "--index", "1"],
             cwd=ROOT,
         )  # fmt: skip
         with Client(supervisor.address) as client:

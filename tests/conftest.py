@@ -19,10 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client
-from common.config import Config, load_config
-from common.models import init_missing_weights
-from manager.supervisor import Supervisor
+from batchmaker.clients import Client
+from batchmaker.common.config import Config, load_config
+from batchmaker.common.models import init_missing_weights
+from batchmaker.manager.supervisor import Supervisor
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -62,7 +62,7 @@ def write_config(directory: Path, models: str, server: str = "", scheduler: str 
 
 SMALL_LSTM = """
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 vocab_size = 1000
 embedding_size = 32
@@ -110,7 +110,9 @@ def stop_server(server: RunningServer) -> None:
 
 def start_worker(config: Config, manager: str, *options: str, **popen: Any) -> subprocess.Popen:
     """`batchmaker worker` started by hand, as on another machine; `options` go to the command."""
-    command = [sys.executable, "-m", "manager.cli", "worker", "--config", str(config.path), "--manager", manager]
+    command = [
+        sys.executable, "-m", "batchmaker.manager.cli", "worker", "--config", str(config.path), "--manager", manager
+    ]
     return subprocess.Popen([*command, *options], cwd=ROOT, **popen)
 
 
@@ -179,7 +181,7 @@ def lstm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Any, dict]]:
     """One served SMALL_LSTM for a module's attacks, with its model and weights to check answers against."""
-    from common.models import build_model
+    from batchmaker.common.models import build_model
 
     config = write_config(tmp_path_factory.mktemp("fuzz"), SMALL_LSTM)
     server = start_server(config, workers=1)
@@ -198,7 +200,7 @@ def shared_data() -> Path:
 
 SMALL_GRU = """
 [models.gru]
-builder = "common.models.gru:build"
+builder = "batchmaker.common.models.gru:build"
 weights = "gru.pt"
 vocab_size = 1000
 embedding_size = 32
@@ -213,7 +215,7 @@ priority = 1
 
 SMALL_SEQ2SEQ = """
 [models.seq2seq]
-builder = "common.models.seq2seq:build"
+builder = "batchmaker.common.models.seq2seq:build"
 weights = "seq2seq.pt"
 src_vocab_size = 1000
 tgt_vocab_size = 40
@@ -248,7 +250,7 @@ def make_harness(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 # A small binary TreeLSTM over the bundled SST vocabulary (data/sst): bench/datasets.py's trees fit it.
 SST_TREELSTM = """
 [models.tree]
-builder = "common.models.treelstm:build"
+builder = "batchmaker.common.models.treelstm:build"
 weights = "tree.pt"
 vocab_size = 8737
 embedding_size = 32

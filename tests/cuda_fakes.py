@@ -23,8 +23,8 @@ import torch
 from numpy.lib.array_utils import byte_bounds
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from worker.backend import TORCH_DTYPES
-from worker.cuda_runtime import CudaRuntime
+from batchmaker.worker.backend import TORCH_DTYPES
+from batchmaker.worker.cuda_runtime import CudaRuntime
 
 
 @dataclass(eq=False)

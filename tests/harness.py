@@ -8,15 +8,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from common.config import Config
-from common.protocol import RequestError
-from common.shm import SharedArray
-from common.task import CompletionNotice, decode_task
-from manager.core import BatchingCore
-from manager.outcomes import Answered, Failed, Outcome
-from manager.records import Request, Task
-from manager.server import load_models
-from manager.worker_handle import WorkerHandle
+from batchmaker.common.config import Config
+from batchmaker.common.protocol import RequestError
+from batchmaker.common.shm import SharedArray
+from batchmaker.common.task import CompletionNotice, decode_task
+from batchmaker.manager.core import BatchingCore
+from batchmaker.manager.outcomes import Answered, Failed, Outcome
+from batchmaker.manager.records import Request, Task
+from batchmaker.manager.server import load_models
+from batchmaker.manager.worker_handle import WorkerHandle
 
 
 class Harness:

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.models.base import Model
-from common.plan import ZERO_REF, Unfolded
+from batchmaker.common.models.base import Model
+from batchmaker.common.plan import ZERO_REF, Unfolded
 
 
 def run_plans(model: Model, cells: dict[str, torch.nn.Module], requests: list[Unfolded]) -> list[dict[str, Any]]:

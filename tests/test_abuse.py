@@ -17,13 +17,13 @@ import pytest
 from conftest import SMALL_LSTM, SMALL_SEQ2SEQ, CountingList, start_server, stop_server, write_config
 from test_hardening import RawSocket, check_good_request
 
-from clients import Client
-from common.auth import generate_keypair
-from common.models import build_model
-from common.models.base import PlanCache, token_ids
-from common.models.tree import parse_tree
-from common.protocol import INVALID_INPUT, RequestError
-from manager import launcher
+from batchmaker.clients import Client
+from batchmaker.common.auth import generate_keypair
+from batchmaker.common.models import build_model
+from batchmaker.common.models.base import PlanCache, token_ids
+from batchmaker.common.models.tree import parse_tree
+from batchmaker.common.protocol import INVALID_INPUT, RequestError
+from batchmaker.manager import launcher
 
 PROBE_TIMEOUT_MS = 10_000  # what a liveness probe would allow; a stalled loop misses it
 RSS_BOUND = 64 << 20  # growth of the manager's memory over all the attacks of a test

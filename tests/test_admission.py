@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, load_config
-from common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
-from manager.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait, warm_up_capacity
+from batchmaker.common.config import ConfigError, load_config
+from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
+from batchmaker.manager.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait, warm_up_capacity
 
 FULL = 64  # the largest batch size of the cell type in these tests
 

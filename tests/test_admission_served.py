@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
 
-from common.models import build_model
+from batchmaker.common.models import build_model
 
 LIMIT_MS = 50
 PROBE_DEADLINE_MS = LIMIT_MS // 2  # below any wait the server refuses for

@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from common.auth import (
+from batchmaker.common.auth import (
     CurveServer,
     apply_curve_client,
     generate_keypair,

@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_worker import cells, lstm_step_task, multi_step  # noqa: F401 (a fixture)
 
-from common.slots import ZERO_SLOT
-from common.task import TaskMessage, decode_task, encode_task
-from worker.batched_task import resolve
+from batchmaker.common.slots import ZERO_SLOT
+from batchmaker.common.task import TaskMessage, decode_task, encode_task
+from batchmaker.worker.batched_task import resolve
 
 
 def without_tokens(step: TaskMessage) -> TaskMessage:

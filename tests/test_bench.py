@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import zmq
 
-from bench import overload, plots, report
-from bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
-from bench.generator import Replies, open_loop, poisson_schedule, request_frames
-from bench.kernel import ideal
-from bench.presets import PRESETS, presets_named
-from bench.sweep import point, saturated
-from common.config import load_config
-from common.models import build_model
+from batchmaker.bench import overload, plots, report
+from batchmaker.bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
+from batchmaker.bench.generator import Replies, open_loop, poisson_schedule, request_frames
+from batchmaker.bench.kernel import ideal
+from batchmaker.bench.presets import PRESETS, presets_named
+from batchmaker.bench.sweep import point, saturated
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model
 
 
 def lengths(name: str) -> np.ndarray:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_LSTM, write_config
 
-from bench import ceiling
-from bench.generator import request_frames
-from bench.sweep import ServedPolicy
+from batchmaker.bench import ceiling
+from batchmaker.bench.generator import request_frames
+from batchmaker.bench.sweep import ServedPolicy
 
 
 def test_a_run_reports_the_managers_cpu_per_request_and_per_task(tmp_path: Path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from bench.chaos_report import LOST, OK, Request, problems, replies_beyond_sends, rss_growth, table, tally
+from batchmaker.bench.chaos_report import LOST, OK, Request, problems, replies_beyond_sends, rss_growth, table, tally
 
 FAULTS = ["quiet", "kill -9 worker", "SIGTERM drain"]
 

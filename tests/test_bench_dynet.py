@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from conftest import SST_TREELSTM, write_config
 
-from bench import dynet_baseline
-from bench.datasets import DATASETS
-from bench.presets import PRESETS
-from common.models import build_model
+from batchmaker.bench import dynet_baseline
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.presets import PRESETS
+from batchmaker.common.models import build_model
 
 DYNET = os.environ.get(dynet_baseline.PYTHON_ENV)
 

@@ -11,9 +11,9 @@ import psutil
 import pytest
 from conftest import SMALL_LSTM, SMALL_SEQ2SEQ, SST_TREELSTM, write_config
 
-from bench import idle
-from bench.datasets import DATASETS
-from common.models import build_model
+from batchmaker.bench import idle
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.common.models import build_model
 
 ATTENTION = SMALL_SEQ2SEQ.replace("[models.seq2seq", "[models.attention").replace(
     "max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n'

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_LSTM, write_config
 
-from bench.sweep import ServedPolicy
+from batchmaker.bench.sweep import ServedPolicy
 
 
 def test_a_server_that_does_not_start_keeps_its_log_and_the_error_names_it(tmp_path: Path):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.client_load import OpenLoop, Saturated, Usage
-from bench.servers_report import client_cost, fault, problems, table, throughput
+from batchmaker.bench.client_load import OpenLoop, Saturated, Usage
+from batchmaker.bench.servers_report import client_cost, fault, problems, table, throughput
 
 A, B, C = "tcp://127.0.0.2:1", "tcp://127.0.0.3:1", "tcp://127.0.0.4:1"
 CHECK = {"checked": 5, "max_abs_error": 1e-7, "wrong": [], "ok": True}

@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 from conftest import SMALL_LSTM, write_config
 
-from bench import startup
+from batchmaker.bench import startup
 
 
 def test_the_manager_alone_is_timed_to_its_first_answer_and_stopped(tmp_path: Path):

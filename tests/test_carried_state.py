@@ -11,9 +11,9 @@ import torch
 from test_multistep import CELL, LSTM, sent_steps, tokens
 from test_worker import cells, expected_h, io_array, lstm_step_task, make_backend, multi_step, wait_signal  # noqa: F401
 
-from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import InlineValues, TaskInput, TaskMessage, TaskStep, decode_task, encode_task
-from worker.batched_task import Inline, InputRows, gather, resolve
+from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
+from batchmaker.common.task import InlineValues, TaskInput, TaskMessage, TaskStep, decode_task, encode_task
+from batchmaker.worker.batched_task import Inline, InputRows, gather, resolve
 
 
 def again(step: TaskMessage | TaskStep, tokens: list[int], downloads: list | None = None) -> TaskStep:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from plan_runner import run_plans
 
-from common.config import CellTypeConfig, ConfigError, ModelConfig
-from common.graph import External, NodeOutput
-from common.models.chain_cells import ChainModel, GRUModel, LSTMModel
-from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, map_to_tensor, tensor_to_map
+from batchmaker.common.config import CellTypeConfig, ConfigError, ModelConfig
+from batchmaker.common.graph import External, NodeOutput
+from batchmaker.common.models.chain_cells import ChainModel, GRUModel, LSTMModel
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, map_to_tensor, tensor_to_map
 
 TOLERANCE = 1e-5
 VOCAB = 50

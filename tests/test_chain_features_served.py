@@ -15,17 +15,17 @@ import torch
 from conftest import start_server, stop_server, wait_idle, write_config
 from torch import nn
 
-from clients import AsyncClient, Client, ServerError
-from common.config import ConfigError
-from common.models import build_model
-from common.protocol import tensor_to_map
-from manager.preflight import check_weights
+from batchmaker.clients import AsyncClient, Client, ServerError
+from batchmaker.common.config import ConfigError
+from batchmaker.common.models import build_model
+from batchmaker.common.protocol import tensor_to_map
+from batchmaker.manager.preflight import check_weights
 
 TOLERANCE = 1e-5
 VOCAB = 100
 
-LSTM = 'builder = "common.models.lstm:build"'
-GRU = 'builder = "common.models.gru:build"'
+LSTM = 'builder = "batchmaker.common.models.lstm:build"'
+GRU = 'builder = "batchmaker.common.models.gru:build"'
 MODELS = {
     "lstm2": f"{LSTM}\nnum_layers = 2",
     "gru2": f"{GRU}\nnum_layers = 2",
@@ -145,7 +145,10 @@ def test_a_torch_nn_state_dict_is_checked_and_served_as_torch_runs_it(tmp_path: 
     module.lstm = nn.LSTM(7, 16, 2, bidirectional=True)
     module.head = nn.Linear(32, 4)
     torch.save(module.state_dict(), tmp_path / "tagger.pt")
-    table = '[models.tagger]\nbuilder = "common.models.lstm:build"\nweights = "tagger.pt"\ninput_size = 7\nhidden_size = 16\nbatch_sizes = [1, 2, 4]\n'
+    table = (
+        '[models.tagger]\nbuilder = "batchmaker.common.models.lstm:build"\nweights = "tagger.pt"\n'
+        "input_size = 7\nhidden_size = 16\nbatch_sizes = [1, 2, 4]\n"
+    )
     config = write_config(tmp_path, table + "num_layers = 2\nbidirectional = true\nper_step = true\nhead_size = 4\n")
     check_weights(config)
     x = torch.randn(9, 7)

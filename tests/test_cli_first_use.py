@@ -14,8 +14,8 @@ from conftest import free_port
 from test_clients_offline import FakeServer
 from test_serve_cli import BATCHMAKER
 
-from clients.cli import main as cli_main
-from clients.sync_client import infer_message
+from batchmaker.clients.cli import main as cli_main
+from batchmaker.clients.sync_client import infer_message
 
 
 @pytest.mark.parametrize("command", ["health", "models", "stats"])

@@ -17,21 +17,21 @@ import numpy as np
 import pytest
 from conftest import ROOT, RunningServer
 
-from common.models import build_model
+from batchmaker.common.models import build_model
 
 pytestmark = pytest.mark.slow
 
 CHECK = """
 import importlib.util, json, sys
-import clients, clients.cli, clients.loadgen
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "manager", "worker"))
-with clients.Client(sys.argv[1], timeout=60) as client:
+import batchmaker, batchmaker.clients.cli, batchmaker.clients.loadgen
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith(("batchmaker.manager", "batchmaker.worker")))
+with batchmaker.Client(sys.argv[1], timeout=60) as client:
     reply = client.infer("lstm", {"tokens": [5, 17, 342, 9]})
 print(json.dumps({
     "loaded": loaded,
     "torch_installed": importlib.util.find_spec("torch") is not None,
-    "common": sorted(m for m in sys.modules if m.startswith("common")),
-    "clients_file": clients.__file__,
+    "common": sorted(m for m in sys.modules if m.startswith("batchmaker.common")),
+    "clients_file": batchmaker.clients.__file__,
     "h": reply.outputs["h"].tolist(),
 }))
 """
@@ -48,7 +48,7 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtualenv with batchmaker-client installed from a copy of this checkout (the build writes files)."""
     base = tmp_path_factory.mktemp("client-dist")
     ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-    for folder in ("dist/client", "clients", "common"):
+    for folder in ("dist/client", "batchmaker", "clients", "common"):
         shutil.copytree(ROOT / folder, base / "src" / folder, ignore=ignore)
     env_dir = base / "venv"
     venv.create(env_dir, with_pip=True)
@@ -65,7 +65,7 @@ def test_installed_client_has_no_torch_and_talks_to_a_server(client_venv: Path, 
     result = run_isolated([python, "-c", CHECK, lstm_server.address], client_venv)
     found = json.loads(result.stdout)
     assert found["loaded"] == [] and found["torch_installed"] is False
-    assert found["common"] == ["common", "common.auth", "common.protocol"]
+    assert found["common"] == ["batchmaker.common", "batchmaker.common.auth", "batchmaker.common.protocol"]
     assert str(client_venv) in found["clients_file"]  # the installed copy, not this checkout
 
     model = build_model(lstm_server.config.models["lstm"])

@@ -16,10 +16,10 @@ import pytest
 import zmq
 from conftest import free_port
 
-from clients import AsyncClient, Client, ServerError, ServerLost
-from clients.cli import main as cli_main
-from clients.servers import ASIDE, DRAINING, UP, ServerSet
-from common.protocol import (
+from batchmaker.clients import AsyncClient, Client, ServerError, ServerLost
+from batchmaker.clients.cli import main as cli_main
+from batchmaker.clients.servers import ASIDE, DRAINING, UP, ServerSet
+from batchmaker.common.protocol import (
     INVALID_INPUT,
     OVERLOADED,
     SESSION_LOST,

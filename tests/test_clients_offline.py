@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import zmq
 
-from clients import AsyncClient, Client, ServerError
-from clients.cli import main as cli_main
-from clients.text import DEFAULT_SENTENCES, DEFAULT_VOCAB, RESERVED, UNK, Vocabulary, load_sentences
-from common.protocol import (
+from batchmaker.clients import AsyncClient, Client, ServerError
+from batchmaker.clients.cli import main as cli_main
+from batchmaker.clients.text import DEFAULT_SENTENCES, DEFAULT_VOCAB, RESERVED, UNK, Vocabulary, load_sentences
+from batchmaker.common.protocol import (
     UNKNOWN_MODEL,
     decode,
     encode,

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 from test_clients_failover import FAST, REFUSALS, FakeServer, answered_by, infer_many, servers, start
 
-from clients import AsyncClient, Client, ServerError
-from clients.servers import DRAINING, UP, ServerSet
-from common.protocol import INVALID_INPUT, OVERLOADED, SESSION_LOST, UNAVAILABLE, error_reply
+from batchmaker.clients import AsyncClient, Client, ServerError
+from batchmaker.clients.servers import DRAINING, UP, ServerSet
+from batchmaker.common.protocol import INVALID_INPUT, OVERLOADED, SESSION_LOST, UNAVAILABLE, error_reply
 
 __all__ = ["servers"]  # the fixture, shared with the failover tests
 

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.addresses import is_loopback
-from common.config import AFFINITIES, POLICIES, ConfigError, load_config
-from common.models import build_model
-from common.models.base import Model, save_weights
-from common.models.chain_cells import LSTMModel
+from batchmaker.common.addresses import is_loopback
+from batchmaker.common.config import AFFINITIES, POLICIES, ConfigError, load_config
+from batchmaker.common.models import build_model
+from batchmaker.common.models.base import Model, save_weights
+from batchmaker.common.models.chain_cells import LSTMModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = """
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 vocab_size = 50
 embedding_size = 8
@@ -60,7 +60,7 @@ def test_default_config_loads() -> None:
     assert config.scheduler.max_tasks_to_submit == 5
     assert list(config.models) == ["lstm"]
     lstm = config.models["lstm"]
-    assert lstm.builder == "common.models.lstm:build"
+    assert lstm.builder == "batchmaker.common.models.lstm:build"
     assert lstm.weights == (ROOT / "weights" / "lstm-h256.pt").resolve()
     assert lstm.params["hidden_size"] == 256
     assert lstm.params["vocab_size"] == 8192
@@ -202,13 +202,13 @@ def test_multi_step_keys(tmp_path: Path) -> None:
 
 
 def test_model_without_builder(tmp_path: Path) -> None:
-    text = MODEL.replace('builder = "common.models.lstm:build"\n', "")
+    text = MODEL.replace('builder = "batchmaker.common.models.lstm:build"\n', "")
     config_error(tmp_path, text, "models.lstm", "builder")
 
 
 def test_builder_without_colon(tmp_path: Path) -> None:
-    text = MODEL.replace("common.models.lstm:build", "common.models.lstm.build")
-    config_error(tmp_path, text, "models.lstm", "builder", "common.models.lstm.build")
+    text = MODEL.replace("batchmaker.common.models.lstm:build", "batchmaker.common.models.lstm.build")
+    config_error(tmp_path, text, "models.lstm", "builder", "batchmaker.common.models.lstm.build")
 
 
 def test_model_without_weights(tmp_path: Path) -> None:
@@ -234,7 +234,8 @@ def test_a_misspelt_batch_sizes_is_named_as_a_typo(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_the_readme_names_every_weight_of_the_chain_models(tmp_path: Path, kind: str) -> None:
-    config = load_config(write(tmp_path, MODEL.replace("common.models.lstm:build", f"common.models.{kind}:build")))
+    text = MODEL.replace("batchmaker.common.models.lstm:build", f"batchmaker.common.models.{kind}:build")
+    config = load_config(write(tmp_path, text))
     readme = (ROOT / "README.md").read_text()
     for key in build_model(config.models["lstm"]).weight_shapes():
         assert f"`{key}`" in readme, f"README.md does not name {key}"
@@ -325,9 +326,9 @@ def model_config(tmp_path: Path, text: str = MODEL):
     return load_config(write(tmp_path, text)).models["lstm"]
 
 
-@pytest.mark.parametrize("builder", ["no_such_package.models:build", "common.models.lstm:no_such_function"])
+@pytest.mark.parametrize("builder", ["no_such_package.models:build", "batchmaker.common.models.lstm:no_such_function"])
 def test_build_model_with_unimportable_builder(tmp_path: Path, builder: str) -> None:
-    config = model_config(tmp_path, MODEL.replace("common.models.lstm:build", builder))
+    config = model_config(tmp_path, MODEL.replace("batchmaker.common.models.lstm:build", builder))
     with pytest.raises(ConfigError) as excinfo:
         build_model(config)
     assert builder in str(excinfo.value)
@@ -335,7 +336,7 @@ def test_build_model_with_unimportable_builder(tmp_path: Path, builder: str) -> 
 
 
 def test_build_model_with_builder_that_returns_no_model(tmp_path: Path) -> None:
-    config = model_config(tmp_path, MODEL.replace("common.models.lstm:build", "builtins:repr"))
+    config = model_config(tmp_path, MODEL.replace("batchmaker.common.models.lstm:build", "builtins:repr"))
     with pytest.raises(ConfigError) as excinfo:
         build_model(config)
     assert "builtins:repr" in str(excinfo.value)

@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 from conftest import SMALL_LSTM
 
-from common.protocol import BAD_REQUEST, CANCELLED, INTERNAL, OVERLOADED, UNKNOWN_MODEL, WORKER_LOST, RequestError
-from common.task import CompletionNotice
-from manager.outcomes import Answered, Failed, Replayed
+from batchmaker.common.protocol import (
+    BAD_REQUEST,
+    CANCELLED,
+    INTERNAL,
+    OVERLOADED,
+    UNKNOWN_MODEL,
+    WORKER_LOST,
+    RequestError,
+)
+from batchmaker.common.task import CompletionNotice
+from batchmaker.manager.outcomes import Answered, Failed, Replayed
 
 
 @pytest.fixture

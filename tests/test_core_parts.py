@@ -8,14 +8,14 @@ import time
 import numpy as np
 import pytest
 
-from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.plan import ZERO_REF, Unfolded, compile_graph, external_ref
-from common.protocol import INTERNAL, RequestError
-from common.slots import FIRST_FREE_SLOT
-from manager.plan_store import NodeColumns, make_tables
-from manager.records import Request
-from manager.request_table import RequestTable
-from manager.slot_allocator import SlotAllocator
+from batchmaker.common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from batchmaker.common.plan import ZERO_REF, Unfolded, compile_graph, external_ref
+from batchmaker.common.protocol import INTERNAL, RequestError
+from batchmaker.common.slots import FIRST_FREE_SLOT
+from batchmaker.manager.plan_store import NodeColumns, make_tables
+from batchmaker.manager.records import Request
+from batchmaker.manager.request_table import RequestTable
+from batchmaker.manager.slot_allocator import SlotAllocator
 
 TOKEN = ValueKind("int64", ())
 STATE = ValueKind("float32", (4,))

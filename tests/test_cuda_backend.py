@@ -30,12 +30,12 @@ from test_cuda_fake import (
 )
 from torch.overrides import TorchFunctionMode
 
-from common.task import TaskMessage, decode_notice
-from worker import cuda
-from worker.backend import FULL_TASK_RUNS, DeviceFault
-from worker.cuda import CudaBackend
-from worker.device_tasks import consecutive_runs
-from worker.main import InProgressFIFO, Poller
+from batchmaker.common.task import TaskMessage, decode_notice
+from batchmaker.worker import cuda
+from batchmaker.worker.backend import FULL_TASK_RUNS, DeviceFault
+from batchmaker.worker.cuda import CudaBackend
+from batchmaker.worker.device_tasks import consecutive_runs
+from batchmaker.worker.main import InProgressFIFO, Poller
 
 BATCH = 4
 # Operations that read no device memory: the staging buffer's allocation and its views.

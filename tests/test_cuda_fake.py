@@ -24,14 +24,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from common.config import load_config
-from common.graph import CellTypeSpec
-from common.models.base import build_model, cell_layout
-from common.task import SLOT_DTYPE, TaskMessage, TaskStep
-from worker.backend import arena_ids
-from worker.batched_task import IssuedTask, run_task
-from worker.cuda import TORCH_DTYPES, StreamCalls
-from worker.device_tasks import DeviceTasks, staged_bytes
+from batchmaker.common.config import load_config
+from batchmaker.common.graph import CellTypeSpec
+from batchmaker.common.models.base import build_model, cell_layout
+from batchmaker.common.task import SLOT_DTYPE, TaskMessage, TaskStep
+from batchmaker.worker.backend import arena_ids
+from batchmaker.worker.batched_task import IssuedTask, run_task
+from batchmaker.worker.cuda import TORCH_DTYPES, StreamCalls
+from batchmaker.worker.device_tasks import DeviceTasks, staged_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda", 0)

@@ -30,15 +30,15 @@ from test_cuda_fake import (
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clients import AsyncClient
-from common.config import Config
-from common.models import build_model
-from common.models.seq2seq import decoding_mismatch
-from common.task import TaskMessage
-from worker.backend import TORCH_DTYPES, arena_ids
-from worker.batched_task import gather
-from worker.cuda_graphs import CapturedCell, as_tuple, capturable
-from worker.device_tasks import DeviceCalls, DeviceTasks, Staging
+from batchmaker.clients import AsyncClient
+from batchmaker.common.config import Config
+from batchmaker.common.models import build_model
+from batchmaker.common.models.seq2seq import decoding_mismatch
+from batchmaker.common.task import TaskMessage
+from batchmaker.worker.backend import TORCH_DTYPES, arena_ids
+from batchmaker.worker.batched_task import gather
+from batchmaker.worker.cuda_graphs import CapturedCell, as_tuple, capturable
+from batchmaker.worker.device_tasks import DeviceCalls, DeviceTasks, Staging
 
 BATCH = 4  # a batch size every cell type of configs/all.toml supports
 NEAR_TIE = 1e-4
@@ -229,8 +229,8 @@ def test_captured_cells_give_the_eager_results_on_a_gpu():
     """Every cell type of every built-in model, captured on the worker's stream, against the same tasks run eagerly."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from worker.cuda import StreamCalls
-    from worker.cuda_graphs import capture_on
+    from batchmaker.worker.cuda import StreamCalls
+    from batchmaker.worker.cuda_graphs import capture_on
 
     results = []
     for graphs in (False, True):
@@ -293,8 +293,8 @@ def test_served_answers_with_graphs_equal_those_without(tmp_path: Path):
 
 def test_a_cpu_worker_with_cuda_graphs_set_says_it_runs_eagerly(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """devices = "auto" without GPUs starts CPU workers: the switch cannot apply, and the log says so."""
-    from worker.cpu import CpuBackend
-    from worker.main import load_cells, make_backend
+    from batchmaker.worker.cpu import CpuBackend
+    from batchmaker.worker.main import load_cells, make_backend
 
     config = write_config(tmp_path, SMALL_LSTM, server="cuda_graphs = true")
     specs, cells, kinds = load_cells(config)

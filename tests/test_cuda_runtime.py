@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.cuda_runtime import CudaRuntime
+from batchmaker.worker.cuda_runtime import CudaRuntime
 
 
 def test_ipc_handles_are_opened_without_the_exporters_event(monkeypatch: pytest.MonkeyPatch):

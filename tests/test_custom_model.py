@@ -10,8 +10,8 @@ import numpy as np
 from conftest import start_server, stop_server, wait_idle, write_config
 from harness import Harness
 
-from clients import AsyncClient
-from common.models import build_model
+from batchmaker.clients import AsyncClient
+from batchmaker.common.models import build_model
 
 ELMAN = """
 [models.elman]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import SMALL_LSTM, start_server, stop_server, wait_idle, wait_until, wait_until_async, write_config
 
-from clients import AsyncClient, ServerError
-from common.protocol import CANCELLED, DEADLINE_EXCEEDED
+from batchmaker.clients import AsyncClient, ServerError
+from batchmaker.common.protocol import CANCELLED, DEADLINE_EXCEEDED
 
 # A request that takes seconds (about 0.5 ms a step on a small CPU): the tests below end it long before it could finish.
 MAX_LENGTH = 20000

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import SMALL_LSTM, write_config
 
-from worker import main as worker_main
-from worker.backend import DeviceFault
+from batchmaker.worker import main as worker_main
+from batchmaker.worker.backend import DeviceFault
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,10 +40,10 @@ import sys
 import torch
 sys.path.insert(0, "tests")
 from test_worker import lstm_step_task
-from common.config import load_config
-from common.slots import ZERO_SLOT
-from worker.backend import DeviceFault
-from worker.main import load_cells, make_backend
+from batchmaker.common.config import load_config
+from batchmaker.common.slots import ZERO_SLOT
+from batchmaker.worker.backend import DeviceFault
+from batchmaker.worker.main import load_cells, make_backend
 
 config = load_config(sys.argv[1])
 specs, cells, kinds = load_cells(config, "cuda:0")

@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import RunningServer, start_server, stop_server, wait_idle, write_config
 
-from clients import AsyncClient
-from clients.text import Vocabulary
-from common.config import load_config
-from common.models import build_model
-from common.models.base import save_weights
+from batchmaker.clients import AsyncClient
+from batchmaker.clients.text import Vocabulary
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model
+from batchmaker.common.models.base import save_weights
 from examples.forecaster import forecast, stream
 from examples.forecaster import train as forecaster_example
 from examples.forecaster.train import Forecaster

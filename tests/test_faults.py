@@ -25,8 +25,8 @@ from conftest import (
     write_config,
 )
 
-from clients import AsyncClient, Client, ServerError
-from common.models import build_model
+from batchmaker.clients import AsyncClient, Client, ServerError
+from batchmaker.common.models import build_model
 
 TOLERANCE = 1e-5
 
@@ -218,7 +218,8 @@ def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
 
 def test_sigterm_under_load_answers_everything_then_exits(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM)
-    process = subprocess.Popen([sys.executable, "-m", "manager.cli", "serve", str(config.path), "--workers", "2"])
+    command = [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config.path), "--workers", "2"]
+    process = subprocess.Popen(command)
     try:
         with Client(config.server.address, timeout=1) as client:
             wait_until(lambda: _ready(client), "the server becoming ready")
@@ -272,7 +273,7 @@ def test_cuda_arenas_open_in_a_peer_process():
 
     if torch.cuda.device_count() < 1:
         pytest.skip("no CUDA device")
-    from worker.cuda_runtime import CudaRuntime
+    from batchmaker.worker.cuda_runtime import CudaRuntime
 
     arena = torch.arange(12, dtype=torch.float32, device="cuda:0").reshape(4, 3)
     handle = CudaRuntime().export(arena)

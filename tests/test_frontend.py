@@ -10,9 +10,9 @@ import pytest
 import zmq
 from conftest import free_port
 
-from common.config import ServerConfig
-from common.protocol import OVERLOADED, RequestError
-from manager.frontend import READ_S, ClientFrontend, Incoming
+from batchmaker.common.config import ServerConfig
+from batchmaker.common.protocol import OVERLOADED, RequestError
+from batchmaker.manager.frontend import READ_S, ClientFrontend, Incoming
 
 NOTHING_MS = 200  # long enough for a sent reply to arrive on this machine, even a busy one
 

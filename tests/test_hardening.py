@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients import AsyncClient, Client, ServerError
-from common.auth import generate_keypair
-from common.protocol import ERROR_CODES
+from batchmaker.clients import AsyncClient, Client, ServerError
+from batchmaker.common.auth import generate_keypair
+from batchmaker.common.protocol import ERROR_CODES
 
 # -- fuzzing -------------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ import pytest
 import zmq
 from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
 
-from common.protocol import decode, encode
-from manager.metrics import Metrics
+from batchmaker.common.protocol import decode, encode
+from batchmaker.manager.metrics import Metrics
 
 
 def probe(port: int, path: str) -> tuple[int, str]:

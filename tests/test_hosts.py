@@ -29,10 +29,10 @@ from test_integration_trees import CHILDSUM_VOCAB, SST
 from test_integration_trees import MODELS as TREE_MODELS
 from test_tree_models import random_tree
 
-from clients import AsyncClient
-from common.config import Config
-from common.models import build_model
-from common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.clients import AsyncClient
+from batchmaker.common.config import Config
+from batchmaker.common.models import build_model
+from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
 
 TOLERANCE = 1e-5
 OTHER_HOST = "second-host"

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from conftest import SMALL_GRU, SMALL_SEQ2SEQ, start_server, stop_server, wait_idle, write_config
 
-from clients import AsyncClient
-from common.models import build_model
-from common.models.seq2seq import decoding_mismatch
+from batchmaker.clients import AsyncClient
+from batchmaker.common.models import build_model
+from batchmaker.common.models.seq2seq import decoding_mismatch
 
 NEAR_TIE = 1e-4
 

@@ -12,10 +12,10 @@ import pytest
 from conftest import ROOT, RunningServer, start_server, stop_server, wait_idle, write_config
 from test_tree_models import random_tree
 
-from clients import AsyncClient, ServerError
-from common.models import build_model
-from common.models.tree import load_vocabulary, ptb_to_tree
-from common.protocol import INVALID_INPUT
+from batchmaker.clients import AsyncClient, ServerError
+from batchmaker.common.models import build_model
+from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.protocol import INVALID_INPUT
 
 SST = ROOT / "data" / "sst"
 TOLERANCE = 1e-5
@@ -23,7 +23,7 @@ CHILDSUM_VOCAB = 1000
 
 MODELS = f"""
 [models.sst]
-builder = "common.models.treelstm:build"
+builder = "batchmaker.common.models.treelstm:build"
 weights = "sst.pt"
 vocab_size = {len(load_vocabulary(SST / "vocab.txt"))}
 embedding_size = 32
@@ -32,7 +32,7 @@ num_classes = 5
 batch_sizes = [1, 2, 4, 8, 16, 32, 64]
 
 [models.childsum]
-builder = "common.models.childsum:build"
+builder = "batchmaker.common.models.childsum:build"
 weights = "childsum.pt"
 vocab_size = {CHILDSUM_VOCAB}
 embedding_size = 32

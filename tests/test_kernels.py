@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import CellTypeConfig, ConfigError, ModelConfig
-from common.models import kernels
-from common.models.base import Model
-from common.models.chain_cells import GRUModel, LSTMModel
-from common.models.childsum_cells import ChildSumTreeLSTMModel
-from common.models.seq2seq_cells import Seq2SeqModel
-from common.models.tree import NO_WORD
-from common.models.treelstm_cells import TreeLSTMModel
+from batchmaker.common.config import CellTypeConfig, ConfigError, ModelConfig
+from batchmaker.common.models import kernels
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.chain_cells import GRUModel, LSTMModel
+from batchmaker.common.models.childsum_cells import ChildSumTreeLSTMModel
+from batchmaker.common.models.seq2seq_cells import Seq2SeqModel
+from batchmaker.common.models.tree import NO_WORD
+from batchmaker.common.models.treelstm_cells import TreeLSTMModel
 
 TOLERANCE = 1e-5
 BATCH = 7
@@ -93,7 +93,7 @@ def test_token_cells_fold_by_default_and_not_when_switched_off(name: str):
 
 
 def test_tables_over_the_budget_are_not_folded_unless_the_config_says_so(monkeypatch, caplog):
-    monkeypatch.setattr("common.models.base.FOLD_BUDGET_BYTES", kernels.table_bytes(VOCAB, 4 * 8) - 1)
+    monkeypatch.setattr("batchmaker.common.models.base.FOLD_BUDGET_BYTES", kernels.table_bytes(VOCAB, 4 * 8) - 1)
     auto = LSTMModel(config(**CHAIN))
     with caplog.at_level(logging.WARNING):
         assert folded_tables(auto.make_cells(auto.init_weights(0))) == 0

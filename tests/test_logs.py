@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from common.logs import JsonFormatter
+from batchmaker.common.logs import JsonFormatter
 
 
 def test_json_lines_carry_extra_request_fields():

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
 
-from clients import Client
-from manager.main import main
-from manager.memory_trace import EVERY_ENV, PATH_ENV, MemoryTrace, growth
+from batchmaker.clients import Client
+from batchmaker.manager.main import main
+from batchmaker.manager.memory_trace import EVERY_ENV, PATH_ENV, MemoryTrace, growth
 
 
 def hoard(kept: list[bytes], count: int) -> None:

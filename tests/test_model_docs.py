@@ -13,11 +13,11 @@ import numpy as np
 from conftest import ROOT, free_port
 from test_serve_cli import batchmaker
 
-from clients import Client
-from common.config import load_config
-from common.models import build_model
-from common.plan import compile_graph
-from manager.launcher import stop_server, wait_until_ready
+from batchmaker.clients import Client
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model
+from batchmaker.common.plan import compile_graph
+from batchmaker.manager.launcher import stop_server, wait_until_ready
 
 DOC = ROOT / "docs" / "models.md"
 

@@ -9,8 +9,8 @@ from conftest import write_config
 from harness import Harness
 from test_scheduler import lstm_models
 
-from common.protocol import CANCELLED
-from common.task import decode_task
+from batchmaker.common.protocol import CANCELLED
+from batchmaker.common.task import decode_task
 
 LSTM = lstm_models()
 CELL = "lstm/layer0"

@@ -22,11 +22,11 @@ from conftest import (
     write_config,
 )
 
-from clients import AsyncClient, Partial, ServerError
-from common.models import build_model
-from common.models.seq2seq import decoding_mismatch
-from common.models.tree import load_vocabulary, ptb_to_tree
-from common.protocol import CANCELLED, DEADLINE_EXCEEDED
+from batchmaker.clients import AsyncClient, Partial, ServerError
+from batchmaker.common.models import build_model
+from batchmaker.common.models.seq2seq import decoding_mismatch
+from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.protocol import CANCELLED, DEADLINE_EXCEEDED
 
 TOLERANCE = 1e-5
 NEAR_TIE = 1e-4
@@ -36,12 +36,12 @@ LONG = [1 + i % (VOCAB - 1) for i in range(5000)]  # seconds of steps: ended lon
 CHAIN = f"vocab_size = {VOCAB}\nembedding_size = 12\nhidden_size = 16\nmax_length = 40\nbatch_sizes = [1, 2, 4, 8]"
 MODELS = f"""
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 {CHAIN}
 
 [models.gru_bi]
-builder = "common.models.gru:build"
+builder = "batchmaker.common.models.gru:build"
 weights = "gru_bi.pt"
 bidirectional = true
 per_step = true
@@ -49,7 +49,7 @@ head_size = 5
 {CHAIN}
 
 [models.long]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 {CHAIN.replace("max_length = 40", f"max_length = {len(LONG)}")}
 """ + SST_TREELSTM.replace("[models.tree]", "[models.sst]") + SMALL_SEQ2SEQ.replace("max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n')

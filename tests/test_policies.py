@@ -11,8 +11,8 @@ from conftest import SMALL_LSTM, SMALL_SEQ2SEQ, write_config
 from harness import Harness
 from test_tree_models import TREE_MODELS
 
-from common.config import ConfigError
-from common.protocol import CANCELLED
+from batchmaker.common.config import ConfigError
+from batchmaker.common.protocol import CANCELLED
 
 
 def tokens(n: int) -> dict:

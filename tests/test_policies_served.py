@@ -14,8 +14,8 @@ from conftest import ROOT, SMALL_GRU, SMALL_SEQ2SEQ, start_server, stop_server, 
 from test_integration_seq2seq import assert_same_decoding
 from test_tree_models import TREE_MODELS, random_tree
 
-from clients import AsyncClient
-from common.models import build_model
+from batchmaker.clients import AsyncClient
+from batchmaker.common.models import build_model
 
 TOLERANCE = 1e-5
 
@@ -83,7 +83,7 @@ def test_graph_policy_serves_trees_like_the_reference(tmp_path: Path):
 def test_serving_a_tree_model_padded_is_refused_with_a_clear_error(tmp_path: Path):
     config = write_config(tmp_path, TREE_MODELS)
     run = subprocess.run(
-        [sys.executable, "-m", "manager.cli", "serve", str(config.path), "--policy", "padded"],
+        [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config.path), "--policy", "padded"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )
     assert run.returncode == 2

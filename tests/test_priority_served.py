@@ -6,7 +6,7 @@ import asyncio
 
 from conftest import SMALL_LSTM, start_server, stop_server, wait_until_async, write_config
 
-from clients import AsyncClient
+from batchmaker.clients import AsyncClient
 
 LOW_LENGTH = 600  # with one cell per task, each low request holds the worker for LOW_LENGTH tasks
 

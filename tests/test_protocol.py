@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import CountingList
 
-from common.protocol import (
+from batchmaker.common.protocol import (
     BAD_REQUEST,
     ECHO_CHARS,
     ERROR_CODES,

@@ -7,13 +7,13 @@ import itertools
 import numpy as np
 import pytest
 
-from common.protocol import CANCELLED
+from batchmaker.common.protocol import CANCELLED
 
 
 def lstm_models(batch_sizes: str = "[1, 2, 3, 4]", layers: int = 1, cells: str = "") -> str:
     return f"""
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 vocab_size = 100
 embedding_size = 8
@@ -274,7 +274,7 @@ def run_one_task_at_a_time(h, worker, total: int) -> list[list[str]]:
 def test_higher_priority_lanes_go_first_and_a_passed_lane_gets_its_turn(harness):
     """Batch size 2: H1 and H2 (priority 1) take every task from L1 (priority 0, queued first)
     until L1 has been left out of MAX_PASSES tasks; it then joins the next one, before either."""
-    from manager.scheduler import MAX_PASSES
+    from batchmaker.manager.scheduler import MAX_PASSES
 
     h = harness(lstm_models("[1, 2]"), max_tasks_to_submit=1)
     worker = h.workers[0]
@@ -300,7 +300,7 @@ def test_equal_priorities_keep_the_oldest_first_order(harness):
 def test_a_lower_priority_lane_waits_at_most_max_passes_tasks(harness):
     """A stream of high-priority requests that always fills the batch: the low one still advances one
     step per MAX_PASSES + 1 tasks, and no high one is left out for it more than once in a row."""
-    from manager.scheduler import MAX_PASSES
+    from batchmaker.manager.scheduler import MAX_PASSES
 
     h = harness(lstm_models("[1]"), max_tasks_to_submit=1)
     worker = h.workers[0]

@@ -12,9 +12,9 @@ import numpy as np
 from conftest import ROOT, SMALL_SEQ2SEQ, start_server, stop_server, wait_idle, write_config
 from test_integration_seq2seq import assert_same_decoding
 
-from clients import AsyncClient
-from common.models import build_model
-from common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.clients import AsyncClient
+from batchmaker.common.models import build_model
+from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
 
 SST = ROOT / "data" / "sst"
 
@@ -45,7 +45,7 @@ def test_served_sentiment_model_predicts_like_the_offline_model(tmp_path: Path):
     params = "\n".join(f"{key} = {value}" for key, value in summary["params"].items())
     models = f"""
 [models.treelstm]
-builder = "common.models.treelstm:build"
+builder = "batchmaker.common.models.treelstm:build"
 weights = "treelstm.pt"
 {params}
 batch_sizes = [1, 2, 4, 8, 16, 32, 64]

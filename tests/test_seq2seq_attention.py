@@ -12,12 +12,12 @@ import pytest
 import torch
 from conftest import SMALL_SEQ2SEQ, start_server, stop_server, wait_idle, write_config
 
-from clients import AsyncClient
-from common.config import CellTypeConfig, ConfigError, ModelConfig, load_config
-from common.models import build_model
-from common.models.seq2seq import MEMORY_PORT, decoding_mismatch
-from common.models.seq2seq_cells import Seq2SeqModel
-from manager.preflight import check_weights
+from batchmaker.clients import AsyncClient
+from batchmaker.common.config import CellTypeConfig, ConfigError, ModelConfig, load_config
+from batchmaker.common.models import build_model
+from batchmaker.common.models.seq2seq import MEMORY_PORT, decoding_mismatch
+from batchmaker.common.models.seq2seq_cells import Seq2SeqModel
+from batchmaker.manager.preflight import check_weights
 
 NEAR_TIE = 1e-4
 ATTENTION = 'attention = "luong"\n'
@@ -132,7 +132,8 @@ def test_encoder_outputs_keep_their_registers_until_the_last_decoder_step(bucket
 
 def model_of(**params) -> Seq2SeqModel:
     base = {"src_vocab_size": 50, "tgt_vocab_size": 20, "embedding_size": 6, "hidden_size": 8}
-    return Seq2SeqModel(ModelConfig("s2s", "common.models.seq2seq:build", Path("s2s.pt"), {**base, **params}, CellTypeConfig((1, 2), 0), {}))
+    builder = "batchmaker.common.models.seq2seq:build"
+    return Seq2SeqModel(ModelConfig("s2s", builder, Path("s2s.pt"), {**base, **params}, CellTypeConfig((1, 2), 0), {}))
 
 
 @pytest.mark.parametrize(

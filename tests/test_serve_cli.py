@@ -17,8 +17,8 @@ from conftest import ROOT, free_port
 from test_custom_model import ELMAN
 from test_startup_errors import user_env
 
-from clients import Client
-from manager.launcher import stop_server, wait_until_ready
+from batchmaker.clients import Client
+from batchmaker.manager.launcher import stop_server, wait_until_ready
 
 BATCHMAKER = str(Path(sys.executable).parent / "batchmaker")
 WRONG_SHAPE = '''

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from test_scheduler import lstm_models
 
-from common.protocol import CANCELLED, OVERLOADED, SESSION_LOST, UNAVAILABLE, RequestError
-from common.task import CompletionNotice
-from manager.outcomes import Answered, Failed, Refused
+from batchmaker.common.protocol import CANCELLED, OVERLOADED, SESSION_LOST, UNAVAILABLE, RequestError
+from batchmaker.common.task import CompletionNotice
+from batchmaker.manager.outcomes import Answered, Failed, Refused
 
 
 @pytest.fixture

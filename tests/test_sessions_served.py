@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import SMALL_SEQ2SEQ, start_server, stop_server, wait_idle, wait_until, wait_until_async, write_config
 
-from clients import AsyncClient, Client, ServerError
-from common.models import build_model
-from common.protocol import (
+from batchmaker.clients import AsyncClient, Client, ServerError
+from batchmaker.common.models import build_model
+from batchmaker.common.protocol import (
     BAD_REQUEST,
     CANCELLED,
     DEADLINE_EXCEEDED,
@@ -33,7 +33,7 @@ MAX_SESSIONS = 6
 
 MODELS = f"""
 [models.lstm2]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm2.pt"
 vocab_size = {VOCAB}
 embedding_size = 12
@@ -43,7 +43,7 @@ max_length = {LONG}
 batch_sizes = [1, 2, 4, 8]
 
 [models.gru]
-builder = "common.models.gru:build"
+builder = "batchmaker.common.models.gru:build"
 weights = "gru.pt"
 vocab_size = {VOCAB}
 embedding_size = 12

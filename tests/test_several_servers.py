@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from conftest import write_config
 
-from clients import AsyncClient
-from common.config import Config
-from common.models import build_model
-from manager.launcher import ServerProcess
+from batchmaker.clients import AsyncClient
+from batchmaker.common.config import Config
+from batchmaker.common.models import build_model
+from batchmaker.manager.launcher import ServerProcess
 
 TINY_LSTM = """
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 vocab_size = 100
 embedding_size = 8

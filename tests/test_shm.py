@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from common.shm import PREFIX, SHM_DIR, SharedArray, remove_stale_segments
+from batchmaker.common.shm import PREFIX, SHM_DIR, SharedArray, remove_stale_segments
 
 
 def dead_pid() -> int:

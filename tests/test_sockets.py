@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.sockets import NOW, receive, send, server_context
+from batchmaker.common.sockets import NOW, receive, send, server_context
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies and /proc are Linux's")
 

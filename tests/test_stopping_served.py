@@ -20,10 +20,10 @@ import pytest
 from conftest import write_config
 from test_several_servers import TINY_LSTM, Progress, check_results, owes_answers, run_load, three_servers
 
-from clients import AsyncClient, ServerError
-from common.config import Config
-from common.protocol import UNAVAILABLE
-from manager.launcher import ServerProcess, roles
+from batchmaker.clients import AsyncClient, ServerError
+from batchmaker.common.config import Config
+from batchmaker.common.protocol import UNAVAILABLE
+from batchmaker.manager.launcher import ServerProcess, roles
 
 __all__ = ["three_servers"]  # the fixture, shared with the tests of several servers
 

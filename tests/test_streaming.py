@@ -31,12 +31,12 @@ from conftest import (
     write_config,
 )
 
-from clients import AsyncClient, Partial, Reply, ServerError
-from clients.cli import main as cli_main
-from common.models import build_model
-from common.models.base import save_weights
-from common.models.seq2seq import decoding_mismatch
-from common.protocol import BAD_REQUEST, CANCELLED, DEADLINE_EXCEEDED, INVALID_INPUT
+from batchmaker.clients import AsyncClient, Partial, Reply, ServerError
+from batchmaker.clients.cli import main as cli_main
+from batchmaker.common.models import build_model
+from batchmaker.common.models.base import save_weights
+from batchmaker.common.models.seq2seq import decoding_mismatch
+from batchmaker.common.protocol import BAD_REQUEST, CANCELLED, DEADLINE_EXCEEDED, INVALID_INPUT
 
 LONG_DECODE = 3000  # decoder steps of a request that runs until cancelled: seconds at ~0.5 ms a step
 MODELS = SMALL_SEQ2SEQ.replace("max_decode_length = 60", f"max_decode_length = {LONG_DECODE}") + SMALL_LSTM

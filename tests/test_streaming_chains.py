@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 from conftest import start_server, stop_server, write_config
 
-from clients import AsyncClient, Partial, Reply, ServerError
-from clients.cli import main as cli_main
-from common.models import build_model
-from common.protocol import INVALID_INPUT
+from batchmaker.clients import AsyncClient, Partial, Reply, ServerError
+from batchmaker.clients.cli import main as cli_main
+from batchmaker.common.models import build_model
+from batchmaker.common.protocol import INVALID_INPUT
 
 TOLERANCE = 1e-5
 MODELS = {
-    "lstm_steps": 'builder = "common.models.lstm:build"\nnum_layers = 2\nper_step = true',
-    "gru_steps": 'builder = "common.models.gru:build"\nper_step = true',
-    "tagger": 'builder = "common.models.lstm:build"\nbidirectional = true\nhead_size = 5\nper_step = true',
-    "lstm_final": 'builder = "common.models.lstm:build"',
+    "lstm_steps": 'builder = "batchmaker.common.models.lstm:build"\nnum_layers = 2\nper_step = true',
+    "gru_steps": 'builder = "batchmaker.common.models.gru:build"\nper_step = true',
+    "tagger": 'builder = "batchmaker.common.models.lstm:build"\nbidirectional = true\nhead_size = 5\nper_step = true',
+    "lstm_final": 'builder = "batchmaker.common.models.lstm:build"',
 }
 COMMON = "vocab_size = 100\nembedding_size = 12\nhidden_size = 16\nmax_length = 60\nbatch_sizes = [1, 2, 4, 8, 16]"
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import SMALL_SEQ2SEQ
 
-from common.protocol import INTERNAL
-from common.task import CompletionNotice
-from manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
-from manager.records import Request
-from manager.worker_handle import WorkerHandle
+from batchmaker.common.protocol import INTERNAL
+from batchmaker.common.task import CompletionNotice
+from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
+from batchmaker.manager.records import Request
+from batchmaker.manager.worker_handle import WorkerHandle
 
 MAX_LEN = 12
 

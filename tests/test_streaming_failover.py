@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from test_clients_failover import FakeServer
 
-from clients import AsyncClient, Client, Partial, Reply, ServerLost
-from common.protocol import partial_reply
+from batchmaker.clients import AsyncClient, Client, Partial, Reply, ServerLost
+from batchmaker.common.protocol import partial_reply
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3}
 

@@ -12,14 +12,14 @@ import psutil
 import pytest
 from conftest import write_config
 
-from clients import Client
-from common.config import ConfigError
-from common.models.base import Model, Planner, build_model, build_planner
-from manager.launcher import ServerProcess, roles
+from batchmaker.clients import Client
+from batchmaker.common.config import ConfigError
+from batchmaker.common.models.base import Model, Planner, build_model, build_planner
+from batchmaker.manager.launcher import ServerProcess, roles
 
 ALL_MODELS = """
 [models.lstm]
-builder = "common.models.lstm:build"
+builder = "batchmaker.common.models.lstm:build"
 batch_sizes = [1, 2, 4, 8]
 weights = "lstm.pt"
 vocab_size = 50
@@ -27,7 +27,7 @@ hidden_size = 8
 max_length = 40
 
 [models.gru]
-builder = "common.models.gru:build"
+builder = "batchmaker.common.models.gru:build"
 batch_sizes = [1, 2, 4, 8]
 weights = "gru.pt"
 vocab_size = 50
@@ -36,7 +36,7 @@ num_layers = 2
 max_length = 40
 
 [models.seq2seq]
-builder = "common.models.seq2seq:build"
+builder = "batchmaker.common.models.seq2seq:build"
 batch_sizes = [1, 2, 4, 8]
 weights = "seq2seq.pt"
 src_vocab_size = 50
@@ -45,7 +45,7 @@ hidden_size = 8
 max_length = 40
 
 [models.treelstm]
-builder = "common.models.treelstm:build"
+builder = "batchmaker.common.models.treelstm:build"
 batch_sizes = [1, 2, 4, 8]
 weights = "treelstm.pt"
 vocab_size = 50
@@ -53,7 +53,7 @@ hidden_size = 8
 num_classes = 3
 
 [models.childsum]
-builder = "common.models.childsum:build"
+builder = "batchmaker.common.models.childsum:build"
 batch_sizes = [1, 2, 4, 8]
 weights = "childsum.pt"
 vocab_size = 50

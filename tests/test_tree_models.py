@@ -12,14 +12,14 @@ import torch
 from conftest import ROOT, write_config
 from harness import Harness
 
-from common.config import CellTypeConfig, ModelConfig
-from common.graph import CellGraph, External, NodeOutput, Ragged, Zero
-from common.models.base import save_weights
-from common.models.childsum_cells import ChildSumTreeLSTMModel
-from common.models.tree import NO_WORD, UNK_ID, load_vocabulary, parse_tree, ptb_to_tree
-from common.models.tree_cells import TreeModel
-from common.models.treelstm_cells import TreeLSTMModel
-from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, tensor_to_map
+from batchmaker.common.config import CellTypeConfig, ModelConfig
+from batchmaker.common.graph import CellGraph, External, NodeOutput, Ragged, Zero
+from batchmaker.common.models.base import save_weights
+from batchmaker.common.models.childsum_cells import ChildSumTreeLSTMModel
+from batchmaker.common.models.tree import NO_WORD, UNK_ID, load_vocabulary, parse_tree, ptb_to_tree
+from batchmaker.common.models.tree_cells import TreeModel
+from batchmaker.common.models.treelstm_cells import TreeLSTMModel
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, tensor_to_map
 
 SST = ROOT / "data" / "sst"
 TOLERANCE = 1e-5
@@ -220,7 +220,7 @@ def test_childsum_unfold_gives_every_node_its_children_on_both_ragged_ports():
 
 TREE_MODELS = """
 [models.bin]
-builder = "common.models.treelstm:build"
+builder = "batchmaker.common.models.treelstm:build"
 weights = "bin.pt"
 vocab_size = 50
 hidden_size = 8
@@ -228,7 +228,7 @@ num_classes = 3
 batch_sizes = [1, 2, 4]
 
 [models.cs]
-builder = "common.models.childsum:build"
+builder = "batchmaker.common.models.childsum:build"
 weights = "cs.pt"
 vocab_size = 50
 hidden_size = 8

@@ -14,13 +14,13 @@ import torch
 import zmq
 from conftest import SMALL_LSTM, write_config
 
-from common.models import build_model
-from common.protocol import decode
-from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import CompletionNotice, TaskMessage, TaskStep, decode_notice, decode_task, encode_task
-from worker.backend import arena_ids
-from worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, Worker, load_cells
-from worker.notices import InProgressFIFO, Poller
+from batchmaker.common.models import build_model
+from batchmaker.common.protocol import decode
+from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
+from batchmaker.common.task import CompletionNotice, TaskMessage, TaskStep, decode_notice, decode_task, encode_task
+from batchmaker.worker.backend import arena_ids
+from batchmaker.worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, Worker, load_cells
+from batchmaker.worker.notices import InProgressFIFO, Poller
 
 ROWS = 64
 
@@ -36,17 +36,17 @@ def cells(tmp_path: Path):
 def make_backend(device: str, cells, cuda_graphs: bool = False):
     specs, modules, kinds, _ = cells
     if device == "cpu":
-        from worker.cpu import CpuBackend
+        from batchmaker.worker.cpu import CpuBackend
 
         return CpuBackend(modules, specs, kinds, ROWS, ROWS)
-    from worker.cuda import CudaBackend
+    from batchmaker.worker.cuda import CudaBackend
 
     return CudaBackend(device, modules, specs, kinds, ROWS, ROWS, cuda_graphs)
 
 
 def io_array(backend, kind_key: str):
     """The numpy view the manager would map: attach to the io arena by its shared-memory name."""
-    from common.shm import SharedArray
+    from batchmaker.common.shm import SharedArray
 
     info = next(a for a in backend.arenas if a.space == "io" and a.kind.key == kind_key)
     return SharedArray(info.kind.dtype, (info.rows, *info.kind.shape), name=info.shm_name)

@@ -14,15 +14,15 @@ import pytest
 import zmq
 from conftest import SMALL_LSTM, wait_until, write_config
 
-from common.addresses import completion_address
-from common.config import ServerConfig
-from common.protocol import decode, encode
-from common.shm import SharedArray
-from common.task import CompletionNotice, encode_notice
-from manager.server import load_models
-from manager.worker_handle import WorkerHandle
-from manager.worker_pool import WorkerPool
-from worker.backend import arena_ids
+from batchmaker.common.addresses import completion_address
+from batchmaker.common.config import ServerConfig
+from batchmaker.common.protocol import decode, encode
+from batchmaker.common.shm import SharedArray
+from batchmaker.common.task import CompletionNotice, encode_notice
+from batchmaker.manager.server import load_models
+from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.worker_pool import WorkerPool
+from batchmaker.worker.backend import arena_ids
 
 ROWS = 64
 SUPERVISOR_TOKEN = b"supervisor-secret"

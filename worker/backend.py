@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.config import ConfigError
-from common.graph import CellTypeSpec, ValueKind
-from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import SLOT_DTYPE, TaskMessage
+from batchmaker.common.config import ConfigError
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
+from batchmaker.common.task import SLOT_DTYPE, TaskMessage
 
 
 class DeviceFault(RuntimeError):

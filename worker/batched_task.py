@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import InlineValues, RemoteRows, TaskMessage, repeats
+from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
+from batchmaker.common.task import InlineValues, RemoteRows, TaskMessage, repeats
 
 
 class RemoteInput(NamedTuple):

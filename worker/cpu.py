@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.graph import CellTypeSpec, ValueKind
-from common.shm import SharedArray
-from common.task import TaskMessage
-from worker.backend import ArenaInfo, Backend, arena_ids, warm_up_failure, warm_up_tasks
-from worker.batched_task import IssuedTask, PeerArenas, resolve, run_steps, run_task
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.shm import SharedArray
+from batchmaker.common.task import TaskMessage
+from batchmaker.worker.backend import ArenaInfo, Backend, arena_ids, warm_up_failure, warm_up_tasks
+from batchmaker.worker.batched_task import IssuedTask, PeerArenas, resolve, run_steps, run_task
 
 log = logging.getLogger(__name__)
 

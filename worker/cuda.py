@@ -20,14 +20,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.config import CROSS_GPU_READS
-from common.graph import CellTypeSpec, ValueKind
-from common.shm import SharedArray
-from common.task import TaskMessage
-from worker.backend import TORCH_DTYPES, ArenaInfo, Backend, arena_ids
-from worker.cuda_graphs import capture_on
-from worker.cuda_runtime import CudaRuntime
-from worker.device_tasks import DeviceCalls, DeviceTasks, Staging, device_faults
+from batchmaker.common.config import CROSS_GPU_READS
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.shm import SharedArray
+from batchmaker.common.task import TaskMessage
+from batchmaker.worker.backend import TORCH_DTYPES, ArenaInfo, Backend, arena_ids
+from batchmaker.worker.cuda_graphs import capture_on
+from batchmaker.worker.cuda_runtime import CudaRuntime
+from batchmaker.worker.device_tasks import DeviceCalls, DeviceTasks, Staging, device_faults
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from common.graph import CellTypeSpec
-from worker.backend import TORCH_DTYPES
-from worker.batched_task import IssuedTask, gather, scatter
+from batchmaker.common.graph import CellTypeSpec
+from batchmaker.worker.backend import TORCH_DTYPES
+from batchmaker.worker.batched_task import IssuedTask, gather, scatter
 
 WARM_UP_RUNS = 3  # eager runs before capture, on the capture stream: cuBLAS handles and workspaces exist by then
 

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.graph import CellTypeSpec, ValueKind
-from common.slots import SCRATCH_SLOT, ZERO_SLOT
-from common.task import SLOT_DTYPE, InlineValues, RemoteRows, TaskMessage
-from worker.backend import DeviceFault, warm_up_tasks
-from worker.batched_task import Inline, InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
-from worker.cuda_graphs import Capture, CapturedCell, capture_cells
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
+from batchmaker.common.task import SLOT_DTYPE, InlineValues, RemoteRows, TaskMessage
+from batchmaker.worker.backend import DeviceFault, warm_up_tasks
+from batchmaker.worker.batched_task import Inline, InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
+from batchmaker.worker.cuda_graphs import Capture, CapturedCell, capture_cells
 
 log = logging.getLogger(__name__)
 

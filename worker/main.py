@@ -25,19 +25,19 @@ import numpy as np
 import torch
 import zmq
 
-from common.addresses import completion_address
-from common.auth import CurveClient
-from common.config import DEFAULT_CONFIG, Config, ConfigError, load_config
-from common.graph import CellTypeSpec, ValueKind
-from common.hosts import default_host_id
-from common.logs import setup_logging
-from common.models.base import build_model, cell_layout
-from common.protocol import decode, encode
-from common.sockets import NOW, receive, server_context
-from common.task import TaskMessage, decode_task
-from common.worker_keys import worker_curve
-from worker.backend import Backend, DeviceFault
-from worker.notices import InProgressFIFO, Poller
+from batchmaker.common.addresses import completion_address
+from batchmaker.common.auth import CurveClient
+from batchmaker.common.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.hosts import default_host_id
+from batchmaker.common.logs import setup_logging
+from batchmaker.common.models.base import build_model, cell_layout
+from batchmaker.common.protocol import decode, encode
+from batchmaker.common.sockets import NOW, receive, server_context
+from batchmaker.common.task import TaskMessage, decode_task
+from batchmaker.common.worker_keys import worker_curve
+from batchmaker.worker.backend import Backend, DeviceFault
+from batchmaker.worker.notices import InProgressFIFO, Poller
 
 log = logging.getLogger("batchmaker.worker")
 
@@ -80,13 +80,13 @@ def make_backend(
 ) -> Backend:
     """The backend of `device`; `cuda_graphs` and `cross_gpu_reads` apply to GPU workers only."""
     if device == "cpu":
-        from worker.cpu import CpuBackend
+        from batchmaker.worker.cpu import CpuBackend
 
         if cuda_graphs:  # devices = "auto" on a machine without GPUs
             log.warning("cuda_graphs is set but this worker runs on the CPU: its cells run eagerly")
         return CpuBackend(cells, specs, kinds, rows, io_rows)
     if device.startswith("cuda"):
-        from worker.cuda import CudaBackend
+        from batchmaker.worker.cuda import CudaBackend
 
         return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs, cross_gpu_reads)
     raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import zmq
 
-from common.auth import CurveClient, connect_socket
-from common.task import CompletionNotice, IoRows, encode_notice
-from worker.backend import Backend, DeviceFault
+from batchmaker.common.auth import CurveClient, connect_socket
+from batchmaker.common.task import CompletionNotice, IoRows, encode_notice
+from batchmaker.worker.backend import Backend, DeviceFault
 
 IDLE_WAIT_S = 0.05
 HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often

@@ -5,9 +5,9 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-from common.config import Config
-from common.models.base import Model, build_model, save_weights
-from common.models.weights import mark_random
+from batchmaker.common.config import Config
+from batchmaker.common.models.base import Model, build_model, save_weights
+from batchmaker.common.models.weights import mark_random
 
 __all__ = ["Model", "build_model", "init_missing_weights"]
 

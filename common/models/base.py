@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.config import ConfigError, ModelConfig
-from common.graph import CellGraph, CellTypeSpec, ValueKind
-from common.models.weights import is_random, read_weights
-from common.plan import Plan, Unfolded, compile_graph
-from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+from batchmaker.common.config import ConfigError, ModelConfig
+from batchmaker.common.graph import CellGraph, CellTypeSpec, ValueKind
+from batchmaker.common.models.weights import is_random, read_weights
+from batchmaker.common.plan import Plan, Unfolded, compile_graph
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 if TYPE_CHECKING:
     import torch

@@ -25,12 +25,20 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ConfigError, ModelConfig
-from common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
-from common.models.base import FOLD_KEY, PlanCache, Planner, check_params, int_param, padded_length, token_ids
-from common.models.vectors import float_rows
-from common.plan import Plan, Unfolded, compile_graph
-from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError
+from batchmaker.common.config import ConfigError, ModelConfig
+from batchmaker.common.graph import ZERO, CellGraph, CellTypeSpec, External, NodeOutput, NodeSpec, ValueKind
+from batchmaker.common.models.base import (
+    FOLD_KEY,
+    PlanCache,
+    Planner,
+    check_params,
+    int_param,
+    padded_length,
+    token_ids,
+)
+from batchmaker.common.models.vectors import float_rows
+from batchmaker.common.plan import Plan, Unfolded, compile_graph
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError
 
 TOKEN = ValueKind("int64", ())
 KEYS = {"vocab_size", "input_size", "embedding_size", "hidden_size", "num_layers", "max_length", "per_step"}

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.models.base import Model
-from common.models.chain import ChainPlanner
-from common.models.gru import GRUPlanner
-from common.models.kernels import (
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.chain import ChainPlanner
+from batchmaker.common.models.gru import GRUPlanner
+from batchmaker.common.models.kernels import (
     GRUKernel,
     LSTMKernel,
     PairGRUKernel,
@@ -30,7 +30,7 @@ from common.models.kernels import (
     table_bytes,
     vector_projection,
 )
-from common.models.lstm import LSTMPlanner
+from batchmaker.common.models.lstm import LSTMPlanner
 
 
 class EmbeddingStep(nn.Module):

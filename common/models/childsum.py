@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.config import ModelConfig
-from common.graph import CellGraph, NodeOutput, Ragged
-from common.models.base import Model
-from common.models.tree import TOKEN, CellPorts, Tree, TreePlanner
-from common.plan import ZERO_REF, external_ref
+from batchmaker.common.config import ModelConfig
+from batchmaker.common.graph import CellGraph, NodeOutput, Ragged
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.tree import TOKEN, CellPorts, Tree, TreePlanner
+from batchmaker.common.plan import ZERO_REF, external_ref
 
 
 class ChildSumPlanner(TreePlanner):
@@ -69,6 +69,6 @@ def planner(config: ModelConfig) -> ChildSumPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from common.models.childsum_cells import ChildSumTreeLSTMModel
+    from batchmaker.common.models.childsum_cells import ChildSumTreeLSTMModel
 
     return ChildSumTreeLSTMModel(config)

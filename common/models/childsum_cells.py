@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.models.childsum import ChildSumPlanner
-from common.models.kernels import doubled, stored, table_bytes, token_projection, tree_state
-from common.models.tree import NO_WORD
-from common.models.tree_cells import TreeModel, gate_blocks, lstm_state
+from batchmaker.common.models.childsum import ChildSumPlanner
+from batchmaker.common.models.kernels import doubled, stored, table_bytes, token_projection, tree_state
+from batchmaker.common.models.tree import NO_WORD
+from batchmaker.common.models.tree_cells import TreeModel, gate_blocks, lstm_state
 
 GATES = ("i", "o", "u", "f")
 

@@ -5,9 +5,9 @@ Outputs `h`, the last layer's final state. The cells are in common/models/chain_
 
 from __future__ import annotations
 
-from common.config import ModelConfig
-from common.models.base import Model
-from common.models.chain import ChainPlanner
+from batchmaker.common.config import ModelConfig
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.chain import ChainPlanner
 
 
 class GRUPlanner(ChainPlanner):
@@ -20,6 +20,6 @@ def planner(config: ModelConfig) -> GRUPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from common.models.chain_cells import GRUModel
+    from batchmaker.common.models.chain_cells import GRUModel
 
     return GRUModel(config)

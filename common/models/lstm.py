@@ -5,9 +5,9 @@ Outputs `h` and `c`, the last layer's final state. The cells are in common/model
 
 from __future__ import annotations
 
-from common.config import ModelConfig
-from common.models.base import Model
-from common.models.chain import ChainPlanner
+from batchmaker.common.config import ModelConfig
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.chain import ChainPlanner
 
 
 class LSTMPlanner(ChainPlanner):
@@ -20,6 +20,6 @@ def planner(config: ModelConfig) -> LSTMPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from common.models.chain_cells import LSTMModel
+    from batchmaker.common.models.chain_cells import LSTMModel
 
     return LSTMModel(config)

@@ -43,11 +43,20 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ConfigError, ModelConfig
-from common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, Ragged, ValueKind
-from common.models.base import FOLD_KEY, Model, PlanCache, Planner, check_params, int_param, padded_length, token_ids
-from common.plan import Plan, Unfolded, compile_graph
-from common.protocol import INVALID_INPUT, RequestError
+from batchmaker.common.config import ConfigError, ModelConfig
+from batchmaker.common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, Ragged, ValueKind
+from batchmaker.common.models.base import (
+    FOLD_KEY,
+    Model,
+    PlanCache,
+    Planner,
+    check_params,
+    int_param,
+    padded_length,
+    token_ids,
+)
+from batchmaker.common.plan import Plan, Unfolded, compile_graph
+from batchmaker.common.protocol import INVALID_INPUT, RequestError
 
 TOKEN = ValueKind("int64", ())
 ATTENTION_KINDS = ("luong",)
@@ -273,6 +282,6 @@ def planner(config: ModelConfig) -> Seq2SeqPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from common.models.seq2seq_cells import Seq2SeqModel
+    from batchmaker.common.models.seq2seq_cells import Seq2SeqModel
 
     return Seq2SeqModel(config)

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.models.base import Model, token_ids
-from common.models.kernels import LSTMKernel, Projection, lstm_input, row_argmax, stored, table_bytes
-from common.models.seq2seq import Seq2SeqPlanner
+from batchmaker.common.models.base import Model, token_ids
+from batchmaker.common.models.kernels import LSTMKernel, Projection, lstm_input, row_argmax, stored, table_bytes
+from batchmaker.common.models.seq2seq import Seq2SeqPlanner
 
 LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 DECODER_GAIN = 4.0

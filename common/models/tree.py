@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ModelConfig
-from common.graph import CellGraph, CellTypeSpec, NodeOutput, ValueKind
-from common.models.base import FOLD_KEY, Planner, check_params, int_param
-from common.plan import ZERO_REF, Unfolded, plan_of
-from common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+from batchmaker.common.config import ModelConfig
+from batchmaker.common.graph import CellGraph, CellTypeSpec, NodeOutput, ValueKind
+from batchmaker.common.models.base import FOLD_KEY, Planner, check_params, int_param
+from batchmaker.common.plan import ZERO_REF, Unfolded, plan_of
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 TOKEN = ValueKind("int64", ())
 NO_WORD = -1  # the token of an internal node without a word

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.models.base import Model
-from common.models.tree import CLASSIFIER, TreePlanner
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.tree import CLASSIFIER, TreePlanner
 
 EMBEDDING_KEY = "embedding.weight"
 

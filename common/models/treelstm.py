@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.config import ModelConfig
-from common.graph import CellGraph, NodeOutput
-from common.models.base import Model
-from common.models.tree import TOKEN, CellPorts, Tree, TreePlanner
-from common.plan import ZERO_REF, external_ref
+from batchmaker.common.config import ModelConfig
+from batchmaker.common.graph import CellGraph, NodeOutput
+from batchmaker.common.models.base import Model
+from batchmaker.common.models.tree import TOKEN, CellPorts, Tree, TreePlanner
+from batchmaker.common.plan import ZERO_REF, external_ref
 
 
 class TreeLSTMPlanner(TreePlanner):
@@ -77,6 +77,6 @@ def planner(config: ModelConfig) -> TreeLSTMPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from common.models.treelstm_cells import TreeLSTMModel
+    from batchmaker.common.models.treelstm_cells import TreeLSTMModel
 
     return TreeLSTMModel(config)

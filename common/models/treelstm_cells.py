@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.models.kernels import doubled, stored, table_bytes, token_projection, tree_state
-from common.models.tree_cells import TreeModel, gate_blocks, lstm_state
-from common.models.treelstm import TreeLSTMPlanner
+from batchmaker.common.models.kernels import doubled, stored, table_bytes, token_projection, tree_state
+from batchmaker.common.models.tree_cells import TreeModel, gate_blocks, lstm_state
+from batchmaker.common.models.treelstm import TreeLSTMPlanner
 
 LEAF_GATES = ("i", "o", "u")
 INTERNAL_GATES = ("i", "f_l", "f_r", "o", "u")

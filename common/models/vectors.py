@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from common.protocol import INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+from batchmaker.common.protocol import INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
 
 
 def float_rows(raw: Any, name: str, width: int, rows: int | None = None, max_rows: int | None = None) -> np.ndarray:

@@ -14,12 +14,12 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import ConfigError
+from batchmaker.common.config import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-    from common.models.base import Model
+    from batchmaker.common.models.base import Model
 
 RANDOM_MARK = "_batchmaker.random_weights"  # `batchmaker init-weights` marks the random files it writes
 SHOWN_KEYS = 12  # keys listed per line of a mismatch message

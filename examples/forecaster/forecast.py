@@ -14,7 +14,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client
+from batchmaker.clients import Client
 from examples.forecaster.train import sensor_series
 
 

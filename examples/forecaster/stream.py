@@ -20,8 +20,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client
-from clients.sync_client import Reply
+from batchmaker.clients import Client
+from batchmaker.clients.sync_client import Reply
 from examples.forecaster.forecast import forecast
 from examples.forecaster.train import sensor_series
 

@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pack_sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.config import ModelConfig
+from batchmaker.common.config import ModelConfig
 from examples.training import command_line, fit, save
 
 CONFIG = Path(__file__).with_name("forecaster.toml")

@@ -15,8 +15,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from clients import Client
-from clients.text import Vocabulary
+from batchmaker.clients import Client
+from batchmaker.clients.text import Vocabulary
 from examples.tagger.train import TAGS
 
 

@@ -23,8 +23,8 @@ from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from clients.text import Vocabulary, load_sentences
-from common.config import ModelConfig
+from batchmaker.clients.text import Vocabulary, load_sentences
+from batchmaker.common.config import ModelConfig
 from examples.training import command_line, fit, save
 
 CONFIG = Path(__file__).with_name("tagger.toml")
