@@ -17,6 +17,7 @@ from batchmaker.bench import (
     report,
     servers,
     servers_report,
+    stages,
     startup,
 )
 from batchmaker.bench.presets import FULL, PRESETS, QUICK, presets_named
@@ -26,7 +27,9 @@ from batchmaker.bench.run import MODERATE, ROOT, run_preset
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
-    parser.add_argument("preset", choices=[*PRESETS, "ceiling", "idle", "servers", "overload", "chaos", "startup", "all"])
+    parser.add_argument(
+        "preset", choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "all"]
+    )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     args = parser.parse_args(argv)
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             print("ceiling: answers differ from the reference model", file=sys.stderr)
             return 1
         if args.preset == "ceiling":
+            return 0
+    if args.preset in ("stages", "all"):
+        print(stages.table(stages.run(args.quick, args.out)))
+        if args.preset == "stages":
             return 0
     if args.preset in ("idle", "all"):
         if not idle.main(args.quick, args.out):

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from batchmaker.common.graph import CellGraph, CellTypeSpec, External, NodeOutput, Ragged, ValueKind, Zero
+from batchmaker.common.lanes import LaneLayout, chain_layout
 from batchmaker.common.protocol import INTERNAL, RequestError
 
 ZERO_REF = -1  # an input reading the all-zero row
@@ -65,6 +66,7 @@ class Plan:
     padding_need: int | None = None  # for the padded policy: issued nodes once the padding has run
     padded_length: int | None = None
     register_groups: dict[ValueKind, np.ndarray] = field(default_factory=dict)  # the registers of each kind
+    lane_layouts: tuple[LaneLayout | None, ...] = ()  # per lane: how a chain's steps read (common.lanes), or None
     cache: dict[Any, Any] = field(default_factory=dict, compare=False)  # forms of the plan the manager derives once
 
     @property
@@ -164,6 +166,10 @@ class _Compiler:
         self.lane_of = lane_of
         self.external_kind = external_kind
         self.copies = copies
+        self.readers: dict[tuple[int, int], set[int]] = collections.defaultdict(set)  # node output -> its readers
+        for index, node in enumerate(graph.nodes):
+            for source in _sources(node.inputs):
+                self.readers[(source.node, source.port)].add(index)
 
     def unfolded(self) -> Unfolded:
         graph, specs, depth, order = self.graph, self.specs, self.depth, self.order
@@ -220,9 +226,18 @@ class _Compiler:
             watched=len(graph.watch),
             last_padding=None if graph.last_padding is None else depth[graph.last_padding],
             padded_length=graph.padded_length,
+            lane_layouts=self._lane_layouts(order, lane_bounds),
         )
         externals = {kind: np.asarray(values, dtype=kind.dtype).reshape(-1, *kind.shape) for kind, values in per_kind.items()}
         return Unfolded(plan, externals, graph.state)
+
+    def _lane_layouts(self, order: list[int], bounds: np.ndarray) -> tuple[LaneLayout | None, ...]:
+        """Each lane's layout if it is a chain (common.lanes), else None."""
+        nodes = self.graph.nodes
+        return tuple(
+            chain_layout(order[start:end], nodes, self.specs[order[start]], self.depth, self.readers)
+            for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist())
+        )
 
     def _lane_bounds(self, order: list[int]) -> np.ndarray:
         bounds = [0]
@@ -242,11 +257,7 @@ class _Compiler:
         register for writers of depth d (they are issued after every reader); a value whose only
         remaining reader is the writer itself (a chain's state) is overwritten in place; a value
         nobody reads (a result, copied by its own task) frees its register after its own depth."""
-        graph, specs, depth = self.graph, self.specs, self.depth
-        readers: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
-        for index, node in enumerate(graph.nodes):
-            for source in _sources(node.inputs):
-                readers[(source.node, source.port)].add(index)
+        graph, specs, depth, readers = self.graph, self.specs, self.depth, self.readers
         # Per value, its readers' largest depth and the reader alone at that depth (-1 if several):
         # a writer may overwrite a value in place when it is that reader. Found once per value, as
         # a value may have many readers (a decoder step attending over every encoder output).
@@ -318,6 +329,7 @@ def plan_of(
     watched: int = 0,
     last_padding: int | None = None,
     padded_length: int | None = None,
+    lane_layouts: tuple[LaneLayout | None, ...] | None = None,
 ) -> Plan:
     """A plan from nodes already in plan order (by lane, then by depth within each lane) with their
     registers given: waves, needs and copy flags derived. The compiler and models that build their
@@ -325,7 +337,9 @@ def plan_of(
     ends a padded graph's padding. A lane without nodes (a one-word tree has no internal node) is
     left out: queued, it would start at the next lane's first node and run it as its own cell type."""
     count = len(depth)
-    lanes = [lane for lane, start in zip(lanes, [0, *(end for _, end in lanes)]) if lane[1] > start]
+    kept = [lane[1] > start for lane, start in zip(lanes, [0, *(end for _, end in lanes)])]
+    lanes = [lane for lane, keep in zip(lanes, kept) if keep]
+    layouts = (None,) * len(lanes) if lane_layouts is None else tuple(l for l, keep in zip(lane_layouts, kept) if keep)
     bounds = np.array([0, *(end for _, end in lanes)], np.int32)
     wave_end = np.empty(count, np.int32)
     for lane in range(len(lanes)):
@@ -358,4 +372,5 @@ def plan_of(
         padding_need=None if last_padding is None else int(np.searchsorted(ordered, last_padding, side="right")),
         padded_length=padded_length,
         register_groups=register_groups,
+        lane_layouts=layouts,
     )

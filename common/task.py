@@ -30,6 +30,22 @@ them once and carry the state from step to step (worker.batched_task).
 A single-step task has no seventh field, so its bytes are what they were before multi-step tasks.
 The worker runs the steps in order and reports the task once, after its last step.
 
+A lane task runs chain lanes (common.lanes) for several steps, described per lane, not per step:
+
+    [task_id, cell_index, "lanes", steps, inputs, outputs, downloads]
+
+* steps:     per lane, the steps it runs, in descending order: step j runs the lanes whose count
+             exceeds j, a prefix of them, so lanes that end drop off the end of the batch
+* inputs:    [[mode, source, arena, first, data], ...] one per cell input (common.lanes), `arena` the
+             device arena of its kind: `first` is a task input as above, one row per lane, which
+             every input reads at its first step (a constant at every step); a state then takes
+             the rows its `source` output computed at the step before; a sequence's `data` holds
+             the rows of its later steps, step after step, each step's rows those of its lanes in
+             order (nil for other inputs)
+* outputs:   [[arena, slots], ...] one per cell output: per lane, where its last step's value goes
+* downloads: [[port, entries, io_arena, io_slots], ...] rows of output `port` the host must see:
+             `entries` index its rows of every step, counted step after step
+
 A completion notice: [worker_id, key, task ids, errors, signal, rows], rows being
 [[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty).
 `key` is the secret the manager gave the worker when it registered: the notice socket does not
@@ -126,6 +142,10 @@ class TaskMessage:
         """The downloads of every step, in order."""
         return [download for step in self.steps() for download in step.downloads]
 
+    def io_rows(self) -> list[tuple[int, np.ndarray]]:
+        """The io rows the task writes: (io arena, io slots) of each download."""
+        return [(io_arena, io_slots) for _, _, io_arena, io_slots in self.all_downloads()]
+
 
 def _slots(values: list[int] | np.ndarray) -> bytes:
     return np.asarray(values, dtype=SLOT_DTYPE).tobytes()
@@ -202,8 +222,10 @@ def _decode_input(arena: int, slots: bytes, segments: bytes | None, remote: list
     )
 
 
-def decode_task(frame: bytes) -> TaskMessage:
+def decode_task(frame: bytes) -> TaskMessage | LaneTaskMessage:
     task_id, cell_index, *fields = msgpack.unpackb(frame, raw=False)
+    if fields[0] == LANES:
+        return _decode_lane_task(task_id, cell_index, *fields[1:])
     previous = first = _decode_step(*fields[:4])
     later = []
     for entry in fields[4] if len(fields) == 5 else ():
@@ -234,6 +256,70 @@ def _decode_repeat(previous: TaskStep, values: list, downloads: list) -> TaskSte
 
 def _decode_downloads(downloads: list) -> list[SlotCopy]:
     return [SlotCopy(a, _view(s), b, _view(t)) for a, s, b, t in downloads]
+
+
+class LaneInput(NamedTuple):
+    """One cell input of a lane task: how its steps read (common.lanes) and what they read."""
+
+    mode: int
+    source: int
+    arena: int  # the device arena of the input's kind
+    first: TaskInput  # the rows of the first step (a constant's of every step): one per lane
+    data: bytes | None  # a sequence's rows of the later steps, packed step after step
+
+
+class StepDownload(NamedTuple):
+    """Rows of one output of a lane task's steps that the host must see, copied to an io arena."""
+
+    port: int
+    entries: np.ndarray  # positions among the output's rows of every step, packed step after step
+    io_arena: int
+    io_slots: np.ndarray
+
+
+@dataclass(frozen=True)
+class LaneTaskMessage:
+    """A lane task: chain lanes of one cell type, each running `steps[i]` steps (descending)."""
+
+    task_id: int
+    cell_index: int
+    steps: np.ndarray
+    inputs: list[LaneInput]
+    outputs: list[SlotList]
+    downloads: list[StepDownload]
+
+    def io_rows(self) -> list[tuple[int, np.ndarray]]:
+        return [(download.io_arena, download.io_slots) for download in self.downloads]
+
+
+LANES = "lanes"  # the third field of a lane task, where a task of waves has its batch size
+
+
+def encode_lane_task(message: LaneTaskMessage) -> bytes:
+    inputs = [
+        [mode, source, arena, _encode_input(*first), data] for mode, source, arena, first, data in message.inputs
+    ]
+    fields = [
+        message.task_id,
+        message.cell_index,
+        LANES,
+        _slots(message.steps),
+        inputs,
+        [[arena, _slots(slots)] for arena, slots in message.outputs],
+        [[port, _slots(entries), io, _slots(io_slots)] for port, entries, io, io_slots in message.downloads],
+    ]
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _decode_lane_task(task_id: int, cell_index: int, steps: bytes, inputs: list, outputs: list, downloads: list) -> LaneTaskMessage:
+    return LaneTaskMessage(
+        task_id,
+        cell_index,
+        _view(steps),
+        [LaneInput(m, s, a, _decode_input(*f), d) for m, s, a, f, d in inputs],
+        [SlotList(a, _view(s)) for a, s in outputs],
+        [StepDownload(p, _view(e), io, _view(s)) for p, e, io, s in downloads],
+    )
 
 
 class IoRows(NamedTuple):

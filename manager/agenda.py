@@ -9,8 +9,9 @@ they batch together later.
 
 from __future__ import annotations
 
+from batchmaker.manager.cell_queues import CellTypeQueue
 from batchmaker.manager.plan_store import NodeColumns
-from batchmaker.manager.scheduler import CellTypeQueue, Scheduler
+from batchmaker.manager.scheduler import Scheduler
 
 
 class AgendaScheduler(Scheduler):

@@ -14,8 +14,6 @@ At completion it reads those host copies back and frees their io rows.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import NamedTuple
 
 import numpy as np
 
@@ -35,131 +33,8 @@ from batchmaker.common.task import (
 from batchmaker.manager.plan_store import NodeColumns, PlanStore
 from batchmaker.manager.records import Request, Task
 from batchmaker.manager.request_table import RequestTable
+from batchmaker.manager.waves import Layout, Reads, Waves, consecutive
 from batchmaker.manager.worker_handle import WorkerHandle
-
-
-def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """first[i], first[i] + 1, ..., first[i] + counts[i] - 1 for every i, concatenated."""
-    if len(counts) == len(first) and (counts == 1).all():
-        return first
-    total = int(counts.sum())
-    starts = np.cumsum(counts) - counts
-    return np.repeat(first - starts, counts) + np.arange(total)
-
-
-class Waves(NamedTuple):
-    """Consecutive steps of a task, one after the other: step s takes, for each of its `per_step[s]`
-    entries i (in order), `counts[i]` nodes from node `first[i]` of the request at `rows[i]`."""
-
-    rows: np.ndarray
-    counts: np.ndarray
-    first: np.ndarray
-    per_step: list[int]
-
-    @staticmethod
-    def one(rows: np.ndarray, counts: np.ndarray, first: np.ndarray) -> Waves:
-        return Waves(rows, counts, first, [len(rows)])
-
-    @staticmethod
-    def joined(steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Waves:
-        """Steps given one by one, as (rows, counts, first)."""
-        if not steps:
-            empty = np.zeros(0, np.int64)
-            return Waves(empty, empty, empty, [])
-        rows, counts, first = (np.concatenate(column) for column in zip(*steps))
-        return Waves(rows, counts, first, [len(step[0]) for step in steps])
-
-    def step_nodes(self) -> list[int]:
-        if len(self.per_step) == 1:
-            return [int(self.counts.sum())]
-        starts = np.cumsum(self.per_step) - self.per_step
-        return np.add.reduceat(self.counts, starts).tolist()
-
-
-class _Layout:
-    """Where a task's nodes sit among its steps' rows: steps one after the other, each padded to its
-    batch size, a node's `position` counting the padding of the steps before it."""
-
-    def __init__(self, step_nodes: list[int], step_sizes: list[int]):
-        self.steps = len(step_sizes)
-        self.rows = sum(step_sizes)
-        self.offset = np.cumsum(step_sizes) - step_sizes  # each step's first row
-        if self.steps == 1:
-            self.step_of = np.zeros(step_nodes[0], np.int64)
-            self.position = np.arange(step_nodes[0])
-            self.node_rows: slice | np.ndarray = slice(0, step_nodes[0])  # `position`, as cheap an index as can be
-        else:
-            padding_before = self.offset - (np.cumsum(step_nodes) - step_nodes)
-            self.step_of = np.repeat(np.arange(self.steps), step_nodes)
-            self.position = self.node_rows = np.arange(len(self.step_of)) + padding_before[self.step_of]
-        self._bounds = list(zip(self.offset.tolist(), np.cumsum(step_sizes).tolist()))
-        self._sizes = np.asarray(step_sizes)
-        self._uniform = min(step_sizes) == max(step_sizes)
-
-    def split(self, rows: np.ndarray) -> list[np.ndarray]:
-        """A view of `rows` (a value per row of every step) per step."""
-        return [rows] if self.steps == 1 else [rows[start:end] for start, end in self._bounds]
-
-    def same_sizes_as_before(self) -> np.ndarray:
-        """Per step, whether the step before it has as many rows (never for the first)."""
-        same = np.zeros(self.steps, bool)
-        same[1:] = self._sizes[1:] == self._sizes[:-1]
-        return same
-
-    def same_as_before(self, rows: np.ndarray) -> np.ndarray:
-        """Per step, whether its part of `rows` equals the step before's (never for the first)."""
-        same = np.zeros(self.steps, bool)
-        if self.steps == 1:
-            return same
-        if self._uniform:
-            by_step = rows.reshape(self.steps, -1)
-            same[1:] = (by_step[1:] == by_step[:-1]).all(axis=1)
-            return same
-        parts = self.split(rows)
-        for step in range(1, self.steps):
-            same[step] = np.array_equal(parts[step], parts[step - 1])
-        return same
-
-    def by_step(self, nodes: np.ndarray) -> Iterator[tuple[int, slice]]:
-        """For ascending node indices, the steps that hold any, with the part of `nodes` in each."""
-        bounds = np.searchsorted(self.step_of[nodes], np.arange(self.steps + 1))
-        for step in range(self.steps):
-            if bounds[step] < bounds[step + 1]:
-                yield step, slice(int(bounds[step]), int(bounds[step + 1]))
-
-
-class _Reads:
-    """Which slot, on which worker, a node's input register holds when the node's step runs.
-
-    Read before the task's outputs are written to the registers: a register an earlier step of the
-    same task writes holds that step's value, at the register's row on this worker; any other holds
-    the value it had before the task (a step reads its inputs before it writes, so a register
-    written in place by the same step reads its old value)."""
-
-    def __init__(self, registers: dict[str, np.ndarray], out_where: list[np.ndarray], layout: _Layout, worker_id: int):
-        self._registers = registers
-        self._worker_id = worker_id
-        self._step_of = layout.step_of
-        self._written = None
-        if layout.steps > 1 and out_where:
-            where = np.concatenate(out_where)
-            written, inverse = np.unique(where, return_inverse=True)
-            first_step = np.full(len(written), layout.steps, np.int64)
-            np.minimum.at(first_step, inverse, np.tile(layout.step_of, len(out_where)))
-            self._written = (written, first_step)
-
-    def at(self, where: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The slots and owning workers of registers `where` read by the task's nodes `nodes`."""
-        registers = self._registers
-        slots, owners = registers["slot"][where], registers["worker"][where]
-        if self._written is not None and len(where):
-            written, first_step = self._written
-            index = np.minimum(np.searchsorted(written, where), len(written) - 1)
-            earlier = (written[index] == where) & (first_step[index] < self._step_of[nodes])
-            if earlier.any():
-                slots[earlier] = registers["write"][where[earlier]]
-                owners[earlier] = self._worker_id
-        return slots, owners
 
 
 class Dispatcher:
@@ -200,14 +75,27 @@ class Dispatcher:
     ) -> Task:
         """The batched task on `worker` of `counts[i]` nodes from node `first[i]` of the request at `rows[i]`:
         rows placed, inputs and outputs resolved to slots; `seal` encodes it once its steps are added."""
+        task = self.open_task(spec, rows, counts, worker)
+        self._add_steps(task, Waves.one(rows, counts, first), worker)
+        return task
+
+    def open_task(self, spec: CellTypeSpec, rows: np.ndarray, counts: np.ndarray, worker: WorkerHandle) -> Task:
+        """A new task on `worker` of `counts[i]` nodes of the request at `rows[i]`, its requests' rows placed there."""
         task = Task(self._next_task_id, spec, worker.worker_id, rows, counts.copy())
         self._next_task_id += 1
         task.submitted = time.perf_counter()
         table = self._table
         for row in rows[table.home[rows] != worker.worker_id]:
             self._place(table.requests[row], worker)
-        self._add_steps(task, Waves.one(rows, counts, first), worker)
         return task
+
+    def one_step_input(self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle) -> TaskInput:
+        """Input `port` of these nodes (rows of the node matrix, of the requests at `node_rows`) as one step
+        of as many rows, resolved on `worker` as a single-step task resolves it."""
+        layout = Layout([len(node_rows)], [len(node_rows)])
+        reads = Reads(self._store.registers.arrays, [], layout, worker.worker_id)
+        reg_base = self._table.reg_base[node_rows]
+        return self._regular(port, kind, node_data, node_rows, reg_base, layout, reads, worker)[0][0]
 
     def add_steps(self, task: Task, waves: Waves, worker: WorkerHandle) -> None:
         """More steps of lanes the task already runs (each step's rows are some of its requests), after its last."""
@@ -225,11 +113,11 @@ class Dispatcher:
         """Resolve the nodes of every step at once, then cut the slot lists into a step each.
 
         A step reads a register's value from an earlier step of the same call when one wrote it (on
-        this worker, at its row here), else the value it held before (`_Reads`)."""
+        this worker, at its row here), else the value it held before (`Reads`)."""
         table, store, spec = self._table, self._store, task.spec
         step_nodes = waves.step_nodes()
         step_sizes = [spec.padded_size(count) for count in step_nodes]
-        layout = _Layout(step_nodes, step_sizes)
+        layout = Layout(step_nodes, step_sizes)
         rows, counts, first, _ = waves
         nodes = consecutive(first, counts)
         node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows
@@ -237,7 +125,7 @@ class Dispatcher:
         node_data = store.nodes.arrays["data"][nodes]  # the task's rows of the node matrix
         registers = store.registers.arrays
         out_where = [reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port] for port in range(len(spec.outputs))]
-        reads = _Reads(registers, out_where, layout, worker.worker_id)
+        reads = Reads(registers, out_where, layout, worker.worker_id)
         repeat = layout.same_sizes_as_before() if layout.steps > 1 else None  # steps that may repeat the one before
         inputs: list[list[TaskInput]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.inputs):
@@ -294,7 +182,7 @@ class Dispatcher:
 
     def _regular(
         self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, reg_base: np.ndarray,
-        layout: _Layout, reads: _Reads, worker: WorkerHandle,
+        layout: Layout, reads: Reads, worker: WorkerHandle,
     ) -> tuple[list[TaskInput], np.ndarray]:
         """An input of one row per node, a step each: a register's slot (or a peer's), the zero row,
         or an external value sent inline; and the slots of all steps, one after the other."""
@@ -346,7 +234,7 @@ class Dispatcher:
         return reads
 
     def _ragged(
-        self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, layout: _Layout, reads: _Reads,
+        self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, layout: Layout, reads: Reads,
         worker: WorkerHandle,
     ) -> list[TaskInput]:
         """A ragged input, a step each: the step's nodes' values flattened, with the batch row each belongs to."""
@@ -371,7 +259,7 @@ class Dispatcher:
         remote = self._remote_per_step(step_slots, np.split(owners, cut), worker, kind)
         return [TaskInput(arena, s, g, r, None) for s, g, r in zip(step_slots, np.split(segments, cut), remote)]
 
-    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, layout: _Layout, worker: WorkerHandle) -> list[list[SlotCopy]]:
+    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, layout: Layout, worker: WorkerHandle) -> list[list[SlotCopy]]:
         """Rows the host reads at completion (results, watched values): an io row each, copied by the
         step that computes them (a later step may overwrite the value)."""
         copied = np.flatnonzero(node_data[:, NodeColumns.HAS_COPIES])

@@ -1,12 +1,10 @@
 """Cellular batching: Algorithm 1 of the paper (Schedule, Batch, FormBatchedTask), on arrays.
 
-One queue per cell type holds the lanes (the paper's subgraphs: a request's nodes of that cell
-type) that still have nodes to issue, oldest first, as columns: request row, generation, cursor
-and end. Within a queue, lanes are served by the request's `priority` (highest first, oldest first
-among equals), but a lane left out of `MAX_PASSES` tasks in a row that took a lane of higher
-priority goes before every other lane in the next one: priority reorders service, it never
-starves anyone. Schedule(worker) runs whenever a worker has few tasks in flight and picks a cell type:
-one with a full batch of ready nodes, else one with ready nodes and no running task, else any
+One queue per cell type (manager.cell_queues) holds the lanes (the paper's subgraphs: a request's
+nodes of that cell type) that still have nodes to issue, oldest first, as columns: request row,
+generation, cursor and end, served by priority. Schedule(worker) runs whenever a worker has few tasks
+in flight and picks a cell type: one with a full batch of ready nodes, else one with ready nodes and
+no running task, else any
 with ready nodes; ties go to the higher priority. Batch then forms up to `max_tasks_to_submit`
 tasks of that type for the worker and returns them; the caller sends them.
 
@@ -21,82 +19,46 @@ values (GPUs without peer access may not). With affinity "request" it stays on t
 the arena's room and the batch size are checked for all lanes of a queue at once; nothing here
 loops over cells.
 
-Multi-step tasks (docs/architecture.md, "Multi-step tasks"): when a task takes every ready lane of
-its type that may run on the worker, whole waves, nothing else of that type waits that could join
-it, so the same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and while
-it is expected to take at most `max_join_delay_us` (manager.step_costs). Lanes that end drop out
-of the later steps, which run at the smallest batch size that holds them. A worker already holding
-more than that delay of expected work gets single steps: what arrives joins the next step.
+Lane tasks (docs/architecture.md, "Lanes"): lanes that are chains (common.lanes) run several steps a
+task, each lane as many as it can take within `max_join_delay_us` of expected work (manager.step_costs)
+and `max_steps_per_task`, lanes that end dropping off the batch. When ready lanes were left out for
+want of room, no lane takes more steps than three quarters of the task's lanes can, so the batch stays
+mostly full; a Batch call stops forming lane tasks once the worker holds two tasks and the join delay of
+work, so a request that arrives waits for about that much.
+
+Multi-step tasks of waves (the other lanes: a tree's levels, a stacked layer): when a task takes every
+ready lane of its type that may run on the worker, whole waves, nothing else of that type waits that
+could join it, so the same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and
+while it is expected to take at most `max_join_delay_us`. Lanes that end drop out of the later steps,
+which run at the smallest batch size that holds them. A worker already holding more than that delay of
+expected work gets single steps: what arrives joins the next step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec
-from batchmaker.manager.dispatch import Dispatcher, Waves, consecutive
+from batchmaker.common.lanes import ONE_STEP, LaneLayout
+from batchmaker.manager.cell_queues import (
+    FINISHED,
+    NO_LAYOUT,
+    ONE_STEP_LAYOUT,
+    CellTypeQueue,
+    Ready,
+    count_passes,
+    in_order_of_service,
+)
+from batchmaker.manager.dispatch import Dispatcher
+from batchmaker.manager.lane_tasks import LaneTasks
 from batchmaker.manager.plan_store import NodeColumns, PlanStore
 from batchmaker.manager.records import Request, Task
 from batchmaker.manager.request_table import NO_WORKER, RequestTable
 from batchmaker.manager.step_costs import StepCosts
+from batchmaker.manager.waves import Waves, consecutive
 from batchmaker.manager.worker_handle import WorkerHandle
 
-FINISHED = np.iinfo(np.int64).max  # the `need` of a lane with nothing left to issue
-MAX_PASSES = 8  # tasks in a row that may take higher-priority lanes and leave out a ready one
-FIRST = 2**62  # the rank of a lane passed over MAX_PASSES times: above any request's priority
 ROUNDING = 1e-6  # of a step: a delay that holds exactly k steps' cost holds k steps, whatever float division says
-
-
-class CellTypeQueue:
-    """Lanes of one cell type with nodes left to issue, oldest first, as columns: the request's row
-    and generation (a lane whose request ended is stale), the cursor (next node, an index into the
-    request's plan), the lane's end, the `need` and size of the wave at the cursor, the request's
-    priority, and how many tasks in a row took higher-priority lanes and left this one out."""
-
-    COLUMNS = ("row", "generation", "cursor", "end", "need", "wave", "priority", "passes")
-
-    def __init__(self, spec: CellTypeSpec, index: int):
-        self.spec = spec
-        self.index = index  # in the manager's cell layout
-        self.size = 0
-        for name in self.COLUMNS:
-            setattr(self, name, np.zeros(64, np.int64))
-        self.running_tasks = 0  # tasks of this type in flight on any worker
-
-    def add(self, row: int, generation: int, start: int, end: int, need: int, wave: int, priority: int = 0) -> None:
-        if self.size == len(self.row):
-            for name in self.COLUMNS:
-                column = getattr(self, name)
-                setattr(self, name, np.concatenate((column, np.zeros_like(column))))
-        at = self.size
-        self.row[at], self.generation[at], self.cursor[at], self.end[at] = row, generation, start, end
-        self.need[at], self.wave[at], self.priority[at], self.passes[at] = need, wave, priority, 0
-        self.size += 1
-
-    def keep(self, mask: np.ndarray) -> None:
-        kept = int(mask.sum())
-        for name in self.COLUMNS:
-            column = getattr(self, name)
-            column[:kept] = column[: self.size][mask]
-        self.size = kept
-
-
-@dataclass
-class Ready:
-    """The lanes of a queue whose next wave may be issued, in queue order."""
-
-    lanes: np.ndarray  # indices into the queue's columns
-    rows: np.ndarray  # their requests' rows
-    sizes: np.ndarray  # nodes in each lane's next wave
-    first: np.ndarray  # the wave's first node, as an index into the plan store
-    left_out: np.ndarray | None = None  # lanes that could have joined the task formed, had it room
-    everyone: bool = False  # every ready lane that may run on the worker is in it, whole: nothing could join
-
-    @property
-    def nodes(self) -> int:
-        return int(self.sizes.sum())
 
 
 class Scheduler:
@@ -122,6 +84,9 @@ class Scheduler:
         self.max_steps_per_task = max_steps_per_task
         self._max_join_delay_s = max_join_delay_us / 1e6
         self.step_costs = StepCosts()
+        self._layouts: dict[LaneLayout, int] = {ONE_STEP: ONE_STEP_LAYOUT}  # every chain layout queued so far, numbered
+        self._layout_list: list[LaneLayout] = [ONE_STEP]  # the same, by number
+        self._lane_tasks = LaneTasks(table, store, dispatcher)
 
     # -- readiness ---------------------------------------------------------------------------
     def release(self, request: Request) -> None:
@@ -130,11 +95,19 @@ class Scheduler:
         row = request.row
         generation = self._table.set_runnable(row, True)
         bounds = plan.lane_bounds
-        for lane, key in enumerate(plan.lane_cells):
+        for lane, (key, layout) in enumerate(zip(plan.lane_cells, plan.lane_layouts)):
             start = int(bounds[lane])
             wave = int(plan.wave_end[start]) - start
             queue = self.queues[key]
-            queue.add(row, generation, start, int(bounds[lane + 1]), int(plan.need[start]), wave, request.priority)
+            number = NO_LAYOUT if layout is None else self._layout_number(layout)
+            queue.add(row, generation, start, int(bounds[lane + 1]), int(plan.need[start]), wave, request.priority, number)
+
+    def _layout_number(self, layout: LaneLayout) -> int:
+        number = self._layouts.get(layout)
+        if number is None:
+            number = self._layouts[layout] = len(self._layout_list)
+            self._layout_list.append(layout)
+        return number
 
     def ready(self, queue: CellTypeQueue) -> Ready:
         """Lanes with a ready wave; lanes of ended requests and finished lanes leave the queue here."""
@@ -176,12 +149,23 @@ class Scheduler:
         return full + idle + [q for q, _ in ready if q not in full and q not in idle]
 
     def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[Task]:
+        """Up to `max_tasks_to_submit` tasks of this type for `worker`. Lane tasks stop once the worker holds
+        two tasks and the join delay of expected work: what arrives then waits for that work, not for more."""
         tasks: list[Task] = []
         multi_step = None  # whether this call's tasks may take several steps; decided when the first could
+        queued = None  # expected seconds of the work the worker holds, with the lane tasks formed here
         while len(tasks) < self.max_tasks_to_submit:
             taken = self.form_batched_task(queue, worker)
             if taken is None or (taken.nodes < queue.spec.min_batch and tasks):
                 break
+            if taken.layout != NO_LAYOUT:
+                queued = self.queued_seconds(worker) if queued is None else queued
+                if len(worker.tasks) + len(tasks) >= 2 and queued >= self._max_join_delay_s:
+                    break
+                task = self._issue_lanes(queue, taken, worker)
+                tasks.append(task)
+                queued += self.expected_seconds(task)
+                continue
             task = self._issue(queue, taken, worker)
             if taken.everyone and self.max_steps_per_task > 1:
                 if multi_step is None:
@@ -277,14 +261,13 @@ class Scheduler:
         return Waves.joined(found)
 
     def queued_seconds(self, worker: WorkerHandle) -> float:
-        """Expected seconds of the work `worker` holds (its tasks in flight, not those being formed); a
-        step with no estimate counts nothing."""
-        queued = 0.0
-        for task in worker.tasks.values():
-            cost = self.step_costs.seconds(task.spec.key, task.step_sizes[0])
-            if cost is not None:
-                queued += cost * len(task.step_sizes)
-        return queued
+        """Expected seconds of the work `worker` holds (its tasks in flight, not those being formed)."""
+        return sum(self.expected_seconds(task) for task in worker.tasks.values())
+
+    def expected_seconds(self, task: Task) -> float:
+        """Expected seconds of a task: its steps at the cost of its first; a step with no estimate counts nothing."""
+        cost = self.step_costs.seconds(task.spec.key, task.step_sizes[0])
+        return 0.0 if cost is None else cost * len(task.step_sizes)
 
     def form_batched_task(self, queue: CellTypeQueue, worker: WorkerHandle) -> Ready | None:
         """The waves the next task of this type on `worker` takes: ready lanes in queue order whose
@@ -293,6 +276,14 @@ class Scheduler:
         if not len(ready.lanes):
             return None
         ready = in_order_of_service(queue, ready)
+        # A task takes lanes of one layout (waves: none), the first served's; one-step lanes fit any.
+        layouts = queue.layout[ready.lanes]
+        others = layouts != ONE_STEP_LAYOUT
+        layout = int(layouts[int(np.argmax(others))])
+        fits = (layouts == layout) | ~others
+        alike = bool(fits.all())
+        if not alike:
+            ready = Ready(ready.lanes[fits], ready.rows[fits], ready.sizes[fits], ready.first[fits])
         table = self._table
         rows = ready.rows
         home = table.home[rows]
@@ -325,12 +316,14 @@ class Scheduler:
             return None
         total = np.cumsum(ready.sizes)
         if total[-1] <= limit:
-            ready.everyone = len(ready.lanes) == placed  # none waits for room
+            ready.everyone = alike and len(ready.lanes) == placed  # none waits for room
+            ready.layout = layout
             return ready
         last = int(np.searchsorted(total, limit, side="left"))  # the lane that reaches the limit gives part of its wave
         sizes = ready.sizes[: last + 1].copy()
         sizes[last] = limit - (total[last] - sizes[last])
-        return Ready(ready.lanes[: last + 1], ready.rows[: last + 1], sizes, ready.first[: last + 1], ready.lanes[last + 1 :])
+        lanes, rows, first = ready.lanes[: last + 1], ready.rows[: last + 1], ready.first[: last + 1]
+        return Ready(lanes, rows, sizes, first, ready.lanes[last + 1 :], layout=layout)
 
     def _keep_readable(self, moving: np.ndarray, rows: np.ndarray, movable: np.ndarray, worker: WorkerHandle) -> None:
         """Of the requests `moving` to `worker`, clear in `movable` those with values on a worker whose arenas
@@ -352,6 +345,28 @@ class Scheduler:
             self._table.bind(taken.rows, worker.worker_id)
         return task
 
+    def _issue_lanes(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle) -> Task:
+        """A lane task: each lane takes as many steps as it can within the join delay (`LaneTasks.steps`),
+        lanes in descending order of steps; the lanes advance and their requests count the nodes, as for a
+        task of waves."""
+        cost = self.step_costs.seconds(queue.spec.key, queue.spec.padded_size(len(taken.lanes)))
+        limit = 1
+        if self.max_steps_per_task > 1 and cost is not None and cost > 0:
+            limit = max(1, min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING)))
+        steps = self._lane_tasks.steps(queue, taken, limit, worker)
+        order = np.argsort(-steps, kind="stable")
+        lanes, rows, steps, first = taken.lanes[order], taken.rows[order], steps[order], taken.first[order]
+        layout = self._layout_list[taken.layout]
+        task = self._lane_tasks.make(queue.spec, queue.index, layout, rows, steps, first, worker)
+        done = Ready(lanes, rows, steps, first, taken.left_out)
+        self._advance(queue, done)
+        count_passes(queue, done)
+        queue.running_tasks += 1
+        task.joining = self._table.task_issued(rows, steps, worker.worker_id, worker.host_number, task.submitted)
+        if self._request_affinity:
+            self._table.bind(rows, worker.worker_id)
+        return task
+
     def _advance(self, queue: CellTypeQueue, taken: Ready) -> None:
         """Move the lanes' cursors past the nodes taken, to their next wave (or mark them finished)."""
         lanes = taken.lanes
@@ -367,28 +382,3 @@ class Scheduler:
 
     def task_completed(self, task: Task) -> None:
         self.queues[task.spec.key].running_tasks -= 1
-
-
-def in_order_of_service(queue: CellTypeQueue, ready: Ready) -> Ready:
-    """Ready lanes in the order they are served: those passed over MAX_PASSES times first, then by
-    priority, highest first; queue order (oldest first) among equals. Unchanged when all rank alike."""
-    lanes = ready.lanes
-    rank = queue.priority[lanes]
-    starving = queue.passes[lanes] >= MAX_PASSES
-    if starving.any():
-        rank = np.where(starving, FIRST, rank)
-    if rank.min() == rank.max():
-        return ready
-    order = np.argsort(-rank, kind="stable")
-    return Ready(lanes[order], ready.rows[order], ready.sizes[order], ready.first[order])
-
-
-def count_passes(queue: CellTypeQueue, taken: Ready) -> None:
-    """The lanes taken start counting afresh; those left out of a task that took a lane of higher
-    priority count one more pass."""
-    queue.passes[taken.lanes] = 0
-    left_out = taken.left_out
-    if left_out is None or not len(left_out):
-        return
-    lower = left_out[queue.priority[left_out] < queue.priority[taken.lanes].max()]
-    queue.passes[lower] += 1

@@ -8,15 +8,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from batchmaker.common.config import Config
 from batchmaker.common.protocol import RequestError
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.task import CompletionNotice, decode_task
+from batchmaker.common.task import CompletionNotice, LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.manager.core import BatchingCore
 from batchmaker.manager.outcomes import Answered, Failed, Outcome
 from batchmaker.manager.records import Request, Task
 from batchmaker.manager.server import load_models
 from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.worker.batched_task import resolve, run_steps
+from batchmaker.worker.lanes import resolve_lanes, run_lanes, step_batches
+from batchmaker.worker.main import load_cells
+
+
+def step_sizes(message: TaskMessage | LaneTaskMessage) -> list[int]:
+    """The batch of each step of a sent task: a task of waves' padded sizes, a lane task's lanes still going."""
+    if isinstance(message, LaneTaskMessage):
+        return step_batches(message.steps)[0]
+    return [step.batch_size for step in message.steps()]
 
 
 class Harness:
@@ -33,8 +45,10 @@ class Harness:
     ):
         """`hosts`: each worker's host number (default: all on one host). Tasks are single steps unless
         `max_steps_per_task` says otherwise; `full_task_s` is what each worker says its warm-up timed."""
+        self.config = config
         self.models, self.specs, self.kinds = load_models(config)
         self._shared: list[SharedArray] = []
+        self._arenas: list[list[torch.Tensor]] = []  # each worker's arenas by id, for `run_oldest`
         self.workers = [self._worker(i, rows, host, full_task_s) for i, host in enumerate(hosts or [0] * workers)]
         scheduling = dataclasses.replace(
             config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity, max_steps_per_task=max_steps_per_task
@@ -50,10 +64,12 @@ class Harness:
 
     def _worker(self, index: int, rows: int, host: int, full_task_s: dict[str, float] | None) -> WorkerHandle:
         arenas = []
+        self._arenas.append([])
         for i, kind in enumerate(self.kinds):
             for space, arena_id in (("device", 2 * i), ("io", 2 * i + 1)):
                 shared = SharedArray(kind.dtype, (rows, *kind.shape))
                 self._shared.append(shared)
+                self._arenas[-1].append(torch.from_numpy(shared.array))
                 arenas.append({"id": arena_id, "kind": kind.key, "space": space, "rows": rows, "shm": shared.name})
         registration = {"index": index, "arenas": arenas, "full_task_s": full_task_s}
         return WorkerHandle(index, f"w{index}".encode(), registration, self.kinds, host)
@@ -85,6 +101,34 @@ class Harness:
         task = worker.tasks[min(worker.tasks)]
         self._record(self.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0)))
         return task
+
+    def run_oldest(self, worker: WorkerHandle, cells: list[torch.nn.Module]) -> Task:
+        """The worker's stream runs its oldest task for real, with `cells`, on the worker's arenas (its
+        peers': the other workers'), as the CPU backend runs it; then it completes."""
+        message = decode_task(worker.tasks[min(worker.tasks)].message)
+        tensors = self._arenas[worker.worker_id]
+        peers = {
+            (other.worker_id, arena): tensor
+            for other in self.workers
+            if other is not worker
+            for arena, tensor in enumerate(self._arenas[other.worker_id])
+        }
+        with torch.inference_mode():
+            if isinstance(message, LaneTaskMessage):
+                lanes = resolve_lanes(message, tensors, cells, peers)
+                for (_, _, io, io_slots), rows in zip(lanes.downloads, run_lanes(lanes)):
+                    io.index_copy_(0, io_slots, rows)
+            else:
+                run_steps(resolve(message, tensors, cells, peers, carry=True))
+        return self.complete_oldest(worker)
+
+    def run_on_cpu(self) -> None:
+        """Schedule and run every task for real (`run_oldest`) until nothing is left."""
+        _, cells, _ = load_cells(self.config)
+        while any(self.schedule(worker) for worker in self.workers) or self.in_flight():
+            for worker in self.workers:
+                if worker.tasks:
+                    self.run_oldest(worker, cells)
 
     def cancel(self, request: Request) -> None:
         """The client cancels the request."""

@@ -8,7 +8,6 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from test_multistep import CELL, LSTM, sent_steps, tokens
 from test_worker import cells, expected_h, io_array, lstm_step_task, make_backend, multi_step, wait_signal  # noqa: F401
 
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
@@ -116,38 +115,3 @@ def test_inline_values_filling_every_row_are_the_input_itself_and_otherwise_go_o
     assert gather([whole])[0] is values
     part = InputRows(arena, torch.tensor([0, 0, 3]), None, [], Inline(torch.tensor([0, 1]), values))
     assert gather([part])[0].tolist() == [[7, 7], [9, 9], [6, 7]]
-
-
-def test_a_chain_task_sends_its_repeated_steps_as_values_alone(make_harness):
-    h = make_harness(LSTM, max_steps_per_task=16, full_task_s={CELL: 1e-4})
-    worker = h.workers[0]
-    h.admit("lstm", tokens(6))
-    h.admit("lstm", tokens(4))
-    h.schedule(worker)
-    assert sent_steps(h) == [[2, 2, 2, 2, 1, 1]]
-    later = msgpack.unpackb(encode_task(h.sent[0][1]))[6]  # the message as sent: repeats decode to shared arrays
-    assert [len(entry) for entry in later] == [4, 2, 2, 4, 2]  # the batch shrinks at the fifth step
-
-
-def test_later_steps_read_the_state_their_task_wrote_where_the_first_read_it_from_a_peer(make_harness):
-    """A request moves to a second worker after a task on the first: the second's task reads the state
-    from the first worker's arena at its first step only; its later steps read the rows it writes."""
-    h = make_harness(LSTM, workers=2, max_steps_per_task=16, full_task_s={CELL: 1e-3}, max_tasks_to_submit=1)
-    first, second = h.workers
-    request = h.admit("lstm", tokens(8))
-    h.schedule(first)
-    assert sent_steps(h) == [[1, 1]]  # 2000 µs of join delay over 1000 µs a step
-    h.complete_oldest(first)
-    for _ in range(50):  # whatever that task measured, a step now costs 100 µs: the rest fits one task
-        h.core.scheduler.step_costs.completed(CELL, 1, 1, 1e-4)
-    h.schedule(second)
-    steps = h.sent[1][1].steps()
-    assert len(steps) == 6
-    assert [entry.remote is not None for entry in steps[0].inputs] == [False, True, True]
-    own_rows = [slots.tolist() for _, slots in steps[0].outputs]
-    for step in steps[1:]:
-        assert all(entry.remote is None for entry in step.inputs)
-        assert [entry.slots.tolist() for entry in step.inputs[1:]] == own_rows
-    while second.tasks or h.schedule(second):
-        h.complete_oldest(second)
-    assert h.finished == [(request, None)]

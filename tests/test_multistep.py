@@ -6,11 +6,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 from conftest import write_config
-from harness import Harness
+from harness import Harness, step_sizes
 from test_scheduler import lstm_models
 
 from batchmaker.common.protocol import CANCELLED
-from batchmaker.common.task import decode_task
+from batchmaker.common.task import LaneTaskMessage, decode_task
 
 LSTM = lstm_models()
 CELL = "lstm/layer0"
@@ -30,13 +30,8 @@ def tokens(length: int) -> dict:
     return {"tokens": list(range(1, length + 1))}
 
 
-def steps_of(message) -> list[int]:
-    """The batch size of each step of a sent task."""
-    return [step.batch_size for step in message.steps()]
-
-
 def sent_steps(h) -> list[list[int]]:
-    return [steps_of(message) for _, message in h.sent]
+    return [step_sizes(message) for _, message in h.sent]
 
 
 def run_to_the_end(h, worker) -> None:
@@ -67,12 +62,14 @@ def test_max_steps_per_task_bounds_a_task(harness):
 
 
 def test_the_join_delay_bounds_each_task(harness):
-    """500 µs a step: 4 steps fill the 2000 µs."""
+    """500 µs a step: 4 steps fill the 2000 µs; with two such tasks the worker holds the delay's work."""
     h = harness(step_us=500.0)
     worker = h.workers[0]
     h.admit("lstm", tokens(10))
     h.schedule(worker)
-    assert sent_steps(h) == [[1] * 4, [1] * 4, [1] * 2]
+    assert sent_steps(h) == [[1] * 4, [1] * 4]
+    run_to_the_end(h, worker)
+    assert sent_steps(h)[2:] == [[1] * 2]
 
 
 def test_one_step_per_task_when_turned_off(harness):
@@ -102,15 +99,15 @@ def test_lanes_that_end_drop_out_and_the_batch_shrinks(harness):
     assert [request for request, _ in h.finished] == [short, long]
 
 
-def test_single_steps_while_work_that_could_join_waits(harness):
-    """Five lanes, batches of at most 4: the fifth waits, so the first task is one step; behind it the
-    length-1 lane has left and the four others fit, so the next task goes on with them."""
+def test_lanes_go_on_while_most_of_the_batch_can_when_work_waits(harness):
+    """Five lanes, batches of at most 4: the fifth waits for the first task, whose lanes go on as long as
+    three quarters of them can (the one-step lane leaves after its step); the fifth runs in the next."""
     h = harness()
     worker = h.workers[0]
     for length in (1, 3, 3, 3, 3):
         h.admit("lstm", tokens(length))
     h.schedule(worker)
-    assert sent_steps(h) == [[4], [4, 4, 1]]
+    assert sent_steps(h) == [[4, 3, 3], [1, 1, 1]]
     run_to_the_end(h, worker)
     assert len(h.finished) == 5 and all(error is None for _, error in h.finished)
 
@@ -127,16 +124,18 @@ def test_a_request_arriving_during_a_multi_step_task_joins_the_next_task(harness
     assert sorted(h.requests_in(h.in_flight(worker)[1]), key=str) == sorted([first.request_id, second.request_id], key=str)
 
 
-def test_a_worker_holding_more_than_the_join_delay_gets_single_steps(harness):
-    """Two tasks of 16 steps of 100 µs hold the worker 3200 µs, more than the 2000 µs delay: the next
-    task is one step, which a request arriving meanwhile could join at the next one."""
-    h = harness(step_us=100.0, max_tasks_to_submit=2)
+def test_a_worker_holding_two_tasks_and_the_join_delay_of_work_gets_no_more(harness):
+    """Two tasks of 16 steps of 100 µs hold the worker 3200 µs, more than the 2000 µs delay: a request
+    arriving meanwhile waits for that work, not for more; once one completes, the rest is sent."""
+    h = harness(step_us=100.0)
     worker = h.workers[0]
     h.admit("lstm", tokens(40))
     h.schedule(worker)
     assert sent_steps(h) == [[1] * 16, [1] * 16]
+    assert h.schedule(worker) == 0
+    h.complete_oldest(worker)
     h.schedule(worker)
-    assert sent_steps(h)[2:] == [[1], [1]]
+    assert sent_steps(h)[2:] == [[1] * 8]
     run_to_the_end(h, worker)
     assert len(h.finished) == 1 and h.finished[0][1] is None
 
@@ -186,13 +185,16 @@ def test_padded_policy_runs_multi_step_tasks_and_graph_policy_single_steps(tmp_p
     assert steps == {"padded": [[2] * 10], "graph": [[2], [2], [2], [1]]}
 
 
-def test_a_single_step_message_is_unchanged_and_a_multi_step_one_carries_its_later_steps(harness):
-    h = harness()
-    worker = h.workers[0]
-    h.admit("lstm", tokens(3))
-    lone = h.core.schedule(worker)[0]
-    assert len(msgpack.unpackb(lone.message)) == 7
-    assert [step.batch_size for step in decode_task(lone.message).steps()] == [1, 1, 1]
-    single = harness(max_steps_per_task=1)
-    single.admit("lstm", tokens(3))
-    assert all(len(msgpack.unpackb(task.message)) == 6 for task in single.core.schedule(single.workers[0]))
+def test_a_chain_runs_as_lane_tasks_whose_message_does_not_grow_with_its_steps_but_by_their_tokens(harness):
+    """A lane task names its lanes and their steps: from 2 steps to 16, its message grows by the 14 tokens
+    the later steps read (8 bytes each) and the steps' count, nothing per step beyond them."""
+    sizes = {}
+    for steps in (2, 16):
+        h = harness(max_steps_per_task=steps)
+        h.admit("lstm", tokens(32))  # the lane goes on after either task: neither downloads its final state
+        task = h.core.schedule(h.workers[0])[0]
+        message = decode_task(task.message)
+        assert isinstance(message, LaneTaskMessage) and message.steps.tolist() == [steps]
+        assert msgpack.unpackb(task.message)[2] == "lanes"
+        sizes[steps] = len(task.message)
+    assert sizes[16] - sizes[2] == 14 * 8

@@ -32,7 +32,7 @@ TOLERANCE = 1e-5
 NEAR_TIE = 1e-4
 SST = ROOT / "data" / "sst"
 VOCAB = 100
-LONG = [1 + i % (VOCAB - 1) for i in range(5000)]  # seconds of steps: ended long before it could finish
+LONG = [1 + i % (VOCAB - 1) for i in range(30000)]  # seconds of steps: ended long before it could finish
 CHAIN = f"vocab_size = {VOCAB}\nembedding_size = 12\nhidden_size = 16\nmax_length = 40\nbatch_sizes = [1, 2, 4, 8]"
 MODELS = f"""
 [models.lstm]

@@ -85,12 +85,12 @@ def test_batch_issues_successive_steps_ahead_on_one_worker(harness):
     assert [t.nodes for t in tasks] == [1] * 5
     assert h.table.issued[request.row] == 5
     # Each step reads the rows the previous step writes (h and c, overwritten in place), and step 0 reads zeros.
-    messages = [message for _, message in h.sent]
-    assert [slots.tolist()[0] for _, slots, _, _, _ in messages[0].inputs[1:]] == [0, 0]
+    messages = [message for _, message in h.sent]  # lane tasks of one step each (single steps here)
+    assert [entry.first.slots.tolist()[0] for entry in messages[0].inputs[1:]] == [0, 0]
     for previous, message in itertools.pairwise(messages):
         written = sorted(slots.tolist()[0] for _, slots in previous.outputs)
-        assert sorted(slots.tolist()[0] for _, slots, _, _, _ in message.inputs[1:]) == written
-    assert [m.inputs[0][4][1] for m in messages] == [np.int64(t).tobytes() for t in range(1, 6)]  # tokens inline
+        assert sorted(entry.first.slots.tolist()[0] for entry in message.inputs[1:]) == written
+    assert [m.inputs[0].first.values[1] for m in messages] == [np.int64(t).tobytes() for t in range(1, 6)]  # tokens inline
     while worker.tasks:
         h.complete_oldest(worker)
         h.schedule(worker)
@@ -168,11 +168,13 @@ def test_failed_request_drops_unsubmitted_nodes_and_frees_slots(harness):
     assert h.slots_in_use() == 0
 
 
-def test_task_size_is_padded_to_a_supported_batch_size(harness):
-    h = harness(lstm_models(batch_sizes="[1, 4]"), max_tasks_to_submit=1)
+def test_a_task_of_waves_is_padded_to_a_supported_batch_size_and_a_lane_task_is_not(harness):
+    """A stacked layer's first layer is read by the layer above at every step: not a chain, its steps
+    run as waves, padded. Lanes of one token run as a lane task of exactly their number."""
+    h = harness(lstm_models(batch_sizes="[1, 4]", layers=2), max_tasks_to_submit=1)
     worker = h.workers[0]
     for _ in range(3):
-        h.admit("lstm", {"tokens": [1]})
+        h.admit("lstm", {"tokens": [1, 2]})
     h.schedule(worker)
     _sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
@@ -181,6 +183,11 @@ def test_task_size_is_padded_to_a_supported_batch_size(harness):
     assert all(row[3] == 0 for row in inputs)  # padding reads the zero slot
     assert all(row[3] == 1 for row in outputs)  # and writes the scratch slot
     assert len({s for row in outputs for s in row[:3]}) == 6  # real rows get distinct slots
+    lanes = harness(lstm_models(batch_sizes="[1, 4]"), max_tasks_to_submit=1)
+    for _ in range(3):
+        lanes.admit("lstm", {"tokens": [1]})
+    lanes.schedule(lanes.workers[0])
+    assert lanes.sent[-1][1].steps.tolist() == [1, 1, 1]
 
 
 def test_full_arena_limits_the_batch_instead_of_failing(harness):
@@ -213,7 +220,7 @@ def test_unpinned_subgraph_moves_and_reads_the_first_workers_arena(harness):
         h.complete_oldest(first)
     assert h.schedule(second) == 2
     _, message = h.sent[-2]
-    remote_inputs = [r for _, _, _, r, _ in message.inputs if r]
+    remote_inputs = [entry.first.remote for entry in message.inputs if entry.first.remote]
     assert len(remote_inputs) == 2  # h and c of step 1 live on `first`
     assert all(peer == first.worker_id and positions.tolist() == [0] for (peer, _, _, positions), in remote_inputs)
     assert sorted(r[0][2].tolist()[0] for r in remote_inputs) == step1_rows
@@ -274,7 +281,7 @@ def run_one_task_at_a_time(h, worker, total: int) -> list[list[str]]:
 def test_higher_priority_lanes_go_first_and_a_passed_lane_gets_its_turn(harness):
     """Batch size 2: H1 and H2 (priority 1) take every task from L1 (priority 0, queued first)
     until L1 has been left out of MAX_PASSES tasks; it then joins the next one, before either."""
-    from batchmaker.manager.scheduler import MAX_PASSES
+    from batchmaker.manager.cell_queues import MAX_PASSES
 
     h = harness(lstm_models("[1, 2]"), max_tasks_to_submit=1)
     worker = h.workers[0]
@@ -300,7 +307,7 @@ def test_equal_priorities_keep_the_oldest_first_order(harness):
 def test_a_lower_priority_lane_waits_at_most_max_passes_tasks(harness):
     """A stream of high-priority requests that always fills the batch: the low one still advances one
     step per MAX_PASSES + 1 tasks, and no high one is left out for it more than once in a row."""
-    from batchmaker.manager.scheduler import MAX_PASSES
+    from batchmaker.manager.cell_queues import MAX_PASSES
 
     h = harness(lstm_models("[1]"), max_tasks_to_submit=1)
     worker = h.workers[0]

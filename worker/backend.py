@@ -22,7 +22,7 @@ import torch
 from batchmaker.common.config import ConfigError
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
-from batchmaker.common.task import SLOT_DTYPE, TaskMessage
+from batchmaker.common.task import SLOT_DTYPE, LaneTaskMessage, TaskMessage
 
 
 class DeviceFault(RuntimeError):
@@ -166,7 +166,7 @@ class Backend(ABC):
         """Forget a peer that has gone away."""
 
     @abstractmethod
-    def issue(self, task: TaskMessage) -> None:
+    def issue(self, task: TaskMessage | LaneTaskMessage) -> None:
         """Enqueue all of a task's work on the stream, ending with the signal write. Never blocks on the device."""
 
     @abstractmethod

@@ -23,9 +23,10 @@ from torch import nn
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.task import TaskMessage
+from batchmaker.common.task import LaneTaskMessage, TaskMessage
 from batchmaker.worker.backend import ArenaInfo, Backend, arena_ids, warm_up_failure, warm_up_tasks
 from batchmaker.worker.batched_task import IssuedTask, PeerArenas, resolve, run_steps, run_task
+from batchmaker.worker.lanes import LaneTask, resolve_lanes, run_lanes
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,13 @@ class CpuBackend(Backend):
         for shared in self._peer_memory.pop(worker_id, []):
             shared.close()
 
-    def issue(self, task: TaskMessage) -> None:
+    def issue(self, task: TaskMessage | LaneTaskMessage) -> None:
         try:  # every step is resolved before any runs: a step that cannot be fails its whole task
-            issued: list[IssuedTask] | FailedTask = resolve(task, self._tensors, self._cells, self._peers, carry=True)
+            issued: list[IssuedTask] | LaneTask | FailedTask
+            if isinstance(task, LaneTaskMessage):
+                issued = resolve_lanes(task, self._tensors, self._cells, self._peers)
+            else:
+                issued = resolve(task, self._tensors, self._cells, self._peers, carry=True)
         except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed
             log.exception("task %d failed", task.task_id)
             issued = FailedTask(task.task_id, f"{type(exc).__name__}: {exc}")
@@ -159,14 +164,19 @@ class CpuBackend(Backend):
                     counter[0] += 1
                     self._advanced.notify()
 
-    def _run(self, steps: list[IssuedTask]) -> None:
+    def _run(self, task: list[IssuedTask] | LaneTask) -> None:
         """A task's steps back to back, carrying state from step to step; a step that fails ends its
         task, with that step's error."""
         try:
-            run_steps(steps)
+            if isinstance(task, LaneTask):
+                for (_, _, io, io_slots), rows in zip(task.downloads, run_lanes(task)):
+                    io.index_copy_(0, io_slots, rows)
+            else:
+                run_steps(task)
         except Exception as exc:  # a failed task must still advance the counter
-            log.exception("task %d failed", steps[0].task_id)
-            self._errors[steps[0].task_id] = f"{type(exc).__name__}: {exc}"
+            task_id = task.task_id if isinstance(task, LaneTask) else task[0].task_id
+            log.exception("task %d failed", task_id)
+            self._errors[task_id] = f"{type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._queue.put(_STOP)

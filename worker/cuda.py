@@ -23,7 +23,7 @@ from torch import nn
 from batchmaker.common.config import CROSS_GPU_READS
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.task import TaskMessage
+from batchmaker.common.task import LaneTaskMessage, TaskMessage
 from batchmaker.worker.backend import TORCH_DTYPES, ArenaInfo, Backend, arena_ids
 from batchmaker.worker.cuda_graphs import capture_on
 from batchmaker.worker.cuda_runtime import CudaRuntime
@@ -207,7 +207,7 @@ class CudaBackend(Backend):
             self._retired.append((event, gone))
         self._retired = [(event, tensors) for event, tensors in self._retired if not event.query()]
 
-    def issue(self, task: TaskMessage) -> None:
+    def issue(self, task: TaskMessage | LaneTaskMessage) -> None:
         self._tasks.issue(task)
 
     def signal(self) -> int:

@@ -29,10 +29,11 @@ from torch import nn
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
-from batchmaker.common.task import SLOT_DTYPE, InlineValues, RemoteRows, TaskMessage
+from batchmaker.common.task import SLOT_DTYPE, InlineValues, LaneTaskMessage, RemoteRows, TaskMessage
 from batchmaker.worker.backend import DeviceFault, warm_up_tasks
 from batchmaker.worker.batched_task import Inline, InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
 from batchmaker.worker.cuda_graphs import Capture, CapturedCell, capture_cells
+from batchmaker.worker.lanes import LaneRows, LaneTask, StepRows, check_sequence, run_lanes, step_batches
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +141,18 @@ class DeviceTasks:
             for key in own:
                 del self.peers[key]
 
-    def issue(self, task: TaskMessage) -> None:
+    def issue(self, task: TaskMessage | LaneTaskMessage) -> None:
         """Enqueue the task and then its signal: a task that cannot be issued still completes, with its error.
 
         A CUDA error is not the task's: it leaves the device's context unusable, so it ends the worker
         (`DeviceFault`), whose requests the manager replays elsewhere.
         """
         with self._calls.on_stream(), torch.inference_mode(), device_faults(self._calls.device):
-            try:
-                self._run(task)  # a multi-step task: every step enqueued, no host sync between them
+            try:  # a multi-step or lane task: every step enqueued, no host sync between them
+                if isinstance(task, LaneTaskMessage):
+                    self._run_lanes(task)
+                else:
+                    self._run(task)
             except torch.AcceleratorError:
                 raise
             except Exception as exc:  # shape errors, bad slots, out of memory: this task fails, the worker lives
@@ -182,6 +186,37 @@ class DeviceTasks:
                 rows = arena.index_select(0, slots)
                 for start, at, count in consecutive_runs(io_slots):
                     self._calls.download(io[at : at + count], rows.narrow(0, start, count))
+
+    def _run_lanes(self, task: LaneTaskMessage) -> None:
+        """A lane task's rows and inputs checked and staged on the host, sent in one copy, then every step
+        enqueued (worker.lanes), and each download's rows copied to the io arena a run of io rows at a time."""
+        staging = self._calls.staging(staged_lane_bytes(task))
+        lanes = len(task.steps)
+        packed = int(task.steps.sum())
+        inputs = []
+        for mode, source, arena_id, first, data in task.inputs:
+            arena = self._arena(arena_id)
+            rows = self._input(staging, lanes, *first)
+            sequence = None
+            if data:
+                sequence = staging.put(np.frombuffer(data, dtype=np.uint8), arena.dtype, (-1, *arena.shape[1:]))
+            check_sequence(mode, sequence, packed - lanes)
+            inputs.append(LaneRows(mode, source, rows, sequence))
+        outputs = [(self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs]
+        downloads = []
+        for port, entries, io_id, io_slots in task.downloads:
+            io = self._io_arena(io_id)
+            if len(entries) != len(io_slots):
+                raise ValueError(f"a download of {len(entries)} rows into {len(io_slots)} io slots")
+            _check(io_slots, io.shape[0], "io slot")
+            downloads.append(StepRows(port, self._slots(staging, entries, packed, "entry"), io, io_slots))
+        batch, offsets = step_batches(task.steps)
+        staging.send()  # the first operation enqueued: every host-side check has passed
+        inputs = [entry._replace(first=entry.first._replace(remote=self._local(entry.first.remote))) for entry in inputs]
+        lane_task = LaneTask(task.task_id, self._cells[task.cell_index], batch, offsets, inputs, outputs, downloads)
+        for (_, _, io, io_slots), rows in zip(downloads, run_lanes(lane_task)):
+            for start, at, count in consecutive_runs(io_slots):
+                self._calls.download(io[at : at + count], rows.narrow(0, start, count))
 
     def _prepare(self, staging: Staging, step: TaskMessage) -> tuple[IssuedTask, list[Source]]:
         """A step's slot lists and inline values staged (their device views), its downloads' sources."""
@@ -276,6 +311,14 @@ def staged_bytes(task: TaskMessage) -> int:
             inline += _aligned(len(values[1]))
     arrays += [slots for _, slots in task.outputs] + [slots for _, slots, _, _ in task.downloads]
     return max(ALIGN, inline + sum(_aligned(array.nbytes) for array in arrays))
+
+
+def staged_lane_bytes(task: LaneTaskMessage) -> int:
+    """Bytes `DeviceTasks._run_lanes` stages for a lane task: its first steps' rows, sequences, outputs, downloads."""
+    first = [entry.first for entry in task.inputs]
+    staged = staged_bytes(TaskMessage(task.task_id, task.cell_index, len(task.steps), first, task.outputs, []))
+    staged += sum(_aligned(len(entry.data)) for entry in task.inputs if entry.data is not None)
+    return staged + sum(_aligned(entries.nbytes) for _, entries, _, _ in task.downloads)
 
 
 def serving_like(task: TaskMessage, spec: CellTypeSpec, ids: dict[ValueKind, tuple[int, int]]) -> TaskMessage:

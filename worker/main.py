@@ -34,7 +34,7 @@ from batchmaker.common.logs import setup_logging
 from batchmaker.common.models.base import build_model, cell_layout
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.sockets import NOW, receive, server_context
-from batchmaker.common.task import TaskMessage, decode_task
+from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
 from batchmaker.worker.notices import InProgressFIFO, Poller
@@ -253,18 +253,23 @@ class Worker:
                 self._stop = True
 
 
-    def _issue(self, task: TaskMessage) -> None:
+    def _issue(self, task: TaskMessage | LaneTaskMessage) -> None:
         if CRASH_TOKEN is not None:
             _crash_on(task, CRASH_TOKEN)
-        self._fifo.push(task.task_id, [] if self._local else [(b, t) for _, _, b, t in task.all_downloads()])
+        self._fifo.push(task.task_id, [] if self._local else task.io_rows())
         self._backend.issue(task)
 
 
-def _crash_on(task: TaskMessage, token: int) -> None:
+def _crash_on(task: TaskMessage | LaneTaskMessage, token: int) -> None:
     """Test hook: exit at once, without a word, when the task reads `token` inline."""
-    for *_, inline in (entry for step in task.steps() for entry in step.inputs):
-        if inline is not None and len(inline[1]) % 8 == 0 and token in np.frombuffer(inline[1], dtype=np.int64):
-            os._exit(70)
+    if isinstance(task, LaneTaskMessage):
+        first = [entry.first for entry in task.inputs if entry.first is not None]
+        sent = [entry.data for entry in task.inputs if entry.data is not None]
+    else:
+        first, sent = [entry for step in task.steps() for entry in step.inputs], []
+    sent += [inline[1] for *_, inline in first if inline is not None]
+    if any(len(data) % 8 == 0 and token in np.frombuffer(data, dtype=np.int64) for data in sent):
+        os._exit(70)
 
 
 def _host_id(value: str) -> str:

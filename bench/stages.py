@@ -1,0 +1,259 @@
+"""`./scripts/bench stages`: one request's and one task's path through the server, stage by stage, in process.
+
+The manager's batching core, a worker's task body and the messages between them run in one process
+on one thread, with no sockets: requests are decoded from their frames, admitted, scheduled into tasks
+for one CPU worker (a real arena in shared memory), each task is decoded, resolved and run as the CPU
+backend runs it, its completion notice encoded and decoded, the core completes it, and each answer is
+encoded as its reply frame. Every stage is timed on its own, so a budget per stage is visible and a
+regression in one shows without a full server run:
+
+decode (the request's frame), plan (the model's plan, within admission), admit (the rest of admission),
+schedule (forming and dispatching tasks, within the core's schedule), encode (the task's message, timed by
+encoding it again), worker decode, resolve, cell (the cells' forward calls), run beyond the cell (the
+task body around them: gathers, carries, scatters, downloads), notice (encoded and decoded), complete
+(the core's completion: host copies, answers) and reply (each answer's frame).
+
+Workloads: an LSTM on the bundled WMT sentences at hidden 256 and at hidden 8 (where the cells cost
+almost nothing and the control plane is all that is left), and a TreeLSTM on SST trees at hidden 256.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.common.config import load_config
+from batchmaker.common.models import init_missing_weights
+from batchmaker.common.protocol import decode, encode
+from batchmaker.common.shm import SharedArray
+from batchmaker.common.task import (
+    CompletionNotice,
+    LaneTaskMessage,
+    decode_notice,
+    decode_task,
+    encode_lane_task,
+    encode_notice,
+    encode_task,
+)
+from batchmaker.manager.core import BatchingCore
+from batchmaker.manager.outcomes import Answered
+from batchmaker.manager.server import load_models
+from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.worker.batched_task import resolve, run_steps
+from batchmaker.worker.lanes import resolve_lanes, run_lanes
+from batchmaker.worker.main import load_cells
+
+STAGES = (
+    "decode", "plan", "admit", "schedule", "encode", "worker decode", "resolve", "cell", "run beyond the cell",
+    "notice", "complete", "reply",
+)  # fmt: skip
+ROWS = 65536
+WORKLOADS = {  # name: (model table, dataset, requests admitted at once)
+    "LSTM H=256, WMT": ("lstm", 256, 64, "wmt", 256),
+    "LSTM H=8, WMT": ("lstm", 8, 512, "wmt", 2048),
+    "TreeLSTM H=256, SST": ("treelstm", 256, 64, "sst", 256),
+}
+
+
+def _config(model: str, hidden: int, batch: int) -> str:
+    sizes = [size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if size <= batch]
+    vocab = "vocab_size = 8737\nnum_classes = 5" if model == "treelstm" else "vocab_size = 8192\nmax_length = 400"
+    return f"""
+[server]
+arena_rows = {ROWS}
+io_rows = {ROWS}
+
+[scheduler]
+max_tasks_to_submit = 64
+idle_tasks = 64
+
+[models.{model}]
+builder = "batchmaker.common.models.{model}:build"
+weights = "{ROOT / "weights"}/stages-{model}-h{hidden}.pt"
+{vocab}
+hidden_size = {hidden}
+batch_sizes = {sizes}
+"""
+
+
+class _Timed(torch.nn.Module):
+    """A cell whose forward calls add their seconds to `clock["cell"]`."""
+
+    def __init__(self, cell: torch.nn.Module, clock: dict[str, float]):
+        super().__init__()
+        self.cell = cell
+        self.clock = clock
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        began = time.perf_counter()
+        out = self.cell(*args)
+        self.clock["cell"] += time.perf_counter() - began
+        return out
+
+
+class _Worker:
+    """One CPU worker's arenas in shared memory, registered with the core as a worker registers."""
+
+    def __init__(self, kinds: list, full_task_s: dict[str, float]):
+        self.shared: list[SharedArray] = []
+        arenas = []
+        for i, kind in enumerate(kinds):
+            for space, arena_id in (("device", 2 * i), ("io", 2 * i + 1)):
+                shared = SharedArray(kind.dtype, (ROWS, *kind.shape))
+                self.shared.append(shared)
+                arenas.append({"id": arena_id, "kind": kind.key, "space": space, "rows": ROWS, "shm": shared.name})
+        self.tensors = [torch.from_numpy(shared.array) for shared in self.shared]
+        registration = {"index": 0, "arenas": arenas, "full_task_s": full_task_s}
+        self.handle = WorkerHandle(0, b"w0", registration, kinds, 0)
+
+    def close(self) -> None:
+        self.handle.close()
+        for shared in self.shared:
+            shared.close()
+
+
+def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count: int) -> dict[str, Any]:
+    """Stage seconds summed over `count` requests admitted at once and run to their answers."""
+    clock: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def stage(what: str) -> Iterator[None]:
+        began = time.perf_counter()
+        yield
+        clock[what] += time.perf_counter() - began
+
+    with tempfile.TemporaryDirectory(prefix="batchmaker-stages-") as tmp:
+        path = Path(tmp) / "stages.toml"
+        path.write_text(_config(model, hidden, batch))
+        config = load_config(path)
+        init_missing_weights(config)
+        models, specs, kinds = load_models(config)
+        _, cells, _ = load_cells(config)
+        seconds = _warm_up_seconds(cells, specs)
+        timed = [_Timed(cell, clock) for cell in cells]
+        planner = models[model]
+        inputs = DATASETS[dataset]()
+        frames = [encode({"id": i, "model": model, "inputs": inputs[i % len(inputs)]}) for i in range(count)]
+        for frame in frames:  # a serving manager has the plans of common shapes cached: so here
+            planner.plan(decode(frame, 1 << 24)["inputs"])
+        worker = _Worker(kinds, seconds)
+        core = BatchingCore(config, models, specs, kinds, {0: worker.handle})
+        core.workers_changed()
+        tasks = steps = answered = 0
+        try:
+            with torch.inference_mode():
+                for frame in frames:
+                    with stage("decode"):
+                        message = decode(frame, 1 << 24)
+                    with stage("plan"):
+                        planner.plan(message["inputs"])  # timed apart: the core plans again within `admit`
+                    with stage("admit"):
+                        core.admit(b"client", message["id"], message, time.perf_counter())
+                while answered < count:
+                    with stage("schedule"):
+                        formed = core.schedule(worker.handle)
+                    if not formed:
+                        raise RuntimeError(f"{name}: nothing scheduled with {count - answered} requests unanswered")
+                    for task in formed:
+                        with stage("worker decode"):
+                            sent = decode_task(task.message)
+                        with stage("encode"):
+                            encode_lane_task(sent) if isinstance(sent, LaneTaskMessage) else encode_task(sent)
+                        answered += _run(core, worker, task.task_id, sent, timed, stage, clock)
+                        tasks += 1
+                        steps += len(task.step_sizes)
+        finally:
+            worker.close()
+    clock["admit"] -= clock["plan"]
+    clock["schedule"] -= clock["encode"]
+    clock["run beyond the cell"] -= clock["cell"]
+    return {"workload": name, "requests": count, "tasks": tasks, "steps": steps, "seconds": dict(clock)}
+
+
+def _warm_up_seconds(cells: list[torch.nn.Module], specs: list) -> dict[str, float]:
+    """A step's seconds per cell type at its largest batch, as a worker times it at warm-up: the cost
+    the scheduler bounds its multi-step tasks with."""
+    timings = {}
+    with torch.inference_mode():
+        for cell, spec in zip(cells, specs):
+            args = [torch.zeros((spec.max_batch, *kind.shape), dtype=getattr(torch, kind.dtype)) for kind in spec.inputs]
+            for port in sorted(spec.ragged_inputs, reverse=True):
+                args.insert(port + 1, torch.arange(spec.max_batch))
+            cell(*args)
+            began = time.perf_counter()
+            cell(*args)
+            timings[spec.key] = time.perf_counter() - began
+    return timings
+
+
+def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, stage: Callable, clock) -> int:
+    """Run one task as the CPU worker does and complete it; returns the answers it made."""
+    with stage("resolve"):
+        if isinstance(sent, LaneTaskMessage):
+            issued: Any = resolve_lanes(sent, worker.tensors, cells, {})
+        else:
+            issued = resolve(sent, worker.tensors, cells, {}, carry=True)
+    with stage("run beyond the cell"):
+        if isinstance(sent, LaneTaskMessage):
+            for (_, _, io, io_slots), rows in zip(issued.downloads, run_lanes(issued)):
+                io.index_copy_(0, io_slots, rows)
+        else:
+            run_steps(issued)
+    with stage("notice"):
+        notice = decode_notice(encode_notice(CompletionNotice(0, [task_id], {}, 1)))
+    with stage("complete"):
+        outcomes = core.complete(worker.handle, notice)
+    answered = 0
+    with stage("reply"):
+        for outcome in outcomes:
+            if isinstance(outcome, Answered):
+                request = outcome.request
+                encode({"id": request.request_id, "ok": True, "outputs": outcome.outputs, "timing": outcome.timing})
+                answered += 1
+    return answered
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    scale = 4 if quick else 1
+    rows = [measure(name, *spec[:4], spec[4] // scale) for name, spec in WORKLOADS.items()]
+    result = {
+        "preset": "stages",
+        "quick": quick,
+        "commit": git("rev-parse", "HEAD"),
+        "describe": git("describe", "--always", "--dirty"),
+        "machine": machine(),
+        "rows": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stages.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"stages at {result['describe']} (in process, one CPU worker, one thread; µs per request / per task)"]
+    for row in result["rows"]:
+        requests, tasks = row["requests"], row["tasks"]
+        lines += [
+            "",
+            f"{row['workload']}: {requests} requests, {tasks} tasks, {row['steps']} steps",
+            "| stage | µs per request | µs per task |",
+            "|---|---:|---:|",
+        ]
+        seconds = row["seconds"]
+        for what in STAGES:
+            lines.append(f"| {what} | {seconds.get(what, 0.0) * 1e6 / requests:,.1f} | {seconds.get(what, 0.0) * 1e6 / tasks:,.1f} |")
+        manager = sum(seconds.get(s, 0.0) for s in ("decode", "plan", "admit", "schedule", "encode", "complete", "reply"))
+        beyond = sum(seconds.get(s, 0.0) for s in ("worker decode", "resolve", "run beyond the cell"))
+        lines.append(f"| manager in all | {manager * 1e6 / requests:,.1f} | {manager * 1e6 / tasks:,.1f} |")
+        lines.append(f"| worker beyond the cell | {beyond * 1e6 / requests:,.1f} | {beyond * 1e6 / tasks:,.1f} |")
+    return "\n".join(lines)

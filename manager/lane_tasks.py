@@ -1,0 +1,138 @@
+"""Lane tasks: chain lanes (common.lanes) run for several steps, described per lane in one message.
+
+How many steps each lane takes (`steps`): its next nodes while each is ready, within the step limit
+the scheduler derives from the join delay. When ready lanes were left out for want of room, no lane
+takes more steps than three quarters of the task's lanes can: lanes that end leave their rows of the
+batch idle until the task ends, while the lanes left out wait for it.
+
+A lane task takes, for each lane, `steps[i]` consecutive nodes from its cursor (lanes in descending
+order of steps, common.task). What it sends is per lane, whatever its number of steps: each input's
+rows for the first step (resolved as a single-step task resolves them: a register's row, a peer's,
+the zero row or an inline value), each sequence input's external values for the later steps
+(gathered in one index from the plan store, packed step after step), and per output the row of the
+register the lane's last node writes, which the next task (or a later reader of the lane's final
+state) reads. Only the host copies (results, watched values) are listed per node.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchmaker.common.graph import CellTypeSpec
+from batchmaker.common.lanes import SEQUENCE, LaneLayout
+from batchmaker.common.task import LaneInput, LaneTaskMessage, SlotList, StepDownload, encode_lane_task
+from batchmaker.manager.cell_queues import CellTypeQueue, Ready
+from batchmaker.manager.dispatch import Dispatcher
+from batchmaker.manager.plan_store import NodeColumns, PlanStore
+from batchmaker.manager.records import Task
+from batchmaker.manager.request_table import RequestTable
+from batchmaker.manager.waves import consecutive
+from batchmaker.manager.worker_handle import WorkerHandle
+
+
+class LaneTasks:
+    def __init__(self, table: RequestTable, store: PlanStore, dispatcher: Dispatcher):
+        self._table = table
+        self._store = store
+        self._dispatcher = dispatcher
+
+    def steps(self, queue: CellTypeQueue, taken: Ready, limit: int, worker: WorkerHandle) -> np.ndarray:
+        """How many steps each lane of the task takes, at most `limit`: its next nodes while each is ready
+        (its lane's earlier ones count as issued), fewer when lanes were left out (above), and one each
+        when the downloads of more would not fit the worker's io rows."""
+        spec, table = queue.spec, self._table
+        lanes, rows = taken.lanes, taken.rows
+        left = np.minimum(queue.end[lanes] - queue.cursor[lanes], limit)
+        if limit == 1 or int(left.max()) == 1:
+            return np.ones(len(lanes), np.int64)
+        window = consecutive(taken.first, left)  # the next `left` nodes of each lane
+        starts = np.cumsum(left) - left
+        offset = np.arange(len(window)) - np.repeat(starts, left)
+        nodes = self._store.nodes.arrays["data"][window]
+        ready = np.repeat(table.issued[rows], left) + offset >= nodes[:, NodeColumns.NEED]
+        steps = np.minimum(np.minimum.reduceat(np.where(ready, limit, offset), starts), left)
+        if not taken.everyone:
+            steps = np.minimum(steps, np.sort(steps)[len(steps) // 4])
+        copies = int(nodes[offset < np.repeat(steps, left), NodeColumns.HAS_COPIES].sum())
+        if any(copies * spec.outputs.count(kind) > worker.io_slots[kind].available for kind in set(spec.outputs)):
+            return np.ones(len(lanes), np.int64)  # the downloads of one step fit (form_batched_task saw to it)
+        return steps
+
+    def make(
+        self,
+        spec: CellTypeSpec,
+        cell_index: int,
+        layout: LaneLayout,
+        rows: np.ndarray,
+        steps: np.ndarray,
+        first: np.ndarray,
+        worker: WorkerHandle,
+    ) -> Task:
+        """The lane task on `worker` of `steps[i]` nodes from node `first[i]` of the request at `rows[i]`
+        (steps descending), encoded."""
+        table, store = self._table, self._store
+        task = self._dispatcher.open_task(spec, rows, steps, worker)
+        data_of = store.nodes.arrays["data"]
+        first_data = data_of[first]
+        last_data = data_of[first + steps - 1]
+        grid = np.arange(int(steps[0]))[:, None] < steps[None, :]  # step by lane: whether the lane runs then
+        later = grid[1:]  # the later steps' nodes, packed step after step, and their requests' rows
+        later_nodes = (first[None, :] + np.arange(1, len(grid))[:, None])[later]
+        later_rows = np.broadcast_to(rows, later.shape)[later]
+        inputs = []
+        for port, (kind, rule) in enumerate(zip(spec.inputs, layout.rules(len(spec.inputs)))):
+            first_step = self._dispatcher.one_step_input(port, kind, first_data, rows, worker)
+            data = None
+            if rule.mode == SEQUENCE:  # the later steps' external values, packed step after step
+                refs = data_of[later_nodes, NodeColumns.INPUTS + port]
+                positions = table.ext_base[later_rows, table.kinds[kind]] + (-2 - refs)
+                data = store.externals[kind].arrays["values"][positions].tobytes()
+            inputs.append(LaneInput(rule.mode, rule.source, worker.arena_id[kind], first_step, data))
+        registers = store.registers.arrays
+        reg_base = table.reg_base[rows]
+        outputs = []
+        for port, kind in enumerate(spec.outputs):
+            where = reg_base + last_data[:, NodeColumns.INPUTS + store.ports + port]
+            written = registers["write"][where]
+            registers["slot"][where] = written
+            registers["worker"][where] = worker.worker_id
+            outputs.append(SlotList(worker.arena_id[kind], written))
+        batch = grid.sum(axis=1)
+        downloads = self._downloads(task, spec, rows, steps, first, batch, worker)
+        message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, downloads)
+        task.message = encode_lane_task(message)
+        task.step_nodes = batch.tolist()
+        task.step_sizes = [spec.padded_size(int(size)) for size in batch]
+        task.batch_size = int(steps.sum())
+        return task
+
+    def _downloads(
+        self, task: Task, spec: CellTypeSpec, rows: np.ndarray, steps: np.ndarray, first: np.ndarray,
+        batch: np.ndarray, worker: WorkerHandle,
+    ) -> list[StepDownload]:
+        """An io row for each value the host reads (results, watched values), copied from the step that
+        computes it: its entry among the output's rows of every step, packed step after step."""
+        table = self._table
+        nodes = consecutive(first, steps)
+        copied = np.flatnonzero(self._store.nodes.arrays["data"][nodes, NodeColumns.HAS_COPIES])
+        if not len(copied):
+            return []
+        starts = np.cumsum(steps) - steps
+        lane_of = np.searchsorted(starts, copied, side="right") - 1
+        step_of = copied - starts[lane_of]
+        entries = (np.cumsum(batch) - batch)[step_of] + lane_of
+        order = np.argsort(entries, kind="stable")  # in the order the steps compute them
+        found: dict[int, tuple[list[int], list[int]]] = {}
+        for lane, node, entry in zip(lane_of[order].tolist(), nodes[copied[order]].tolist(), entries[order].tolist()):
+            request = table.requests[rows[lane]]
+            for key, port in request.unfolded.plan.copies[node - int(table.node_base[request.row])]:
+                kind = spec.outputs[port]
+                io_slot = worker.io_slots[kind].take_one()
+                taken, io = found.setdefault(port, ([], []))
+                taken.append(entry)
+                io.append(io_slot)
+                task.reads.append((request, key, kind, io_slot))
+        return [
+            StepDownload(port, np.array(taken), worker.io_arena_id[spec.outputs[port]], np.array(io))
+            for port, (taken, io) in found.items()
+        ]
