@@ -202,7 +202,7 @@ def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, st
         if isinstance(sent, LaneTaskMessage):
             issued: Any = resolve_lanes(sent, worker.tensors, cells, {})
         else:
-            issued = resolve(sent, worker.tensors, cells, {}, carry=True)
+            issued = resolve(sent, worker.tensors, cells, {})
     with stage("run beyond the cell"):
         if isinstance(sent, LaneTaskMessage):
             for (_, _, io, io_slots), rows in zip(issued.downloads, run_lanes(issued)):

@@ -87,6 +87,17 @@ ZERO = Zero()
 ValueRef = NodeOutput | External | Zero | Ragged
 
 
+def node_sources(inputs: tuple[ValueRef, ...]) -> list[NodeOutput]:
+    """The node outputs among a node's inputs, ragged ones included."""
+    found: list[NodeOutput] = []
+    for ref in inputs:
+        if type(ref) is NodeOutput:
+            found.append(ref)
+        elif type(ref) is Ragged:
+            found.extend(ref.refs)
+    return found
+
+
 class NodeSpec(NamedTuple):
     cell_type: str
     inputs: tuple[ValueRef, ...]

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from batchmaker.common.graph import CellGraph, CellTypeSpec, External, NodeOutput, Ragged, ValueKind, Zero
-from batchmaker.common.lanes import LaneLayout, chain_layout
+from batchmaker.common.graph import CellGraph, CellTypeSpec, External, NodeOutput, Ragged, ValueKind, Zero, node_sources
+from batchmaker.common.lanes import LaneLayout, chain_layout, stacked_after
 from batchmaker.common.protocol import INTERNAL, RequestError
 
 ZERO_REF = -1  # an input reading the all-zero row
@@ -148,19 +148,20 @@ class _Compiler:
         self.model = model
         self.graph = graph
         self.specs: list[CellTypeSpec] = specs
-        count = len(specs)
-        depth = [0] * count
-        for index, sources in enumerate(producers):
-            if sources:
-                depth[index] = 1 + max(depth[s] for s in sources)
+        depth = _depths(producers)
+        edges = stacked_after(graph.nodes, depth)  # stacked chains run a layer after the one below
+        if edges:
+            for node, source in edges:
+                producers[node].append(source)
+            depth = _depths(producers)
         self.depth = depth
         # Plan order: lanes in order of first appearance, nodes by depth within a lane.
         lane_of: dict[str, int] = {}
         for spec in specs:
             lane_of.setdefault(spec.key, len(lane_of))
         self.lane_cells = tuple(lane_of)
-        self.order = sorted(range(count), key=lambda i: (lane_of[specs[i].key], depth[i], i))
-        self.position = [0] * count
+        self.order = sorted(range(len(specs)), key=lambda i: (lane_of[specs[i].key], depth[i], i))
+        self.position = [0] * len(specs)
         for position, index in enumerate(self.order):
             self.position[index] = position
         self.lane_of = lane_of
@@ -168,7 +169,7 @@ class _Compiler:
         self.copies = copies
         self.readers: dict[tuple[int, int], set[int]] = collections.defaultdict(set)  # node output -> its readers
         for index, node in enumerate(graph.nodes):
-            for source in _sources(node.inputs):
+            for source in node_sources(node.inputs):
                 self.readers[(source.node, source.port)].add(index)
 
     def unfolded(self) -> Unfolded:
@@ -284,7 +285,7 @@ class _Compiler:
                             free[kind_of(value)].append(registers[value[0]][value[1]])
                 current = depth[index]
             in_place: dict[ValueKind, list[tuple[int, int]]] = collections.defaultdict(list)
-            for source in dict.fromkeys(_sources(graph.nodes[index].inputs)):
+            for source in dict.fromkeys(node_sources(graph.nodes[index].inputs)):
                 value = (source.node, source.port)
                 if last_read[value][1] == index:  # every other reader has a smaller depth
                     in_place[kind_of(value)].append(value)
@@ -306,15 +307,13 @@ class _Compiler:
         return registers, tuple(kinds)
 
 
-def _sources(inputs) -> list[NodeOutput]:
-    """The node outputs among a node's inputs, ragged ones included."""
-    found: list[NodeOutput] = []
-    for ref in inputs:
-        if type(ref) is NodeOutput:
-            found.append(ref)
-        elif type(ref) is Ragged:
-            found.extend(ref.refs)
-    return found
+def _depths(producers: list[list[int]]) -> list[int]:
+    """Each node's longest path from a node without producers (producers come before their readers)."""
+    depth = [0] * len(producers)
+    for index, sources in enumerate(producers):
+        if sources:
+            depth[index] = 1 + max(depth[s] for s in sources)
+    return depth
 
 
 def plan_of(

@@ -21,28 +21,27 @@ seventh field, its later steps, each with its own batch size and slot lists:
 
     [task_id, cell_index, batch_size, inputs, outputs, downloads, [[batch_size, inputs, outputs, downloads], ...]]
 
-A later step that repeats the step before it (the same batch size and slot lists, no ragged input and
-nothing read from peers: a chain whose lanes all go on, its state overwritten in place) is sent as
-its inline values and downloads alone, [[values, ...], downloads], one `values` (or nil) per input;
-it is decoded into a step that shares the previous step's slot arrays, which lets the worker resolve
-them once and carry the state from step to step (worker.batched_task).
-
 A single-step task has no seventh field, so its bytes are what they were before multi-step tasks.
 The worker runs the steps in order and reports the task once, after its last step.
 
 A lane task runs chain lanes (common.lanes) for several steps, described per lane, not per step:
 
-    [task_id, cell_index, "lanes", steps, inputs, outputs, downloads]
+    [task_id, cell_index, "lanes", steps, inputs, outputs, every_step, downloads]
 
 * steps:     per lane, the steps it runs, in descending order: step j runs the lanes whose count
              exceeds j, a prefix of them, so lanes that end drop off the end of the batch
-* inputs:    [[mode, source, arena, first, data], ...] one per cell input (common.lanes), `arena` the
+* inputs:    [[mode, source, arena, first, later], ...] one per cell input (common.lanes), `arena` the
              device arena of its kind: `first` is a task input as above, one row per lane, which
              every input reads at its first step (a constant at every step); a state then takes
-             the rows its `source` output computed at the step before; a sequence's `data` holds
-             the rows of its later steps, step after step, each step's rows those of its lanes in
-             order (nil for other inputs)
-* outputs:   [[arena, slots], ...] one per cell output: per lane, where its last step's value goes
+             the rows its `source` output computed at the step before; a sequence's `later` holds
+             its later steps' rows, step after step, each step's rows those of its lanes in order:
+             their values, raw (the request's own inputs), or a task input of as many rows (nil
+             for other inputs)
+* outputs:   [[arena, slots], ...] one per cell output: per lane, where its last step's value goes,
+             or for an output listed in `every_step`, where the rows its `entries` take go
+* every_step: [[port, entries], ...] the outputs read outside their lane at every step: `entries`
+             index the output's rows of every step, counted step after step (the first included),
+             each register's last value once
 * downloads: [[port, entries, io_arena, io_slots], ...] rows of output `port` the host must see:
              `entries` index its rows of every step, counted step after step
 
@@ -155,31 +154,8 @@ def encode_task(message: TaskMessage) -> bytes:
     first = TaskStep(message.batch_size, message.inputs, message.outputs, message.downloads)
     fields = [message.task_id, message.cell_index, *_encode_step(*first)]
     if message.later:
-        later, previous = [], first
-        for step in message.later:
-            later.append(_encode_repeat(step) if repeats(previous, step) else _encode_step(*step))
-            previous = step
-        fields.append(later)
+        fields.append([_encode_step(*step) for step in message.later])
     return msgpack.packb(fields, use_bin_type=True)
-
-
-def repeats(previous: TaskStep, step: TaskStep) -> bool:
-    """Whether `step` runs on the very slot arrays of `previous` (shared, not merely equal): only its
-    inline values and downloads differ, and nothing is read from peers or ragged."""
-    return (
-        step.outputs is previous.outputs
-        and step.batch_size == previous.batch_size
-        and len(step.inputs) == len(previous.inputs)
-        and all(  # by position: a plain tuple of a TaskInput's fields is accepted too
-            entry[1] is before[1] and entry[0] == before[0] and entry[2] is None and entry[3] is None and before[3] is None
-            for entry, before in zip(step.inputs, previous.inputs)
-        )
-    )
-
-
-def _encode_repeat(step: TaskStep) -> list:
-    values = [None if entry[4] is None else [_slots(entry[4][0]), entry[4][1]] for entry in step.inputs]
-    return [values, _encode_downloads(step.downloads)]
 
 
 def _encode_downloads(downloads: list[SlotCopy]) -> list:
@@ -226,12 +202,9 @@ def decode_task(frame: bytes) -> TaskMessage | LaneTaskMessage:
     task_id, cell_index, *fields = msgpack.unpackb(frame, raw=False)
     if fields[0] == LANES:
         return _decode_lane_task(task_id, cell_index, *fields[1:])
-    previous = first = _decode_step(*fields[:4])
-    later = []
-    for entry in fields[4] if len(fields) == 5 else ():
-        previous = _decode_repeat(previous, *entry) if len(entry) == 2 else _decode_step(*entry)
-        later.append(previous)
-    return TaskMessage(task_id, cell_index, *first, tuple(later))
+    first = _decode_step(*fields[:4])
+    later = tuple(_decode_step(*entry) for entry in fields[4]) if len(fields) == 5 else ()
+    return TaskMessage(task_id, cell_index, *first, later)
 
 
 def _decode_step(batch_size: int, inputs: list, outputs: list, downloads: list) -> TaskStep:
@@ -241,17 +214,6 @@ def _decode_step(batch_size: int, inputs: list, outputs: list, downloads: list) 
         [SlotList(a, _view(s)) for a, s in outputs],
         _decode_downloads(downloads),
     )
-
-
-def _decode_repeat(previous: TaskStep, values: list, downloads: list) -> TaskStep:
-    """A step on the previous step's slot arrays, with its own inline values and downloads."""
-    if len(values) != len(previous.inputs):
-        raise ValueError(f"a repeated step has values for {len(values)} inputs; the step before it has {len(previous.inputs)}")
-    inputs = [
-        TaskInput(entry.arena, entry.slots, None, None, None if value is None else InlineValues(_view(value[0]), value[1]))
-        for entry, value in zip(previous.inputs, values)
-    ]
-    return TaskStep(previous.batch_size, inputs, previous.outputs, _decode_downloads(downloads))
 
 
 def _decode_downloads(downloads: list) -> list[SlotCopy]:
@@ -265,7 +227,7 @@ class LaneInput(NamedTuple):
     source: int
     arena: int  # the device arena of the input's kind
     first: TaskInput  # the rows of the first step (a constant's of every step): one per lane
-    data: bytes | None  # a sequence's rows of the later steps, packed step after step
+    later: TaskInput | bytes | None  # a sequence's later steps' rows (or their raw values), packed step after step
 
 
 class StepDownload(NamedTuple):
@@ -286,6 +248,7 @@ class LaneTaskMessage:
     steps: np.ndarray
     inputs: list[LaneInput]
     outputs: list[SlotList]
+    every_step: list[tuple[int, np.ndarray]]  # outputs written at every step: (port, entries among their rows)
     downloads: list[StepDownload]
 
     def io_rows(self) -> list[tuple[int, np.ndarray]]:
@@ -297,7 +260,7 @@ LANES = "lanes"  # the third field of a lane task, where a task of waves has its
 
 def encode_lane_task(message: LaneTaskMessage) -> bytes:
     inputs = [
-        [mode, source, arena, _encode_input(*first), data] for mode, source, arena, first, data in message.inputs
+        [mode, source, arena, _encode_input(*first), _encode_later(later)] for mode, source, arena, first, later in message.inputs
     ]
     fields = [
         message.task_id,
@@ -306,18 +269,30 @@ def encode_lane_task(message: LaneTaskMessage) -> bytes:
         _slots(message.steps),
         inputs,
         [[arena, _slots(slots)] for arena, slots in message.outputs],
+        [[port, _slots(entries)] for port, entries in message.every_step],
         [[port, _slots(entries), io, _slots(io_slots)] for port, entries, io, io_slots in message.downloads],
     ]
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def _decode_lane_task(task_id: int, cell_index: int, steps: bytes, inputs: list, outputs: list, downloads: list) -> LaneTaskMessage:
+def _encode_later(later: TaskInput | bytes | None) -> list | bytes | None:
+    return later if later is None or isinstance(later, bytes) else _encode_input(*later)
+
+
+def _decode_later(later: list | bytes | None) -> TaskInput | bytes | None:
+    return later if later is None or isinstance(later, bytes) else _decode_input(*later)
+
+
+def _decode_lane_task(
+    task_id: int, cell_index: int, steps: bytes, inputs: list, outputs: list, every_step: list, downloads: list
+) -> LaneTaskMessage:
     return LaneTaskMessage(
         task_id,
         cell_index,
         _view(steps),
-        [LaneInput(m, s, a, _decode_input(*f), d) for m, s, a, f, d in inputs],
+        [LaneInput(m, s, a, _decode_input(*f), _decode_later(later)) for m, s, a, f, later in inputs],
         [SlotList(a, _view(s)) for a, s in outputs],
+        [(port, _view(entries)) for port, entries in every_step],
         [StepDownload(p, _view(e), io, _view(s)) for p, e, io, s in downloads],
     )
 

@@ -89,13 +89,18 @@ class Dispatcher:
             self._place(table.requests[row], worker)
         return task
 
-    def one_step_input(self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle) -> TaskInput:
+    def one_step_input(
+        self, spec: CellTypeSpec, port: int, node_data: np.ndarray, node_rows: np.ndarray, worker: WorkerHandle
+    ) -> TaskInput:
         """Input `port` of these nodes (rows of the node matrix, of the requests at `node_rows`) as one step
         of as many rows, resolved on `worker` as a single-step task resolves it."""
         layout = Layout([len(node_rows)], [len(node_rows)])
         reads = Reads(self._store.registers.arrays, [], layout, worker.worker_id)
+        kind = spec.inputs[port]
+        if port in spec.ragged_inputs:
+            return self._ragged(port, kind, node_data, node_rows, layout, reads, worker)[0]
         reg_base = self._table.reg_base[node_rows]
-        return self._regular(port, kind, node_data, node_rows, reg_base, layout, reads, worker)[0][0]
+        return self._regular(port, kind, node_data, node_rows, reg_base, layout, reads, worker)[0]
 
     def add_steps(self, task: Task, waves: Waves, worker: WorkerHandle) -> None:
         """More steps of lanes the task already runs (each step's rows are some of its requests), after its last."""
@@ -126,20 +131,14 @@ class Dispatcher:
         registers = store.registers.arrays
         out_where = [reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port] for port in range(len(spec.outputs))]
         reads = Reads(registers, out_where, layout, worker.worker_id)
-        repeat = layout.same_sizes_as_before() if layout.steps > 1 else None  # steps that may repeat the one before
         inputs: list[list[TaskInput]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.inputs):
             if port in spec.ragged_inputs:
                 entries = self._ragged(port, kind, node_data, node_rows, layout, reads, worker)
-                repeat = None
             else:
-                entries, slots = self._regular(port, kind, node_data, node_rows, reg_base, layout, reads, worker)
-                if repeat is not None:
-                    repeat &= layout.same_as_before(slots)
+                entries = self._regular(port, kind, node_data, node_rows, reg_base, layout, reads, worker)
             for step, entry in enumerate(entries):
                 inputs[step].append(entry)
-                if entry.remote is not None and repeat is not None:
-                    repeat[step : step + 2] = False
         outputs: list[list[SlotList]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.outputs):
             where = out_where[port]
@@ -147,13 +146,8 @@ class Dispatcher:
             slots[layout.node_rows] = written = registers["write"][where]
             registers["slot"][where] = written
             registers["worker"][where] = worker.worker_id
-            if repeat is not None:
-                repeat &= layout.same_as_before(slots)
             for step, step_slots in enumerate(layout.split(slots)):
                 outputs[step].append(SlotList(worker.arena_id[kind], step_slots))
-        for step in () if repeat is None else np.flatnonzero(repeat):  # share the step before's slot arrays
-            outputs[step] = outputs[step - 1]
-            inputs[step] = [entry._replace(slots=before.slots) for entry, before in zip(inputs[step], inputs[step - 1])]
         downloads = self._downloads(task, nodes, node_data, node_rows, outputs, layout, worker)
         for step, size in enumerate(step_sizes):
             task.steps.append(TaskStep(size, inputs[step], outputs[step], downloads[step]))
@@ -183,9 +177,9 @@ class Dispatcher:
     def _regular(
         self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, reg_base: np.ndarray,
         layout: Layout, reads: Reads, worker: WorkerHandle,
-    ) -> tuple[list[TaskInput], np.ndarray]:
+    ) -> list[TaskInput]:
         """An input of one row per node, a step each: a register's slot (or a peer's), the zero row,
-        or an external value sent inline; and the slots of all steps, one after the other."""
+        or an external value sent inline."""
         table, store = self._table, self._store
         refs = node_data[:, NodeColumns.INPUTS + port]
         slots = np.full(layout.rows, ZERO_SLOT, np.int64)
@@ -209,7 +203,7 @@ class Dispatcher:
         arena = worker.arena_id[kind]
         step_slots = layout.split(slots)
         remote = self._remote_per_step(step_slots, None if owners is None else layout.split(owners), worker, kind)
-        return [TaskInput(arena, s, None, r, i) for s, r, i in zip(step_slots, remote, inline)], slots
+        return [TaskInput(arena, s, None, r, i) for s, r, i in zip(step_slots, remote, inline)]
 
     def _remote_per_step(
         self, step_slots: list[np.ndarray], step_owners: list[np.ndarray] | None, worker: WorkerHandle, kind: ValueKind

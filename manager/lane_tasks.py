@@ -6,12 +6,13 @@ takes more steps than three quarters of the task's lanes can: lanes that end lea
 batch idle until the task ends, while the lanes left out wait for it.
 
 A lane task takes, for each lane, `steps[i]` consecutive nodes from its cursor (lanes in descending
-order of steps, common.task). What it sends is per lane, whatever its number of steps: each input's
-rows for the first step (resolved as a single-step task resolves them: a register's row, a peer's,
-the zero row or an inline value), each sequence input's external values for the later steps
-(gathered in one index from the plan store, packed step after step), and per output the row of the
-register the lane's last node writes, which the next task (or a later reader of the lane's final
-state) reads. Only the host copies (results, watched values) are listed per node.
+order of steps, common.task). What it sends is per lane: each input's rows for the first step,
+resolved as a single-step task resolves them (a register's row, a peer's, the zero row or an inline
+value), and per output the row of the register the lane's last node writes, which the next task (or
+a later reader of the lane's final state) reads. What varies step by step is packed, step after step,
+and resolved in one pass: a sequence input's later values or rows (the request's tokens, the layer
+below's outputs), the rows of an output read outside the lane at every step, and the host copies
+(results, watched values), an io row each.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.lanes import SEQUENCE, LaneLayout
-from batchmaker.common.task import LaneInput, LaneTaskMessage, SlotList, StepDownload, encode_lane_task
+from batchmaker.common.task import LaneInput, LaneTaskMessage, SlotList, StepDownload, TaskInput, encode_lane_task
 from batchmaker.manager.cell_queues import CellTypeQueue, Ready
 from batchmaker.manager.dispatch import Dispatcher
 from batchmaker.manager.plan_store import NodeColumns, PlanStore
@@ -70,36 +71,47 @@ class LaneTasks:
     ) -> Task:
         """The lane task on `worker` of `steps[i]` nodes from node `first[i]` of the request at `rows[i]`
         (steps descending), encoded."""
-        table, store = self._table, self._store
-        task = self._dispatcher.open_task(spec, rows, steps, worker)
+        table, store, dispatcher = self._table, self._store, self._dispatcher
+        task = dispatcher.open_task(spec, rows, steps, worker)
         data_of = store.nodes.arrays["data"]
-        first_data = data_of[first]
-        last_data = data_of[first + steps - 1]
         grid = np.arange(int(steps[0]))[:, None] < steps[None, :]  # step by lane: whether the lane runs then
-        later = grid[1:]  # the later steps' nodes, packed step after step, and their requests' rows
-        later_nodes = (first[None, :] + np.arange(1, len(grid))[:, None])[later]
-        later_rows = np.broadcast_to(rows, later.shape)[later]
+        nodes = (first[None, :] + np.arange(len(grid))[:, None])[grid]  # every step's nodes, packed step after step
+        node_rows = np.broadcast_to(rows, grid.shape)[grid]
+        lanes = len(rows)  # the first step's nodes are the first `lanes`
         inputs = []
         for port, (kind, rule) in enumerate(zip(spec.inputs, layout.rules(len(spec.inputs)))):
-            first_step = self._dispatcher.one_step_input(port, kind, first_data, rows, worker)
-            data = None
-            if rule.mode == SEQUENCE:  # the later steps' external values, packed step after step
-                refs = data_of[later_nodes, NodeColumns.INPUTS + port]
-                positions = table.ext_base[later_rows, table.kinds[kind]] + (-2 - refs)
-                data = store.externals[kind].arrays["values"][positions].tobytes()
-            inputs.append(LaneInput(rule.mode, rule.source, worker.arena_id[kind], first_step, data))
+            first_step = dispatcher.one_step_input(spec, port, data_of[first], rows, worker)
+            later: TaskInput | bytes | None = None
+            if rule.mode == SEQUENCE and len(nodes) > lanes:
+                later_data, later_rows = data_of[nodes[lanes:]], node_rows[lanes:]
+                refs = later_data[:, NodeColumns.INPUTS + port]
+                if (refs <= -2).all():  # the request's own inputs: their values, raw
+                    positions = table.ext_base[later_rows, table.kinds[kind]] + (-2 - refs)
+                    later = store.externals[kind].arrays["values"][positions].tobytes()
+                else:
+                    later = dispatcher.one_step_input(spec, port, later_data, later_rows, worker)
+            inputs.append(LaneInput(rule.mode, rule.source, worker.arena_id[kind], first_step, later))
         registers = store.registers.arrays
-        reg_base = table.reg_base[rows]
-        outputs = []
-        for port, kind in enumerate(spec.outputs):
-            where = reg_base + last_data[:, NodeColumns.INPUTS + store.ports + port]
+        last = first + steps - 1
+        step_of = np.repeat(np.arange(len(grid)), grid.sum(axis=1))  # of every step's nodes, packed
+        outputs, written_at = [], []
+        for port, kind in enumerate(spec.outputs):  # each lane's last value, or every step's
+            written_by, writer_rows = (nodes, node_rows) if port in layout.every_step else (last, rows)
+            where = table.reg_base[writer_rows] + data_of[written_by, NodeColumns.INPUTS + store.ports + port]
             written = registers["write"][where]
             registers["slot"][where] = written
             registers["worker"][where] = worker.worker_id
             outputs.append(SlotList(worker.arena_id[kind], written))
+            if port in layout.every_step:
+                written_at.append((port, where))
+        every_step = _last_writes(written_at, step_of)
+        outputs = [
+            output._replace(slots=output.slots[every_step[port]]) if port in every_step else output
+            for port, output in enumerate(outputs)
+        ]
         batch = grid.sum(axis=1)
         downloads = self._downloads(task, spec, rows, steps, first, batch, worker)
-        message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, downloads)
+        message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, list(every_step.items()), downloads)
         task.message = encode_lane_task(message)
         task.step_nodes = batch.tolist()
         task.step_sizes = [spec.padded_size(int(size)) for size in batch]
@@ -136,3 +148,23 @@ class LaneTasks:
             StepDownload(port, np.array(taken), worker.io_arena_id[spec.outputs[port]], np.array(io))
             for port, (taken, io) in found.items()
         ]
+
+
+def _last_writes(written_at: list[tuple[int, np.ndarray]], step_of: np.ndarray) -> dict[int, np.ndarray]:
+    """For outputs written at every step (port, the register each packed row writes): the packed rows to
+    write, so that each register is written once, with its latest value. A register a step reads and
+    overwrites in place may take another output's value at the next step (both of one kind), so the
+    latest step wins across outputs; within a step no two outputs share a register."""
+    if not written_at:
+        return {}
+    where = np.concatenate([registers for _, registers in written_at])
+    steps = np.tile(step_of, len(written_at))
+    order = np.lexsort((steps, where))
+    latest = np.ones(len(order), bool)
+    latest[:-1] = where[order][1:] != where[order][:-1]
+    kept = np.zeros(len(where), bool)
+    kept[order[latest]] = True
+    return {
+        port: np.flatnonzero(part)
+        for (port, _), part in zip(written_at, np.split(kept, len(written_at)))
+    }

@@ -55,7 +55,7 @@ from batchmaker.manager.plan_store import NodeColumns, PlanStore
 from batchmaker.manager.records import Request, Task
 from batchmaker.manager.request_table import NO_WORKER, RequestTable
 from batchmaker.manager.step_costs import StepCosts
-from batchmaker.manager.waves import Waves, consecutive
+from batchmaker.manager.waves import Waves
 from batchmaker.manager.worker_handle import WorkerHandle
 
 ROUNDING = 1e-6  # of a step: a delay that holds exactly k steps' cost holds k steps, whatever float division says
@@ -193,50 +193,9 @@ class Scheduler:
         if steps <= 0 or not len(lanes):
             return
         io_free = {kind: worker.io_slots[kind].available for kind in set(spec.outputs)}
-        waves = self._chain_steps(queue, lanes, rows, steps, io_free)
-        if waves is None:
-            waves = self._wave_steps(queue, lanes, rows, steps, io_free)
+        waves = self._wave_steps(queue, lanes, rows, steps, io_free)
         if waves.per_step:
             self._dispatcher.add_steps(task, waves, worker)
-
-    def _chain_steps(
-        self, queue: CellTypeQueue, lanes: np.ndarray, rows: np.ndarray, steps: int, io_free: dict
-    ) -> Waves | None:
-        """Up to `steps` more steps for lanes whose next waves are single nodes (chains), found for all
-        lanes and steps at once: a lane takes its next node while it is ready once the lane's earlier
-        nodes are issued, and the task stops at the first step where a lane still going is not ready.
-        None when a lane's next wave is not a single node, or the downloads might not fit: then the
-        steps are found one by one (`_wave_steps`)."""
-        table, data = self._table, self._store.nodes.arrays["data"]
-        cursor = queue.cursor[lanes]
-        left = np.minimum(queue.end[lanes] - cursor, steps)
-        base = table.node_base[rows]
-        window = consecutive(base + cursor, left)  # the next `left` nodes of each lane, lane by lane
-        starts = np.cumsum(left) - left
-        offset = np.arange(len(window)) - np.repeat(starts, left)  # of each node from its lane's cursor
-        local = np.repeat(cursor, left) + offset
-        nodes = data[window]
-        single = nodes[:, NodeColumns.WAVE_END] == local + 1
-        if not single[starts].all():
-            return None
-        ready = np.repeat(table.issued[rows], left) + offset >= nodes[:, NodeColumns.NEED]
-        stop = np.minimum.reduceat(np.where(single & ready, steps, offset), starts)  # a lane's first node it cannot take
-        can = np.minimum(stop, left)
-        blocked = can < queue.end[lanes] - cursor  # lanes that cannot finish within the task
-        count = min(steps, int(can[blocked].min())) if blocked.any() else int(left.max())
-        take = np.minimum(can, count)
-        copies = int(nodes[offset < np.repeat(take, left), NodeColumns.HAS_COPIES].sum())
-        if any(copies * queue.spec.outputs.count(kind) > free for kind, free in io_free.items()):
-            return None
-        if count == 0:
-            return Waves.joined([])
-        grid = np.arange(count)[:, None] < take[None, :]  # step by lane: whether the lane takes a node then
-        first = (base + cursor)[None, :] + np.arange(count)[:, None]
-        nodes_taken = int(take.sum())
-        waves = Waves(np.broadcast_to(rows, grid.shape)[grid], np.ones(nodes_taken, np.int64), first[grid], grid.sum(axis=1).tolist())
-        table.step_issued(rows, take)
-        self._advance(queue, Ready(lanes, rows, take, base + cursor))
-        return waves
 
     def _wave_steps(self, queue: CellTypeQueue, lanes: np.ndarray, rows: np.ndarray, steps: int, io_free: dict) -> Waves:
         """Up to `steps` more steps, a wave of each lane still going at a time."""

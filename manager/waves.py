@@ -64,32 +64,10 @@ class Layout:
             self.step_of = np.repeat(np.arange(self.steps), step_nodes)
             self.position = self.node_rows = np.arange(len(self.step_of)) + padding_before[self.step_of]
         self._bounds = list(zip(self.offset.tolist(), np.cumsum(step_sizes).tolist()))
-        self._sizes = np.asarray(step_sizes)
-        self._uniform = min(step_sizes) == max(step_sizes)
 
     def split(self, rows: np.ndarray) -> list[np.ndarray]:
         """A view of `rows` (a value per row of every step) per step."""
         return [rows] if self.steps == 1 else [rows[start:end] for start, end in self._bounds]
-
-    def same_sizes_as_before(self) -> np.ndarray:
-        """Per step, whether the step before it has as many rows (never for the first)."""
-        same = np.zeros(self.steps, bool)
-        same[1:] = self._sizes[1:] == self._sizes[:-1]
-        return same
-
-    def same_as_before(self, rows: np.ndarray) -> np.ndarray:
-        """Per step, whether its part of `rows` equals the step before's (never for the first)."""
-        same = np.zeros(self.steps, bool)
-        if self.steps == 1:
-            return same
-        if self._uniform:
-            by_step = rows.reshape(self.steps, -1)
-            same[1:] = (by_step[1:] == by_step[:-1]).all(axis=1)
-            return same
-        parts = self.split(rows)
-        for step in range(1, self.steps):
-            same[step] = np.array_equal(parts[step], parts[step - 1])
-        return same
 
     def by_step(self, nodes: np.ndarray) -> Iterator[tuple[int, slice]]:
         """For ascending node indices, the steps that hold any, with the part of `nodes` in each."""

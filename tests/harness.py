@@ -119,7 +119,7 @@ class Harness:
                 for (_, _, io, io_slots), rows in zip(lanes.downloads, run_lanes(lanes)):
                     io.index_copy_(0, io_slots, rows)
             else:
-                run_steps(resolve(message, tensors, cells, peers, carry=True))
+                run_steps(resolve(message, tensors, cells, peers))
         return self.complete_oldest(worker)
 
     def run_on_cpu(self) -> None:

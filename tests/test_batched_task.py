@@ -1,4 +1,5 @@
-"""worker.batched_task.resolve: a multi-step task's slot lists and inline values made into tensors once."""
+"""worker.batched_task: a multi-step task's slot lists made into tensors once (`resolve`), and the rows a
+cell reads (`gather`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from test_worker import cells, lstm_step_task, multi_step  # noqa: F401 (a fixtu
 
 from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.common.task import TaskMessage, decode_task, encode_task
-from batchmaker.worker.batched_task import resolve
+from batchmaker.worker.batched_task import Inline, InputRows, gather, resolve
 
 
 def without_tokens(step: TaskMessage) -> TaskMessage:
@@ -20,7 +21,7 @@ def without_tokens(step: TaskMessage) -> TaskMessage:
     )
 
 
-def test_a_multi_step_task_is_resolved_into_one_index_tensor_and_one_inline_buffer(cells):  # noqa: F811
+def test_a_multi_step_task_is_resolved_into_one_index_tensor(cells):  # noqa: F811
     _, modules, kinds, _ = cells
     tensors = [
         torch.zeros(8, *kind.shape, dtype=getattr(torch, kind.dtype)) for kind in kinds for _ in ("device", "io")
@@ -42,10 +43,6 @@ def test_a_multi_step_task_is_resolved_into_one_index_tensor_and_one_inline_buff
         assert [copy.io_slots.tolist() for copy in step.downloads] == [list(entry[3]) for entry in sent.downloads]
     tokens = [None if step.inputs[0].inline is None else step.inputs[0].inline.rows.tolist() for step in issued]
     assert tokens == [[5, 9], None, [4]]
-    assert (
-        issued[0].inputs[0].inline.rows.untyped_storage().data_ptr()
-        == issued[2].inputs[0].inline.rows.untyped_storage().data_ptr()
-    )
 
 
 def test_inline_values_that_do_not_fill_their_rows_fail_the_task(cells):  # noqa: F811
@@ -58,5 +55,14 @@ def test_inline_values_that_do_not_fill_their_rows_fail_the_task(cells):  # noqa
     tokens = long.inputs[0]
     long.inputs[0] = (*tokens[:4], (tokens[4][0], np.array([5, 9, 4]).tobytes()))
     short.inputs[0] = (*tokens[:4], (tokens[4][0], np.array([7]).tobytes()))
-    with pytest.raises(ValueError, match="input 0 has 24 bytes of inline values for 2 rows"):
+    with pytest.raises(ValueError, match="24 bytes of inline values for 2 rows of 8 bytes"):
         resolve(multi_step(1, [long, short]), tensors, modules, {})
+
+
+def test_inline_values_filling_every_row_are_the_input_itself_and_otherwise_go_over_the_gathered_rows():
+    arena = torch.arange(8, dtype=torch.int64).view(4, 2)
+    values = torch.tensor([[7, 7], [9, 9]])
+    whole = InputRows(arena, torch.tensor([0, 0]), None, [], Inline(torch.tensor([0, 1]), values, whole=True))
+    assert gather([whole])[0] is values
+    part = InputRows(arena, torch.tensor([0, 0, 3]), None, [], Inline(torch.tensor([0, 1]), values))
+    assert gather([part])[0].tolist() == [[7, 7], [9, 9], [6, 7]]

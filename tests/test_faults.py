@@ -228,9 +228,9 @@ def test_sigterm_under_load_answers_everything_then_exits(tmp_path: Path):
         async def load_then_terminate():
             async with AsyncClient(config.server.address, timeout=60) as client:
                 rng = np.random.default_rng(5)
-                accepted = [
+                accepted = [  # enough work that the drain still runs when the late request comes
                     asyncio.create_task(client.infer("lstm", {"tokens": rng.integers(0, 1000, size=200).tolist()}))
-                    for _ in range(150)
+                    for _ in range(1500)
                 ]
                 await wait_until_async(lambda: _running(client), "the load starting")
                 process.send_signal(signal.SIGTERM)

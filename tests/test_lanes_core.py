@@ -13,6 +13,7 @@ from batchmaker.common.lanes import CONSTANT, ONE_STEP, SEQUENCE, STATE, LaneLay
 from batchmaker.common.models import build_model
 from batchmaker.common.models.seq2seq import decoding_mismatch
 from batchmaker.common.task import LaneTaskMessage
+from batchmaker.manager.server import load_models
 
 CELL = "lstm/layer0"
 
@@ -29,13 +30,22 @@ def test_a_chain_layer_reads_its_tokens_as_a_sequence_and_carries_h_and_c(make_h
     assert ONE_STEP.rules(3) == (PortRule(CONSTANT),) * 3
 
 
-def test_a_decoder_feeds_its_token_back_and_a_stacked_layer_is_not_a_chain(make_harness):
+def test_a_decoder_feeds_its_token_back_and_a_stacked_layer_reads_the_whole_layer_below(make_harness):
     h = make_harness(SMALL_SEQ2SEQ + lstm_models(layers=2))
     encoder, decoder = h.admit("seq2seq", {"tokens": [5, 6, 7]}).unfolded.plan.lane_layouts
     assert encoder.inputs[0] == PortRule(SEQUENCE)
     assert decoder.inputs == (PortRule(STATE, 2), PortRule(STATE, 0), PortRule(STATE, 1))
-    # Layer 0's h is read by layer 1 at every step: outside its lane before its last node.
-    assert h.admit("lstm", tokens(4)).unfolded.plan.lane_layouts == (None, None)
+    # Layer 0's h is read by layer 1 at every step: written at every step; layer 1 starts after it.
+    plan = h.admit("lstm", tokens(4)).unfolded.plan
+    below, above = plan.lane_layouts
+    assert below.every_step == (0,) and above.inputs[0] == PortRule(SEQUENCE) and above.every_step == ()
+    assert plan.depth.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # the layer above's steps after all of the one below's
+
+
+def test_an_attention_decoder_reads_the_encoder_outputs_as_a_constant(make_harness):
+    h = make_harness(SMALL_SEQ2SEQ.replace("max_decode_length = 60", 'max_decode_length = 60\nattention = "luong"'))
+    encoder, decoder = h.admit("seq2seq", {"tokens": [5, 6, 7]}).unfolded.plan.lane_layouts
+    assert encoder.every_step == (0,) and decoder.inputs[3] == PortRule(CONSTANT)
 
 
 def test_a_one_token_lane_joins_the_lane_task_of_longer_ones(make_harness):
@@ -85,27 +95,55 @@ def test_lanes_of_a_padded_bucket_share_a_layout_whatever_their_padding(tmp_path
         h.close()
 
 
-@pytest.mark.parametrize("model", ["lstm", "seq2seq"])
-def test_answers_of_lane_tasks_match_the_reference(tmp_path, model):
-    """Lanes of many lengths, issued ahead and ending along the way, through the real CPU worker's
-    body: every answer is the unbatched reference model's."""
-    config = write_config(tmp_path, SMALL_LSTM + SMALL_SEQ2SEQ)
-    h = Harness(config, max_steps_per_task=8, full_task_s={CELL: 1e-5, "seq2seq/encoder": 1e-5, "seq2seq/decoder": 1e-5})
+ATTENTION = SMALL_SEQ2SEQ.replace("[models.seq2seq]", "[models.attention]").replace('weights = "seq2seq.pt"', 'weights = "attention.pt"')
+ATTENTION = ATTENTION.replace("max_decode_length = 60", 'max_decode_length = 60\nattention = "luong"').replace(
+    "[models.seq2seq.cells.decoder]", "[models.attention.cells.decoder]"
+)
+CHAINS = {  # every kind of chain lane: stacked, bidirectional, per-step heads, float inputs, decoders
+    "lstm": SMALL_LSTM,
+    "stacked": lstm_models(layers=3).replace("[models.lstm]", "[models.stacked]").replace("lstm.pt", "stacked.pt"),
+    "tagger": SMALL_LSTM.replace("[models.lstm]", "[models.tagger]").replace("lstm.pt", "tagger.pt").replace(
+        "num_layers = 1", "num_layers = 2\nbidirectional = true\nper_step = true\nhead_size = 5"
+    ),
+    "seq2seq": SMALL_SEQ2SEQ,
+    "attention": ATTENTION,
+}
+
+
+CHAINS["attention2"] = (  # two layers each side, attending from the top one
+    CHAINS["attention"]
+    .replace("[models.attention", "[models.attention2")
+    .replace("attention.pt", "attention2.pt")
+    .replace('attention = "luong"', 'attention = "luong"\nnum_layers = 2')
+)
+PADDED = 'policy = "padded"\nbucket_width = 4'
+
+
+@pytest.mark.parametrize(
+    ("model", "scheduler"), [(model, "") for model in CHAINS] + [("stacked", PADDED), ("attention2", PADDED)]
+)
+def test_answers_of_lane_tasks_match_the_reference(tmp_path, model, scheduler):
+    """Lanes of many lengths, issued ahead and ending along the way, run for real through the CPU
+    worker's body: every answer is the unbatched reference model's. Padded, a stacked encoder's state at
+    the true end of the source is read mid-lane, and registers overwritten in place change outputs."""
+    config = write_config(tmp_path, CHAINS[model], scheduler=scheduler)
+    h = Harness(config, max_steps_per_task=8, full_task_s={spec.key: 1e-5 for spec in load_models(config)[1]})
     try:
         built = build_model(config.models[model])
         weights = built.load_weights()
         rng = np.random.default_rng(3)
-        requests = [h.admit(model, {"tokens": rng.integers(1, 100, int(n)).tolist()}) for n in rng.integers(1, 12, 20)]
+        requests = [h.admit(model, {"tokens": rng.integers(1, 40, int(n)).tolist()}) for n in rng.integers(1, 12, 20)]
+        assert all(layout is not None for r in requests for layout in r.unfolded.plan.lane_layouts)
         h.run_on_cpu()
-        for request, error in h.finished:
-            assert error is None
+        assert [error for _, error in h.finished] == [None] * len(requests)
+        assert max(len(step_sizes(message)) for _, message in h.sent) > 1  # lanes ran several steps a task
+        for request, _ in h.finished:
             expected = built.reference(weights, request.inputs)
             got = request.model.outputs(request.unfolded, request.results)
-            if model == "seq2seq":
+            if "seq2seq" in request.model.kind or "tokens" in got:
                 assert decoding_mismatch(got["tokens"], expected, 1e-4) is None
                 continue
             for key, value in expected.items():
                 np.testing.assert_allclose(np.asarray(got[key]), value, atol=1e-5, err_msg=key)
-        assert len(h.finished) == len(requests)
     finally:
         h.close()

@@ -47,20 +47,28 @@ def lane_task(task_id: int, cell_index: int, spec, rules: LaneLayout, ids) -> La
             first = first._replace(values=(slots([0]), np.zeros((1, *kind.shape), dtype=kind.dtype).tobytes()))
         else:
             first = first._replace(remote=[(ACCESSIBLE_PEER, arena, slots([5]), slots([lanes - 1]))])
-        data = np.zeros((packed - lanes, *kind.shape), dtype=kind.dtype).tobytes() if mode == SEQUENCE else None
-        inputs.append(LaneInput(mode, source, arena, first, data))
-    outputs = [SlotList(ids[kind][0], slots(np.arange(lanes) + 100 + 10 * i)) for i, kind in enumerate(spec.outputs)]
+        later = None
+        if mode == SEQUENCE:  # the later steps' rows read from the arena, those of the last lane from a peer
+            later = TaskInput(arena, slots(np.arange(packed - lanes) + 2), None, None, None)
+            later = later._replace(remote=[(ACCESSIBLE_PEER, arena, slots([5]), slots([packed - lanes - 1]))])
+        inputs.append(LaneInput(mode, source, arena, first, later))
+    outputs = [  # an output read outside the lane at every step is written at every step
+        SlotList(ids[kind][0], slots(np.arange(packed if i in rules.every_step else lanes) + 100 + 10 * i))
+        for i, kind in enumerate(spec.outputs)
+    ]
+    every_step = [(port, slots(np.arange(packed))) for port in rules.every_step]
     downloads = [
         StepDownload(port, slots(np.arange(packed)), ids[kind][1], slots(np.arange(packed)))
         for port, kind in enumerate(spec.outputs)
     ]
-    return LaneTaskMessage(task_id, cell_index, STEPS, inputs, outputs, downloads)
+    return LaneTaskMessage(task_id, cell_index, STEPS, inputs, outputs, every_step, downloads)
 
 
 def test_a_lane_task_of_every_chain_cell_is_one_copy_k_steps_and_one_signal(layout):
     specs, _, _ = layout
     layouts = chain_layouts()
-    assert {"lstm/layer0", "seq2seq/encoder", "seq2seq/decoder"} <= set(layouts)
+    assert {"lstm/layer0", "gru/layer0", "gru/layer1", "seq2seq/encoder", "seq2seq/decoder"} <= set(layouts)
+    assert layouts["gru/layer0"].every_step == (0,) and layouts["gru/layer1"].inputs[0].mode == SEQUENCE  # stacked
     assert any(rule.mode == STATE and rule.source == 2 for rule in layouts["seq2seq/decoder"].inputs)  # the token fed back
     chains = [(index, spec) for index, spec in enumerate(specs) if spec.key in layouts]
     with fake_cuda():
@@ -86,10 +94,12 @@ def test_a_lane_task_it_cannot_issue_enqueues_nothing_and_completes_with_its_err
         calls = FakeCalls()
         tasks, ids = fake_tasks(layout, calls)
         good = lane_task(1, index, spec, rules, ids)
-        out_of_range = LaneTaskMessage(1, index, STEPS, good.inputs, [SlotList(good.outputs[0].arena, slots([2, 3, 4, ROWS])), *good.outputs[1:]], [])
-        short = good.inputs[0]._replace(data=good.inputs[0].data[:8])
-        too_few_rows = LaneTaskMessage(2, index, STEPS, [short, *good.inputs[1:]], good.outputs, [])
-        ascending = LaneTaskMessage(3, index, STEPS[::-1].copy(), good.inputs, good.outputs, [])
+        outside = [SlotList(good.outputs[0].arena, slots([2, 3, 4, ROWS])), *good.outputs[1:]]
+        out_of_range = LaneTaskMessage(1, index, STEPS, good.inputs, outside, [], [])
+        tokens = good.inputs[0]
+        short = tokens._replace(later=tokens.later._replace(slots=tokens.later.slots[:1], remote=None))
+        too_few_rows = LaneTaskMessage(2, index, STEPS, [short, *good.inputs[1:]], good.outputs, [], [])
+        ascending = LaneTaskMessage(3, index, STEPS[::-1].copy(), good.inputs, good.outputs, [], [])
         for task in (out_of_range, too_few_rows, ascending):
             tasks.issue(task)
         assert "out of range" in tasks.finish(1)

@@ -56,15 +56,15 @@ def lane_task(task_id: int, kinds, sequences, h_in, h_out, start=0, steps=None, 
     inline = InlineValues(np.arange(lanes), first_tokens.tobytes())
     h_in = np.array(h_in)
     c_in = np.where(h_in == ZERO_SLOT, ZERO_SLOT, h_in + 1)
-    later = packed(sequences, start, list(steps)).tobytes()
+    later = packed(sequences, start, list(steps)).tobytes() or None  # the later steps' tokens, as values
     inputs = [
-        LaneInput(SEQUENCE, 1, ids[tokens][0], TaskInput(ids[tokens][0], np.full(lanes, ZERO_SLOT), None, None, inline), later),
+        LaneInput(SEQUENCE, 0, ids[tokens][0], TaskInput(ids[tokens][0], np.full(lanes, ZERO_SLOT), None, None, inline), later),
         LaneInput(STATE, 0, ids[state][0], TaskInput(ids[state][0], h_in, None, None, None), None),
         LaneInput(STATE, 1, ids[state][0], TaskInput(ids[state][0], c_in, None, None, None), None),
     ]
     h_out = np.array(h_out)
     outputs = [SlotList(ids[state][0], h_out), SlotList(ids[state][0], h_out + 1)]
-    return LaneTaskMessage(task_id, 0, steps, inputs, outputs, list(downloads))
+    return LaneTaskMessage(task_id, 0, steps, inputs, outputs, [], list(downloads))
 
 
 def reference(cells, sequences: list[list[int]]) -> list[np.ndarray]:
@@ -145,7 +145,7 @@ def test_a_constant_input_is_read_once_for_every_step(cells):
         task = lane_task(1, kinds, [[5], [9]], [ZERO_SLOT] * 2, [SCRATCH_SLOT, SCRATCH_SLOT])
         constant = task.inputs[2]._replace(mode=CONSTANT, source=0)
         download = StepDownload(0, np.array([0, 1]), state[1], np.array([2, 3]))
-        run(backend, LaneTaskMessage(1, 0, task.steps, [*task.inputs[:2], constant], task.outputs, [download]))
+        run(backend, LaneTaskMessage(1, 0, task.steps, [*task.inputs[:2], constant], task.outputs, [], [download]))
         np.testing.assert_allclose(results[2:4], [reference(cells, [[t]])[0][0] for t in (5, 9)], atol=1e-5)
 
 
@@ -154,8 +154,9 @@ def test_a_lane_task_that_cannot_be_resolved_fails_alone(cells):
     kinds = cells[2]
     with cpu_worker(cells) as (backend, _, _):
         task = lane_task(1, kinds, [[5, 7]], [ZERO_SLOT], [10])
-        unknown = LaneTaskMessage(1, 0, task.steps, [task.inputs[0]._replace(arena=99), *task.inputs[1:]], task.outputs, [])
-        short = LaneTaskMessage(2, 0, task.steps, [task.inputs[0]._replace(data=b""), *task.inputs[1:]], task.outputs, [])
+        tokens = task.inputs[0]
+        unknown = LaneTaskMessage(1, 0, task.steps, [tokens._replace(first=tokens.first._replace(arena=99)), *task.inputs[1:]], task.outputs, [], [])
+        short = LaneTaskMessage(2, 0, task.steps, [tokens._replace(later=None), *task.inputs[1:]], task.outputs, [], [])
         for broken in (unknown, short):
             backend.issue(broken)
         backend.issue(lane_task(3, kinds, [[5, 7]], [ZERO_SLOT], [10]))
@@ -173,9 +174,10 @@ def test_the_wire_form_round_trips(cells, steps):
     task = lane_task(4, kinds, sequences, [ZERO_SLOT] * len(steps), [10, 12][: len(steps)], steps=steps, downloads=[download])
     back = decode_task(encode_lane_task(task))
     assert isinstance(back, LaneTaskMessage) and back.task_id == 4 and back.steps.tolist() == steps
-    assert [(entry.mode, entry.source, entry.arena, entry.data) for entry in back.inputs] == [
-        (entry.mode, entry.source, entry.arena, entry.data) for entry in task.inputs
+    assert [(entry.mode, entry.source, entry.arena) for entry in back.inputs] == [
+        (entry.mode, entry.source, entry.arena) for entry in task.inputs
     ]
+    assert [entry.later for entry in back.inputs] == [entry.later for entry in task.inputs]
     assert back.inputs[1].first.slots.tolist() == task.inputs[1].first.slots.tolist()
     assert back.downloads[0].port == 1 and back.downloads[0].io_slots.tolist() == [7]
     assert back.io_rows()[0][0] == 3

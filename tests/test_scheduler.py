@@ -6,7 +6,9 @@ import itertools
 
 import numpy as np
 import pytest
+from test_tree_models import TREE_MODELS, tree
 
+from batchmaker.common.models.tree import NO_WORD
 from batchmaker.common.protocol import CANCELLED
 
 
@@ -169,12 +171,11 @@ def test_failed_request_drops_unsubmitted_nodes_and_frees_slots(harness):
 
 
 def test_a_task_of_waves_is_padded_to_a_supported_batch_size_and_a_lane_task_is_not(harness):
-    """A stacked layer's first layer is read by the layer above at every step: not a chain, its steps
-    run as waves, padded. Lanes of one token run as a lane task of exactly their number."""
-    h = harness(lstm_models(batch_sizes="[1, 4]", layers=2), max_tasks_to_submit=1)
+    """A tree's leaves run as a wave, padded to a supported batch size: padding rows read the zero slot and
+    write the scratch slot. Lanes of one token run as a lane task of exactly their number."""
+    h = harness(TREE_MODELS.replace("batch_sizes = [1, 2, 4]", "batch_sizes = [1, 4]"), max_tasks_to_submit=1)
     worker = h.workers[0]
-    for _ in range(3):
-        h.admit("lstm", {"tokens": [1, 2]})
+    h.admit("bin", tree([NO_WORD, 1, NO_WORD, 2, 3], [-1, 0, 0, 2, 2]))  # three leaves
     h.schedule(worker)
     _sent_worker, message = h.sent[-1]
     assert message.batch_size == 4
@@ -182,7 +183,7 @@ def test_a_task_of_waves_is_padded_to_a_supported_batch_size_and_a_lane_task_is_
     outputs = [slots.tolist() for _, slots in message.outputs]
     assert all(row[3] == 0 for row in inputs)  # padding reads the zero slot
     assert all(row[3] == 1 for row in outputs)  # and writes the scratch slot
-    assert len({s for row in outputs for s in row[:3]}) == 6  # real rows get distinct slots
+    assert len({s for row in outputs for s in row[:3]}) == 3 * len(outputs)  # real rows get distinct slots
     lanes = harness(lstm_models(batch_sizes="[1, 4]"), max_tasks_to_submit=1)
     for _ in range(3):
         lanes.admit("lstm", {"tokens": [1]})

@@ -1,11 +1,10 @@
 """CPU backend: arenas in shared memory and an executor thread standing in for a device stream.
 
 The "stream" drains a FIFO of issued tasks in order (a multi-step task's steps back to back,
-as one task, a step that repeats the one before taking the state it writes in place from that
-step's results rather than through the arena: worker.batched_task.carry_state); after each task it advances an
-int64 signal counter in shared memory, as a GPU stream writes its pinned counter, and
-sends the task's completion notice itself (waking a poller per task would cost as much
-as the task).
+as one task; a lane task's steps with their states carried as tensors: worker.lanes); after each
+task it advances an int64 signal counter in shared memory, as a GPU stream writes its pinned
+counter, and sends the task's completion notice itself (waking a poller per task would cost as
+much as the task).
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ class CpuBackend(Backend):
             if isinstance(task, LaneTaskMessage):
                 issued = resolve_lanes(task, self._tensors, self._cells, self._peers)
             else:
-                issued = resolve(task, self._tensors, self._cells, self._peers, carry=True)
+                issued = resolve(task, self._tensors, self._cells, self._peers)
         except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed
             log.exception("task %d failed", task.task_id)
             issued = FailedTask(task.task_id, f"{type(exc).__name__}: {exc}")
@@ -165,8 +164,7 @@ class CpuBackend(Backend):
                     self._advanced.notify()
 
     def _run(self, task: list[IssuedTask] | LaneTask) -> None:
-        """A task's steps back to back, carrying state from step to step; a step that fails ends its
-        task, with that step's error."""
+        """A task's steps back to back; a step that fails ends its task, with that step's error."""
         try:
             if isinstance(task, LaneTask):
                 for (_, _, io, io_slots), rows in zip(task.downloads, run_lanes(task)):

@@ -29,11 +29,11 @@ from torch import nn
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
-from batchmaker.common.task import SLOT_DTYPE, InlineValues, LaneTaskMessage, RemoteRows, TaskMessage
+from batchmaker.common.task import SLOT_DTYPE, InlineValues, LaneTaskMessage, RemoteRows, TaskInput, TaskMessage
 from batchmaker.worker.backend import DeviceFault, warm_up_tasks
 from batchmaker.worker.batched_task import Inline, InputRows, IssuedTask, PeerArenas, RemoteInput, run_task
 from batchmaker.worker.cuda_graphs import Capture, CapturedCell, capture_cells
-from batchmaker.worker.lanes import LaneRows, LaneTask, StepRows, check_sequence, run_lanes, step_batches
+from batchmaker.worker.lanes import LaneRows, LaneTask, StepRows, check_lane_task, check_later, run_lanes, step_batches
 
 log = logging.getLogger(__name__)
 
@@ -190,19 +190,25 @@ class DeviceTasks:
     def _run_lanes(self, task: LaneTaskMessage) -> None:
         """A lane task's rows and inputs checked and staged on the host, sent in one copy, then every step
         enqueued (worker.lanes), and each download's rows copied to the io arena a run of io rows at a time."""
+        cuts = check_lane_task(task)
         staging = self._calls.staging(staged_lane_bytes(task))
-        lanes = len(task.steps)
-        packed = int(task.steps.sum())
+        lanes, packed = len(task.steps), int(task.steps.sum())
         inputs = []
-        for mode, source, arena_id, first, data in task.inputs:
-            arena = self._arena(arena_id)
+        for (mode, source, arena_id, first, later), cut in zip(task.inputs, cuts):
             rows = self._input(staging, lanes, *first)
-            sequence = None
-            if data:
-                sequence = staging.put(np.frombuffer(data, dtype=np.uint8), arena.dtype, (-1, *arena.shape[1:]))
-            check_sequence(mode, sequence, packed - lanes)
-            inputs.append(LaneRows(mode, source, rows, sequence))
+            later_rows: InputRows | torch.Tensor | None = None
+            if isinstance(later, TaskInput):
+                later_rows = self._input(staging, packed - lanes, *later)
+                check_later(mode, len(later.slots), task.steps)
+            elif later is not None:  # the rows themselves
+                arena = self._arena(arena_id)
+                later_rows = staging.put(np.frombuffer(later, dtype=np.uint8), arena.dtype, (-1, *arena.shape[1:]))
+                check_later(mode, later_rows.shape[0], task.steps)
+            else:
+                check_later(mode, 0, task.steps)
+            inputs.append(LaneRows(mode, source, rows, later_rows, cut))
         outputs = [(self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs]
+        every_step = {port: self._slots(staging, entries, packed, "entry") for port, entries in task.every_step}
         downloads = []
         for port, entries, io_id, io_slots in task.downloads:
             io = self._io_arena(io_id)
@@ -212,11 +218,21 @@ class DeviceTasks:
             downloads.append(StepRows(port, self._slots(staging, entries, packed, "entry"), io, io_slots))
         batch, offsets = step_batches(task.steps)
         staging.send()  # the first operation enqueued: every host-side check has passed
-        inputs = [entry._replace(first=entry.first._replace(remote=self._local(entry.first.remote))) for entry in inputs]
-        lane_task = LaneTask(task.task_id, self._cells[task.cell_index], batch, offsets, inputs, outputs, downloads)
+        inputs = [
+            entry._replace(
+                first=self._localized(entry.first),
+                later=self._localized(entry.later) if isinstance(entry.later, InputRows) else entry.later,
+            )
+            for entry in inputs
+        ]
+        cell = self._cells[task.cell_index]
+        lane_task = LaneTask(task.task_id, cell, batch, offsets, inputs, outputs, every_step, downloads)
         for (_, _, io, io_slots), rows in zip(downloads, run_lanes(lane_task)):
             for start, at, count in consecutive_runs(io_slots):
                 self._calls.download(io[at : at + count], rows.narrow(0, start, count))
+
+    def _localized(self, rows: InputRows) -> InputRows:
+        return rows._replace(remote=self._local(rows.remote))
 
     def _prepare(self, staging: Staging, step: TaskMessage) -> tuple[IssuedTask, list[Source]]:
         """A step's slot lists and inline values staged (their device views), its downloads' sources."""
@@ -314,10 +330,11 @@ def staged_bytes(task: TaskMessage) -> int:
 
 
 def staged_lane_bytes(task: LaneTaskMessage) -> int:
-    """Bytes `DeviceTasks._run_lanes` stages for a lane task: its first steps' rows, sequences, outputs, downloads."""
-    first = [entry.first for entry in task.inputs]
-    staged = staged_bytes(TaskMessage(task.task_id, task.cell_index, len(task.steps), first, task.outputs, []))
-    staged += sum(_aligned(len(entry.data)) for entry in task.inputs if entry.data is not None)
+    """Bytes `DeviceTasks._run_lanes` stages for a lane task: its inputs' rows, outputs' rows and downloads."""
+    entries = [entry for lane in task.inputs for entry in (lane.first, lane.later) if isinstance(entry, TaskInput)]
+    staged = staged_bytes(TaskMessage(task.task_id, task.cell_index, len(task.steps), entries, task.outputs, []))
+    staged += sum(_aligned(len(lane.later)) for lane in task.inputs if isinstance(lane.later, bytes))
+    staged += sum(_aligned(entries.nbytes) for _, entries in task.every_step)
     return staged + sum(_aligned(entries.nbytes) for _, entries, _, _ in task.downloads)
 
 

@@ -2,19 +2,19 @@
 
 A lane task runs `steps[i]` steps of each of its lanes, lanes in descending order of steps, so the
 lanes still going at step j are the first `batch[j]`: those that end drop off the end of the batch,
-as in a packed sequence. Its inputs are read once: every input's rows of the first step gathered
-at the start, a sequence's rows of the later steps sent packed; from then on a state is the value
-its source output had at the step before, carried as a tensor, never written to the arena and read
-back, and a constant keeps its first rows.
-Each output's last value per lane is written to its row once, at the end, and the rows the host
-must see are copied from the steps' results in one index per output. So a task costs a fixed
-number of operations beyond its cells, whatever its number of steps or lanes, and one loop
+as in a packed sequence. Its inputs are read once: every input's rows of the first step gathered at
+the start, and a sequence's rows of the later steps, packed step after step, in one gather; from
+then on a state is the value its source output had at the step before, carried as a tensor, never
+written to the arena and read back, and a constant keeps its first rows (a ragged one, the rows of
+the lanes still going). Each output's last value per lane is written to its row once, at the end
+(an output read outside the lane at every step: every step's values, in one scatter), and the rows
+the host must see are copied from the steps' results in one index per output. So a task costs a
+fixed number of operations beyond its cells, whatever its number of steps or lanes, and one loop
 iteration of Python per step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -24,17 +24,28 @@ from torch import nn
 
 from batchmaker.common.lanes import SEQUENCE, STATE
 from batchmaker.common.task import LaneTaskMessage, TaskInput
-from batchmaker.worker.batched_task import Inline, InputRows, PeerArenas, RemoteInput, gather, inline_rows
+from batchmaker.worker.batched_task import (
+    InputRows,
+    PeerArenas,
+    arena_of,
+    gather,
+    index_views,
+    inline_rows,
+    input_rows,
+    slot_arrays,
+)
 
 
 class LaneRows(NamedTuple):
-    """One cell input of a lane task, resolved: its rows of the first step (`first`, a row per lane) and
-    a sequence's rows of the later steps, packed step after step (`data`)."""
+    """One cell input of a lane task, resolved: its rows of the first step (`first`, a row per lane, or
+    for a ragged input any number, with `cuts[b]` of them belonging to the first b lanes) and a
+    sequence's rows of the later steps, packed step after step (`later`)."""
 
     mode: int
     source: int
     first: InputRows
-    data: torch.Tensor | None
+    later: InputRows | torch.Tensor | None  # rows to gather, or the rows themselves (sent as values)
+    cuts: list[int] | None = None
 
 
 class StepRows(NamedTuple):
@@ -56,7 +67,8 @@ class LaneTask:
     batch: list[int]  # lanes running each step, descending
     offsets: list[int]  # where each step's rows start among the packed rows of every step
     inputs: list[LaneRows]
-    outputs: list[tuple[torch.Tensor, torch.Tensor]]  # per output: (arena, a row per lane for its last value)
+    outputs: list[tuple[torch.Tensor, torch.Tensor]]  # per output: (arena, rows: each lane's last, or its entries')
+    every_step: dict[int, torch.Tensor]  # outputs written at every step: which of their rows of every step
     downloads: list[StepRows]
 
 
@@ -72,12 +84,30 @@ def step_batches(steps: np.ndarray) -> tuple[list[int], list[int]]:
     return batch.tolist(), offsets.tolist()
 
 
-def check_sequence(mode: int, rows: torch.Tensor | None, later: int) -> None:
-    """A sequence input holds a row for each of the later steps' lanes, `later` in all; any other none."""
-    held = 0 if rows is None else rows.shape[0]
-    if held != (later if mode == SEQUENCE else 0):
+def check_lane_task(task: LaneTaskMessage) -> list[list[int] | None]:
+    """Check on the host what the rows of a lane task must add up to (a sequence's later rows once they are
+    known: `check_later`); returns, per input, the cuts of a ragged one (one with segments,
+    `LaneRows.cuts`): its rows of the first b lanes, for every b."""
+    lanes, packed = len(task.steps), int(task.steps.sum())
+    cuts: list[list[int] | None] = []
+    for entry in task.inputs:
+        segments = entry.first.segments
+        cuts.append(None if segments is None else np.searchsorted(segments, np.arange(lanes + 1)).tolist())
+    every = dict(task.every_step)
+    for port, (_, slots) in enumerate(task.outputs):
+        if len(slots) != (len(every[port]) if port in every else lanes):
+            raise ValueError(f"output {port} has {len(slots)} rows for {lanes} lanes or its rows of every step")
+        if port in every and len(every[port]) and (every[port].min() < 0 or every[port].max() >= packed):
+            raise IndexError(f"output {port} takes rows beyond the {packed} its steps compute")
+    return cuts
+
+
+def check_later(mode: int, rows: int, steps: np.ndarray) -> None:
+    """A sequence input holds a row for each of the later steps' lanes; any other none."""
+    later = int(steps.sum()) - len(steps)
+    if rows != (later if mode == SEQUENCE else 0):
         what = "a sequence input" if mode == SEQUENCE else "an input that is not a sequence"
-        raise ValueError(f"{what} of {held} rows for {later} rows of later steps")
+        raise ValueError(f"{what} of {rows} rows for {later} rows of later steps")
 
 
 def run_lanes(task: LaneTask) -> list[torch.Tensor]:
@@ -86,81 +116,74 @@ def run_lanes(task: LaneTask) -> list[torch.Tensor]:
 
     Every tensor must already be on the arenas' device (nothing here moves data between devices)."""
     inputs, batch = task.inputs, task.batch
-    values = gather([entry.first for entry in inputs])
+    first = [gather([entry.first]) for entry in inputs]  # each input's rows (and a ragged one's segments)
+    values = [rows[0] for rows in first]
+    later = [
+        (port, gather([entry.later])[0] if isinstance(entry.later, InputRows) else entry.later)
+        for port, entry in enumerate(inputs)
+        if entry.later is not None
+    ]
     carried = [(port, entry.source) for port, entry in enumerate(inputs) if entry.mode == STATE]
-    sequences = [(port, entry.data) for port, entry in enumerate(inputs) if entry.mode == SEQUENCE]
-    later = batch[0] if batch else 0  # where the later steps' rows start among the packed rows
-    per_step: dict[int, list[torch.Tensor]] = {download.port: [] for download in task.downloads}
+    ragged = [(port, first[port][1], entry.cuts) for port, entry in enumerate(inputs) if entry.cuts is not None]
+    kept = {port: [] for port in {*task.every_step, *(download.port for download in task.downloads)}}
     ends: list[list[torch.Tensor]] = [[] for _ in task.outputs]  # per output, the last values of lanes as they end
+    lanes = batch[0] if batch else 0
     for step, size in enumerate(batch):
         if step:
-            start = task.offsets[step] - later
-            for port, data in sequences:
-                values[port] = data[start : start + size]
-        produced = task.cell(*[value if value.shape[0] == size else value[:size] for value in values])
+            start = task.offsets[step] - lanes
+            for port, rows in later:
+                values[port] = rows[start : start + size]
+        args: list[Any] = [value if value.shape[0] == size else value[:size] for value in values]
+        for port, segments, cuts in reversed(ragged):  # a ragged input: the rows of the lanes still going
+            cut = cuts[size]
+            args[port : port + 1] = [values[port][:cut], segments[:cut]]
+        produced = task.cell(*args)
         results = (produced,) if isinstance(produced, torch.Tensor) else tuple(produced)
         for port, source in carried:
             values[port] = results[source]
-        for port, rows in per_step.items():
+        for port, rows in kept.items():
             rows.append(results[port])
         following = batch[step + 1] if step + 1 < len(batch) else 0
         if following < size:  # lanes end at this step: rows `following` to `size` are their last values
             for output, pieces in enumerate(ends):
                 value = results[output]
                 pieces.append(value if following == 0 else value.narrow(0, following, size - following))
-    for (arena, rows), pieces in zip(task.outputs, ends):  # lanes that end last come first
-        arena.index_copy_(0, rows, pieces[0] if len(pieces) == 1 else torch.cat(pieces[::-1]))
-    taken = []
-    for port, entries, _, _ in task.downloads:
-        rows = per_step[port]
-        taken.append((rows[0] if len(rows) == 1 else torch.cat(rows)).index_select(0, entries))
-    return taken
+    for output, entries in task.every_step.items():  # first: a lane's last values may overwrite them in place
+        arena, rows = task.outputs[output]
+        arena.index_copy_(0, rows, _packed(kept[output]).index_select(0, entries))
+    for output, ((arena, rows), pieces) in enumerate(zip(task.outputs, ends)):
+        if output not in task.every_step:  # lanes that end last come first
+            arena.index_copy_(0, rows, pieces[0] if len(pieces) == 1 else torch.cat(pieces[::-1]))
+    return [_packed(kept[port]).index_select(0, entries) for port, entries, _, _ in task.downloads]
 
 
-def resolve_lanes(
-    task: LaneTaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas
-) -> LaneTask:
+def _packed(rows: list[torch.Tensor]) -> torch.Tensor:
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def resolve_lanes(task: LaneTaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> LaneTask:
     """A lane task message on host tensors (the CPU backend's arenas): the issuer's share of the work.
 
     Every index array of the task becomes one tensor, viewed per array."""
-    arrays = [array for entry in task.inputs for array in _input_arrays(entry.first)]
-    arrays += [slots for _, slots in task.outputs]
-    arrays += [array for _, entries, _, io_slots in task.downloads for array in (entries, io_slots)]
-    views = iter(torch.from_numpy(np.concatenate(arrays)).split([len(array) for array in arrays]) if arrays else ())
-    later = int(task.steps.sum()) - len(task.steps)
+    cuts = check_lane_task(task)
+    entries = [entry for lane in task.inputs for entry in (lane.first, lane.later) if isinstance(entry, TaskInput)]
+    arrays = [array for entry in entries for array in slot_arrays(entry)]
+    arrays += [slots for _, slots in task.outputs] + [entries for _, entries in task.every_step]
+    arrays += [array for _, positions, _, io_slots in task.downloads for array in (positions, io_slots)]
+    views = index_views(arrays)
     inputs = []
-    for mode, source, arena, first, data in task.inputs:
-        sequence = inline_rows(data, _arena(tensors, arena)) if data else None
-        check_sequence(mode, sequence, later)
-        inputs.append(LaneRows(mode, source, _input_rows(first, tensors, peers, views), sequence))
-    outputs = [(tensors[arena], next(views)) for arena, _ in task.outputs]
-    downloads = [StepRows(port, next(views), tensors[io], next(views)) for port, _, io, _ in task.downloads]
+    for (mode, source, arena, first, later), cut in zip(task.inputs, cuts):
+        rows = input_rows(first, tensors, peers, views)
+        if isinstance(later, TaskInput):
+            later_rows: InputRows | torch.Tensor | None = input_rows(later, tensors, peers, views)
+            check_later(mode, len(later.slots), task.steps)
+        else:
+            later_rows = None if later is None else inline_rows(later, arena_of(tensors, arena))
+            check_later(mode, 0 if later_rows is None else later_rows.shape[0], task.steps)
+        inputs.append(LaneRows(mode, source, rows, later_rows, cut))
+    outputs = [(arena_of(tensors, arena), next(views)) for arena, _ in task.outputs]
+    every_step = {port: next(views) for port, _ in task.every_step}
+    downloads = [StepRows(port, next(views), arena_of(tensors, io), next(views)) for port, _, io, _ in task.downloads]
     batch, offsets = step_batches(task.steps)
-    return LaneTask(task.task_id, cells[task.cell_index], batch, offsets, inputs, outputs, downloads)
+    return LaneTask(task.task_id, cells[task.cell_index], batch, offsets, inputs, outputs, every_step, downloads)
 
-
-def _input_arrays(entry: TaskInput) -> list[np.ndarray]:
-    """A first step's index arrays, in the order `_input_rows` takes their views."""
-    arrays = [entry.slots]
-    for _, _, rows, at in entry.remote or ():
-        arrays += [rows, at]
-    if entry.values is not None:
-        arrays.append(entry.values.positions)
-    return arrays
-
-
-def _input_rows(entry: TaskInput, tensors: list[torch.Tensor], peers: PeerArenas, views: Iterator[torch.Tensor]) -> InputRows:
-    slots = next(views)
-    remote = [RemoteInput(peers[(peer, arena)], next(views), next(views)) for peer, arena, _, _ in entry.remote or ()]
-    inline = None
-    if entry.values is not None:
-        positions, data = entry.values
-        whole = len(positions) == len(entry.slots) and bool((positions == np.arange(len(positions))).all())
-        inline = Inline(next(views), inline_rows(data, tensors[entry.arena]), whole)
-    return InputRows(_arena(tensors, entry.arena), slots, None, remote, inline)
-
-
-def _arena(tensors: list[torch.Tensor], arena_id: int) -> torch.Tensor:
-    if not 0 <= arena_id < len(tensors):
-        raise KeyError(f"no arena {arena_id} on this worker")
-    return tensors[arena_id]

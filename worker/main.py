@@ -34,7 +34,7 @@ from batchmaker.common.logs import setup_logging
 from batchmaker.common.models.base import build_model, cell_layout
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.sockets import NOW, receive, server_context
-from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
+from batchmaker.common.task import LaneTaskMessage, TaskInput, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
 from batchmaker.worker.notices import InProgressFIFO, Poller
@@ -263,11 +263,11 @@ class Worker:
 def _crash_on(task: TaskMessage | LaneTaskMessage, token: int) -> None:
     """Test hook: exit at once, without a word, when the task reads `token` inline."""
     if isinstance(task, LaneTaskMessage):
-        first = [entry.first for entry in task.inputs if entry.first is not None]
-        sent = [entry.data for entry in task.inputs if entry.data is not None]
+        entries = [entry for lane in task.inputs for entry in (lane.first, lane.later) if isinstance(entry, TaskInput)]
+        sent = [lane.later for lane in task.inputs if isinstance(lane.later, bytes)]
     else:
-        first, sent = [entry for step in task.steps() for entry in step.inputs], []
-    sent += [inline[1] for *_, inline in first if inline is not None]
+        entries, sent = [entry for step in task.steps() for entry in step.inputs], []
+    sent += [inline[1] for *_, inline in entries if inline is not None]
     if any(len(data) % 8 == 0 and token in np.frombuffer(data, dtype=np.int64) for data in sent):
         os._exit(70)
 
