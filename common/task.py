@@ -45,8 +45,10 @@ A lane task runs chain lanes (common.lanes) for several steps, described per lan
 * downloads: [[port, entries, io_arena, io_slots], ...] rows of output `port` the host must see:
              `entries` index its rows of every step, counted step after step
 
-A completion notice: [worker_id, key, task ids, errors, signal, rows], rows being
-[[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty).
+A completion notice: [worker_id, key, task ids, errors, signal, rows, busy_us], rows being
+[[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty),
+and busy_us how long each task kept the worker busy, in microseconds, as the worker timed it (or
+empty: not timed).
 `key` is the secret the manager gave the worker when it registered: the notice socket does not
 say who sent a message, and without it any peer could complete another worker's tasks.
 
@@ -318,11 +320,12 @@ class CompletionNotice:
     signal: int
     rows: list[IoRows] = field(default_factory=list)
     key: bytes = b""
+    busy_us: list[int] = field(default_factory=list)  # per task: how long it kept the worker busy (or none)
 
 
 def encode_notice(notice: CompletionNotice) -> bytes:
     rows = [[io_arena, _slots(io_slots), data] for io_arena, io_slots, data in notice.rows]
-    fields = [notice.worker_id, notice.key, notice.task_ids, notice.errors, notice.signal, rows]
+    fields = [notice.worker_id, notice.key, notice.task_ids, notice.errors, notice.signal, rows, notice.busy_us]
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -332,9 +335,9 @@ def decode_notice(frame: bytes) -> CompletionNotice:
         fields = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise ValueError(f"not msgpack ({type(exc).__name__})") from None
-    if not isinstance(fields, list) or len(fields) != 6:
-        raise ValueError("not a list of six fields")
-    worker_id, key, task_ids, errors, signal, rows = fields
+    if not isinstance(fields, list) or len(fields) != 7:
+        raise ValueError("not a list of seven fields")
+    worker_id, key, task_ids, errors, signal, rows, busy_us = fields
     if not (_is_int(worker_id) and _is_int(signal) and isinstance(key, bytes)):
         raise ValueError("ill-typed worker id, key or signal")
     if not isinstance(task_ids, list) or not all(map(_is_int, task_ids)):
@@ -343,7 +346,10 @@ def decode_notice(frame: bytes) -> CompletionNotice:
         raise ValueError("errors are not a map of task ids to text")
     if not isinstance(rows, list) or not all(_is_io_rows(entry) for entry in rows):
         raise ValueError("rows are not [io arena, slots, data] entries")
-    return CompletionNotice(worker_id, task_ids, errors, signal, [IoRows(a, _view(s), data) for a, s, data in rows], key)
+    if not isinstance(busy_us, list) or len(busy_us) not in (0, len(task_ids)) or not all(map(_is_int, busy_us)):
+        raise ValueError("busy times are not an integer per task (or none)")
+    io_rows = [IoRows(a, _view(s), data) for a, s, data in rows]
+    return CompletionNotice(worker_id, task_ids, errors, signal, io_rows, key, busy_us)
 
 
 def _is_int(value: object) -> bool:

@@ -194,13 +194,21 @@ class BatchingCore:
         return tasks
 
     def complete(self, worker: WorkerHandle, notice: CompletionNotice) -> list[Outcome]:
-        """The tasks a worker's notice reports finished: requests progress, and those done are answered."""
+        """The tasks a worker's notice reports finished: requests progress, and those done are answered.
+
+        Admission's capacity goes by the manager's time for a task (the rate the whole server drains its
+        queue at); the step costs of lane tasks go by the worker's own, which excludes the manager's lag
+        in reading notices (a saturated manager reads them late, and its time would make every step look
+        dear and every lane task short)."""
+        timed = dict(zip(notice.task_ids, notice.busy_us))
         for task_id in notice.task_ids:
             task = worker.tasks.pop(task_id, None)
             if task is not None:
                 worker.tasks_completed += 1
                 steps = len(task.step_sizes)
                 busy = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
+                if task.lanes and task_id in timed:
+                    busy = timed[task_id] / 1e6
                 self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy)
                 self.processor.task_completed(task, notice.errors.get(task_id))
         return self._outcomes()

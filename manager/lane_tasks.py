@@ -113,6 +113,7 @@ class LaneTasks:
         downloads = self._downloads(task, spec, rows, steps, first, batch, worker)
         message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, list(every_step.items()), downloads)
         task.message = encode_lane_task(message)
+        task.lanes = True
         task.step_nodes = batch.tolist()
         task.step_sizes = [spec.padded_size(int(size)) for size in batch]
         task.batch_size = int(steps.sum())

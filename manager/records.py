@@ -114,6 +114,7 @@ class Task:
         "steps",
         "step_nodes",
         "step_sizes",
+        "lanes",
     )
 
     def __init__(self, task_id: int, spec: CellTypeSpec, worker_id: int, rows: np.ndarray, counts: np.ndarray):
@@ -130,6 +131,7 @@ class Task:
         self.steps: list[Any] = []  # each step's common.task.TaskStep, until the message is encoded
         self.step_nodes: list[int] = []
         self.step_sizes: list[int] = []
+        self.lanes = False  # a lane task (common.lanes), not a task of waves
 
     @property
     def nodes(self) -> int:

@@ -19,7 +19,7 @@ def test_a_run_reports_the_managers_cpu_per_request_and_per_task(tmp_path: Path)
     with ServedPolicy(config.path, config.server.address, "cellular", "lstm") as served:
         replies, manager = ceiling.measure(served, frames)
     assert replies.lost == 0 and all(reply["ok"] for reply in replies.replies)
-    assert manager["tasks"] >= 22  # every request has 22 steps, each at least one task
+    assert manager["tasks"] >= 2  # every request has 22 steps: a lane task takes 16 at most (the default)
     assert manager["manager_cpu_us_per_request"] > 0
     assert manager["manager_cpu_us_per_task"] > 0
     assert manager["manager_cpu_us_per_task"] * manager["tasks"] == pytest.approx(manager["manager_cpu_us_per_request"] * 300)

@@ -162,6 +162,9 @@ def scrape(port: int) -> dict[str, dict]:
     return samples
 
 
+LOAD = 2000  # requests of 50 tokens: enough work that scrapes taken meanwhile see some of it
+
+
 def test_metrics_are_scraped_during_load(tmp_path: Path):
     port = free_port()
     config = write_config(tmp_path, SMALL_LSTM, server=f'metrics_address = "127.0.0.1:{port}"')
@@ -171,7 +174,7 @@ def test_metrics_are_scraped_during_load(tmp_path: Path):
 
         async def load():
             async with AsyncClient(server.address, timeout=60) as client:
-                tasks = [client.infer("lstm", {"tokens": rng.integers(0, 1000, size=50).tolist()}) for _ in range(300)]
+                tasks = [client.infer("lstm", {"tokens": rng.integers(0, 1000, size=50).tolist()}) for _ in range(LOAD)]
                 answers = asyncio.gather(*tasks)
                 busy_seen = False
                 while not (busy_seen or answers.done()):  # scraped while the load runs, until work shows
@@ -188,14 +191,14 @@ def test_metrics_are_scraped_during_load(tmp_path: Path):
             after = wait_until(lambda: _settled(scrape(port)), "the metrics settling after the load")
             steps = sum(client.stats()["batch_sizes"]["lstm/layer0"].values())
 
-        assert after["batchmaker_requests_total"][(("model", "lstm"), ("outcome", "ok"))] == 300
+        assert after["batchmaker_requests_total"][(("model", "lstm"), ("outcome", "ok"))] == LOAD
         assert after["batchmaker_requests_total"][(("model", "-"), ("outcome", "UNKNOWN_MODEL"))] == 1
-        assert after["batchmaker_request_latency_seconds_count"][(("model", "lstm"),)] == 300
-        assert after["batchmaker_request_queue_seconds_count"][(("model", "lstm"),)] == 300
+        assert after["batchmaker_request_latency_seconds_count"][(("model", "lstm"),)] == LOAD
+        assert after["batchmaker_request_queue_seconds_count"][(("model", "lstm"),)] == LOAD
         batch_count = after["batchmaker_batch_size_count"][(("cell_type", "lstm/layer0"),)]
         batch_sum = after["batchmaker_batch_size_sum"][(("cell_type", "lstm/layer0"),)]
         # Each step of a task is a batch; a multi-step task runs several.
-        assert batch_sum == 300 * 50 and batch_count == steps
+        assert batch_sum == LOAD * 50 and batch_count == steps
         assert 0 < after["batchmaker_tasks_total"][(("cell_type", "lstm/layer0"),)] <= steps
         assert batch_sum / batch_count > 1.5
         assert set(after["batchmaker_worker_tasks_in_flight"]) == {(("worker", "0"),), (("worker", "1"),)}
@@ -215,8 +218,8 @@ def busy(samples: dict[str, dict]) -> float:
 
 
 def _settled(samples: dict[str, dict]) -> dict[str, dict] | None:
-    """The samples once they count all 301 requests and show nothing running, else None."""
-    counted = sum(samples.get("batchmaker_requests_total", {}).values()) == 301
+    """The samples once they count every request (the load's and one refused) and show nothing running, else None."""
+    counted = sum(samples.get("batchmaker_requests_total", {}).values()) == LOAD + 1
     return samples if counted and busy(samples) == 0 else None
 
 

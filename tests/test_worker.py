@@ -303,7 +303,7 @@ def test_poller_reports_completions_in_fifo_order(cells, polled):
         backend.issue(decode_task(encode_task(task)))
     seen: list[int] = []
     for notice in notices_until(receiver, 20):
-        assert notice.errors == {} and notice.rows == []
+        assert notice.errors == {} and notice.rows == [] and len(notice.busy_us) == len(notice.task_ids)
         seen.extend(notice.task_ids)
         # Every notice carries the stream's counter; a heartbeat, sent apart, may be ahead of the notices.
         assert notice.signal == len(seen) if notice.task_ids else notice.signal >= len(seen)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import zmq
@@ -20,20 +22,39 @@ HEARTBEAT_S = 0.5  # the poller reports the signal counter at least this often
 IoSlots = list[tuple[int, np.ndarray]]  # (io arena, io slots) of a task's downloads
 
 
+class FinishedTask(NamedTuple):
+    task_id: int
+    sent_rows: IoSlots
+    busy_us: int  # how long it kept this worker busy
+
+
 class InProgressFIFO:
     """Tasks issued to the stream and not yet reported complete, in stream order, each with the
-    io rows its notice must carry (none on the manager's host)."""
+    io rows its notice must carry (none on the manager's host) and the time it was received.
 
-    def __init__(self) -> None:
-        self._tasks: collections.deque[tuple[int, IoSlots]] = collections.deque()
+    A task keeps the worker busy from its receipt, or from the end of the task before it if that came
+    later (the stream runs its tasks one after another), to its own end: resolving it counts, waiting
+    idle for it does not. Tasks found finished together (a device's poller coalesces them) share the
+    span evenly; on the CPU each task's end is taken as it finishes."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._tasks: collections.deque[tuple[int, IoSlots, float]] = collections.deque()
         self._issued = threading.Event()
+        self._last_end = 0.0
 
     def push(self, task_id: int, sent_rows: IoSlots) -> None:
-        self._tasks.append((task_id, sent_rows))
+        self._tasks.append((task_id, sent_rows, self._clock()))
         self._issued.set()
 
-    def pop(self) -> tuple[int, IoSlots]:
-        return self._tasks.popleft()
+    def pop_finished(self, count: int) -> list[FinishedTask]:
+        """The next `count` tasks, which the stream has just finished."""
+        popped = [self._tasks.popleft() for _ in range(count)]
+        end = self._clock()
+        began = max(self._last_end, popped[0][2])
+        self._last_end = end
+        busy_us = round(max(0.0, end - began) * 1e6 / count)
+        return [FinishedTask(task_id, sent_rows, busy_us) for task_id, sent_rows, _ in popped]
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -97,16 +118,16 @@ class Poller(threading.Thread):
 
     def _notice(self, count: int, signal: int) -> bytes:
         """The completion notice for the next `count` tasks of the in-progress FIFO."""
-        task_ids, errors, rows = [], {}, []
-        for _ in range(count):
-            task_id, sent_rows = self._fifo.pop()
+        finished = self._fifo.pop_finished(count)
+        errors, rows = {}, []
+        for task_id, sent_rows, _ in finished:
             error = self._backend.finish(task_id)
-            task_ids.append(task_id)
             if error is not None:
                 errors[task_id] = error
             else:
                 rows += [IoRows(arena, slots, self._backend.read_io(arena, slots)) for arena, slots in sent_rows]
-        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows, self._key))
+        task_ids, busy_us = [task.task_id for task in finished], [task.busy_us for task in finished]
+        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows, self._key, busy_us))
 
     def _heartbeat(self, signal: int) -> bytes:
         return encode_notice(CompletionNotice(self._worker_id, [], {}, signal, key=self._key))
