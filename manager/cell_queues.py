@@ -37,18 +37,19 @@ class CellTypeQueue:
             setattr(self, name, np.zeros(64, np.int64))
         self.running_tasks = 0  # tasks of this type in flight on any worker
 
-    def add(
-        self, row: int, generation: int, start: int, end: int, need: int, wave: int, priority: int = 0, layout: int = NO_LAYOUT
-    ) -> None:
-        if self.size == len(self.row):
+    def add(self, lanes: list[tuple[int, ...]]) -> None:
+        """Append lanes, each (row, generation, cursor, end, need, wave, priority, layout), in order."""
+        count = len(lanes)
+        while self.size + count > len(self.row):
             for name in self.COLUMNS:
                 column = getattr(self, name)
                 setattr(self, name, np.concatenate((column, np.zeros_like(column))))
-        at = self.size
-        self.row[at], self.generation[at], self.cursor[at], self.end[at] = row, generation, start, end
-        self.need[at], self.wave[at], self.priority[at], self.passes[at] = need, wave, priority, 0
-        self.layout[at] = layout
-        self.size += 1
+        columns = np.array(lanes, np.int64).reshape(count, 8).T
+        at = slice(self.size, self.size + count)
+        for name, values in zip(("row", "generation", "cursor", "end", "need", "wave", "priority", "layout"), columns):
+            getattr(self, name)[at] = values
+        self.passes[at] = 0
+        self.size += count
 
     def keep(self, mask: np.ndarray) -> None:
         kept = int(mask.sum())

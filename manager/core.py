@@ -15,6 +15,7 @@ the batching policy over the scheduler (manager.policies, manager.scheduler), th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,6 +47,7 @@ from batchmaker.manager.request_processor import RequestProcessor
 from batchmaker.manager.sessions import Session, SessionStore, Waiting, session_fields
 from batchmaker.manager.worker_handle import WorkerHandle
 
+log = logging.getLogger(__name__)
 MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
 
 
@@ -78,8 +80,33 @@ class BatchingCore:
         """Validate an `infer` message and admit its request; raises RequestError to refuse it.
 
         A request of a session whose previous request is unanswered waits, unadmitted, for its turn
-        (None is returned; it is admitted then, or refused as an outcome). The cheap checks come
-        first, so that refusing under load costs no plan."""
+        (None is returned; it is admitted then, or refused as an outcome)."""
+        [result] = self.admit_burst([(client, request_id, message, arrival)])
+        if isinstance(result, RequestError):
+            raise result
+        return result
+
+    def admit_burst(self, messages: list[tuple[bytes, Any, dict[str, Any], float]]) -> list[Request | RequestError | None]:
+        """Validate and admit the `infer` messages of a burst, (client, id, message, arrival) each, in order:
+        for each, its request (None: it waits for its session) or the RequestError refusing it.
+
+        Each is checked and planned in turn, the cheap checks first, so that refusing under load costs no
+        plan; the limits count the burst's requests before it. Those admitted get their records together,
+        in order: one update of the request table, the plan store and the queues for the burst."""
+        burst = _Burst()
+        results: list[Request | RequestError | None] = []
+        for client, request_id, message, arrival in messages:
+            try:
+                results.append(self._take(burst, client, request_id, message, arrival))
+            except RequestError as error:
+                results.append(error)
+            except Exception as exc:  # a model's bug costs its request, never the others of the burst
+                log.exception("request %r failed", request_id)
+                results.append(RequestError(INTERNAL, f"{type(exc).__name__}: {exc}"))
+        self._record(burst)
+        return results
+
+    def _take(self, burst: _Burst, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> Request | None:
         name = message.get("model")
         if not isinstance(name, str):
             raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
@@ -95,18 +122,20 @@ class BatchingCore:
             raise RequestError(
                 INVALID_INPUT, f"model {name!r} ({model.kind}) cannot stream its outputs; send the request without 'stream'"
             )
-        if (client, request_id) in self.requests or self.sessions.holds(client, request_id):
+        key = (client, request_id)
+        if key in self.requests or key in burst.keys or self.sessions.holds(client, request_id):
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
         priority = _optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
         fields = session_fields(message)
         limit = self._server.max_queued_requests
-        in_flight = len(self.requests) + self.sessions.waiting
+        in_flight = len(self.requests) + self.sessions.waiting + len(burst.requests)
         if in_flight >= limit:
             raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
         deadline_ms = deadline_ms if deadline_ms is not None else self._server.default_deadline_ms or None
         if fields is None:
-            return self._admit(client, request_id, model, message["inputs"], arrival, deadline_ms, priority, stream)
+            return self._plan(burst, client, request_id, model, message["inputs"], arrival, deadline_ms, priority, stream)
+        self._record(burst)  # a session's request follows the burst's requests before it
         waiting = Waiting(client, request_id, model, message["inputs"], fields, arrival, deadline_ms, priority, stream)
         session = self.sessions.find(model, fields, waiting.inputs)
         if self.sessions.busy(fields.name):
@@ -117,24 +146,37 @@ class BatchingCore:
     def _admit_in_session(self, waiting: Waiting, session: Session | None) -> Request:
         """Admit a session's request with the session's state as its initial state; it runs now."""
         inputs = self.sessions.inputs(session, waiting.inputs)
-        request = self._admit(
-            waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms, waiting.priority,
-            waiting.stream,
-        )
+        burst = _Burst()
+        request = self._plan(
+            burst, waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms,
+            waiting.priority, waiting.stream,
+        )  # fmt: skip
+        self._record(burst)
         self.sessions.started(session, waiting.fields, waiting.model.name, (waiting.client, waiting.request_id))
         return request
 
-    def _admit(
-        self, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float, deadline_ms: int | None, priority: int,
-        stream: bool,
+    def _plan(
+        self, burst: _Burst, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float,
+        deadline_ms: int | None, priority: int, stream: bool,
     ) -> Request:
-        self.admission.check(self.processor.unfinished_nodes, deadline_ms)
+        """A request checked against the expected wait and the queued cells (the burst's included) and
+        planned: its record, which joins the burst."""
+        self.admission.check(self.processor.unfinished_nodes + burst.nodes, deadline_ms)
         unfolded = self.policy.unfold(model, inputs)
-        queued = self.processor.unsubmitted_nodes
+        queued = self.processor.unsubmitted_nodes + burst.nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {self._server.max_queued_nodes}); retry later")
-        deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
-        return self.processor.admit(client, request_id, model, inputs, unfolded, arrival, priority=priority, deadline=deadline, stream=stream)
+        request = Request(client, request_id, model, inputs, unfolded, arrival)
+        request.priority, request.stream = priority, stream
+        request.deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
+        burst.add(request)
+        return request
+
+    def _record(self, burst: _Burst) -> None:
+        """The burst's requests so far get their records (table rows, plans, queued lanes)."""
+        if burst.requests:
+            self.processor.admit(burst.requests)
+            burst.clear()
 
     def _resume(self, name: str) -> list[Outcome]:
         """Admit the requests waiting for session `name` in turn, until one runs or none is left;
@@ -282,6 +324,25 @@ class BatchingCore:
             else:
                 outcomes += [outcome, *self._resume(self.sessions.failed(key, now))]
         return outcomes
+
+
+class _Burst:
+    """Requests of one burst checked and planned, whose records are made together."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.keys: set[tuple[bytes, Any]] = set()  # (client, id) of each
+        self.nodes = 0  # their cells
+
+    def add(self, request: Request) -> None:
+        self.requests.append(request)
+        self.keys.add((request.client, request.request_id))
+        self.nodes += request.unfolded.plan.nodes
+
+    def clear(self) -> None:
+        self.requests = []
+        self.keys.clear()
+        self.nodes = 0
 
 
 def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None, maximum: int | None = None) -> int | None:

@@ -1,21 +1,21 @@
 """The plan store: plans of admitted requests, concatenated.
 
-Per-node and per-register data of every admitted request lives here, each request's plan
-arrays copied next to the others at admission, so a task gathers the data of all its nodes
-with one fancy index, whatever requests they belong to; where a request's ranges start is in
-its request-table row. The store grows by doubling and compacts when its tail is full,
-moving live requests down.
-"""
+Per-node and per-register data of every admitted request lives here, so a task gathers the data of
+all its nodes with one fancy index, whatever requests they belong to; where a request's ranges start
+is in its request-table row. A plan's node matrix and ragged inputs are stored once, shared by every
+request of its shape (models reuse one plan per shape), and kept while the plan may come again;
+each request copies in only what is its own, its registers and external values. The store grows by
+doubling and compacts when a region's tail is full, moving what is live down."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
-from batchmaker.common.plan import ZERO_REF, Plan, Unfolded
+from batchmaker.common.plan import ZERO_REF, Plan
 from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.manager.request_table import NO_WORKER, Region, RequestTable, grow_rows
 
@@ -80,8 +80,22 @@ def _fits(needs: list[tuple[_Log, int]]) -> bool:
     return True
 
 
+class _Stored:
+    """A plan's node matrix and ragged inputs in the store: where they start, and how many live requests
+    run it (a plan is shared by the requests of its shape)."""
+
+    __slots__ = ("plan", "node_base", "ragged_base", "users")
+
+    def __init__(self, plan: Plan, node_base: int, ragged_base: int):
+        self.plan = plan
+        self.node_base = node_base
+        self.ragged_base = ragged_base
+        self.users = 0
+
+
 class PlanStore:
-    """Plans of admitted requests, concatenated: nodes, ragged inputs, registers and external values."""
+    """The plans of admitted requests (node matrices and ragged inputs, each plan once, however many
+    requests run it) and each request's own registers and external values, concatenated."""
 
     def __init__(self, table: RequestTable, ports: int, outputs: int):
         self.table = table
@@ -95,57 +109,100 @@ class PlanStore:
         self.externals = {
             kind: _Log({"values": (np.dtype(kind.dtype), kind.shape, 0)}) for kind in table.kinds
         }
+        self._plans: dict[int, _Stored] = {}  # by id(plan); each holds its plan, so an id is never reused meanwhile
 
-    def add(self, request: Request, live: Iterable[Request]) -> None:
-        """Copy a request's plan in; compacts first if a region's tail is full."""
-        unfolded: Unfolded = request.unfolded
-        plan = unfolded.plan
-        needs = [
-            (self.nodes, plan.nodes),
-            (self.ragged, len(plan.ragged_refs)),
-            (self.registers, plan.registers),
-            *[(self.externals[kind], len(values)) for kind, values in unfolded.externals.items()],
-        ]
+    def add(self, requests: list[Request], rows: np.ndarray, live: Callable[[], list[Request]]) -> None:
+        """Place the plans of requests just given `rows` in the table (each plan stored once) and copy in
+        their registers and external values, every request's of a region in one copy; compacts first if a
+        region's tail is full. `live()`: the requests admitted before them (asked for only to compact)."""
+        table = self.table
+        placed = []
+        for request in requests:
+            plan = request.unfolded.plan
+            stored = self._plans.get(id(plan)) or self._store(plan, live)
+            if stored.users == 0:
+                self.nodes.live += plan.nodes
+                self.ragged.live += len(plan.ragged_refs)
+            stored.users += 1
+            placed.append(stored)
+        table.place("node", rows, [stored.node_base for stored in placed])  # after any compaction moved them
+        table.place("ragged", rows, [stored.ragged_base for stored in placed])
+        registers = np.array([request.unfolded.plan.registers for request in requests], np.int64)
+        externals = {kind: [] for kind in self.externals}
+        for request in requests:
+            for kind, values in request.unfolded.externals.items():
+                externals[kind].append(values)
+        needs = [(self.registers, int(registers.sum()))]
+        needs += [(self.externals[kind], sum(map(len, values))) for kind, values in externals.items() if values]
         if not _fits(needs):
-            self._compact(list(live))
-            for log, count in needs:
-                if 2 * (log.tail + count) > log.capacity:  # mostly live: grow, or compaction would repeat soon
-                    log.reserve(count, log.live)
-        table, row = self.table, request.row
-        base = self.nodes.take(plan.nodes)
-        table.place("node", row, base)
-        self.nodes.arrays["data"][base : base + plan.nodes] = packed(plan, self.ports, self.outputs)
-        if len(plan.ragged_refs):
-            start = self.ragged.take(len(plan.ragged_refs))
-            table.place("ragged", row, start)
-            self.ragged.arrays["refs"][start : start + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = plan.ragged_refs
-        start = self.registers.take(plan.registers)
-        table.place("reg", row, start)
-        self.registers.arrays["worker"][start : start + plan.registers] = NO_WORKER
-        for kind, values in unfolded.externals.items():
+            self._compact(live())
+            _reserve(needs)
+        start = self.registers.take(int(registers.sum()))
+        table.place("reg", rows, start + np.cumsum(registers) - registers)
+        self.registers.arrays["worker"][start : self.registers.tail] = NO_WORKER
+        for kind, values in externals.items():
+            if not values:
+                continue
             log = self.externals[kind]
-            start = log.take(len(values))
-            table.place(kind, row, start)
-            log.arrays["values"][start : start + len(values)] = values
+            counts = np.array([len(v) for v in values], np.int64)
+            start = log.take(int(counts.sum()))
+            log.arrays["values"][start : log.tail] = values[0] if len(values) == 1 else np.concatenate(values)
+            having = rows if len(values) == len(requests) else rows[[kind in r.unfolded.externals for r in requests]]
+            table.place(kind, having, start + np.cumsum(counts) - counts)
+
+    def _store(self, plan: Plan, live: Callable[[], list[Request]]) -> _Stored:
+        """Copy a plan's node matrix and ragged inputs in, once."""
+        needs = [(self.nodes, plan.nodes), (self.ragged, len(plan.ragged_refs))]
+        if not _fits(needs):
+            self._compact_plans(live())
+            _reserve(needs)
+        base = self.nodes.take(plan.nodes)
+        self.nodes.live -= plan.nodes  # counted live while requests run it (`add`)
+        self.nodes.arrays["data"][base : base + plan.nodes] = packed(plan, self.ports, self.outputs)
+        ragged = self.ragged.take(len(plan.ragged_refs))
+        self.ragged.live -= len(plan.ragged_refs)
+        if len(plan.ragged_refs):
+            self.ragged.arrays["refs"][ragged : ragged + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = plan.ragged_refs
+        stored = self._plans[id(plan)] = _Stored(plan, base, ragged)
+        return stored
 
     def release(self, request: Request) -> None:
         plan = request.unfolded.plan
-        self.nodes.live -= plan.nodes
-        self.ragged.live -= len(plan.ragged_refs)
+        stored = self._plans[id(plan)]
+        stored.users -= 1
+        if stored.users == 0:  # kept for its shape's next request until a compaction drops it
+            self.nodes.live -= plan.nodes
+            self.ragged.live -= len(plan.ragged_refs)
         self.registers.live -= plan.registers
         for kind, values in request.unfolded.externals.items():
             self.externals[kind].live -= len(values)
 
     def _compact(self, live: list[Request]) -> None:
-        """Move every live request's ranges to the bottom of each region, in row order."""
+        """Move every live request's registers and external values to the bottom of their regions, in row order."""
         rows = np.array([request.row for request in live], np.int64)
         plans = [request.unfolded for request in live]
-        self._compact_log(self.nodes, "node", rows, [u.plan.nodes for u in plans])
-        self._compact_log(self.ragged, "ragged", rows, [len(u.plan.ragged_refs) for u in plans])
         self._compact_log(self.registers, "reg", rows, [u.plan.registers for u in plans])
         for kind, log in self.externals.items():
             sizes = [len(u.externals.get(kind, ())) for u in plans]
             self._compact_log(log, kind, rows, sizes)
+
+    def _compact_plans(self, live: list[Request]) -> None:
+        """Drop the plans no live request runs, move the others to the bottom of their regions, and point
+        their requests at them."""
+        self._plans = {key: stored for key, stored in self._plans.items() if stored.users}
+        kept = sorted(self._plans.values(), key=lambda stored: stored.node_base)
+        for log, attribute, size in ((self.nodes, "node_base", _nodes), (self.ragged, "ragged_base", _ragged)):
+            sizes = np.array([size(stored.plan) for stored in kept], np.int64)
+            old = np.array([getattr(stored, attribute) for stored in kept], np.int64)
+            new = np.cumsum(sizes) - sizes
+            order = np.argsort(old, kind="stable")
+            _move(log, old[order], new[order], sizes[order])
+            for stored, base in zip(kept, new.tolist()):
+                setattr(stored, attribute, base)
+        for request in live:
+            stored = self._plans[id(request.unfolded.plan)]
+            self.table.place("node", request.row, stored.node_base)
+            self.table.place("ragged", request.row, stored.ragged_base)
 
     def _compact_log(self, log: _Log, region: Region, rows: np.ndarray, sizes: list[int]) -> None:
         counts = np.array(sizes, np.int64)
@@ -155,12 +212,32 @@ class PlanStore:
         order = np.argsort(old, kind="stable")
         rows, counts, old = rows[order], counts[order], old[order]
         new = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
-        if len(counts):
-            source = np.repeat(old - new, counts) + np.arange(counts.sum())
-            for array in log.arrays.values():
-                array[: counts.sum()] = array[source]
+        _move(log, old, new, counts)
         self.table.place(region, rows, new)
-        log.tail = log.live = int(counts.sum())
+
+
+def _nodes(plan: Plan) -> int:
+    return plan.nodes
+
+
+def _ragged(plan: Plan) -> int:
+    return len(plan.ragged_refs)
+
+
+def _move(log: _Log, old: np.ndarray, new: np.ndarray, counts: np.ndarray) -> None:
+    """Move the ranges `old` (ascending) of a region to `new`, packed at its bottom; the rest is free."""
+    if len(counts):
+        source = np.repeat(old - new, counts) + np.arange(counts.sum())
+        for array in log.arrays.values():
+            array[: counts.sum()] = array[source]
+    log.tail = log.live = int(counts.sum())
+
+
+def _reserve(needs: list[tuple[_Log, int]]) -> None:
+    """Grow the regions that are mostly live, or compaction would repeat soon."""
+    for log, count in needs:
+        if 2 * (log.tail + count) > log.capacity:
+            log.reserve(count, log.live)
 
 
 def make_tables(specs: list[CellTypeSpec], kinds: list[ValueKind]) -> tuple[RequestTable, PlanStore]:

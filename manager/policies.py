@@ -45,9 +45,10 @@ class CellularPolicy:
     def unfold(self, model: Planner, inputs: object) -> Unfolded:
         return model.plan(inputs)
 
-    def admit(self, request: Request) -> None:
-        request.state = Lifecycle.RUNNING
-        self.scheduler.release(request)
+    def admit(self, requests: list[Request]) -> None:
+        for request in requests:
+            request.state = Lifecycle.RUNNING
+        self.scheduler.release(requests)
 
     def schedule(self, worker: WorkerHandle) -> list[Task]:
         return self.scheduler.schedule(worker)
@@ -72,13 +73,14 @@ class GroupPolicy(CellularPolicy):
     def queue_key(self, request: Request) -> Hashable:
         return request.model.name
 
-    def admit(self, request: Request) -> None:
-        key = self.queue_key(request)
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = collections.deque()
-            self._turns.append(key)
-        queue.append(request)
+    def admit(self, requests: list[Request]) -> None:
+        for request in requests:
+            key = self.queue_key(request)
+            queue = self._queues.get(key)
+            if queue is None:
+                queue = self._queues[key] = collections.deque()
+                self._turns.append(key)
+            queue.append(request)
 
     def schedule(self, worker: WorkerHandle) -> list[Task]:
         tasks = self.scheduler.schedule(worker)
@@ -107,7 +109,7 @@ class GroupPolicy(CellularPolicy):
                     request.group = group
                     request.state = Lifecycle.RUNNING
                     self._table.bind(request.row, worker.worker_id)
-                    self.scheduler.release(request)
+                self.scheduler.release(members)
                 return True
         return False
 

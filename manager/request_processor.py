@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
-from batchmaker.common.plan import Unfolded
 from batchmaker.common.protocol import INTERNAL, RequestError
 from batchmaker.manager.dispatch import Dispatcher
 from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
@@ -51,20 +49,13 @@ class RequestProcessor:
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
         self.running_nodes = 0  # issued to a worker and not yet completed there
 
-    def admit(
-        self, client: bytes, request_id: Any, model: Any, inputs: Any, unfolded: Unfolded, arrival: float,
-        *, priority: int = 0, deadline: float | None = None, stream: bool = False,
-    ) -> Request:
-        """Track a validated request (`deadline`: perf_counter time); its policy decides when its cells run."""
-        request = Request(client, request_id, model, inputs, unfolded, arrival)
-        request.priority = priority
-        request.stream = stream
-        request.deadline = deadline  # before the table indexes it with its deadline
-        self._table.add(request)
-        self._store.add(request, self._table.others(request))
-        self.unsubmitted_nodes += unfolded.plan.nodes
-        self._policy.admit(request)
-        return request
+    def admit(self, requests: list[Request]) -> None:
+        """Track validated requests, in order (their `deadline` a perf_counter time); their policy decides
+        when their cells run."""
+        rows = self._table.add(requests)
+        self._store.add(requests, rows, lambda: self._table.others(requests))
+        self.unsubmitted_nodes += sum(request.unfolded.plan.nodes for request in requests)
+        self._policy.admit(requests)
 
     def take_outcomes(self) -> list[Outcome]:
         """What was concluded since the last call, in order."""
@@ -249,10 +240,9 @@ class RequestProcessor:
         self._forget_if_drained(request)
         self._leave_group(request, held)
         unfolded = self._policy.unfold(request.model, request.inputs)
-        replayed = self.admit(
-            request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival,
-            priority=request.priority, deadline=request.deadline, stream=request.stream,
-        )  # fmt: skip
+        replayed = Request(request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival)
+        replayed.priority, replayed.deadline, replayed.stream = request.priority, request.deadline, request.stream
+        self.admit([replayed])
         replayed.failures = request.failures
         replayed.restarted = request.streamed_rows > 0 or request.restarted  # its client must drop what was streamed
         self._outcomes.append(Replayed(replayed))

@@ -23,6 +23,7 @@ from batchmaker.common.graph import ValueKind
 from batchmaker.manager.deadlines import Deadlines, without_done
 
 if TYPE_CHECKING:
+    from batchmaker.common.plan import Plan
     from batchmaker.manager.records import Request
 
 NO_WORKER = -1
@@ -127,20 +128,33 @@ class RequestTable:
         self.unanswered = UnansweredIndex()
         self._free = list(range(capacity - 1, -1, -1))
 
-    def add(self, request: Request) -> int:
-        if not self._free:
+    def add(self, requests: list[Request]) -> np.ndarray:
+        """Admit requests: a row each, its columns at their starting values; returns the rows."""
+        while len(self._free) < len(requests):
             self._grow()
-        row = self._free.pop()
-        self.requests[row] = request
+        taken = self._free[-len(requests) :]
+        del self._free[-len(requests) :]
+        rows = np.array(taken[::-1], np.int64)
         for name, fill in self._reset:
-            getattr(self, name)[row] = fill
-        self.blocks[row] = 0
-        for kind, registers in request.unfolded.plan.register_groups.items():
-            self.blocks[row, self.kinds[kind]] = len(registers)
-        request.row = row
-        self.live[id(request)] = request
-        self.unanswered._add(request)
-        return row
+            getattr(self, name)[rows] = fill
+        self.blocks[rows] = [self._blocks_of(request.unfolded.plan) for request in requests]
+        live, unanswered, table = self.live, self.unanswered, self.requests
+        for request, row in zip(requests, rows.tolist()):
+            table[row] = request
+            request.row = row
+            live[id(request)] = request
+            unanswered._add(request)
+        return rows
+
+    def _blocks_of(self, plan: Plan) -> np.ndarray:
+        """The arena rows a request of this plan takes on a worker, per kind (made once per plan)."""
+        key = ("blocks", *self.kinds)
+        blocks = plan.cache.get(key)
+        if blocks is None:
+            blocks = plan.cache[key] = np.zeros(len(self.kinds), np.int64)
+            for kind, registers in plan.register_groups.items():
+                blocks[self.kinds[kind]] = len(registers)
+        return blocks
 
     def bases(self, region: Region) -> np.ndarray:
         """Where each row's range starts in a region of the plan store (a view: read it, write with `place`)."""
@@ -155,9 +169,10 @@ class RequestTable:
         else:
             self.ext_base[rows, self.kinds[region]] = starts
 
-    def others(self, request: Request) -> Iterator[Request]:
-        """The live requests besides `request`, in admission order."""
-        return (other for other in self.live.values() if other is not request)
+    def others(self, requests: list[Request]) -> list[Request]:
+        """The live requests besides `requests`, in admission order."""
+        leaving = {id(request) for request in requests}
+        return [other for other in self.live.values() if id(other) not in leaving]
 
     def conclude(self, request: Request) -> None:
         """The request is answered, failed or replaced: it leaves the index of unanswered requests
@@ -174,10 +189,10 @@ class RequestTable:
         self._free.append(row)
         return True
 
-    def set_runnable(self, row: int, runnable: bool) -> int:
-        """Whether its lanes may be scheduled; returns the generation its queued lanes carry."""
-        self.runnable[row] = runnable
-        return int(self.generation[row])
+    def set_runnable(self, rows: np.ndarray | int, runnable: bool) -> np.ndarray:
+        """Whether their lanes may be scheduled; returns the generations their queued lanes carry."""
+        self.runnable[rows] = runnable
+        return self.generation[rows]
 
     def stop_lanes(self, row: int) -> None:
         """Its lanes in the scheduler's queues are stale from now on."""

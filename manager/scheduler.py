@@ -40,6 +40,7 @@ import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.lanes import ONE_STEP, LaneLayout
+from batchmaker.common.plan import Plan
 from batchmaker.manager.cell_queues import (
     FINISHED,
     NO_LAYOUT,
@@ -89,18 +90,30 @@ class Scheduler:
         self._lane_tasks = LaneTasks(table, store, dispatcher)
 
     # -- readiness ---------------------------------------------------------------------------
-    def release(self, request: Request) -> None:
-        """Queue a request's lanes; its cells run from now on."""
-        plan = request.unfolded.plan
-        row = request.row
-        generation = self._table.set_runnable(row, True)
-        bounds = plan.lane_bounds
-        for lane, (key, layout) in enumerate(zip(plan.lane_cells, plan.lane_layouts)):
-            start = int(bounds[lane])
-            wave = int(plan.wave_end[start]) - start
-            queue = self.queues[key]
-            number = NO_LAYOUT if layout is None else self._layout_number(layout)
-            queue.add(row, generation, start, int(bounds[lane + 1]), int(plan.need[start]), wave, request.priority, number)
+    def release(self, requests: list[Request]) -> None:
+        """Queue the requests' lanes, in order; their cells run from now on."""
+        generations = self._table.set_runnable(np.array([request.row for request in requests]), True).tolist()
+        queued: dict[str, list[tuple[int, ...]]] = {}
+        for request, generation in zip(requests, generations):
+            for key, lane in self._lanes_of(request.unfolded.plan):  # (cursor, end, need, wave, layout)
+                queued.setdefault(key, []).append((request.row, generation, *lane[:4], request.priority, lane[4]))
+        for key, lanes in queued.items():
+            self.queues[key].add(lanes)
+
+    def _lanes_of(self, plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+        """Each lane of a plan as queued: its cell type, and its first node, end, need, first wave's size
+        and layout number (found once per plan)."""
+        lanes = plan.cache.get(self)
+        if lanes is None:
+            bounds = plan.lane_bounds.tolist()
+            lanes = plan.cache[self] = [
+                (key, (start, end, int(plan.need[start]), int(plan.wave_end[start]) - start, self._number(layout)))
+                for key, layout, start, end in zip(plan.lane_cells, plan.lane_layouts, bounds, bounds[1:])
+            ]
+        return lanes
+
+    def _number(self, layout: LaneLayout | None) -> int:
+        return NO_LAYOUT if layout is None else self._layout_number(layout)
 
     def _layout_number(self, layout: LaneLayout) -> int:
         number = self._layouts.get(layout)

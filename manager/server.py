@@ -235,8 +235,16 @@ class Manager:
 
     # -- clients -------------------------------------------------------------------------------
     def _clients(self) -> None:
+        """Handle the messages waiting: `infer` requests are admitted a burst at a time (the core makes
+        their records together), every other op in its turn, after the requests before it."""
+        burst: list[Incoming] = []
         for incoming in self.frontend.receive():
             self.stats.request_received()
+            if incoming.error is None and incoming.message.get("op", "infer") == "infer" and not self.draining:
+                burst.append(incoming)
+                continue
+            self._infer(burst)
+            burst = []
             try:
                 if incoming.error is not None:
                     raise incoming.error
@@ -246,6 +254,7 @@ class Manager:
             except Exception as exc:  # a bug must cost one request, never the server
                 log.exception("request %r failed", incoming.request_id)
                 self._refuse(incoming, RequestError(INTERNAL, f"{type(exc).__name__}: {exc}"))
+        self._infer(burst)
 
     def _refuse(self, incoming: Incoming, error: RequestError) -> None:
         self.stats.request_refused(error.code)
@@ -256,9 +265,9 @@ class Manager:
         op = message.get("op", "infer")
         if op not in OPS:
             raise RequestError(BAD_REQUEST, f"unknown op {echo(op)}; expected one of {', '.join(OPS)}")
-        if op == "infer":
-            self._infer(incoming)
-        elif op == "models":
+        if op == "infer":  # while draining: every other is admitted in a burst
+            raise RequestError(OVERLOADED, "the server is draining before it stops; send the request elsewhere")
+        if op == "models":
             self._answer(incoming, {"version": PROTOCOL_VERSION, "models": self._models()})
         elif op == "health":
             self._answer(incoming, self._health())
@@ -275,10 +284,14 @@ class Manager:
     def _answer(self, incoming: Incoming, fields: dict[str, Any]) -> None:
         self.frontend.reply(incoming.client, {"id": incoming.request_id, "ok": True, **fields})
 
-    def _infer(self, incoming: Incoming) -> None:
-        if self.draining:
-            raise RequestError(OVERLOADED, "the server is draining before it stops; send the request elsewhere")
-        self.core.admit(incoming.client, incoming.request_id, incoming.message, incoming.arrival)
+    def _infer(self, burst: list[Incoming]) -> None:
+        """Admit a burst of requests; refuse those the core refuses, in their order."""
+        if not burst:
+            return
+        admitted = self.core.admit_burst([(i.client, i.request_id, i.message, i.arrival) for i in burst])
+        for incoming, result in zip(burst, admitted):
+            if isinstance(result, RequestError):
+                self._refuse(incoming, result)
 
     # -- introspection ---------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:

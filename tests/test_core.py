@@ -145,3 +145,45 @@ def test_a_replayed_request_still_counts_as_arrived_before_those_admitted_after_
         answered = [o for o in outcomes if isinstance(o, Answered)]
     assert [o.request for o in answered] == [short] and answered[0].left_early
     assert not replayed.request.done
+
+
+def test_a_burst_is_admitted_in_order_its_limits_counting_the_requests_before_each(harness):
+    """Each request of a burst is checked in turn: a refusal costs that request alone, an id repeated
+    within the burst is refused, and the limits count the burst's earlier requests. Those admitted get
+    their records together, in the burst's order."""
+    h = harness(server="max_queued_requests = 3\nmax_queued_nodes = 5")
+
+    def infer(client: bytes, request_id: int, tokens) -> tuple:
+        return client, request_id, {"model": "lstm", "inputs": {"tokens": tokens}}, 0.0
+
+    results = h.core.admit_burst(
+        [
+            infer(b"c", 1, [1, 2]),
+            infer(b"c", 2, "x"),  # invalid: refused alone
+            infer(b"c", 1, [1, 2]),  # the same id as the first, in the same burst
+            infer(b"c", 3, [1]),
+            infer(b"c", 4, [1, 2, 3]),  # 3 cells queued before it: 3 more exceed the 5
+            infer(b"d", 1, [1]),
+            infer(b"d", 2, [1]),  # 3 requests in flight before it
+        ]
+    )
+    codes = [result.code if isinstance(result, RequestError) else "ok" for result in results]
+    assert codes == ["ok", "INVALID_INPUT", BAD_REQUEST, "ok", OVERLOADED, "ok", OVERLOADED]
+    assert "cells queued" in results[4].message and "requests in flight" in results[6].message
+    admitted = [result for result in results if not isinstance(result, RequestError)]
+    assert [(r.client, r.request_id) for r in admitted] == [(b"c", 1), (b"c", 3), (b"d", 1)]
+    assert [r.request_id for r in h.core.table.live.values()] == [1, 3, 1]  # recorded in the burst's order
+    assert len(h.core.requests) == 3 and h.core.processor.unsubmitted_nodes == 4
+    queue = h.core.scheduler.queues["lstm/layer0"]
+    assert queue.row[: queue.size].tolist() == [r.row for r in admitted]
+
+
+def test_a_bug_in_a_models_plan_fails_its_request_and_not_the_burst(harness, monkeypatch):
+    h = harness()
+    model = h.core.models["lstm"]
+    plan = model.plan
+    monkeypatch.setattr(model, "plan", lambda inputs: plan(inputs) if inputs["tokens"] != [666] else 1 / 0)
+    results = h.core.admit_burst([(b"c", i, {"model": "lstm", "inputs": {"tokens": tokens}}, 0.0) for i, tokens in
+                                  enumerate([[1], [666], [2]])])  # fmt: skip
+    assert [getattr(result, "code", "ok") for result in results] == ["ok", INTERNAL, "ok"]
+    assert "ZeroDivisionError" in results[1].message and len(h.core.requests) == 2

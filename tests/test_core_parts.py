@@ -110,11 +110,12 @@ class Model:
     name = "m"
 
 
-def admitted(table, store, live: list[Request], length: int) -> Request:
-    unfolded: Unfolded = compile_graph(chain(length), SPECS, "m")
+def admitted(table, store, live: list[Request], length: int, unfolded: Unfolded | None = None) -> Request:
+    """A request of a chain of `length` steps admitted to the store: of its own plan, or of `unfolded`'s."""
+    unfolded = unfolded or compile_graph(chain(length), SPECS, "m")
     request = Request(b"c", len(live), Model(), {}, unfolded, 0.0)
-    table.add(request)
-    store.add(request, live)
+    rows = table.add([request])
+    store.add([request], rows, lambda: list(live))
     live.append(request)
     return request
 
@@ -149,6 +150,28 @@ def test_compaction_moves_live_requests_down_and_keeps_their_data():
     assert nodes_of(table, store, newcomer)[:, NodeColumns.NEED].tolist() == list(range(1000))
 
 
+def test_a_plan_is_stored_once_for_every_request_of_its_shape_and_kept_while_it_may_come_again():
+    table, store = make_tables([STEP], [TOKEN, STATE])
+    live: list[Request] = []
+    shared = compile_graph(chain(100), SPECS, "m")
+    first, second = (admitted(table, store, live, 100, shared) for _ in range(2))
+    assert table.node_base[first.row] == table.node_base[second.row] and store.nodes.tail == 100
+    assert table.reg_base[first.row] != table.reg_base[second.row]  # their registers are their own
+    for done in (first, second):
+        store.release(done)
+        table.remove(done)
+        live.remove(done)
+    assert store.nodes.live == 0 and store.nodes.tail == 100  # unused, kept: the shape may come again
+    third = admitted(table, store, live, 100, shared)
+    assert table.node_base[third.row] == 0 and store.nodes.tail == store.nodes.live == 100
+    store.release(third)
+    table.remove(third)
+    live.remove(third)
+    newcomers = [admitted(table, store, live, 1000) for _ in range(store.nodes.capacity // 1000)]
+    assert store.nodes.tail == store.nodes.live == 1000 * len(newcomers)  # compacted: the unused plan is gone
+    assert all(nodes_of(table, store, r)[:, NodeColumns.NEED].tolist() == list(range(1000)) for r in newcomers)
+
+
 def test_a_store_that_is_mostly_live_grows_instead_of_compacting_again_and_again():
     table, store = make_tables([STEP], [TOKEN, STATE])
     live: list[Request] = []
@@ -171,7 +194,7 @@ def request(client: bytes, request_id: int, deadline: float | None = None) -> Re
 def table_of(*requests: Request) -> RequestTable:
     table = RequestTable([TOKEN, STATE], capacity=2)
     for r in requests:
-        table.add(r)
+        table.add([r])
     return table
 
 
@@ -201,7 +224,7 @@ def test_a_removed_row_is_reused_and_its_old_lanes_are_stale():
     table.conclude(a)
     table.remove(a)
     b = request(b"x", 2)
-    table.add(b)
+    table.add([b])
     assert b.row == a.row and table.generation[b.row] != queued and not table.runnable[b.row]
 
 
@@ -231,7 +254,7 @@ def test_requests_answered_long_before_their_deadline_are_not_kept_until_it():
     table = table_of(running)
     for i in range(1, 1001):
         answered = request(b"x", i, far)
-        table.add(answered)
+        table.add([answered])
         answered.state = answered.state.DONE
         table.conclude(answered)
     assert len(table.unanswered._deadlines) < 100  # not the 1000 answered while one runs
