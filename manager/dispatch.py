@@ -166,13 +166,16 @@ class Dispatcher:
         for kind, regs in groups.items():
             write[base + regs] = held[kind]
 
-    def release_rows(self, request: Request) -> None:
-        """Give back the arena rows a request holds on every worker."""
-        for worker_id, held in request.rows.items():
-            slots = self._workers[worker_id].slots
-            for kind, rows in held.items():
-                slots[kind].give(rows)
-        request.rows = {}
+    def release_rows(self, requests: list[Request]) -> None:
+        """Give back the arena rows requests hold on every worker, a kind of a worker at a time."""
+        given: dict[tuple[int, ValueKind], list[np.ndarray]] = {}
+        for request in requests:
+            for worker_id, held in request.rows.items():
+                for kind, rows in held.items():
+                    given.setdefault((worker_id, kind), []).append(rows)
+            request.rows = {}
+        for (worker_id, kind), rows in given.items():
+            self._workers[worker_id].slots[kind].give(rows[0] if len(rows) == 1 else np.concatenate(rows))
 
     def _regular(
         self, port: int, kind: ValueKind, node_data: np.ndarray, node_rows: np.ndarray, reg_base: np.ndarray,
@@ -279,19 +282,25 @@ class Dispatcher:
         ]
 
     def complete(self, task: Task) -> list[tuple[Request, int, np.ndarray]]:
-        """Read the task's host copies and free their io rows.
+        """Read the task's host copies (a kind's in one copy) and free their io rows.
 
         Results are stored on their requests; watched values are returned, in order,
         as (request, watch index, value) for the model to observe.
         """
         worker = self._workers[task.worker_id]
+        by_kind: dict[ValueKind, list[int]] = {}
+        for _, _, kind, io_slot in task.reads:
+            by_kind.setdefault(kind, []).append(io_slot)
+        values = {}
+        for kind, io_slots in by_kind.items():
+            slots = np.array(io_slots, np.int64)
+            values[kind] = iter(worker.io[kind][slots])  # a copy: the rows go back at once
+            worker.io_slots[kind].give(slots)
         observed = []
-        for request, key, kind, io_slot in task.reads:
-            value = worker.io[kind][io_slot].copy()
-            worker.io_slots[kind].give_one(io_slot)
+        for request, key, kind, _ in task.reads:
+            value = next(values[kind])
             if type(key) is str:
                 request.results[key] = value
             else:
                 observed.append((request, key, value))
         return observed
-

@@ -166,16 +166,18 @@ class PlanStore:
         stored = self._plans[id(plan)] = _Stored(plan, base, ragged)
         return stored
 
-    def release(self, request: Request) -> None:
-        plan = request.unfolded.plan
-        stored = self._plans[id(plan)]
-        stored.users -= 1
-        if stored.users == 0:  # kept for its shape's next request until a compaction drops it
-            self.nodes.live -= plan.nodes
-            self.ragged.live -= len(plan.ragged_refs)
-        self.registers.live -= plan.registers
-        for kind, values in request.unfolded.externals.items():
-            self.externals[kind].live -= len(values)
+    def release(self, requests: list[Request]) -> None:
+        """Forgotten requests' ranges are free (a plan's once no request runs it)."""
+        for request in requests:
+            plan = request.unfolded.plan
+            stored = self._plans[id(plan)]
+            stored.users -= 1
+            if stored.users == 0:  # kept for its shape's next request until a compaction drops it
+                self.nodes.live -= plan.nodes
+                self.ragged.live -= len(plan.ragged_refs)
+            self.registers.live -= plan.registers
+            for kind, values in request.unfolded.externals.items():
+                self.externals[kind].live -= len(values)
 
     def _compact(self, live: list[Request]) -> None:
         """Move every live request's registers and external values to the bottom of their regions, in row order."""

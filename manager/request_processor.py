@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from batchmaker.common.protocol import INTERNAL, RequestError
 from batchmaker.manager.dispatch import Dispatcher
 from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
@@ -83,18 +85,19 @@ class RequestProcessor:
             for request in members:
                 self.fail(request, RequestError(INTERNAL, f"a worker failed to run {task.spec.key}: {error}"))
         else:
+            finished: dict[Request, None] = {}  # answers this task completed, made together
             for request, watch_index, value in observed:
-                if request.state is not Lifecycle.RUNNING:
+                if request.state is not Lifecycle.RUNNING or request in finished:
                     continue
                 try:
-                    finished = request.model.observe(request.unfolded, watch_index, value)
+                    done = request.model.observe(request.unfolded, watch_index, value)
                 except Exception as exc:  # a model bug fails its request, never the manager
                     self._model_failed(request, exc)
                     continue
                 if request.stream:
                     self._streams_changed[request] = None
-                if finished:
-                    self._complete(request)
+                if done:
+                    finished[request] = None
             for request, key, _, _ in task.reads:
                 if request.stream and not request.done:
                     self._streams_changed[request] = None
@@ -104,39 +107,44 @@ class RequestProcessor:
                     and not request.unfolded.plan.watched
                     and len(request.results) == request.results_pending
                 ):
-                    self._complete(request)
+                    finished[request] = None
+            self._complete(list(finished))
             for request in members:
                 if request.group is not None:
                     self._end_group(request.group)
         drained = rows[(table.inflight[rows] == 0) & ~table.runnable[rows]]
-        for row in drained:
-            request = table.requests[row]
-            if request is not None and request.done:
-                self._forget(request)
+        self._forget([request for request in map(table.requests.__getitem__, drained.tolist()) if request and request.done])
 
-    def _complete(self, request: Request) -> None:
-        """The request's answer is known: reply now, or hold it until the rest of its group ends."""
-        group = request.group
-        if group is None:
-            self._answer(request)
+    def _complete(self, requests: list[Request]) -> None:
+        """Their answers are known: reply now, or (a baseline's group) hold each until the rest of its
+        group ends."""
+        self._answer([request for request in requests if request.group is None])
+        for request in requests:
+            group = request.group
+            if group is not None:
+                request.state = Lifecycle.HELD
+                group.unanswered -= 1
+                if not self._policy.pads:
+                    self._stop([request])
+                self._end_group(group)
+
+    def _answer(self, requests: list[Request]) -> None:
+        """Answer requests together: one pass over the table for them all, then an outcome each."""
+        for request in requests:
+            if request.stream:
+                self._send_partial(request)  # what the last turn added comes before the answer
+        requests = [request for request in requests if not request.done]
+        if not requests:
             return
-        request.state = Lifecycle.HELD
-        group.unanswered -= 1
-        if not self._policy.pads:
-            self._stop(request)
-        self._end_group(group)
-
-    def _answer(self, request: Request) -> None:
-        if request.stream:
-            self._send_partial(request)  # what the last turn added comes before the answer
-            if request.done:
-                return
-        self._end(request)
+        self._end(requests)
         earliest = self._table.unanswered.earliest_arrival()
-        timing = request_timing(request.arrival, float(self._table.started[request.row]), time.perf_counter())
-        outputs = request.model.outputs(request.unfolded, request.results)
-        self._outcomes.append(Answered(request, outputs, timing, earliest is not None and earliest < request.arrival))
-        self._forget_if_drained(request)
+        now = time.perf_counter()
+        started = self._table.started[[request.row for request in requests]].tolist()
+        for request, began in zip(requests, started):
+            outputs = request.model.outputs(request.unfolded, request.results)
+            early = earliest is not None and earliest < request.arrival
+            self._outcomes.append(Answered(request, outputs, request_timing(request.arrival, began, now), early))
+        self._forget_if_drained(requests)
 
     def stream_partials(self, client_waiting: Callable[[bytes], bool]) -> None:
         """One partial reply for each streamed request whose outputs grew since its last one; a request
@@ -166,9 +174,7 @@ class RequestProcessor:
     def _end_group(self, group: Group) -> None:
         """Answer a group's held members once none is left running and its padding has run."""
         if group.unanswered == 0 and all(self._padding_done(m) for m in group.members):
-            for member in group.members:
-                if member.state is Lifecycle.HELD:
-                    self._answer(member)
+            self._answer([member for member in group.members if member.state is Lifecycle.HELD])
 
     def _padding_done(self, request: Request) -> bool:
         need = request.unfolded.plan.padding_need
@@ -178,9 +184,9 @@ class RequestProcessor:
         if request.done:
             return
         held = request.state is Lifecycle.HELD
-        self._end(request)
+        self._end([request])
         self._outcomes.append(Failed(request, error))
-        self._forget_if_drained(request)
+        self._forget_if_drained([request])
         self._leave_group(request, held)
 
     def _leave_group(self, request: Request, held: bool) -> None:
@@ -190,30 +196,32 @@ class RequestProcessor:
             group.unanswered -= 1
             self._end_group(group)
 
-    def _end(self, request: Request) -> None:
-        """The request will run no more cells: it is answered (or failed, or replaced)."""
-        self._stop(request)
-        request.state = Lifecycle.DONE
-        self._table.conclude(request)
+    def _end(self, requests: list[Request]) -> None:
+        """The requests will run no more cells: they are answered (or failed, or replaced)."""
+        self._stop(requests)
+        for request in requests:
+            request.state = Lifecycle.DONE
+        self._table.conclude(requests)
 
-    def _stop(self, request: Request) -> None:
-        """Its lanes leave the scheduler's queues; nodes not yet issued never will be."""
-        table, row = self._table, request.row
-        if table.runnable[row] or request.state is Lifecycle.WAITING:
-            self.unsubmitted_nodes -= request.unfolded.plan.nodes - int(table.issued[row])
-            table.stop_lanes(row)
-        else:
-            table.set_runnable(row, False)
+    def _stop(self, requests: list[Request]) -> None:
+        """Their lanes leave the scheduler's queues; nodes not yet issued never will be."""
+        table = self._table
+        rows = np.array([request.row for request in requests], np.int64)
+        queued = table.runnable[rows] | np.array([request.state is Lifecycle.WAITING for request in requests])
+        nodes = np.array([request.unfolded.plan.nodes for request in requests], np.int64)
+        self.unsubmitted_nodes -= int((nodes - table.issued[rows])[queued].sum())
+        table.stop_lanes(rows[queued])
+        table.set_runnable(rows[~queued], False)
 
-    def _forget_if_drained(self, request: Request) -> None:
-        if self._table.inflight[request.row] == 0:
-            self._forget(request)
+    def _forget_if_drained(self, requests: list[Request]) -> None:
+        self._forget([request for request in requests if self._table.inflight[request.row] == 0])
 
-    def _forget(self, request: Request) -> None:
-        """Nothing of it is in flight any more: its arena rows and plan go."""
-        if self._table.remove(request):
-            self._dispatcher.release_rows(request)
-            self._store.release(request)
+    def _forget(self, requests: list[Request]) -> None:
+        """Nothing of them is in flight any more: their arena rows and plans go."""
+        gone = self._table.remove(requests)
+        if gone:
+            self._dispatcher.release_rows(gone)
+            self._store.release(gone)
 
     def worker_lost(self, worker: WorkerHandle, tasks: list[Task]) -> list[Request]:
         """Write off a dead worker's tasks in flight; return the unanswered requests that had values there."""
@@ -227,7 +235,7 @@ class RequestProcessor:
             if worker.worker_id in request.rows:
                 del request.rows[worker.worker_id]  # its rows went with it
                 if request.done:
-                    self._forget_if_drained(request)
+                    self._forget_if_drained([request])
                 else:
                     affected.append(request)
         return affected
@@ -236,8 +244,8 @@ class RequestProcessor:
         """Start a request over from its inputs; the old record is dropped without a reply, and the
         new one takes its place in the request table (the outcome Replayed says so)."""
         held = request.state is Lifecycle.HELD
-        self._end(request)
-        self._forget_if_drained(request)
+        self._end([request])
+        self._forget_if_drained([request])
         self._leave_group(request, held)
         unfolded = self._policy.unfold(request.model, request.inputs)
         replayed = Request(request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival)

@@ -89,11 +89,14 @@ class UnansweredIndex:
         if request.deadline is not None:
             self._deadlines.add(request.deadline, request)
 
-    def _remove(self, request: Request) -> None:
-        if self._by_client.get((request.client, request.request_id)) is request:
-            del self._by_client[(request.client, request.request_id)]
-        self._arrivals = without_done(self._arrivals, len(self._by_client))  # answered behind a long-running one
-        self._deadlines.forget_done(len(self._by_client))
+    def _remove(self, requests: list[Request]) -> None:
+        by_client = self._by_client
+        for request in requests:
+            key = (request.client, request.request_id)
+            if by_client.get(key) is request:
+                del by_client[key]
+        self._arrivals = without_done(self._arrivals, len(by_client))  # answered behind a long-running one
+        self._deadlines.forget_done(len(by_client))
 
 
 class RequestTable:
@@ -174,30 +177,30 @@ class RequestTable:
         leaving = {id(request) for request in requests}
         return [other for other in self.live.values() if id(other) not in leaving]
 
-    def conclude(self, request: Request) -> None:
-        """The request is answered, failed or replaced: it leaves the index of unanswered requests
-        (its row stays until nothing of it is in flight)."""
-        self.unanswered._remove(request)
+    def conclude(self, requests: list[Request]) -> None:
+        """The requests are answered, failed or replaced: they leave the index of unanswered requests
+        (their rows stay until nothing of them is in flight)."""
+        self.unanswered._remove(requests)
 
-    def remove(self, request: Request) -> bool:
-        """Forget a request (False if it was forgotten already)."""
-        if self.live.pop(id(request), None) is None:
-            return False
-        row = request.row
-        self.requests[row] = None
-        self.stop_lanes(row)  # a lane of it still queued must not run as the row's next request
-        self._free.append(row)
-        return True
+    def remove(self, requests: list[Request]) -> list[Request]:
+        """Forget requests; returns those that were not forgotten already."""
+        gone = [request for request in requests if self.live.pop(id(request), None) is not None]
+        rows = [request.row for request in gone]
+        for row in rows:
+            self.requests[row] = None
+        self.stop_lanes(np.array(rows, np.int64))  # a lane of them still queued must not run as a row's next request
+        self._free.extend(rows)
+        return gone
 
     def set_runnable(self, rows: np.ndarray | int, runnable: bool) -> np.ndarray:
         """Whether their lanes may be scheduled; returns the generations their queued lanes carry."""
         self.runnable[rows] = runnable
         return self.generation[rows]
 
-    def stop_lanes(self, row: int) -> None:
-        """Its lanes in the scheduler's queues are stale from now on."""
-        self.generation[row] += 1
-        self.set_runnable(row, False)
+    def stop_lanes(self, rows: np.ndarray | int) -> None:
+        """Their lanes in the scheduler's queues are stale from now on."""
+        self.generation[rows] += 1
+        self.set_runnable(rows, False)
 
     def bind(self, rows: np.ndarray | int, worker_id: int) -> None:
         """They may run on this worker only."""

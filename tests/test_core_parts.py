@@ -135,8 +135,8 @@ def test_compaction_moves_live_requests_down_and_keeps_their_data():
         for r in requests}
     kept = requests[2]
     for gone in requests[:2] + requests[3:]:  # all but one end: the store is mostly free, but not at its tail
-        store.release(gone)
-        table.remove(gone)
+        store.release([gone])
+        table.remove([gone])
         live.remove(gone)
     newcomer = admitted(table, store, live, 1000)  # no room at the tail: the store compacts
     assert store.nodes.capacity == capacity  # mostly free after compaction: it did not grow
@@ -158,14 +158,14 @@ def test_a_plan_is_stored_once_for_every_request_of_its_shape_and_kept_while_it_
     assert table.node_base[first.row] == table.node_base[second.row] and store.nodes.tail == 100
     assert table.reg_base[first.row] != table.reg_base[second.row]  # their registers are their own
     for done in (first, second):
-        store.release(done)
-        table.remove(done)
+        store.release([done])
+        table.remove([done])
         live.remove(done)
     assert store.nodes.live == 0 and store.nodes.tail == 100  # unused, kept: the shape may come again
     third = admitted(table, store, live, 100, shared)
     assert table.node_base[third.row] == 0 and store.nodes.tail == store.nodes.live == 100
-    store.release(third)
-    table.remove(third)
+    store.release([third])
+    table.remove([third])
     live.remove(third)
     newcomers = [admitted(table, store, live, 1000) for _ in range(store.nodes.capacity // 1000)]
     assert store.nodes.tail == store.nodes.live == 1000 * len(newcomers)  # compacted: the unused plan is gone
@@ -209,11 +209,11 @@ def test_admitted_requests_are_found_by_client_and_id_and_by_client():
 def test_a_concluded_request_leaves_the_index_and_keeps_its_row_until_removed():
     a, b = request(b"x", 1), request(b"x", 2)
     table = table_of(a, b)
-    table.conclude(a)
+    table.conclude([a])
     assert table.unanswered.get(b"x", 1) is None and len(table.unanswered) == 1
     assert table.requests[a.row] is a and id(a) in table.live  # tasks of it may still be in flight
-    assert table.remove(a) and table.requests[a.row] is None and id(a) not in table.live
-    assert not table.remove(a)  # forgotten already
+    assert table.remove([a]) == [a] and table.requests[a.row] is None and id(a) not in table.live
+    assert table.remove([a]) == []  # forgotten already
     assert table.unanswered.get(b"x", 2) is b
 
 
@@ -221,8 +221,8 @@ def test_a_removed_row_is_reused_and_its_old_lanes_are_stale():
     a = request(b"x", 1)
     table = table_of(a)
     queued = table.set_runnable(a.row, True)  # the generation a's lanes carry in the scheduler's queues
-    table.conclude(a)
-    table.remove(a)
+    table.conclude([a])
+    table.remove([a])
     b = request(b"x", 2)
     table.add([b])
     assert b.row == a.row and table.generation[b.row] != queued and not table.runnable[b.row]
@@ -232,9 +232,9 @@ def test_a_replay_replaces_its_record_and_concluding_the_old_one_keeps_the_new()
     old, new = request(b"x", 1), request(b"x", 1)
     table = table_of(old, new)
     assert table.unanswered.get(b"x", 1) is new and len(table.unanswered) == 1
-    table.conclude(old)
+    table.conclude([old])
     assert table.unanswered.get(b"x", 1) is new
-    table.conclude(new)
+    table.conclude([new])
     assert len(table.unanswered) == 0
 
 
@@ -256,7 +256,7 @@ def test_requests_answered_long_before_their_deadline_are_not_kept_until_it():
         answered = request(b"x", i, far)
         table.add([answered])
         answered.state = answered.state.DONE
-        table.conclude(answered)
+        table.conclude([answered])
     assert len(table.unanswered._deadlines) < 100  # not the 1000 answered while one runs
     assert table.unanswered.wait_ms(10**9) > 0 and list(table.unanswered.expired()) == []
 
@@ -278,9 +278,9 @@ def test_the_earliest_arrival_is_the_oldest_unanswered_and_answered_ones_behind_
     assert table.unanswered.earliest_arrival() == 1.0
     for each in later:
         each.state = each.state.DONE
-        table.conclude(each)
+        table.conclude([each])
     assert table.unanswered.earliest_arrival() == 1.0
     assert len(table.unanswered._arrivals) < 100  # not the 1000 answered while the oldest runs
     oldest.state = oldest.state.DONE
-    table.conclude(oldest)
+    table.conclude([oldest])
     assert table.unanswered.earliest_arrival() is None
