@@ -84,9 +84,9 @@ class Dispatcher:
         task = Task(self._next_task_id, spec, worker.worker_id, rows, counts.copy())
         self._next_task_id += 1
         task.submitted = time.perf_counter()
-        table = self._table
-        for row in rows[table.home[rows] != worker.worker_id]:
-            self._place(table.requests[row], worker)
+        moving = rows[self._table.home[rows] != worker.worker_id]
+        if len(moving):
+            self._place([self._table.requests[row] for row in moving.tolist()], worker)
         return task
 
     def one_step_input(
@@ -155,16 +155,32 @@ class Dispatcher:
         task.step_sizes.extend(step_sizes)
         task.batch_size += layout.rows
 
-    def _place(self, request: Request, worker: WorkerHandle) -> None:
-        """The request's next values go to its rows on `worker` (taken now, unless it has been there)."""
-        held = request.rows.get(worker.worker_id)
-        groups = request.unfolded.plan.register_groups
-        if held is None:
-            held = request.rows[worker.worker_id] = {kind: worker.slots[kind].take(len(regs)) for kind, regs in groups.items()}
-        write = self._store.registers.arrays["write"]
-        base = self._table.reg_base[request.row]
-        for kind, regs in groups.items():
-            write[base + regs] = held[kind]
+    def _place(self, requests: list[Request], worker: WorkerHandle) -> None:
+        """The requests' next values go to their rows on `worker`: taken now for those new there (a kind's
+        for all of them at once), and written into their registers' next rows."""
+        worker_id = worker.worker_id
+        new = [request for request in requests if worker_id not in request.rows]
+        for request in new:
+            request.rows[worker_id] = {}
+        if new:
+            blocks = self._table.blocks[[request.row for request in new]]  # rows each takes, per kind
+            for kind, column in self._table.kinds.items():
+                counts = blocks[:, column].tolist()
+                taken = worker.slots[kind].take(sum(counts))
+                start = 0
+                for request, count in zip(new, counts):
+                    if count:
+                        request.rows[worker_id][kind] = taken[start : start + count]
+                        start += count
+        where, rows = [], []
+        for request in requests:
+            base = int(self._table.reg_base[request.row])
+            held = request.rows[worker_id]
+            for kind, registers in request.unfolded.plan.register_groups.items():
+                where.append(base + registers)
+                rows.append(held[kind])
+        if where:
+            self._store.registers.arrays["write"][np.concatenate(where)] = np.concatenate(rows)
 
     def release_rows(self, requests: list[Request]) -> None:
         """Give back the arena rows requests hold on every worker, a kind of a worker at a time."""
