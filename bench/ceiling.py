@@ -8,20 +8,27 @@ alone first, against an echo server that answers every request at once with a re
 the server's, so the table shows it is not the bottleneck. A sample of every row's replies is
 checked against the model's reference. Each row also reports the manager's CPU time (user and
 system, read from the operating system around the measured run) per request and per task it formed:
-the control plane's own cost, whatever else shares the machine.
+the control plane's own cost, whatever else shares the machine; and the worker's CPU time per task,
+whole and beyond its cells: less the time the run's steps spent in the cells' forward calls (each
+(cell type, batch size) the server's stats counted, times that forward timed in this process on one
+thread, as the worker runs it), an estimate of the task's cost to the worker beyond the model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
+import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
+import torch
 import zmq
 
 from batchmaker.bench.datasets import DATASETS
@@ -30,12 +37,14 @@ from batchmaker.bench.run import ROOT, git, machine
 from batchmaker.bench.sweep import ServedPolicy
 from batchmaker.bench.verify import verify
 from batchmaker.common.config import load_config
-from batchmaker.common.models import build_model, init_missing_weights
+from batchmaker.common.graph import CellTypeSpec
+from batchmaker.common.models import Model, build_model, init_missing_weights
 from batchmaker.common.protocol import encode, tensor_to_map
 from batchmaker.manager.launcher import free_port_on
 
 WINDOW = 2000  # requests the generator keeps outstanding
 CHECKED = 40  # replies per row compared with the reference
+FORWARD_RUNS = 5  # timings of a cell's forward at a batch size: the median is kept
 BATCH_SIZES = "[1, 2, 4, 8, 16, 32, 64, 128, 256, 512]"
 
 MODELS = f"""
@@ -152,18 +161,66 @@ def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
     return len(graph.nodes) - len(graph.watch) + min(decoded + 1, len(graph.watch))
 
 
-def measure(served: ServedPolicy, frames: list[bytes]) -> tuple[Replies, dict[str, float]]:
+def measure(served: ServedPolicy, frames: list[bytes], model: Model | None = None) -> tuple[Replies, dict[str, float]]:
     """One closed-loop run of `frames`, and the manager's CPU µs per request and per task during it (the
-    task count from the server's stats, read before the CPU time and after it, so the stats op is not counted)."""
-    tasks, cpu = served.stats()["tasks"], served.cpu_seconds()["manager"]
+    task count from the server's stats, read before the CPU time and after it, so the stats op is not
+    counted); with the served `model`, also the worker's CPU µs per task beyond its cells (`beyond_cells`)."""
+    before = served.stats()
+    cpu = served.cpu_seconds()
     replies = closed_loop(served.address, frames, WINDOW)
-    cpu = served.cpu_seconds()["manager"] - cpu
-    tasks = served.stats()["tasks"] - tasks
-    return replies, {
-        "tasks": tasks,
-        "manager_cpu_us_per_request": cpu * 1e6 / len(frames),
-        "manager_cpu_us_per_task": cpu * 1e6 / max(1, tasks),
+    used = served.cpu_seconds()
+    after = served.stats()
+    tasks = max(1, after["tasks"] - before["tasks"])
+    manager = used["manager"] - cpu["manager"]
+    measured = {
+        "tasks": after["tasks"] - before["tasks"],
+        "manager_cpu_us_per_request": manager * 1e6 / len(frames),
+        "manager_cpu_us_per_task": manager * 1e6 / tasks,
     }
+    if model is not None:
+        worker = used.get("worker", 0.0) - cpu.get("worker", 0.0)
+        cells = beyond_cells(model, before["batch_sizes"], after["batch_sizes"])
+        measured["worker_cpu_us_per_task"] = worker * 1e6 / tasks
+        measured["worker_cpu_us_per_task_beyond_cells"] = (worker - cells) * 1e6 / tasks
+    return replies, measured
+
+
+def beyond_cells(model: Model, before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> float:
+    """Seconds the run's steps spent in their cells: each (cell type, batch size) the server ran, counted
+    from its stats, times the cell's own forward at that batch size, timed here on one thread as the
+    worker runs it (the median of a few runs)."""
+    cells = model.make_cells(model.load_weights())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seconds = 0.0
+    try:
+        with torch.inference_mode():
+            for key, sizes in after.items():
+                spec = model.cell_types.get(key)
+                if spec is None:
+                    continue
+                for size, count in sizes.items():
+                    ran = count - before.get(key, {}).get(size, 0)
+                    if ran > 0:
+                        seconds += ran * _forward_seconds(cells[key], spec, int(size))
+    finally:
+        torch.set_num_threads(threads)
+    return seconds
+
+
+def _forward_seconds(cell: torch.nn.Module, spec: CellTypeSpec, batch: int) -> float:
+    args = []
+    for port, kind in enumerate(spec.inputs):
+        args.append(torch.zeros((batch, *kind.shape), dtype=getattr(torch, kind.dtype)))
+        if port in spec.ragged_inputs:
+            args.append(torch.arange(batch))
+    cell(*args)
+    runs = []
+    for _ in range(FORWARD_RUNS):
+        began = time.perf_counter()
+        cell(*args)
+        runs.append(time.perf_counter() - began)
+    return statistics.median(runs)
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
@@ -197,7 +254,7 @@ max_queue_delay_ms = 0
                 requests = [inputs[i % len(inputs)] for i in range(count)]
                 frames = request_frames(row.model, requests)
                 closed_loop(address, frames[: min(200, count)], WINDOW)  # warm up: plans of the common shapes
-                run, manager = measure(served, frames)
+                run, manager = measure(served, frames, models[row.model])
                 seconds = float(np.nanmax(run.received))
                 replies = run.replies
                 failed = sum(1 for reply in replies if reply is None or not reply["ok"])
@@ -237,8 +294,11 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"ceiling at {result['describe']} (hidden 8, one CPU worker, {result['window']} requests outstanding)",
         f"load generator alone (echo server): {result['generator_alone_requests_per_s']:,.0f} requests/s",
-        "| workload | requests/s | cells/s | cells per request | manager CPU µs per request | per task | answers checked |",
-        "|---|---|---|---|---|---|---|",
+        (
+            "| workload | requests/s | cells/s | cells per request | manager CPU µs per request | per task "
+            "| worker CPU µs per task | beyond its cells | answers checked |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         check = row["verify"]
@@ -247,7 +307,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['row']} | {row['requests_per_s']:,.0f} | {row['cells_per_s']:,.0f} | "
             f"{row['cells_per_request']:.1f} | {row['manager_cpu_us_per_request']:.1f} | "
-            f"{row['manager_cpu_us_per_task']:.1f} | {ok}{failed} |"
+            f"{row['manager_cpu_us_per_task']:.1f} | {row.get('worker_cpu_us_per_task', math.nan):.1f} | "
+            f"{row.get('worker_cpu_us_per_task_beyond_cells', math.nan):.1f} | {ok}{failed} |"
         )
     return "\n".join(lines)
 

@@ -11,14 +11,16 @@ from conftest import SMALL_LSTM, write_config
 from batchmaker.bench import ceiling
 from batchmaker.bench.generator import request_frames
 from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.common.models import build_model
 
 
-def test_a_run_reports_the_managers_cpu_per_request_and_per_task(tmp_path: Path):
+def test_a_run_reports_the_managers_cpu_per_request_and_per_task_and_the_workers_beyond_its_cells(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM)
     frames = request_frames("lstm", [{"tokens": list(range(1, 23))}] * 300)
     with ServedPolicy(config.path, config.server.address, "cellular", "lstm") as served:
-        replies, manager = ceiling.measure(served, frames)
+        replies, manager = ceiling.measure(served, frames, build_model(config.models["lstm"]))
     assert replies.lost == 0 and all(reply["ok"] for reply in replies.replies)
+    assert 0 < manager["worker_cpu_us_per_task_beyond_cells"] < manager["worker_cpu_us_per_task"]
     assert manager["tasks"] >= 2  # every request has 22 steps: a lane task takes 16 at most (the default)
     assert manager["manager_cpu_us_per_request"] > 0
     assert manager["manager_cpu_us_per_task"] > 0
@@ -33,10 +35,12 @@ def test_the_table_shows_the_managers_cpu_per_request_and_per_task():
         "cells_per_request": 21.7,
         "manager_cpu_us_per_request": 41.0,
         "manager_cpu_us_per_task": 120.5,
+        "worker_cpu_us_per_task": 300.0,
+        "worker_cpu_us_per_task_beyond_cells": 60.25,
         "failed": 0,
         "verify": {"ok": True, "checked": 40, "wrong": []},
     }
     result = {"describe": "abc", "window": 2000, "generator_alone_requests_per_s": 50000.0, "rows": [row]}
     table = ceiling.table(result)
-    assert "| manager CPU µs per request | per task |" in table
-    assert "| LSTM, WMT lengths | 12,000 | 260,000 | 21.7 | 41.0 | 120.5 | 40 ok |" in table
+    assert "| manager CPU µs per request | per task | worker CPU µs per task | beyond its cells |" in table
+    assert "| LSTM, WMT lengths | 12,000 | 260,000 | 21.7 | 41.0 | 120.5 | 300.0 | 60.2 | 40 ok |" in table
