@@ -40,7 +40,7 @@ from batchmaker.common.config import load_config
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.models import Model, build_model, init_missing_weights
 from batchmaker.common.protocol import encode, tensor_to_map
-from batchmaker.manager.launcher import free_port_on
+from batchmaker.manager.commands.launcher import free_port_on
 
 WINDOW = 2000  # requests the generator keeps outstanding
 CHECKED = 40  # replies per row compared with the reference

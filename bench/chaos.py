@@ -59,7 +59,7 @@ from batchmaker.clients.sync_client import infer_message, to_infer_reply
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model, init_missing_weights
 from batchmaker.common.protocol import encode
-from batchmaker.manager.launcher import ServerProcess, free_port_on, roles
+from batchmaker.manager.commands.launcher import ServerProcess, free_port_on, roles
 
 RATE = 40.0  # requests per second offered: well within what two of the three servers serve
 FULL_S, QUICK_S = 300.0, 60.0

@@ -31,7 +31,7 @@ from batchmaker.clients import AsyncClient, ServerError
 from batchmaker.clients.loadgen import percentiles
 from batchmaker.clients.servers import ASIDE, RequestId, Server, is_probe, is_stopping
 from batchmaker.clients.sync_client import infer_message, to_infer_reply
-from batchmaker.manager.launcher import cpu_seconds
+from batchmaker.manager.commands.launcher import cpu_seconds
 
 FAULT_WAIT_S = 1.0  # at most this long past its time a fault waits for its server to owe answers
 

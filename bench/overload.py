@@ -47,7 +47,7 @@ from batchmaker.clients.loadgen import percentiles
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model, init_missing_weights
 from batchmaker.common.protocol import OVERLOADED
-from batchmaker.manager.launcher import free_port_on
+from batchmaker.manager.commands.launcher import free_port_on
 
 DEFAULT_CONFIG = ROOT / "configs" / "default.toml"
 MODEL = "lstm"

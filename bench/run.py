@@ -24,7 +24,7 @@ from batchmaker.bench.verify import verify
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model, init_missing_weights
 from batchmaker.common.models.base import Model
-from batchmaker.manager.launcher import free_port_on
+from batchmaker.manager.commands.launcher import free_port_on
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERATE = (0.25, 0.5)  # fractions of the reference policy's peak

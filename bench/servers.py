@@ -44,7 +44,7 @@ from batchmaker.bench.run import ROOT, git, machine
 from batchmaker.bench.verify import compare
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model, init_missing_weights
-from batchmaker.manager.launcher import ServerProcess, free_port_on, roles
+from batchmaker.manager.commands.launcher import ServerProcess, free_port_on, roles
 
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 WINDOW = 128  # requests outstanding per server in the closed loop: two full batches

@@ -47,10 +47,10 @@ from batchmaker.common.task import (
     encode_notice,
     encode_task,
 )
-from batchmaker.manager.core import BatchingCore
-from batchmaker.manager.outcomes import Answered
-from batchmaker.manager.server import load_models
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.core import BatchingCore
+from batchmaker.manager.batching.outcomes import Answered
+from batchmaker.manager.batching.worker_handle import WorkerHandle
+from batchmaker.manager.loop.server import load_models
 from batchmaker.worker.batched_task import resolve, run_steps
 from batchmaker.worker.lanes import resolve_lanes, run_lanes
 from batchmaker.worker.main import load_cells
@@ -230,7 +230,7 @@ def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, st
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
-    gc.collect()  # as the manager collects garbage (manager.main): rarely, never rescanning start-up state
+    gc.collect()  # as the manager collects garbage (manager.loop.main): rarely, never rescanning start-up state
     gc.freeze()
     gc.set_threshold(100_000, 20, 100)
     scale = 4 if quick else 1

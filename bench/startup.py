@@ -28,7 +28,7 @@ from batchmaker.bench.ceiling import MODELS
 from batchmaker.bench.run import ROOT, git, machine
 from batchmaker.common.config import load_config
 from batchmaker.common.models import init_missing_weights
-from batchmaker.manager.launcher import ServerProcess, free_port_on, roles
+from batchmaker.manager.commands.launcher import ServerProcess, free_port_on, roles
 
 MB = 2**20
 ROLES = ("supervisor", "manager", "worker")

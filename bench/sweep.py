@@ -12,7 +12,7 @@ import numpy as np
 from batchmaker.bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from batchmaker.clients import Client
 from batchmaker.clients.loadgen import percentiles
-from batchmaker.manager.launcher import cpu_seconds, launch, roles, stop_server, wait_until_ready
+from batchmaker.manager.commands.launcher import cpu_seconds, launch, roles, stop_server, wait_until_ready
 
 CDF_POINTS = 101  # quantiles kept of the queueing and computation times (at moderate loads only)
 IDLE_TIMEOUT_S = 120.0

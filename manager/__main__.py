@@ -1,5 +1,5 @@
 import sys
 
-from batchmaker.manager.main import main
+from batchmaker.manager.loop.main import main
 
 sys.exit(main())

@@ -26,7 +26,7 @@ from batchmaker.clients.loadgen import run_open_loop, summarize
 from batchmaker.clients.text import Vocabulary, load_sentences
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
-from batchmaker.manager.launcher import launch, stop_server, wait_until_ready
+from batchmaker.manager.commands.launcher import launch, stop_server, wait_until_ready
 
 TOLERANCE = 1e-5
 

@@ -37,7 +37,7 @@ from batchmaker.bench.verify import TOLERANCE, mismatch
 from batchmaker.clients import AsyncClient, Client
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model, init_missing_weights
-from batchmaker.manager.supervisor import Supervisor
+from batchmaker.manager.commands.supervisor import Supervisor
 
 REQUESTS_PER_MODEL = 120
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from batchmaker.clients import AsyncClient, Client, ServerError
 from batchmaker.common.config import load_config
 from batchmaker.common.models import init_missing_weights
-from batchmaker.manager.supervisor import Supervisor
+from batchmaker.manager.commands.supervisor import Supervisor
 
 MODELS = """
 [models.lstm]

@@ -28,7 +28,7 @@ from batchmaker.clients import Client
 from batchmaker.clients.loadgen import run_open_loop, summarize
 from batchmaker.common.config import load_config
 from batchmaker.common.models import init_missing_weights
-from batchmaker.manager.supervisor import Supervisor
+from batchmaker.manager.commands.supervisor import Supervisor
 
 
 def offer(address: str, inputs: list[dict], rate: float, duration: float) -> str:
@@ -76,7 +76,7 @@ def main() -> int:
         threading.Thread(target=supervisor.watch, daemon=True).start()
         print(f"1 worker : {offer(supervisor.address, inputs, args.rate, args.duration)}", flush=True)
         joined = subprocess.Popen(
-            [sys.executable, "-m", "batchmaker.manager.cli", "worker", "--config", str(config.path),
+            [sys.executable, "-m", "batchmaker.manager.commands.cli", "worker", "--config", str(config.path),
              "--manager", worker_address, "--index", "1"],
             cwd=ROOT,
         )  # fmt: skip

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from batchmaker.clients import Client
 from batchmaker.common.config import Config, load_config
 from batchmaker.common.models import init_missing_weights
-from batchmaker.manager.supervisor import Supervisor
+from batchmaker.manager.commands.supervisor import Supervisor
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -111,7 +111,7 @@ def stop_server(server: RunningServer) -> None:
 def start_worker(config: Config, manager: str, *options: str, **popen: Any) -> subprocess.Popen:
     """`batchmaker worker` started by hand, as on another machine; `options` go to the command."""
     command = [
-        sys.executable, "-m", "batchmaker.manager.cli", "worker", "--config", str(config.path), "--manager", manager
+        sys.executable, "-m", "batchmaker.manager.commands.cli", "worker", "--config", str(config.path), "--manager", manager
     ]
     return subprocess.Popen([*command, *options], cwd=ROOT, **popen)
 

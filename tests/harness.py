@@ -1,4 +1,4 @@
-"""The batching core the server runs (manager.core), with workers whose arenas are real shared
+"""The batching core the server runs (manager.batching.core), with workers whose arenas are real shared
 memory but whose stream is the test itself: tasks complete when the test says so. Used to check
 scheduling decisions step by step; requests are admitted, scheduled, completed and cancelled
 through the core's own methods, as the event loop calls them."""
@@ -14,11 +14,11 @@ from batchmaker.common.config import Config
 from batchmaker.common.protocol import RequestError
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.task import CompletionNotice, LaneTaskMessage, TaskMessage, decode_task
-from batchmaker.manager.core import BatchingCore
-from batchmaker.manager.outcomes import Answered, Failed, Outcome
-from batchmaker.manager.records import Request, Task
-from batchmaker.manager.server import load_models
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.core import BatchingCore
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome
+from batchmaker.manager.batching.records import Request, Task
+from batchmaker.manager.batching.worker_handle import WorkerHandle
+from batchmaker.manager.loop.server import load_models
 from batchmaker.worker.batched_task import resolve, run_steps
 from batchmaker.worker.lanes import resolve_lanes, run_lanes, step_batches
 from batchmaker.worker.main import load_cells

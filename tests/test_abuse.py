@@ -23,7 +23,7 @@ from batchmaker.common.models import build_model
 from batchmaker.common.models.base import PlanCache, token_ids
 from batchmaker.common.models.tree import parse_tree
 from batchmaker.common.protocol import INVALID_INPUT, RequestError
-from batchmaker.manager import launcher
+from batchmaker.manager.commands import launcher
 
 PROBE_TIMEOUT_MS = 10_000  # what a liveness probe would allow; a stalled loop misses it
 RSS_BOUND = 64 << 20  # growth of the manager's memory over all the attacks of a test

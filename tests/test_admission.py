@@ -8,7 +8,7 @@ import pytest
 
 from batchmaker.common.config import ConfigError, load_config
 from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
-from batchmaker.manager.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait, warm_up_capacity
+from batchmaker.manager.batching.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait, warm_up_capacity
 
 FULL = 64  # the largest batch size of the cell type in these tests
 

@@ -19,7 +19,7 @@ from batchmaker.clients import AsyncClient, Client, ServerError
 from batchmaker.common.config import ConfigError
 from batchmaker.common.models import build_model
 from batchmaker.common.protocol import tensor_to_map
-from batchmaker.manager.preflight import check_weights
+from batchmaker.manager.commands.preflight import check_weights
 
 TOLERANCE = 1e-5
 VOCAB = 100

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from batchmaker.manager.connections import ClientConnections
+from batchmaker.manager.loop.connections import ClientConnections
 
 WAIT_MS = 10_000
 

@@ -15,7 +15,7 @@ from batchmaker.common.protocol import (
     RequestError,
 )
 from batchmaker.common.task import CompletionNotice
-from batchmaker.manager.outcomes import Answered, Failed, Replayed
+from batchmaker.manager.batching.outcomes import Answered, Failed, Replayed
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from batchmaker.common.protocol import BAD_REQUEST, OVERLOADED, RequestError, decode, encode, error_reply
-from batchmaker.manager.error_frames import ErrorFrames
+from batchmaker.manager.loop.error_frames import ErrorFrames
 
 IDS = [0, 1, -1, 127, 128, 2**32, 2**63, -(2**63), "", "r1", "é" * 40, "x" * 256, None]
 

@@ -218,7 +218,7 @@ def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
 
 def test_sigterm_under_load_answers_everything_then_exits(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM)
-    command = [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config.path), "--workers", "2"]
+    command = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path), "--workers", "2"]
     process = subprocess.Popen(command)
     try:
         with Client(config.server.address, timeout=1) as client:

@@ -15,7 +15,7 @@ import zmq
 from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
 
 from batchmaker.common.protocol import decode, encode
-from batchmaker.manager.metrics import Metrics
+from batchmaker.manager.observability.metrics import Metrics
 
 
 def probe(port: int, path: str) -> tuple[int, str]:

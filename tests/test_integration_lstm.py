@@ -112,7 +112,7 @@ def test_stacked_layers_are_served_correctly(tmp_path: Path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_server_stops_cleanly_on_signal(tmp_path: Path, signum: int):
     config = write_config(tmp_path, SMALL_LSTM)
-    command = [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config.path), "--workers", "2"]
+    command = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path), "--workers", "2"]
     process = subprocess.Popen(command)
     try:
         deadline = time.monotonic() + 60
@@ -139,7 +139,7 @@ def test_server_stops_cleanly_on_signal(tmp_path: Path, signum: int):
 
 def test_children_exit_when_the_supervisor_is_killed(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM)
-    process = subprocess.Popen([sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config.path)])
+    process = subprocess.Popen([sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path)])
     try:
         deadline = time.monotonic() + 60
         while len(psutil.Process(process.pid).children()) < 2:

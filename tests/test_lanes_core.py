@@ -13,7 +13,7 @@ from batchmaker.common.lanes import CONSTANT, ONE_STEP, SEQUENCE, STATE, LaneLay
 from batchmaker.common.models import build_model
 from batchmaker.common.models.seq2seq import decoding_mismatch
 from batchmaker.common.task import LaneTaskMessage
-from batchmaker.manager.server import load_models
+from batchmaker.manager.loop.server import load_models
 
 CELL = "lstm/layer0"
 

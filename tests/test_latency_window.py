@@ -6,7 +6,7 @@ import tracemalloc
 
 import numpy as np
 
-from batchmaker.manager.stats import TIMINGS, LatencyWindow, Stats
+from batchmaker.manager.observability.stats import TIMINGS, LatencyWindow, Stats
 
 
 def timing(i: int) -> dict[str, int]:

@@ -10,8 +10,8 @@ import pytest
 from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
 
 from batchmaker.clients import Client
-from batchmaker.manager.main import main
-from batchmaker.manager.memory_trace import EVERY_ENV, PATH_ENV, MemoryTrace, growth
+from batchmaker.manager.loop.main import main
+from batchmaker.manager.observability.memory_trace import EVERY_ENV, PATH_ENV, MemoryTrace, growth
 
 
 def hoard(kept: list[bytes], count: int) -> None:

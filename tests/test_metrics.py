@@ -10,7 +10,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchmaker.manager.metrics import MAX_CONNECTIONS, Metrics
+from batchmaker.manager.observability.metrics import MAX_CONNECTIONS, Metrics
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from batchmaker.clients import Client
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
 from batchmaker.common.plan import compile_graph
-from batchmaker.manager.launcher import stop_server, wait_until_ready
+from batchmaker.manager.commands.launcher import stop_server, wait_until_ready
 
 DOC = ROOT / "docs" / "models.md"
 

@@ -83,7 +83,7 @@ def test_graph_policy_serves_trees_like_the_reference(tmp_path: Path):
 def test_serving_a_tree_model_padded_is_refused_with_a_clear_error(tmp_path: Path):
     config = write_config(tmp_path, TREE_MODELS)
     run = subprocess.run(
-        [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config.path), "--policy", "padded"],
+        [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path), "--policy", "padded"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )
     assert run.returncode == 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import ROOT, free_port
 
-from batchmaker.manager.launcher import stop_server
+from batchmaker.manager.commands.launcher import stop_server
 
 DOC = ROOT / "docs" / "quickstart.md"
 DOC_PORT = "5600"

@@ -282,7 +282,7 @@ def run_one_task_at_a_time(h, worker, total: int) -> list[list[str]]:
 def test_higher_priority_lanes_go_first_and_a_passed_lane_gets_its_turn(harness):
     """Batch size 2: H1 and H2 (priority 1) take every task from L1 (priority 0, queued first)
     until L1 has been left out of MAX_PASSES tasks; it then joins the next one, before either."""
-    from batchmaker.manager.cell_queues import MAX_PASSES
+    from batchmaker.manager.batching.cell_queues import MAX_PASSES
 
     h = harness(lstm_models("[1, 2]"), max_tasks_to_submit=1)
     worker = h.workers[0]
@@ -308,7 +308,7 @@ def test_equal_priorities_keep_the_oldest_first_order(harness):
 def test_a_lower_priority_lane_waits_at_most_max_passes_tasks(harness):
     """A stream of high-priority requests that always fills the batch: the low one still advances one
     step per MAX_PASSES + 1 tasks, and no high one is left out for it more than once in a row."""
-    from batchmaker.manager.cell_queues import MAX_PASSES
+    from batchmaker.manager.batching.cell_queues import MAX_PASSES
 
     h = harness(lstm_models("[1]"), max_tasks_to_submit=1)
     worker = h.workers[0]

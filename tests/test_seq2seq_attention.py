@@ -17,7 +17,7 @@ from batchmaker.common.config import CellTypeConfig, ConfigError, ModelConfig, l
 from batchmaker.common.models import build_model
 from batchmaker.common.models.seq2seq import MEMORY_PORT, decoding_mismatch
 from batchmaker.common.models.seq2seq_cells import Seq2SeqModel
-from batchmaker.manager.preflight import check_weights
+from batchmaker.manager.commands.preflight import check_weights
 
 NEAR_TIE = 1e-4
 ATTENTION = 'attention = "luong"\n'

@@ -18,7 +18,7 @@ from test_custom_model import ELMAN
 from test_startup_errors import user_env
 
 from batchmaker.clients import Client
-from batchmaker.manager.launcher import stop_server, wait_until_ready
+from batchmaker.manager.commands.launcher import stop_server, wait_until_ready
 
 BATCHMAKER = str(Path(sys.executable).parent / "batchmaker")
 WRONG_SHAPE = '''

@@ -11,7 +11,7 @@ from test_scheduler import lstm_models
 
 from batchmaker.common.protocol import CANCELLED, OVERLOADED, SESSION_LOST, UNAVAILABLE, RequestError
 from batchmaker.common.task import CompletionNotice
-from batchmaker.manager.outcomes import Answered, Failed, Refused
+from batchmaker.manager.batching.outcomes import Answered, Failed, Refused
 
 
 @pytest.fixture

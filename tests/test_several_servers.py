@@ -20,7 +20,7 @@ from conftest import write_config
 from batchmaker.clients import AsyncClient
 from batchmaker.common.config import Config
 from batchmaker.common.models import build_model
-from batchmaker.manager.launcher import ServerProcess
+from batchmaker.manager.commands.launcher import ServerProcess
 
 TINY_LSTM = """
 [models.lstm]

@@ -1,4 +1,4 @@
-"""Start-up mistakes a new user makes, through the real command line (`python -m batchmaker.manager.cli serve`
+"""Start-up mistakes a new user makes, through the real command line (`python -m batchmaker.manager.commands.cli serve`
 in a subprocess, from a folder of the user's own): each fails before any process starts, with one
 message that names the fix, and never invents, deletes or overwrites a weights file."""
 
@@ -33,7 +33,7 @@ def user_env() -> dict[str, str]:
 
 def serve(config: Path, *options: str, cwd: Path) -> subprocess.CompletedProcess:
     """`batchmaker serve` run from `cwd`, expected to fail at start."""
-    command = [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config), *options]
+    command = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config), *options]
     return subprocess.run(
         command, cwd=cwd, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, env=user_env(), check=False
     )

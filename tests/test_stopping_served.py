@@ -23,7 +23,7 @@ from test_several_servers import TINY_LSTM, Progress, check_results, owes_answer
 from batchmaker.clients import AsyncClient, ServerError
 from batchmaker.common.config import Config
 from batchmaker.common.protocol import UNAVAILABLE
-from batchmaker.manager.launcher import ServerProcess, roles
+from batchmaker.manager.commands.launcher import ServerProcess, roles
 
 __all__ = ["three_servers"]  # the fixture, shared with the tests of several servers
 

@@ -11,9 +11,9 @@ from conftest import SMALL_SEQ2SEQ
 
 from batchmaker.common.protocol import INTERNAL
 from batchmaker.common.task import CompletionNotice
-from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
-from batchmaker.manager.records import Request
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
+from batchmaker.manager.batching.records import Request
+from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 MAX_LEN = 12
 

@@ -15,7 +15,7 @@ from conftest import write_config
 from batchmaker.clients import Client
 from batchmaker.common.config import ConfigError
 from batchmaker.common.models.base import Model, Planner, build_model, build_planner
-from batchmaker.manager.launcher import ServerProcess, roles
+from batchmaker.manager.commands.launcher import ServerProcess, roles
 
 ALL_MODELS = """
 [models.lstm]

@@ -130,7 +130,7 @@ def test_serve_refuses_worker_sockets_it_cannot_secure(tmp_path: Path, lines: st
     """A worker address other machines reach, without worker keys or insecure_workers; worker keys
     that cannot be read: `batchmaker serve` stops with a configuration error before starting anything."""
     path = with_server_lines(write_config(tmp_path, SMALL_LSTM), lines.format(port=free_port()))
-    process = refusal(["-m", "batchmaker.manager.cli", "serve", str(path)])
+    process = refusal(["-m", "batchmaker.manager.commands.cli", "serve", str(path)])
     assert process.returncode == 2, process.stderr
     assert message in process.stderr
 

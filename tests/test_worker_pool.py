@@ -19,9 +19,9 @@ from batchmaker.common.config import ServerConfig
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.task import CompletionNotice, encode_notice
-from batchmaker.manager.server import load_models
-from batchmaker.manager.worker_handle import WorkerHandle
-from batchmaker.manager.worker_pool import WorkerPool
+from batchmaker.manager.batching.worker_handle import WorkerHandle
+from batchmaker.manager.loop.server import load_models
+from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.worker.backend import arena_ids
 
 ROWS = 64
@@ -204,7 +204,7 @@ def report_peers(pool: Pool, socket: zmq.Socket, report: dict[str, Any], taken: 
 
 
 def test_a_worker_is_given_requests_from_a_peer_only_once_it_says_it_can_read_its_arenas(pool: Pool):
-    """Placement (manager/scheduler.py) moves a request to a worker only from the workers not in its
+    """Placement (manager/batching/scheduler.py) moves a request to a worker only from the workers not in its
     `unread` set: every worker of its host until it reports having opened their arenas."""
     first, first_reply = pool.register("host-a")
     second, second_reply = pool.register("host-a")

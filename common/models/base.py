@@ -233,6 +233,14 @@ def build_model(config: ModelConfig) -> Model:
     return model
 
 
+def model_named(name: str, config: ModelConfig) -> Model:
+    """The Model class `name` ("package.module:Class") built from `config`. A built-in builder module
+    holds the planner and names its cells' module by name: the cells import the planner, never the
+    other way, and the planner imports no torch."""
+    module_name, _, class_name = name.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)(config)
+
+
 def build_planner(config: ModelConfig) -> Planner:
     """The model's planner: by its builder module's `planner(config)` when it has one (no torch), else
     the whole model."""

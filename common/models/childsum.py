@@ -33,7 +33,7 @@ import numpy as np
 
 from batchmaker.common.config import ModelConfig
 from batchmaker.common.graph import CellGraph, NodeOutput, Ragged
-from batchmaker.common.models.base import Model
+from batchmaker.common.models.base import Model, model_named
 from batchmaker.common.models.tree import TOKEN, CellPorts, Tree, TreePlanner
 from batchmaker.common.plan import ZERO_REF, external_ref
 
@@ -69,6 +69,4 @@ def planner(config: ModelConfig) -> ChildSumPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from batchmaker.common.models.childsum_cells import ChildSumTreeLSTMModel
-
-    return ChildSumTreeLSTMModel(config)
+    return model_named("batchmaker.common.models.childsum_cells:ChildSumTreeLSTMModel", config)

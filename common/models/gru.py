@@ -6,7 +6,7 @@ Outputs `h`, the last layer's final state. The cells are in common/models/chain_
 from __future__ import annotations
 
 from batchmaker.common.config import ModelConfig
-from batchmaker.common.models.base import Model
+from batchmaker.common.models.base import Model, model_named
 from batchmaker.common.models.chain import ChainPlanner
 
 
@@ -20,6 +20,4 @@ def planner(config: ModelConfig) -> GRUPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from batchmaker.common.models.chain_cells import GRUModel
-
-    return GRUModel(config)
+    return model_named("batchmaker.common.models.chain_cells:GRUModel", config)

@@ -6,7 +6,7 @@ Outputs `h` and `c`, the last layer's final state. The cells are in common/model
 from __future__ import annotations
 
 from batchmaker.common.config import ModelConfig
-from batchmaker.common.models.base import Model
+from batchmaker.common.models.base import Model, model_named
 from batchmaker.common.models.chain import ChainPlanner
 
 
@@ -20,6 +20,4 @@ def planner(config: ModelConfig) -> LSTMPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from batchmaker.common.models.chain_cells import LSTMModel
-
-    return LSTMModel(config)
+    return model_named("batchmaker.common.models.chain_cells:LSTMModel", config)

@@ -52,6 +52,7 @@ from batchmaker.common.models.base import (
     Planner,
     check_params,
     int_param,
+    model_named,
     padded_length,
     token_ids,
 )
@@ -282,6 +283,4 @@ def planner(config: ModelConfig) -> Seq2SeqPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from batchmaker.common.models.seq2seq_cells import Seq2SeqModel
-
-    return Seq2SeqModel(config)
+    return model_named("batchmaker.common.models.seq2seq_cells:Seq2SeqModel", config)

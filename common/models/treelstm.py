@@ -36,7 +36,7 @@ import numpy as np
 
 from batchmaker.common.config import ModelConfig
 from batchmaker.common.graph import CellGraph, NodeOutput
-from batchmaker.common.models.base import Model
+from batchmaker.common.models.base import Model, model_named
 from batchmaker.common.models.tree import TOKEN, CellPorts, Tree, TreePlanner
 from batchmaker.common.plan import ZERO_REF, external_ref
 
@@ -77,6 +77,4 @@ def planner(config: ModelConfig) -> TreeLSTMPlanner:
 
 
 def build(config: ModelConfig) -> Model:
-    from batchmaker.common.models.treelstm_cells import TreeLSTMModel
-
-    return TreeLSTMModel(config)
+    return model_named("batchmaker.common.models.treelstm_cells:TreeLSTMModel", config)

@@ -3,7 +3,7 @@ fit them, and the ports the manager will bind are free. Each failure is one Conf
 names the fix, instead of a traceback in a child process's log after the server seemed to start.
 
 Reading weights needs torch, which the supervisor never imports: the weights are checked by
-`python -m batchmaker.manager.preflight CONFIG` in a child process, whose error becomes the supervisor's.
+`python -m batchmaker.manager.commands.preflight CONFIG` in a child process, whose error becomes the supervisor's.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 
 from batchmaker.common.config import Config, ConfigError, load_config
 from batchmaker.common.models.base import Planner, build_model, build_planner
-from batchmaker.manager.launcher import free_port_on
-from batchmaker.manager.policies import check_policy
+from batchmaker.manager.batching.policies import check_policy
+from batchmaker.manager.commands.launcher import free_port_on
 
 log = logging.getLogger("batchmaker.supervisor")
 
@@ -35,7 +35,7 @@ def check_before_start(config: Config, address: str) -> None:
 def check_weights(config: Config) -> None:
     """Every model's weights file read and checked against the model, in a child process (see above)."""
     done = subprocess.run(
-        [sys.executable, "-m", "batchmaker.manager.preflight", str(config.path)],
+        [sys.executable, "-m", "batchmaker.manager.commands.preflight", str(config.path)],
         capture_output=True,
         text=True,
         check=False,
@@ -45,7 +45,7 @@ def check_weights(config: Config) -> None:
 
 
 def _read_all_weights(argv: list[str]) -> int:
-    """`python -m batchmaker.manager.preflight CONFIG`: read every model's weights.
+    """`python -m batchmaker.manager.commands.preflight CONFIG`: read every model's weights.
 
     A ConfigError's message goes to stderr, with status 2.
     """

@@ -31,8 +31,8 @@ from batchmaker.common.hosts import default_host_id
 from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, echo, encode
 from batchmaker.common.sockets import NOW, send, server_context
 from batchmaker.common.task import CompletionNotice, decode_notice
-from batchmaker.manager.records import Task
-from batchmaker.manager.worker_handle import WorkerHandle, check_registration
+from batchmaker.manager.batching.records import Task
+from batchmaker.manager.batching.worker_handle import WorkerHandle, check_registration
 
 log = logging.getLogger("batchmaker.manager")
 

@@ -17,10 +17,10 @@ import numpy as np
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import ZERO_REF, Plan
 from batchmaker.common.slots import ZERO_SLOT
-from batchmaker.manager.request_table import NO_WORKER, Region, RequestTable, grow_rows
+from batchmaker.manager.batching.request_table import NO_WORKER, Region, RequestTable, grow_rows
 
 if TYPE_CHECKING:
-    from batchmaker.manager.records import Request
+    from batchmaker.manager.batching.records import Request
 
 
 class _Log:

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from batchmaker.common.graph import ValueKind
-from batchmaker.manager.deadlines import Deadlines, without_done
+from batchmaker.manager.batching.deadlines import Deadlines, without_done
 
 if TYPE_CHECKING:
     from batchmaker.common.plan import Plan
-    from batchmaker.manager.records import Request
+    from batchmaker.manager.batching.records import Request
 
 NO_WORKER = -1
 Region = str | ValueKind  # a plan store region: "node", "ragged", "reg", or the external values of a kind
@@ -220,7 +220,7 @@ class RequestTable:
         return not starting.all()
 
     def step_issued(self, rows: np.ndarray, sizes: np.ndarray) -> None:
-        """A later step of a task already issued (manager.scheduler: multi-step tasks) took `sizes` more
+        """A later step of a task already issued (manager.batching.scheduler: multi-step tasks) took `sizes` more
         nodes of the requests at `rows`, all of them already in the task."""
         self.issued[rows] += sizes
 

@@ -4,9 +4,9 @@ Each turn of the loop takes completion notices first (they free workers and rows
 schedules right away, then worker control messages, client messages and departed clients,
 then deadlines and the watchdog, and finally runs Schedule for every worker with few tasks in
 flight, so that newly arrived requests join the very next batched tasks. The loop is I/O
-around the batching core (manager.core), which owns every live request and returns what
-happened: the loop sends tasks to workers (manager.worker_pool), turns outcomes into replies
-to clients (manager.frontend) and records each event once (manager.stats); see
+around the batching core (manager.batching.core), which owns every live request and returns what
+happened: the loop sends tasks to workers (manager.loop.worker_pool), turns outcomes into replies
+to clients (manager.loop.frontend) and records each event once (manager.observability.stats); see
 docs/architecture.md.
 """
 
@@ -33,13 +33,13 @@ from batchmaker.common.protocol import (
     partial_reply,
 )
 from batchmaker.common.sockets import server_context
-from batchmaker.manager.core import BatchingCore
-from batchmaker.manager.frontend import ClientFrontend, Incoming
-from batchmaker.manager.metrics import Metrics
-from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Refused
-from batchmaker.manager.stats import Stats
-from batchmaker.manager.worker_handle import WorkerHandle
-from batchmaker.manager.worker_pool import WorkerPool
+from batchmaker.manager.batching.core import BatchingCore
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Refused
+from batchmaker.manager.batching.worker_handle import WorkerHandle
+from batchmaker.manager.loop.frontend import ClientFrontend, Incoming
+from batchmaker.manager.loop.worker_pool import WorkerPool
+from batchmaker.manager.observability.metrics import Metrics
+from batchmaker.manager.observability.stats import Stats
 
 log = logging.getLogger("batchmaker.manager")
 
@@ -76,7 +76,7 @@ class Manager:
         self._drain_timeout = server.drain_timeout_ms / 1e3
         self._parent_pid = parent_pid
         self._next_watch = 0.0
-        self._stall_s = 0.0  # test hooks only (manager.main): the next watch comes after a turn this long
+        self._stall_s = 0.0  # test hooks only (manager.loop.main): the next watch comes after a turn this long
 
         metrics = None
         if server.metrics_address:

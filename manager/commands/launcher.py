@@ -16,13 +16,13 @@ import psutil
 from batchmaker.clients import Client
 
 # The module each process runs with -m -> its role.
-ROLES = {"batchmaker.manager.cli": "supervisor", "batchmaker.manager": "manager", "batchmaker.worker": "worker"}
+ROLES = {"batchmaker.manager.commands.cli": "supervisor", "batchmaker.manager": "manager", "batchmaker.worker": "worker"}
 
 
 def launch(config: Path, log: IO | int | None, *options: str) -> subprocess.Popen:
     """Start the server on `config` with its output going to `log` (a file, subprocess.DEVNULL, or None: ours)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "batchmaker.manager.cli", "serve", str(config), *options],
+        [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config), *options],
         stdout=log,
         stderr=subprocess.STDOUT,
     )

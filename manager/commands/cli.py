@@ -10,11 +10,11 @@ from batchmaker.clients.cli import add_client_commands, run_client_command
 from batchmaker.common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
 from batchmaker.common.logs import setup_logging
 
-TEST_HOOK_PREFIX = "BATCHMAKER_TEST_"  # fault-injection switches of worker/main.py and manager/main.py, for the test suite only
+TEST_HOOK_PREFIX = "BATCHMAKER_TEST_"  # fault-injection switches of worker/main.py and manager/loop/main.py, for the test suite only
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from batchmaker.manager.supervisor import serve
+    from batchmaker.manager.commands.supervisor import serve
 
     if args.log_format == "json":
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers

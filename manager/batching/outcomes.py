@@ -1,13 +1,13 @@
 """What the batching core concluded about a request, for the event loop to act on: answer it,
 send it its error, send a streamed request the outputs that became final, count it as started
-over, or refuse one that waited unadmitted (manager.core)."""
+over, or refuse one that waited unadmitted (manager.batching.core)."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 from batchmaker.common.protocol import RequestError
-from batchmaker.manager.records import Request
+from batchmaker.manager.batching.records import Request
 
 
 class Answered(NamedTuple):

@@ -22,13 +22,13 @@ import numpy as np
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.lanes import SEQUENCE, LaneLayout
 from batchmaker.common.task import LaneInput, LaneTaskMessage, SlotList, StepDownload, TaskInput, encode_lane_task
-from batchmaker.manager.cell_queues import CellTypeQueue, Ready
-from batchmaker.manager.dispatch import Dispatcher
-from batchmaker.manager.plan_store import NodeColumns, PlanStore
-from batchmaker.manager.records import Task
-from batchmaker.manager.request_table import RequestTable
-from batchmaker.manager.waves import consecutive
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.cell_queues import CellTypeQueue, Ready
+from batchmaker.manager.batching.dispatch import Dispatcher
+from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
+from batchmaker.manager.batching.records import Task
+from batchmaker.manager.batching.request_table import RequestTable
+from batchmaker.manager.batching.waves import consecutive
+from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 
 class LaneTasks:

@@ -8,7 +8,7 @@ the client reads again. A client whose backlog has not moved for `unreachable_cl
 grown past its bound (in replies, or in bytes: `max_backlog_bytes`), is taken for gone: its backlog
 is dropped and its requests are cancelled, as for a client that disconnected.
 
-A connection beyond `max_clients` live ones is closed as soon as it is accepted (manager/connections.py).
+A connection beyond `max_clients` live ones is closed as soon as it is accepted (manager/loop/connections.py).
 
 A frame over `max_message_bytes` closes its connection before it is read (ZMQ_MAXMSGSIZE): libzmq
 buffers every frame it accepts, so the limit must be the socket's, not the decoder's.
@@ -37,8 +37,8 @@ from batchmaker.common.auth import CurveServer
 from batchmaker.common.config import ServerConfig
 from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, encode
 from batchmaker.common.sockets import MORE, NOW, receive
-from batchmaker.manager.connections import ClientConnections
-from batchmaker.manager.error_frames import ErrorFrames
+from batchmaker.manager.loop.connections import ClientConnections
+from batchmaker.manager.loop.error_frames import ErrorFrames
 
 log = logging.getLogger("batchmaker.manager")
 

@@ -9,9 +9,9 @@ they batch together later.
 
 from __future__ import annotations
 
-from batchmaker.manager.cell_queues import CellTypeQueue
-from batchmaker.manager.plan_store import NodeColumns
-from batchmaker.manager.scheduler import Scheduler
+from batchmaker.manager.batching.cell_queues import CellTypeQueue
+from batchmaker.manager.batching.plan_store import NodeColumns
+from batchmaker.manager.batching.scheduler import Scheduler
 
 
 class AgendaScheduler(Scheduler):

@@ -30,11 +30,11 @@ from batchmaker.common.task import (
     TaskStep,
     encode_task,
 )
-from batchmaker.manager.plan_store import NodeColumns, PlanStore
-from batchmaker.manager.records import Request, Task
-from batchmaker.manager.request_table import RequestTable
-from batchmaker.manager.waves import Layout, Reads, Waves, consecutive
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
+from batchmaker.manager.batching.records import Request, Task
+from batchmaker.manager.batching.request_table import RequestTable
+from batchmaker.manager.batching.waves import Layout, Reads, Waves, consecutive
+from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 
 class Dispatcher:

@@ -5,7 +5,7 @@ for it: the scheduler keeps a task's expected duration under `[scheduler] max_jo
 step's cost is measured per (cell type, padded batch size) on completed tasks, as seconds of busy
 time per step, smoothed over recent tasks: a lane task's busy time as its worker timed it (the
 completion notice says), a task of waves' as the manager timed it (the busy time admission's
-expected wait measures, manager.admission, which counts the manager's lag in reading notices and so
+expected wait measures, manager.batching.admission, which counts the manager's lag in reading notices and so
 keeps a saturated worker's tasks of waves single steps). Until a
 (cell type, batch size) has been measured, the workers' warm-up timing of the type's largest batch
 stands in: no smaller batch costs more. With neither, there is no estimate and tasks stay single

@@ -30,8 +30,8 @@ from batchmaker.common.config import Config, with_metrics_address, with_policy
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.shm import remove_stale_segments
 from batchmaker.common.worker_keys import worker_curve
-from batchmaker.manager.main import SUPERVISOR_TOKEN_ENV
-from batchmaker.manager.preflight import check_before_start
+from batchmaker.manager.commands.preflight import check_before_start
+from batchmaker.manager.loop.main import SUPERVISOR_TOKEN_ENV
 
 log = logging.getLogger("batchmaker.supervisor")
 

@@ -1,6 +1,6 @@
 """Cellular batching: Algorithm 1 of the paper (Schedule, Batch, FormBatchedTask), on arrays.
 
-One queue per cell type (manager.cell_queues) holds the lanes (the paper's subgraphs: a request's
+One queue per cell type (manager.batching.cell_queues) holds the lanes (the paper's subgraphs: a request's
 nodes of that cell type) that still have nodes to issue, oldest first, as columns: request row,
 generation, cursor and end, served by priority. Schedule(worker) runs whenever a worker has few tasks
 in flight and picks a cell type: one with a full batch of ready nodes, else one with ready nodes and
@@ -20,7 +20,7 @@ the arena's room and the batch size are checked for all lanes of a queue at once
 loops over cells.
 
 Lane tasks (docs/architecture.md, "Lanes"): lanes that are chains (common.lanes) run several steps a
-task, each lane as many as it can take within `max_join_delay_us` of expected work (manager.step_costs)
+task, each lane as many as it can take within `max_join_delay_us` of expected work (manager.batching.step_costs)
 and `max_steps_per_task`, lanes that end dropping off the batch. When ready lanes were left out for
 want of room, no lane takes more steps than three quarters of the task's lanes can, so the batch stays
 mostly full; a Batch call stops forming lane tasks once the worker holds two tasks and the join delay of
@@ -41,7 +41,7 @@ import numpy as np
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.lanes import ONE_STEP, LaneLayout
 from batchmaker.common.plan import Plan
-from batchmaker.manager.cell_queues import (
+from batchmaker.manager.batching.cell_queues import (
     FINISHED,
     NO_LAYOUT,
     ONE_STEP_LAYOUT,
@@ -50,14 +50,14 @@ from batchmaker.manager.cell_queues import (
     count_passes,
     in_order_of_service,
 )
-from batchmaker.manager.dispatch import Dispatcher
-from batchmaker.manager.lane_tasks import LaneTasks
-from batchmaker.manager.plan_store import NodeColumns, PlanStore
-from batchmaker.manager.records import Request, Task
-from batchmaker.manager.request_table import NO_WORKER, RequestTable
-from batchmaker.manager.step_costs import StepCosts
-from batchmaker.manager.waves import Waves
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.dispatch import Dispatcher
+from batchmaker.manager.batching.lane_tasks import LaneTasks
+from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
+from batchmaker.manager.batching.records import Request, Task
+from batchmaker.manager.batching.request_table import NO_WORKER, RequestTable
+from batchmaker.manager.batching.step_costs import StepCosts
+from batchmaker.manager.batching.waves import Waves
+from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 ROUNDING = 1e-6  # of a step: a delay that holds exactly k steps' cost holds k steps, whatever float division says
 

@@ -12,8 +12,8 @@ import zmq
 
 from batchmaker.common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
 from batchmaker.common.logs import setup_logging
-from batchmaker.manager.memory_trace import MemoryTrace
-from batchmaker.manager.server import Manager
+from batchmaker.manager.loop.server import Manager
+from batchmaker.manager.observability.memory_trace import MemoryTrace
 
 log = logging.getLogger("batchmaker.manager")
 

@@ -3,14 +3,14 @@ the workers' arena rows and every worker's tasks in flight.
 
 It does no I/O and never calls back: each method returns what happened, as outcomes (a
 request answered, failed, replayed or refused before admission, or a streamed request's partial
-reply) or as the tasks to send, and the event loop (manager.server) turns those into messages
+reply) or as the tasks to send, and the event loop (manager.loop.server) turns those into messages
 and one stats event each. The parts it is made
 of: the request table, which holds every live request and indexes the unanswered ones by
-client with their deadlines, and the plan store (manager.request_table, manager.plan_store),
-the session store (manager.sessions),
-the batching policy over the scheduler (manager.policies, manager.scheduler), the dispatcher
-(manager.dispatch), admission control (manager.admission) and the request processor
-(manager.request_processor), which follows requests from admission to their answer.
+client with their deadlines, and the plan store (manager.batching.request_table, manager.batching.plan_store),
+the session store (manager.batching.sessions),
+the batching policy over the scheduler (manager.batching.policies, manager.batching.scheduler), the dispatcher
+(manager.batching.dispatch), admission control (manager.batching.admission) and the request processor
+(manager.batching.request_processor), which follows requests from admission to their answer.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ from batchmaker.common.protocol import (
     echo,
 )
 from batchmaker.common.task import CompletionNotice
-from batchmaker.manager.admission import Admission, warm_up_capacity
-from batchmaker.manager.dispatch import Dispatcher
-from batchmaker.manager.outcomes import Answered, Outcome, Partial, Refused, Replayed
-from batchmaker.manager.plan_store import make_tables
-from batchmaker.manager.policies import make_policy, make_scheduler
-from batchmaker.manager.records import Request, Task
-from batchmaker.manager.request_processor import RequestProcessor
-from batchmaker.manager.sessions import Session, SessionStore, Waiting, session_fields
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.admission import Admission, warm_up_capacity
+from batchmaker.manager.batching.dispatch import Dispatcher
+from batchmaker.manager.batching.outcomes import Answered, Outcome, Partial, Refused, Replayed
+from batchmaker.manager.batching.plan_store import make_tables
+from batchmaker.manager.batching.policies import make_policy, make_scheduler
+from batchmaker.manager.batching.records import Request, Task
+from batchmaker.manager.batching.request_processor import RequestProcessor
+from batchmaker.manager.batching.sessions import Session, SessionStore, Waiting, session_fields
+from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY

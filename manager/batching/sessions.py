@@ -5,7 +5,7 @@ that session's previous request: the manager keeps host copies of them from the 
 them to the next request as its `h0` (`c0`). The state lives in the manager, never only on a
 worker, so a worker lost mid-request costs nothing: the request replays from the same initial
 state. Requests of one session run one at a time, in arrival order; the later ones wait here,
-not yet admitted, until their turn (manager.core admits them then).
+not yet admitted, until their turn (manager.batching.core admits them then).
 
 A session idle for `session_ttl_ms` is dropped and leaves a tombstone (the last `max_sessions`
 are remembered) so that its next request gets SESSION_LOST rather than a silent start from zero;
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, OVERLOADED, SESSION_LOST, RequestError, echo
-from batchmaker.manager.deadlines import Deadlines
+from batchmaker.manager.batching.deadlines import Deadlines
 
 MAX_SESSION_CHARS = 256  # a longer session name is refused: errors and logs echo it
 

@@ -1,7 +1,7 @@
 """Run-time records of the manager: requests and batched tasks.
 
 A request is one Python object for its whole life, whatever its number of cells: what the
-scheduler reads per batch lives in the RequestTable's columns (manager.request_table) at its `row`.
+scheduler reads per batch lives in the RequestTable's columns (manager.batching.request_table) at its `row`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Request:
         self.rows: dict[int, dict[ValueKind, np.ndarray]] = {}
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.failures = 0  # workers lost while it had values there (replays so far)
-        self.priority = 0  # higher is served first within a cell type's queue (manager.scheduler)
+        self.priority = 0  # higher is served first within a cell type's queue (manager.batching.scheduler)
         self.stream = False  # the client asked for partial replies (`stream: true`)
         self.streamed_rows = 0  # rows of its outputs sent in partial replies
         self.restarted = False  # it started over after partials were sent: its next partial says so

@@ -1,5 +1,5 @@
 """Where a task's nodes sit: consecutive nodes of lanes, the waves of a task's steps, and their rows
-among the steps' batches (manager.dispatch resolves them to slots)."""
+among the steps' batches (manager.batching.dispatch resolves them to slots)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ task's completion the processor reads the host copies, lets the model observe wa
 concludes the requests whose results are all in, and forgets requests that are concluded and
 have nothing left in flight, freeing their arena rows. What it concludes (answers, errors,
 replays, and the partial replies of streamed requests) it keeps as outcomes until the batching
-core takes them (manager.core).
+core takes them (manager.batching.core).
 
 A streamed request (`stream: true`) whose values arrived is noted; `stream_partials`, once per
 event loop turn, asks its model which outputs became final (`Planner.partial_outputs`) and makes
@@ -22,14 +22,14 @@ from collections.abc import Callable
 import numpy as np
 
 from batchmaker.common.protocol import INTERNAL, RequestError
-from batchmaker.manager.dispatch import Dispatcher
-from batchmaker.manager.outcomes import Answered, Failed, Outcome, Partial, Replayed
-from batchmaker.manager.plan_store import PlanStore
-from batchmaker.manager.records import Group, Lifecycle, Request, Task
-from batchmaker.manager.request_table import RequestTable
-from batchmaker.manager.scheduler import Scheduler
-from batchmaker.manager.stats import request_timing
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.dispatch import Dispatcher
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
+from batchmaker.manager.batching.plan_store import PlanStore
+from batchmaker.manager.batching.records import Group, Lifecycle, Request, Task
+from batchmaker.manager.batching.request_table import RequestTable
+from batchmaker.manager.batching.scheduler import Scheduler
+from batchmaker.manager.batching.worker_handle import WorkerHandle
+from batchmaker.manager.observability.stats import request_timing
 
 
 class RequestProcessor:

@@ -1,6 +1,6 @@
 """Counters and latency samples behind the `stats` op, and the one place that records events.
 
-The event loop reports each event once, here; the Prometheus metrics (manager.metrics), when
+The event loop reports each event once, here; the Prometheus metrics (manager.observability.metrics), when
 served, are updated from the same calls, so the loop never speaks to them itself.
 
 Besides throughput and latency, two counters make cellular batching observable:
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from batchmaker.manager.outcomes import Failed, Outcome, Replayed
-from batchmaker.manager.records import Task
+from batchmaker.manager.batching.outcomes import Failed, Outcome, Replayed
+from batchmaker.manager.batching.records import Task
 
 if TYPE_CHECKING:
-    from batchmaker.manager.metrics import Metrics
-    from batchmaker.manager.worker_handle import WorkerHandle
+    from batchmaker.manager.batching.worker_handle import WorkerHandle
+    from batchmaker.manager.observability.metrics import Metrics
 
 LATENCY_WINDOW = 20000
 TIMINGS = ("total_us", "queue_us", "compute_us")  # kept per answered request, in the latency window

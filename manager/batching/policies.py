@@ -12,7 +12,7 @@ policy and nothing else:
   cell, padding included, has run. No timeout: a batch starts as soon as a worker is free.
 * `graph` (DyNet / TensorFlow Fold): whenever a worker has nothing left to run, up to
   `max_group_requests` queued requests of one model are merged into one graph, run with
-  agenda-based batching (see manager.agenda) and answered together.
+  agenda-based batching (see manager.batching.agenda) and answered together.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from batchmaker.common.config import Config, ConfigError
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.models.base import Planner
 from batchmaker.common.plan import Unfolded
-from batchmaker.manager.agenda import AgendaScheduler
-from batchmaker.manager.dispatch import Dispatcher
-from batchmaker.manager.plan_store import PlanStore
-from batchmaker.manager.records import Group, Lifecycle, Request, Task
-from batchmaker.manager.request_table import RequestTable
-from batchmaker.manager.scheduler import Scheduler
-from batchmaker.manager.worker_handle import WorkerHandle
+from batchmaker.manager.batching.agenda import AgendaScheduler
+from batchmaker.manager.batching.dispatch import Dispatcher
+from batchmaker.manager.batching.plan_store import PlanStore
+from batchmaker.manager.batching.records import Group, Lifecycle, Request, Task
+from batchmaker.manager.batching.request_table import RequestTable
+from batchmaker.manager.batching.scheduler import Scheduler
+from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 
 class CellularPolicy:

@@ -1,0 +1,1 @@
+"""The manager's event loop and its sockets: clients, workers, and the manager process around them."""

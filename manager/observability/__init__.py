@@ -1,0 +1,1 @@
+"""What the manager reports of itself: the `stats` op, Prometheus metrics, and its memory trace."""
