@@ -34,7 +34,7 @@ CONFIG_PATH = Path("/etc/batchmaker/config.toml")
 
 def supervisor_constant(name: str) -> float:
     """A constant of manager/commands/supervisor.py, read without importing it (it needs torch)."""
-    for node in ast.parse((ROOT / "manager" / "supervisor.py").read_text()).body:
+    for node in ast.parse((ROOT / "manager" / "commands" / "supervisor.py").read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return float(ast.literal_eval(node.value))
     raise LookupError(f"{name} is not defined in manager/commands/supervisor.py")
