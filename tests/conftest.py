@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,6 +72,15 @@ num_layers = 1
 max_length = 200
 batch_sizes = [1, 2, 4, 8, 16, 32]
 """
+
+
+def with_faults(directory: Path, models: str) -> str:
+    """`models` with its LSTM served by tests/faulty_lstm.py (copied to `directory`, the config's folder),
+    which crashes, hangs and stalls on cue."""
+    shutil.copy(ROOT / "tests" / "faulty_lstm.py", directory)
+    builder = 'builder = "batchmaker.common.models.lstm:build"'
+    assert builder in models
+    return models.replace(builder, 'builder = "faulty_lstm:build"')
 
 
 class RunningServer:

@@ -140,11 +140,12 @@ class FakeRuntime(CudaRuntime):
             stream.pending.pop(0)()
             stream.done += 1
 
-    def sleep(self, cycles: int) -> None:
-        """A kernel that holds the stream made current last: it and what follows it wait for `run`."""
+    def hold(self) -> None:
+        """A kernel that holds the stream made current last, as a hung device would: it and what follows
+        it wait for `run`."""
         stream = self._active[-1]
         stream.held = True
-        self.enqueue("sleep", stream.device)
+        self.enqueue("hold", stream.device)
 
     # -- host memory
     def pinned(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -23,7 +23,6 @@ from batchmaker.common.models import build_model
 from batchmaker.common.models.base import PlanCache, token_ids
 from batchmaker.common.models.tree import parse_tree
 from batchmaker.common.protocol import INVALID_INPUT, RequestError
-from batchmaker.manager.commands import launcher
 
 PROBE_TIMEOUT_MS = 10_000  # what a liveness probe would allow; a stalled loop misses it
 RSS_BOUND = 64 << 20  # growth of the manager's memory over all the attacks of a test
@@ -135,27 +134,6 @@ def test_stats_report_each_plan_cache(fuzz_server):
         client.infer("lstm", {"tokens": [1, 2, 3]})
         caches = client.stats()["plan_caches"]
     assert caches["lstm"]["misses"] >= 1 and caches["lstm"]["plans"] <= caches["lstm"]["size"]
-
-
-# -- test hooks ---------------------------------------------------------------------------------------------
-
-
-def test_batchmaker_serve_ignores_the_test_suites_crash_hooks(tmp_path, monkeypatch):
-    """The token that kills a worker in fault tests is an ordinary token under `batchmaker serve`."""
-    monkeypatch.setenv("BATCHMAKER_TEST_HOOKS", "1")
-    monkeypatch.setenv("BATCHMAKER_TEST_CRASH_TOKEN", "666")
-    config = write_config(tmp_path, SMALL_LSTM)
-    log = (tmp_path / "serve.log").open("w")
-    server = launcher.launch(config.path, log, "--workers", "1")
-    try:
-        launcher.wait_until_ready(config.server.address, server, timeout=120)
-        with Client(config.server.address, timeout=30) as client:
-            assert client.infer("lstm", {"tokens": [666, 1, 2]}).outputs["h"].dtype == "float32"
-            assert client.stats()["worker_losses"] == 0
-    finally:
-        assert launcher.stop_server(server) == []
-        log.close()
-    assert "ignoring BATCHMAKER_TEST_CRASH_TOKEN" in (tmp_path / "serve.log").read_text()
 
 
 # -- unfinished multipart messages ----------------------------------------------------------------------------

@@ -63,6 +63,12 @@ def fake_backend(layout, runtime: FakeRuntime | None = None, device: str = "cuda
             backend.close()
 
 
+def hold_stream(backend: CudaBackend, runtime: FakeRuntime) -> None:
+    """Hold the backend's stream, as a hung device would: nothing issued after runs until `runtime.run`."""
+    with backend._calls.on_stream():
+        runtime.hold()
+
+
 def lstm_task(task_id: int, layout, backend: CudaBackend, **changes) -> TaskMessage:
     specs, _, _ = layout
     ids = {info.kind: (info.arena_id, info.arena_id + 1) for info in backend.arenas if info.space == "device"}
@@ -362,7 +368,7 @@ def test_the_poller_waits_without_torch_calls_or_zero_sleeps(small, monkeypatch:
 
 def test_the_counter_moves_only_when_the_stream_passes_the_signal(small):
     with fake_backend(small) as (backend, runtime, _):
-        backend.stall()
+        hold_stream(backend, runtime)
         backend.issue(lstm_task(1, small, backend))
         assert backend.signal() == 0
         runtime.run(backend._calls.stream)
@@ -384,7 +390,7 @@ def test_a_device_fault_reaches_the_poller_when_no_task_comes(small, monkeypatch
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(cuda, "time", SimpleNamespace(monotonic=lambda: clock.now, sleep=lambda s: setattr(clock, "now", clock.now + s)))
     with fake_backend(small) as (backend, runtime, _):
-        backend.stall()
+        hold_stream(backend, runtime)
         backend.issue(lstm_task(1, small, backend))
         backend.wait_for_signal(0, 0.01)  # a slow stream is no fault
         runtime.fail()
@@ -396,7 +402,7 @@ def test_the_poller_stops_on_a_device_fault_for_the_worker_to_exit(small, tmp_pa
     """The poller learns of the fault while waiting for the counter: it records it and ends, and the
     worker's issue loop ends on it (worker.main exits with EXIT_DEVICE_FAULT, to be restarted)."""
     with fake_backend(small) as (backend, runtime, _):
-        backend.stall()
+        hold_stream(backend, runtime)
         fifo = InProgressFIFO()
         fifo.push(1, [])
         backend.issue(lstm_task(1, small, backend))
@@ -412,7 +418,7 @@ def test_a_detached_peer_is_unmapped_only_after_the_stream_passes_its_last_reads
     announced = peer_arenas(small, uuid_index=0)
     with fake_backend(small) as (backend, runtime, _):
         backend.attach_peer(ACCESSIBLE_PEER, announced)
-        backend.stall()  # reads of the peer may still be queued
+        hold_stream(backend, runtime)  # reads of the peer may still be queued
         backend.detach_peer(ACCESSIBLE_PEER)
         assert not backend._tasks.peers and len(backend._retired) == 1
         backend.detach_peer(DISTANT_PEER)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import write_config
+from conftest import with_faults, write_config
 from test_several_servers import TINY_LSTM, Progress, check_results, owes_answers, run_load, three_servers
 
 from batchmaker.clients import AsyncClient, ServerError
@@ -77,10 +77,10 @@ async def burst_then_kill(server: ServerProcess, count: int, stall_worker: bool)
 
 
 @pytest.fixture
-def one_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
-    """One server; `request.param`: its drain_timeout_ms."""
-    monkeypatch.setenv("BATCHMAKER_TEST_HOOKS", "1")  # SIGUSR1 stalls a worker's stream
-    config = write_config(tmp_path, LONG_LSTM, server=f"drain_timeout_ms = {request.param}\nhang_timeout_ms = 60000")
+def one_server(tmp_path: Path, request: pytest.FixtureRequest):
+    """One server, whose worker SIGUSR1 hangs; `request.param`: its drain_timeout_ms."""
+    server = f"drain_timeout_ms = {request.param}\nhang_timeout_ms = 60000"
+    config = write_config(tmp_path, with_faults(tmp_path, LONG_LSTM), server=server)
     server = ServerProcess(config.path, "127.0.0.1", log=None)
     try:
         server.wait_ready()

@@ -191,8 +191,4 @@ class Backend(ABC):
         """Rows of an io arena, for a finished task's notice (the manager on another host cannot map them)."""
 
     @abstractmethod
-    def stall(self) -> None:
-        """Test hook: make the stream stop advancing, as a hung device would."""
-
-    @abstractmethod
     def close(self) -> None: ...

@@ -30,7 +30,6 @@ from batchmaker.worker.lanes import LaneTask, resolve_lanes, run_lanes
 log = logging.getLogger(__name__)
 
 _STOP = object()
-_STALL = object()  # test hook: the stream blocks forever, like a hung device
 
 
 @dataclass
@@ -139,9 +138,6 @@ class CpuBackend(Backend):
     def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
         return self._shared[arena_id].array[slots].tobytes()  # arena ids index the arenas in creation order
 
-    def stall(self) -> None:
-        self._queue.put(_STALL)
-
     def _stream(self) -> None:
         counter = self._counter.array
         with torch.inference_mode():
@@ -149,8 +145,6 @@ class CpuBackend(Backend):
                 task = self._queue.get()
                 if task is _STOP:
                     return
-                if task is _STALL:
-                    threading.Event().wait()
                 if isinstance(task, FailedTask):
                     self._errors[task.task_id] = task.error
                 else:

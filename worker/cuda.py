@@ -236,10 +236,6 @@ class CudaBackend(Backend):
     def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
         return self._tasks.read_io(arena_id, slots)
 
-    def stall(self) -> None:
-        with self._calls.on_stream():
-            self._runtime.sleep(2**62)
-
     def close(self) -> None:
         try:
             if not self._calls.wait(CLOSE_TIMEOUT_S):

@@ -94,6 +94,3 @@ class CudaRuntime:
     def can_access_peer(self, device: int, peer: int) -> bool:
         return torch.cuda.can_device_access_peer(device, peer)
 
-    def sleep(self, cycles: int) -> None:
-        """Keep the current stream busy (test hook: a hung device)."""
-        torch.cuda._sleep(cycles)

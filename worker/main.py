@@ -21,7 +21,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
@@ -34,7 +33,7 @@ from batchmaker.common.logs import setup_logging
 from batchmaker.common.models.base import build_model, cell_layout
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.sockets import NOW, receive, server_context
-from batchmaker.common.task import LaneTaskMessage, TaskInput, TaskMessage, decode_task
+from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
 from batchmaker.worker.notices import InProgressFIFO, Poller
@@ -45,11 +44,6 @@ REGISTER_TIMEOUT_S = 60.0
 EXIT_CONFIG_ERROR = 2
 EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a device or model fault, not the config)
 EXIT_DEVICE_FAULT = 4  # the device failed while serving: its context is unusable, a fresh process is needed
-TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then stalls the stream, for fault tests
-# Fault tests: with test hooks on, a task carrying this token id inline kills the worker, as a poisonous request would.
-# Unset, none does (-1, say, is a real inline value: a Child-Sum node without a word).
-_CRASH_TOKEN = os.environ.get("BATCHMAKER_TEST_CRASH_TOKEN")
-CRASH_TOKEN = int(_CRASH_TOKEN) if TEST_HOOKS and _CRASH_TOKEN is not None else None
 
 
 def load_cells(config: Config, device: str = "cpu") -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
@@ -254,22 +248,8 @@ class Worker:
 
 
     def _issue(self, task: TaskMessage | LaneTaskMessage) -> None:
-        if CRASH_TOKEN is not None:
-            _crash_on(task, CRASH_TOKEN)
         self._fifo.push(task.task_id, [] if self._local else task.io_rows())
         self._backend.issue(task)
-
-
-def _crash_on(task: TaskMessage | LaneTaskMessage, token: int) -> None:
-    """Test hook: exit at once, without a word, when the task reads `token` inline."""
-    if isinstance(task, LaneTaskMessage):
-        entries = [entry for lane in task.inputs for entry in (lane.first, lane.later) if isinstance(entry, TaskInput)]
-        sent = [lane.later for lane in task.inputs if isinstance(lane.later, bytes)]
-    else:
-        entries, sent = [entry for step in task.steps() for entry in step.inputs], []
-    sent += [inline[1] for *_, inline in entries if inline is not None]
-    if any(len(data) % 8 == 0 and token in np.frombuffer(data, dtype=np.int64) for data in sent):
-        os._exit(70)
 
 
 def _host_id(value: str) -> str:
@@ -326,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     cell_keys = [spec.key for spec in specs]
     worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve)
     signal.signal(signal.SIGTERM, worker.request_stop)
-    if TEST_HOOKS:
-        signal.signal(signal.SIGUSR1, lambda *_: backend.stall())
     signal.signal(signal.SIGINT, worker.request_stop)
     try:
         worker.run()

@@ -10,8 +10,6 @@ from batchmaker.clients.cli import add_client_commands, run_client_command
 from batchmaker.common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
 from batchmaker.common.logs import setup_logging
 
-TEST_HOOK_PREFIX = "BATCHMAKER_TEST_"  # fault-injection switches of worker/main.py and manager/loop/main.py, for the test suite only
-
 
 def _serve(args: argparse.Namespace) -> int:
     from batchmaker.manager.commands.supervisor import serve
@@ -19,16 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_format == "json":
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
         setup_logging("supervisor")
-    _drop_test_hooks()
     return serve(load_config(args.config), args.address, args.workers, args.policy, args.metrics_address)
-
-
-def _drop_test_hooks() -> None:
-    """`batchmaker serve` is how the server runs in production: no process it starts may stall or
-    crash on purpose, whatever the environment says (the tests start the supervisor themselves)."""
-    for name in [name for name in os.environ if name.startswith(TEST_HOOK_PREFIX)]:
-        del os.environ[name]
-        print(f"batchmaker serve: ignoring {name}: test hooks are for the test suite", file=sys.stderr)
 
 
 def _init_weights(args: argparse.Namespace) -> int:

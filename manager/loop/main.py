@@ -18,8 +18,6 @@ from batchmaker.manager.observability.memory_trace import MemoryTrace
 log = logging.getLogger("batchmaker.manager")
 
 SUPERVISOR_TOKEN_ENV = "BATCHMAKER_SUPERVISOR_TOKEN"  # hex; the supervisor signs its worker_exited messages with it
-TEST_HOOKS = os.environ.get("BATCHMAKER_TEST_HOOKS") == "1"  # SIGUSR1 then makes one loop turn long, for fault tests
-TEST_STALL_S = 2.0  # far past the shortest heartbeat timeout (500 ms), far from a worker's silence limit (10 s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     gc.set_threshold(100_000, 20, 100)
     signal.signal(signal.SIGTERM, manager.stop)
     signal.signal(signal.SIGINT, manager.stop)
-    if TEST_HOOKS:
-        signal.signal(signal.SIGUSR1, lambda *_: manager.stall_next_watch(TEST_STALL_S))
     try:
         manager.run()
     finally:

@@ -76,7 +76,6 @@ class Manager:
         self._drain_timeout = server.drain_timeout_ms / 1e3
         self._parent_pid = parent_pid
         self._next_watch = 0.0
-        self._stall_s = 0.0  # test hooks only (manager.loop.main): the next watch comes after a turn this long
 
         metrics = None
         if server.metrics_address:
@@ -209,9 +208,6 @@ class Manager:
 
         Notices waiting unread are taken first: after a long turn (planning a very long request,
         say) a worker's heartbeats may sit in the socket, and that is not silence."""
-        if self._stall_s:
-            time.sleep(self._stall_s)
-            self._stall_s = 0.0
         now = time.monotonic()
         if now < self._next_watch:
             return
@@ -221,10 +217,6 @@ class Manager:
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
         self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)
-
-    def stall_next_watch(self, seconds: float) -> None:
-        """Fault tests: make the turn before the next watch last `seconds`, as planning a very long request does."""
-        self._stall_s = seconds
 
     def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
         """Forget a dead worker; the core replays (or fails) the requests that had values there."""
