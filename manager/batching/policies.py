@@ -13,21 +13,23 @@ policy and nothing else:
 * `graph` (DyNet / TensorFlow Fold): whenever a worker has nothing left to run, up to
   `max_group_requests` queued requests of one model are merged into one graph, run with
   agenda-based batching (see manager.batching.agenda) and answered together.
+
+The baselines are in manager.batching.baselines.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Hashable
+import numpy as np
 
 from batchmaker.common.config import Config, ConfigError
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.models.base import Planner
 from batchmaker.common.plan import Unfolded
 from batchmaker.manager.batching.agenda import AgendaScheduler
+from batchmaker.manager.batching.baselines import GroupPolicy, PaddedPolicy
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.plan_store import PlanStore
-from batchmaker.manager.batching.records import Group, Lifecycle, Request, Task
+from batchmaker.manager.batching.records import Lifecycle, Request, Task
 from batchmaker.manager.batching.request_table import RequestTable
 from batchmaker.manager.batching.scheduler import Scheduler
 from batchmaker.manager.batching.worker_handle import WorkerHandle
@@ -35,9 +37,6 @@ from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 class CellularPolicy:
     """Cells of every admitted request are ready for the scheduler at once."""
-
-    pads = False
-    groups = False
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
@@ -56,79 +55,18 @@ class CellularPolicy:
     def queued_requests(self) -> int:
         return 0
 
+    def answers(self, requests: list[Request]) -> tuple[list[Request], list[Request]]:
+        """Of requests whose answers became known: those to answer now, and those to hold with their
+        cells stopped (none here: each request is answered as soon as its own last cell has run)."""
+        return requests, []
 
-class GroupPolicy(CellularPolicy):
-    """Requests wait in queues by key until a worker runs out of work; then the next queue in
-    round-robin order releases a group of them to the scheduler, bound to that worker."""
+    def task_ended(self, rows: np.ndarray) -> list[Request]:
+        """Held requests a task's end lets go, of the requests at `rows` (none held here)."""
+        return []
 
-    groups = True
-
-    def __init__(self, scheduler: Scheduler, table: RequestTable, group_sizes: dict[str, int]):
-        super().__init__(scheduler)
-        self._table = table
-        self._group_sizes = group_sizes  # by model name
-        self._queues: dict[Hashable, collections.deque[Request]] = {}
-        self._turns: collections.deque[Hashable] = collections.deque()  # non-empty queues, next first
-
-    def queue_key(self, request: Request) -> Hashable:
-        return request.model.name
-
-    def admit(self, requests: list[Request]) -> None:
-        for request in requests:
-            key = self.queue_key(request)
-            queue = self._queues.get(key)
-            if queue is None:
-                queue = self._queues[key] = collections.deque()
-                self._turns.append(key)
-            queue.append(request)
-
-    def schedule(self, worker: WorkerHandle) -> list[Task]:
-        tasks = self.scheduler.schedule(worker)
-        while not tasks and self._release_group(worker):
-            tasks = self.scheduler.schedule(worker)
-        return tasks
-
-    def _release_group(self, worker: WorkerHandle) -> bool:
-        """Release the next queue's oldest requests (those not already ended) as one group."""
-        while self._turns:
-            key = self._turns.popleft()
-            queue = self._queues[key]
-            members: list[Request] = []
-            size = self._group_sizes[queue[0].model.name]
-            while queue and len(members) < size:
-                request = queue.popleft()
-                if not request.done:
-                    members.append(request)
-            if queue:
-                self._turns.append(key)
-            else:
-                del self._queues[key]
-            if members:
-                group = Group(members)
-                for request in members:
-                    request.group = group
-                    request.state = Lifecycle.RUNNING
-                    self._table.bind(request.row, worker.worker_id)
-                self.scheduler.release(members)
-                return True
-        return False
-
-    def queued_requests(self) -> int:
-        return sum(len(queue) for queue in self._queues.values())
-
-
-class PaddedPolicy(GroupPolicy):
-    pads = True
-
-    def __init__(self, scheduler: Scheduler, table: RequestTable, group_sizes: dict[str, int], bucket_width: int):
-        super().__init__(scheduler, table, group_sizes)
-        self.bucket_width = bucket_width
-
-    def unfold(self, model: Planner, inputs: object) -> Unfolded:
-        return model.plan_padded(inputs, self.bucket_width)
-
-    def queue_key(self, request: Request) -> Hashable:
-        return request.model.name, request.unfolded.plan.padded_length
+    def left(self, request: Request, held: bool) -> list[Request]:
+        """Held requests that a request's end (failed or replayed; `held` if it was held) lets go."""
+        return []
 
 
 def make_scheduler(
@@ -152,7 +90,10 @@ def make_scheduler(
     )
 
 
-def make_policy(config: Config, models: dict[str, Planner], scheduler: Scheduler, table: RequestTable) -> CellularPolicy:
+Policy = CellularPolicy | GroupPolicy
+
+
+def make_policy(config: Config, models: dict[str, Planner], scheduler: Scheduler, table: RequestTable) -> Policy:
     """The configured policy; a baseline's group size defaults to each model's smallest largest
     batch size, so that one step of a group fits one task of every cell type."""
     settings = config.scheduler

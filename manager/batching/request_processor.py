@@ -25,7 +25,8 @@ from batchmaker.common.protocol import INTERNAL, RequestError
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
 from batchmaker.manager.batching.plan_store import PlanStore
-from batchmaker.manager.batching.records import Group, Lifecycle, Request, Task
+from batchmaker.manager.batching.policies import Policy
+from batchmaker.manager.batching.records import Lifecycle, Request, Task
 from batchmaker.manager.batching.request_table import RequestTable
 from batchmaker.manager.batching.scheduler import Scheduler
 from batchmaker.manager.batching.worker_handle import WorkerHandle
@@ -39,7 +40,7 @@ class RequestProcessor:
         store: PlanStore,
         scheduler: Scheduler,
         dispatcher: Dispatcher,
-        policy,
+        policy: Policy,
     ):
         self._table = table
         self._store = store
@@ -80,9 +81,8 @@ class RequestProcessor:
         self._scheduler.task_completed(task)
         table, rows = self._table, task.rows
         table.task_ended(rows, task.counts)
-        members = [table.requests[row] for row in rows] if error is not None or self._policy.groups else []
         if error is not None:
-            for request in members:
+            for request in [table.requests[row] for row in rows]:
                 self.fail(request, RequestError(INTERNAL, f"a worker failed to run {task.spec.key}: {error}"))
         else:
             finished: dict[Request, None] = {}  # answers this task completed, made together
@@ -108,25 +108,12 @@ class RequestProcessor:
                     and len(request.results) == request.results_pending
                 ):
                     finished[request] = None
-            self._complete(list(finished))
-            for request in members:
-                if request.group is not None:
-                    self._end_group(request.group)
+            answered, stopped = self._policy.answers(list(finished))
+            self._stop(stopped)
+            self._answer(answered)
+            self._answer(self._policy.task_ended(rows))
         drained = rows[(table.inflight[rows] == 0) & ~table.runnable[rows]]
         self._forget([request for request in map(table.requests.__getitem__, drained.tolist()) if request and request.done])
-
-    def _complete(self, requests: list[Request]) -> None:
-        """Their answers are known: reply now, or (a baseline's group) hold each until the rest of its
-        group ends."""
-        self._answer([request for request in requests if request.group is None])
-        for request in requests:
-            group = request.group
-            if group is not None:
-                request.state = Lifecycle.HELD
-                group.unanswered -= 1
-                if not self._policy.pads:
-                    self._stop([request])
-                self._end_group(group)
 
     def _answer(self, requests: list[Request]) -> None:
         """Answer requests together: one pass over the table for them all, then an outcome each."""
@@ -171,15 +158,6 @@ class RequestProcessor:
     def _model_failed(self, request: Request, exc: Exception) -> None:
         self.fail(request, RequestError(INTERNAL, f"{type(exc).__name__} in {request.model.name}: {exc}"))
 
-    def _end_group(self, group: Group) -> None:
-        """Answer a group's held members once none is left running and its padding has run."""
-        if group.unanswered == 0 and all(self._padding_done(m) for m in group.members):
-            self._answer([member for member in group.members if member.state is Lifecycle.HELD])
-
-    def _padding_done(self, request: Request) -> bool:
-        need = request.unfolded.plan.padding_need
-        return request.done or need is None or self._table.completed[request.row] >= need
-
     def fail(self, request: Request, error: RequestError) -> None:
         if request.done:
             return
@@ -187,14 +165,7 @@ class RequestProcessor:
         self._end([request])
         self._outcomes.append(Failed(request, error))
         self._forget_if_drained([request])
-        self._leave_group(request, held)
-
-    def _leave_group(self, request: Request, held: bool) -> None:
-        """An ended member no longer holds its group back (unless its answer was already counted)."""
-        group = request.group
-        if group is not None and not held:
-            group.unanswered -= 1
-            self._end_group(group)
+        self._answer(self._policy.left(request, held))
 
     def _end(self, requests: list[Request]) -> None:
         """The requests will run no more cells: they are answered (or failed, or replaced)."""
@@ -207,7 +178,7 @@ class RequestProcessor:
         """Their lanes leave the scheduler's queues; nodes not yet issued never will be."""
         table = self._table
         rows = np.array([request.row for request in requests], np.int64)
-        queued = table.runnable[rows] | np.array([request.state is Lifecycle.WAITING for request in requests])
+        queued = table.runnable[rows] | np.array([request.state is Lifecycle.WAITING for request in requests], bool)
         nodes = np.array([request.unfolded.plan.nodes for request in requests], np.int64)
         self.unsubmitted_nodes -= int((nodes - table.issued[rows])[queued].sum())
         table.stop_lanes(rows[queued])
@@ -246,7 +217,7 @@ class RequestProcessor:
         held = request.state is Lifecycle.HELD
         self._end([request])
         self._forget_if_drained([request])
-        self._leave_group(request, held)
+        self._answer(self._policy.left(request, held))
         unfolded = self._policy.unfold(request.model, request.inputs)
         replayed = Request(request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival)
         replayed.priority, replayed.deadline, replayed.stream = request.priority, request.deadline, request.stream
