@@ -152,7 +152,12 @@ def _slots(values: list[int] | np.ndarray) -> bytes:
     return np.asarray(values, dtype=SLOT_DTYPE).tobytes()
 
 
-def encode_task(message: TaskMessage) -> bytes:
+def encode_task(message: TaskMessage | LaneTaskMessage) -> bytes:
+    """A task's frame, either kind (`decode_task` tells them apart)."""
+    return _encode_lanes(message) if isinstance(message, LaneTaskMessage) else _encode_waves(message)
+
+
+def _encode_waves(message: TaskMessage) -> bytes:
     first = TaskStep(message.batch_size, message.inputs, message.outputs, message.downloads)
     fields = [message.task_id, message.cell_index, *_encode_step(*first)]
     if message.later:
@@ -260,7 +265,7 @@ class LaneTaskMessage:
 LANES = "lanes"  # the third field of a lane task, where a task of waves has its batch size
 
 
-def encode_lane_task(message: LaneTaskMessage) -> bytes:
+def _encode_lanes(message: LaneTaskMessage) -> bytes:
     inputs = [
         [mode, source, arena, _encode_input(*first), _encode_later(later)] for mode, source, arena, first, later in message.inputs
     ]

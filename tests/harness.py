@@ -13,7 +13,7 @@ import torch
 from batchmaker.common.config import Config
 from batchmaker.common.protocol import RequestError
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.task import CompletionNotice, LaneTaskMessage, TaskMessage, decode_task
+from batchmaker.common.task import CompletionNotice, LaneTaskMessage, TaskMessage, decode_task, encode_task
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome
 from batchmaker.manager.batching.records import Request, Task
@@ -84,7 +84,7 @@ class Harness:
         """Schedule(worker) as the manager runs it: the tasks formed are sent (here: recorded)."""
         tasks = self.core.schedule(worker)
         for task in tasks:
-            self.sent.append((worker, decode_task(task.message)))
+            self.sent.append((worker, decode_task(encode_task(task.message))))  # as the worker reads it
             self.task_requests[task.task_id] = self.processor.requests_of(task)
         return len(tasks)
 
@@ -105,7 +105,7 @@ class Harness:
     def run_oldest(self, worker: WorkerHandle, cells: list[torch.nn.Module]) -> Task:
         """The worker's stream runs its oldest task for real, with `cells`, on the worker's arenas (its
         peers': the other workers'), as the CPU backend runs it; then it completes."""
-        message = decode_task(worker.tasks[min(worker.tasks)].message)
+        message = decode_task(encode_task(worker.tasks[min(worker.tasks)].message))
         tensors = self._arenas[worker.worker_id]
         peers = {
             (other.worker_id, arena): tensor

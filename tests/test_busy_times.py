@@ -9,7 +9,7 @@ from test_scheduler import lstm_models
 from test_tree_models import TREE_MODELS, tree
 
 from batchmaker.common.models.tree import NO_WORD
-from batchmaker.common.task import CompletionNotice, decode_notice, encode_notice
+from batchmaker.common.task import CompletionNotice, LaneTaskMessage, decode_notice, encode_notice
 from batchmaker.worker.notices import InProgressFIFO
 
 CELL = "lstm/layer0"
@@ -64,7 +64,7 @@ def test_lane_step_costs_go_by_the_worker_and_the_rest_by_the_manager(make_harne
         h.admit("lstm", {"tokens": [1, 2, 3, 4]})
     h.schedule(worker)
     task = worker.tasks[min(worker.tasks)]
-    assert task.lanes and task.step_nodes == [4, 4]  # 2 steps of 1 ms fill the 2 ms join delay
+    assert isinstance(task.message, LaneTaskMessage) and task.step_nodes == [4, 4]  # 2 steps of 1 ms fill the 2 ms join delay
     h.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 1, busy_us=[400]))
     assert h.core.scheduler.step_costs.seconds(CELL, 4) == pytest.approx(200e-6)
     h.schedule(worker)  # what is left of the lanes in one task now: 2 steps of 200 µs
@@ -74,7 +74,7 @@ def test_lane_step_costs_go_by_the_worker_and_the_rest_by_the_manager(make_harne
     ran = set()
     while h.schedule(worker) or worker.tasks:  # waves and an untimed notice: the manager's time, far below 1000 s
         oldest = worker.tasks[min(worker.tasks)]
-        busy = [10**9] if not oldest.lanes else []
+        busy = [10**9] if not isinstance(oldest.message, LaneTaskMessage) else []
         h.core.complete(worker, CompletionNotice(worker.worker_id, [oldest.task_id], {}, 1, busy_us=busy))
         ran.add((oldest.spec.key, oldest.step_sizes[0]))
     assert any(key.startswith("bin/") for key, _ in ran)

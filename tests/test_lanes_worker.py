@@ -25,7 +25,7 @@ from batchmaker.common.task import (
     StepDownload,
     TaskInput,
     decode_task,
-    encode_lane_task,
+    encode_task,
 )
 from batchmaker.worker.backend import arena_ids
 from batchmaker.worker.lanes import step_batches
@@ -102,7 +102,7 @@ def cpu_worker(cells) -> Iterator[tuple[Any, np.ndarray, tuple[int, int]]]:
 def run(backend, *tasks: LaneTaskMessage) -> None:
     """Issue the tasks as sent (encoded and decoded), wait for the stream, and check none failed."""
     for task in tasks:
-        backend.issue(decode_task(encode_lane_task(task)))
+        backend.issue(decode_task(encode_task(task)))
     wait_signal(backend, len(tasks))
     assert [backend.finish(task.task_id) for task in tasks] == [None] * len(tasks)
 
@@ -172,7 +172,7 @@ def test_the_wire_form_round_trips(cells, steps):
     sequences = [[1, 2, 3], [4, 5]][: len(steps)]
     download = StepDownload(1, np.array([0]), 3, np.array([7]))
     task = lane_task(4, kinds, sequences, [ZERO_SLOT] * len(steps), [10, 12][: len(steps)], steps=steps, downloads=[download])
-    back = decode_task(encode_lane_task(task))
+    back = decode_task(encode_task(task))
     assert isinstance(back, LaneTaskMessage) and back.task_id == 4 and back.steps.tolist() == steps
     assert [(entry.mode, entry.source, entry.arena) for entry in back.inputs] == [
         (entry.mode, entry.source, entry.arena) for entry in task.inputs

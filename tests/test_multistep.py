@@ -10,7 +10,7 @@ from harness import Harness, step_sizes
 from test_scheduler import lstm_models
 
 from batchmaker.common.protocol import CANCELLED
-from batchmaker.common.task import LaneTaskMessage, decode_task
+from batchmaker.common.task import LaneTaskMessage, decode_task, encode_task
 
 LSTM = lstm_models()
 CELL = "lstm/layer0"
@@ -193,8 +193,9 @@ def test_a_chain_runs_as_lane_tasks_whose_message_does_not_grow_with_its_steps_b
         h = harness(max_steps_per_task=steps)
         h.admit("lstm", tokens(32))  # the lane goes on after either task: neither downloads its final state
         task = h.core.schedule(h.workers[0])[0]
-        message = decode_task(task.message)
+        frame = encode_task(task.message)
+        message = decode_task(frame)
         assert isinstance(message, LaneTaskMessage) and message.steps.tolist() == [steps]
-        assert msgpack.unpackb(task.message)[2] == "lanes"
-        sizes[steps] = len(task.message)
+        assert msgpack.unpackb(frame)[2] == "lanes"
+        sizes[steps] = len(frame)
     assert sizes[16] - sizes[2] == 14 * 8

@@ -36,7 +36,7 @@ from batchmaker.common.protocol import (
     RequestError,
     echo,
 )
-from batchmaker.common.task import CompletionNotice
+from batchmaker.common.task import CompletionNotice, LaneTaskMessage
 from batchmaker.manager.batching.admission import Admission, warm_up_capacity
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.outcomes import Answered, Outcome, Partial, Refused, Replayed
@@ -249,7 +249,7 @@ class BatchingCore:
                 worker.tasks_completed += 1
                 steps = len(task.step_sizes)
                 busy = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
-                if task.lanes and task_id in timed:
+                if isinstance(task.message, LaneTaskMessage) and task_id in timed:
                     busy = timed[task_id] / 1e6
                 self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy)
                 self.processor.task_completed(task, notice.errors.get(task_id))

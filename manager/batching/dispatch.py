@@ -28,7 +28,6 @@ from batchmaker.common.task import (
     TaskInput,
     TaskMessage,
     TaskStep,
-    encode_task,
 )
 from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
 from batchmaker.manager.batching.records import Request, Task
@@ -109,9 +108,9 @@ class Dispatcher:
         self._add_steps(task, waves, worker)
 
     def seal(self, task: Task, cell_index: int) -> None:
-        """Encode the task's message, its steps in order."""
+        """The task's message, its steps in order (encoded as it is sent)."""
         first, *later = task.steps
-        task.message = encode_task(TaskMessage(task.task_id, cell_index, *first, tuple(later)))
+        task.message = TaskMessage(task.task_id, cell_index, *first, tuple(later))
         task.steps = []
 
     def _add_steps(self, task: Task, waves: Waves, worker: WorkerHandle) -> None:

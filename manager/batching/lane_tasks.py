@@ -21,7 +21,7 @@ import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.lanes import SEQUENCE, LaneLayout
-from batchmaker.common.task import LaneInput, LaneTaskMessage, SlotList, StepDownload, TaskInput, encode_lane_task
+from batchmaker.common.task import LaneInput, LaneTaskMessage, SlotList, StepDownload, TaskInput
 from batchmaker.manager.batching.cell_queues import CellTypeQueue, Ready
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
@@ -70,7 +70,7 @@ class LaneTasks:
         worker: WorkerHandle,
     ) -> Task:
         """The lane task on `worker` of `steps[i]` nodes from node `first[i]` of the request at `rows[i]`
-        (steps descending), encoded."""
+        (steps descending), its message made (encoded as it is sent)."""
         table, store, dispatcher = self._table, self._store, self._dispatcher
         task = dispatcher.open_task(spec, rows, steps, worker)
         data_of = store.nodes.arrays["data"]
@@ -111,9 +111,7 @@ class LaneTasks:
         ]
         batch = grid.sum(axis=1)
         downloads = self._downloads(task, spec, rows, steps, first, batch, worker)
-        message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, list(every_step.items()), downloads)
-        task.message = encode_lane_task(message)
-        task.lanes = True
+        task.message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, list(every_step.items()), downloads)
         task.step_nodes = batch.tolist()
         task.step_sizes = [spec.padded_size(int(size)) for size in batch]
         task.batch_size = int(steps.sum())

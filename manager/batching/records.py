@@ -13,6 +13,7 @@ import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import Unfolded
+from batchmaker.common.task import LaneTaskMessage, TaskMessage
 
 if TYPE_CHECKING:
     from batchmaker.common.models.base import Planner
@@ -126,12 +127,11 @@ class Task:
         self.counts = counts
         self.reads: list[tuple[Request, str | int, ValueKind, int]] = []
         self.submitted = 0.0
-        self.message = b""  # the encoded TaskMessage, for the caller to send
+        self.message: TaskMessage | LaneTaskMessage | None = None  # what the worker is sent, encoded as it is
         self.joining = False  # it mixes requests already running with requests starting (for stats)
-        self.steps: list[Any] = []  # each step's common.task.TaskStep, until the message is encoded
+        self.steps: list[Any] = []  # each step's common.task.TaskStep, until the message is made
         self.step_nodes: list[int] = []
         self.step_sizes: list[int] = []
-        self.lanes = False  # a lane task (common.lanes), not a task of waves
 
     @property
     def nodes(self) -> int:

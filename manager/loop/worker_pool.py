@@ -30,7 +30,7 @@ from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.hosts import default_host_id
 from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, echo, encode
 from batchmaker.common.sockets import NOW, send, server_context
-from batchmaker.common.task import CompletionNotice, decode_notice
+from batchmaker.common.task import CompletionNotice, decode_notice, encode_task
 from batchmaker.manager.batching.records import Task
 from batchmaker.manager.batching.worker_handle import WorkerHandle, check_registration
 
@@ -99,7 +99,7 @@ class WorkerPool:
             if worker.first_task_delay is None:
                 worker.first_task_delay = worker.progress_at - worker.registered_at
         # One message for the whole batch: a send wakes both sides' ZeroMQ threads, whatever it carries.
-        send(self.control, [worker.identity, b"tasks", *(task.message for task in tasks)])
+        send(self.control, [worker.identity, b"tasks", *(encode_task(task.message) for task in tasks)])
 
     def notices(self) -> Iterator[tuple[WorkerHandle, CompletionNotice]]:
         """Completion notices waiting on the socket, from workers still registered."""
