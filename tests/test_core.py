@@ -112,18 +112,18 @@ def test_the_expected_wait_counts_the_cells_the_workers_hold_until_they_complete
     first, second = h.workers
     h.admit("lstm", {"tokens": [1, 2, 3]})
     assert h.schedule(first) == 3
-    assert (h.processor.unsubmitted_nodes, h.processor.unfinished_nodes) == (0, 3)
+    assert (h.processor.unsubmitted_nodes, h.core.unfinished_nodes) == (0, 3)
     with pytest.raises(RequestError, match="estimated wait 300 ms") as refused:
         h.admit("lstm", {"tokens": [1]})
     assert refused.value.code == OVERLOADED
     h.complete_oldest(first)
-    assert h.processor.unfinished_nodes == 2
+    assert h.core.unfinished_nodes == 2
     h.admit("lstm", {"tokens": [1]})  # 200 ms
     assert h.schedule(second) == 1
     del h.core.workers[first.worker_id]  # the pool forgets it first
     h.core.worker_lost(first, "killed")
-    assert h.processor.running_nodes == 1  # the replayed request's 3 cells are queued again
-    assert h.processor.unfinished_nodes == 4
+    assert second.nodes_in_flight == 1 and h.processor.unsubmitted_nodes == 3  # the replay's 3 cells queue again
+    assert h.core.unfinished_nodes == 4
 
 
 def test_a_replayed_request_still_counts_as_arrived_before_those_admitted_after_it(harness):

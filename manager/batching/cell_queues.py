@@ -35,7 +35,6 @@ class CellTypeQueue:
         self.size = 0
         for name in self.COLUMNS:
             setattr(self, name, np.zeros(64, np.int64))
-        self.running_tasks = 0  # tasks of this type in flight on any worker
 
     def add(self, lanes: list[tuple[int, ...]]) -> None:
         """Append lanes, each (row, generation, cursor, end, need, wave, priority, layout), in order."""

@@ -70,9 +70,9 @@ class BatchingCore:
         self.table, self.store = make_tables(specs, kinds)
         self.requests = self.table.unanswered  # read here; the table writes it
         self.dispatcher = Dispatcher(self.table, self.store, workers)
-        self.scheduler = make_scheduler(config, specs, self.table, self.store, self.dispatcher)
+        self.scheduler = make_scheduler(config, specs, self.table, self.store, self.dispatcher, workers)
         self.policy = make_policy(config, models, self.scheduler, self.table)
-        self.processor = RequestProcessor(self.table, self.store, self.scheduler, self.dispatcher, self.policy)
+        self.processor = RequestProcessor(self.table, self.store, self.dispatcher, self.policy)
         self.sessions = SessionStore(self._server.session_ttl_ms, self._server.max_sessions)
 
     # -- requests ------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ class BatchingCore:
     ) -> Request:
         """A request checked against the expected wait and the queued cells (the burst's included) and
         planned: its record, which joins the burst."""
-        self.admission.check(self.processor.unfinished_nodes + burst.nodes, deadline_ms)
+        self.admission.check(self.unfinished_nodes + burst.nodes, deadline_ms)
         unfolded = self.policy.unfold(model, inputs)
         queued = self.processor.unsubmitted_nodes + burst.nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
@@ -226,12 +226,17 @@ class BatchingCore:
         session request's included."""
         return min(self.requests.wait_ms(longest), self.sessions.wait_ms(longest))
 
+    @property
+    def unfinished_nodes(self) -> int:
+        """Cells a newly admitted request waits for: those queued and those its workers have yet to run."""
+        return self.processor.unsubmitted_nodes + sum(worker.nodes_in_flight for worker in self.workers.values())
+
     # -- workers -------------------------------------------------------------------------------
     def schedule(self, worker: WorkerHandle) -> list[Task]:
         """Schedule(worker): the batched tasks to send it now (none if nothing is ready for it)."""
         tasks = self.policy.schedule(worker)
         for task in tasks:
-            worker.tasks[task.task_id] = task
+            worker.start(task)
             self.processor.task_submitted(task)
         return tasks
 
@@ -244,9 +249,8 @@ class BatchingCore:
         dear and every lane task short)."""
         timed = dict(zip(notice.task_ids, notice.busy_us))
         for task_id in notice.task_ids:
-            task = worker.tasks.pop(task_id, None)
+            task = worker.finish(task_id)
             if task is not None:
-                worker.tasks_completed += 1
                 steps = len(task.step_sizes)
                 busy = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
                 if isinstance(task.message, LaneTaskMessage) and task_id in timed:
@@ -269,9 +273,7 @@ class BatchingCore:
         with no worker left they all do (UNAVAILABLE while `draining`: a stopping server's loss is not
         the request's)."""
         self.workers_changed()
-        tasks = list(worker.tasks.values())
-        worker.tasks.clear()
-        for request in self.processor.worker_lost(worker, tasks):
+        for request in self.processor.worker_lost(worker, worker.write_off()):
             request.failures += 1
             if request.failures > self._server.max_replays:
                 message = f"it lost its worker {request.failures} times (last: {reason}); it is not replayed again"
@@ -289,7 +291,7 @@ class BatchingCore:
         return {
             "requests_in_flight": len(self.requests),
             "requests_waiting_for_a_batch": self.policy.queued_requests(),
-            "admission": self.admission.snapshot(self.processor.unfinished_nodes),
+            "admission": self.admission.snapshot(self.unfinished_nodes),
             "ready_nodes": self.scheduler.ready_nodes(),
             "sessions": len(self.sessions),
             "requests_waiting_for_their_session": self.sessions.waiting,

@@ -70,7 +70,12 @@ class CellularPolicy:
 
 
 def make_scheduler(
-    config: Config, specs: list[CellTypeSpec], table: RequestTable, store: PlanStore, dispatcher: Dispatcher
+    config: Config,
+    specs: list[CellTypeSpec],
+    table: RequestTable,
+    store: PlanStore,
+    dispatcher: Dispatcher,
+    workers: dict[int, WorkerHandle],
 ) -> Scheduler:
     """The scheduler the configured policy runs on: the graph policy chooses cell types by its
     agenda, one step at a time (its choice after each step is the point of it), and a baseline's
@@ -84,6 +89,7 @@ def make_scheduler(
         table,
         store,
         dispatcher,
+        workers,
         settings.affinity if cellular else "request",
         1 if graph else settings.max_steps_per_task,
         settings.max_join_delay_us,

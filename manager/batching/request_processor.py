@@ -28,29 +28,19 @@ from batchmaker.manager.batching.plan_store import PlanStore
 from batchmaker.manager.batching.policies import Policy
 from batchmaker.manager.batching.records import Lifecycle, Request, Task
 from batchmaker.manager.batching.request_table import RequestTable
-from batchmaker.manager.batching.scheduler import Scheduler
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.observability.stats import request_timing
 
 
 class RequestProcessor:
-    def __init__(
-        self,
-        table: RequestTable,
-        store: PlanStore,
-        scheduler: Scheduler,
-        dispatcher: Dispatcher,
-        policy: Policy,
-    ):
+    def __init__(self, table: RequestTable, store: PlanStore, dispatcher: Dispatcher, policy: Policy):
         self._table = table
         self._store = store
-        self._scheduler = scheduler
         self._dispatcher = dispatcher
         self._policy = policy
         self._outcomes: list[Outcome] = []
         self._streams_changed: dict[Request, None] = {}  # streamed requests with values read since their last partial
         self.unsubmitted_nodes = 0  # admitted and not yet issued to a worker (admission control)
-        self.running_nodes = 0  # issued to a worker and not yet completed there
 
     def admit(self, requests: list[Request]) -> None:
         """Track validated requests, in order (their `deadline` a perf_counter time); their policy decides
@@ -67,18 +57,10 @@ class RequestProcessor:
 
     def task_submitted(self, task: Task) -> None:
         self.unsubmitted_nodes -= task.nodes
-        self.running_nodes += task.nodes
-
-    @property
-    def unfinished_nodes(self) -> int:
-        """Cells a newly admitted request waits for: those queued and those its workers have yet to run."""
-        return self.unsubmitted_nodes + self.running_nodes
 
     def task_completed(self, task: Task, error: str | None) -> None:
         """Host copies are read by the dispatcher; here requests progress, finish and are forgotten."""
         observed = self._dispatcher.complete(task)
-        self.running_nodes -= task.nodes
-        self._scheduler.task_completed(task)
         table, rows = self._table, task.rows
         table.task_ended(rows, task.counts)
         if error is not None:
@@ -198,8 +180,6 @@ class RequestProcessor:
         """Write off a dead worker's tasks in flight; return the unanswered requests that had values there."""
         table = self._table
         for task in tasks:
-            self.running_nodes -= task.nodes
-            self._scheduler.task_completed(task)
             table.task_ended(task.rows, None)
         affected = []
         for request in list(table.live.values()):

@@ -70,6 +70,7 @@ class Scheduler:
         table: RequestTable,
         store: PlanStore,
         dispatcher: Dispatcher,
+        workers: dict[int, WorkerHandle],
         affinity: str = "subgraph",
         max_steps_per_task: int = 1,
         max_join_delay_us: int = 0,
@@ -80,6 +81,7 @@ class Scheduler:
         self._table = table
         self._store = store
         self._dispatcher = dispatcher
+        self._workers = workers  # the registered workers, whose handles hold their tasks in flight
         self._request_affinity = affinity == "request"
         self.several_workers = False  # set by the manager: placement only needs checking then
         self.max_steps_per_task = max_steps_per_task
@@ -158,8 +160,12 @@ class Scheduler:
         ready = [(queue, self.ready(queue).nodes) for queue in self._ordered if queue.size]  # by priority
         ready = [(queue, nodes) for queue, nodes in ready if nodes]
         full = [q for q, n in ready if n >= q.spec.max_batch]
-        idle = [q for q, _ in ready if q.running_tasks == 0 and q not in full]
+        idle = [q for q, _ in ready if not self._running(q.spec.key) and q not in full]
         return full + idle + [q for q, _ in ready if q not in full and q not in idle]
+
+    def _running(self, key: str) -> bool:
+        """Whether a task of cell type `key` is in flight on any worker."""
+        return any(worker.running[key] for worker in self._workers.values())
 
     def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[Task]:
         """Up to `max_tasks_to_submit` tasks of this type for `worker`. Lane tasks stop once the worker holds
@@ -311,7 +317,6 @@ class Scheduler:
         task = self._dispatcher.make_task(queue.spec, taken.rows, taken.sizes, taken.first, worker)
         self._advance(queue, taken)
         count_passes(queue, taken)
-        queue.running_tasks += 1
         task.joining = self._table.task_issued(taken.rows, taken.sizes, worker.worker_id, worker.host_number, task.submitted)
         if self._request_affinity:
             self._table.bind(taken.rows, worker.worker_id)
@@ -333,7 +338,6 @@ class Scheduler:
         done = Ready(lanes, rows, steps, first, taken.left_out)
         self._advance(queue, done)
         count_passes(queue, done)
-        queue.running_tasks += 1
         task.joining = self._table.task_issued(rows, steps, worker.worker_id, worker.host_number, task.submitted)
         if self._request_affinity:
             self._table.bind(rows, worker.worker_id)
@@ -351,6 +355,3 @@ class Scheduler:
             nodes = self._store.nodes.arrays["data"][taken.first[going] + taken.sizes[going]]
             queue.need[lanes] = nodes[:, NodeColumns.NEED]
             queue.wave[lanes] = nodes[:, NodeColumns.WAVE_END] - cursor
-
-    def task_completed(self, task: Task) -> None:
-        self.queues[task.spec.key].running_tasks -= 1

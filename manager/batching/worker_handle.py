@@ -81,7 +81,9 @@ class WorkerHandle:
         except Exception:
             self.close()  # unmap what was mapped before the failure
             raise
-        self.tasks: dict[int, Task] = {}
+        self.tasks: dict[int, Task] = {}  # in flight, by id: the one record of them (`start`, `finish`)
+        self.nodes_in_flight = 0  # their cells
+        self.running: collections.Counter[str] = collections.Counter()  # of them, by cell type
         self.tasks_completed = 0
         self.rows_read_from: collections.Counter[int] = collections.Counter()  # rows its tasks read from each peer
         self.rows_in_notices = 0  # result rows that reached the manager inside its notices
@@ -123,6 +125,29 @@ class WorkerHandle:
     @property
     def in_flight(self) -> int:
         return len(self.tasks)
+
+    def start(self, task: Task) -> None:
+        """The task is sent to this worker: it is in flight until `finish` (or `write_off`)."""
+        self.tasks[task.task_id] = task
+        self.nodes_in_flight += task.nodes
+        self.running[task.spec.key] += 1
+
+    def finish(self, task_id: int) -> Task | None:
+        """The task the worker says it finished, no longer in flight (None if it was not)."""
+        task = self.tasks.pop(task_id, None)
+        if task is not None:
+            self.nodes_in_flight -= task.nodes
+            self.running[task.spec.key] -= 1
+            self.tasks_completed += 1
+        return task
+
+    def write_off(self) -> list[Task]:
+        """Every task in flight, the worker being lost: none is any more."""
+        tasks = list(self.tasks.values())
+        self.tasks.clear()
+        self.nodes_in_flight = 0
+        self.running.clear()
+        return tasks
 
     def heard_from(self, signal: int, now: float) -> None:
         self.last_seen = now
