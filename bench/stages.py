@@ -216,7 +216,7 @@ def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, st
     with stage("notice"):
         notice = decode_notice(encode_notice(CompletionNotice(0, [task_id], {}, 1)))
     with stage("complete"):
-        outcomes = core.complete(worker.handle, notice)
+        outcomes = core.tasks_finished(worker.handle, notice)
     answered = 0
     with stage("reply"):
         for outcome in outcomes:

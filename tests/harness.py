@@ -99,7 +99,7 @@ class Harness:
     def complete_oldest(self, worker: WorkerHandle) -> Task:
         """The worker's stream finishes its oldest task (FIFO) and says so in a notice."""
         task = worker.tasks[min(worker.tasks)]
-        self._record(self.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0)))
+        self._record(self.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0)))
         return task
 
     def run_oldest(self, worker: WorkerHandle, cells: list[torch.nn.Module]) -> Task:

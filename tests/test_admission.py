@@ -26,7 +26,7 @@ def saturated(estimator: ExpectedWait, clock: Clock, cells_per_task: int, task_s
     for i in range(tasks):
         submitted = clock.now - (5 * task_s if i else 0)  # the first task found the worker idle
         clock.now += task_s
-        estimator.completed(cells_per_task, FULL, 0, submitted)
+        estimator.measure_task(cells_per_task, FULL, 0, submitted)
 
 
 def light(estimator: ExpectedWait, clock: Clock, tasks: int) -> None:
@@ -35,14 +35,14 @@ def light(estimator: ExpectedWait, clock: Clock, tasks: int) -> None:
         clock.now += 0.039
         submitted = clock.now
         clock.now += 0.001
-        estimator.completed(4, FULL, 0, submitted)
+        estimator.measure_task(4, FULL, 0, submitted)
 
 
 def test_cold_start_has_no_estimate():
     clock = Clock()
     estimator = ExpectedWait(clock)
     assert estimator.cells_per_second() is None and estimator.wait_s(10_000) is None
-    estimator.completed(FULL, FULL, 0, clock.now - MIN_BUSY_S / 4)  # too little busy time to go by
+    estimator.measure_task(FULL, FULL, 0, clock.now - MIN_BUSY_S / 4)  # too little busy time to go by
     assert estimator.wait_s(10_000) is None
 
 
@@ -89,8 +89,8 @@ def test_workers_add_up():
     for i in range(100):
         submitted = clock.now - (0.01 if i else 0)
         clock.now += 0.001
-        estimator.completed(60, FULL, "a", submitted)
-        estimator.completed(60, FULL, "b", submitted)  # the same instant: b ran alongside a
+        estimator.measure_task(60, FULL, "a", submitted)
+        estimator.measure_task(60, FULL, "b", submitted)  # the same instant: b ran alongside a
     assert estimator.cells_per_second() == pytest.approx(120_000, rel=0.01)
 
 

@@ -65,7 +65,7 @@ def test_lane_step_costs_go_by_the_worker_and_the_rest_by_the_manager(make_harne
     h.schedule(worker)
     task = worker.tasks[min(worker.tasks)]
     assert isinstance(task.message, LaneTaskMessage) and task.step_nodes == [4, 4]  # 2 steps of 1 ms fill the 2 ms join delay
-    h.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 1, busy_us=[400]))
+    h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 1, busy_us=[400]))
     assert h.core.scheduler.step_costs.seconds(CELL, 4) == pytest.approx(200e-6)
     h.schedule(worker)  # what is left of the lanes in one task now: 2 steps of 200 µs
     assert worker.tasks[max(worker.tasks)].step_nodes == [4, 4]
@@ -75,7 +75,7 @@ def test_lane_step_costs_go_by_the_worker_and_the_rest_by_the_manager(make_harne
     while h.schedule(worker) or worker.tasks:  # waves and an untimed notice: the manager's time, far below 1000 s
         oldest = worker.tasks[min(worker.tasks)]
         busy = [10**9] if not isinstance(oldest.message, LaneTaskMessage) else []
-        h.core.complete(worker, CompletionNotice(worker.worker_id, [oldest.task_id], {}, 1, busy_us=busy))
+        h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [oldest.task_id], {}, 1, busy_us=busy))
         ran.add((oldest.spec.key, oldest.step_sizes[0]))
     assert any(key.startswith("bin/") for key, _ in ran)
     assert all(h.core.scheduler.step_costs.seconds(key, size) < 1.0 for key, size in ran)

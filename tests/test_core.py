@@ -51,8 +51,8 @@ def test_complete_returns_the_answer_once_and_the_registry_forgets_the_request(h
     request = h.admit("lstm", {"tokens": [1, 2]})
     assert h.schedule(worker) == 2
     first, second = sorted(worker.tasks)
-    assert h.core.complete(worker, CompletionNotice(worker.worker_id, [first], {}, 1)) == []
-    [answered] = h.core.complete(worker, CompletionNotice(worker.worker_id, [second, 999], {}, 2))  # 999: unknown
+    assert h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [first], {}, 1)) == []
+    [answered] = h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [second, 999], {}, 2))  # 999: unknown
     assert isinstance(answered, Answered) and answered.request is request
     assert set(answered.outputs) == {"h", "c", "h_n", "c_n"} and answered.timing["total_us"] >= 0
     assert len(h.core.requests) == 0 and not worker.tasks and h.slots_in_use() == 0
@@ -64,7 +64,7 @@ def test_a_task_that_failed_on_the_worker_fails_its_requests(harness):
     request = h.admit("lstm", {"tokens": [1]})
     h.schedule(worker)
     [task_id] = worker.tasks
-    [failed] = h.core.complete(worker, CompletionNotice(worker.worker_id, [task_id], {task_id: "boom"}, 1))
+    [failed] = h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [task_id], {task_id: "boom"}, 1))
     assert isinstance(failed, Failed) and failed.request is request
     assert failed.error.code == INTERNAL and "boom" in failed.error.message
 
@@ -141,7 +141,7 @@ def test_a_replayed_request_still_counts_as_arrived_before_those_admitted_after_
     while not answered:
         h.schedule(second)
         task = second.tasks[min(second.tasks)]
-        outcomes = h.core.complete(second, CompletionNotice(second.worker_id, [task.task_id], {}, 0))
+        outcomes = h.core.tasks_finished(second, CompletionNotice(second.worker_id, [task.task_id], {}, 0))
         answered = [o for o in outcomes if isinstance(o, Answered)]
     assert [o.request for o in answered] == [short] and answered[0].left_early
     assert not replayed.request.done

@@ -69,7 +69,7 @@ def test_a_lane_moving_to_another_worker_reads_its_state_from_the_first_at_its_f
     assert [step_sizes(message) for _, message in h.sent] == [[1, 1]]  # 2000 µs of join delay over 1000 µs a step
     h.complete_oldest(first)
     for _ in range(50):  # whatever that task measured, a step now costs 100 µs: the rest fits one task
-        h.core.scheduler.step_costs.completed(CELL, 1, 1, 1e-4)
+        h.core.scheduler.step_costs.record(CELL, 1, 1, 1e-4)
     h.schedule(second)
     message = h.sent[1][1]
     assert isinstance(message, LaneTaskMessage) and message.steps.tolist() == [6]

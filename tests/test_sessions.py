@@ -33,7 +33,7 @@ def run_all(h) -> list:
     while h.schedule(worker) or h.in_flight(worker):
         while h.in_flight(worker):
             task = worker.tasks[min(worker.tasks)]
-            outcomes += h.core.complete(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0))
+            outcomes += h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 0))
     return outcomes
 
 

@@ -34,7 +34,7 @@ def turn(h, worker: WorkerHandle, client_waiting: bool = False) -> list[Outcome]
     outcomes: list[Outcome] = []
     while worker.tasks:
         task_id = min(worker.tasks)
-        outcomes += h.core.complete(worker, CompletionNotice(worker.worker_id, [task_id], {}, 0))
+        outcomes += h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [task_id], {}, 0))
     return outcomes + h.core.partials(lambda client: client_waiting)
 
 

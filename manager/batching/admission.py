@@ -52,23 +52,23 @@ class ExpectedWait:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, window_s: float = WINDOW_S):
         self._clock = clock
         self._window_s = window_s
-        self._completions: collections.deque[tuple[float, int, float, Hashable]] = collections.deque()
+        self._window: collections.deque[tuple[float, int, float, Hashable]] = collections.deque()
         self._cells = 0  # of the window's full tasks
         self._busy_s = 0.0  # of the window's full tasks
         self._tasks_by_worker: collections.Counter[Hashable] = collections.Counter()  # full ones, in the window
-        self._last_completion: dict[Hashable, float] = {}
+        self._last_finish: dict[Hashable, float] = {}
         self._capacity: float | None = None  # cells per second, measured on nearly full tasks
         self._assumed: float | None = None  # cells per second, from the workers' warm-up, until measured
 
-    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> float:
+    def measure_task(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> float:
         """Record a task of `cells` cells in `steps` steps (of a cell type batching up to `largest_batch`),
         submitted at `submitted` (on this clock), that `worker` finished; returns the seconds it kept the
         worker busy. A multi-step task counts as full when its steps are, on average."""
         now = self._clock()
-        busy = max(0.0, now - max(submitted, self._last_completion.get(worker, submitted)))
-        self._last_completion[worker] = now
+        busy = max(0.0, now - max(submitted, self._last_finish.get(worker, submitted)))
+        self._last_finish[worker] = now
         if cells >= FULL_FILL * largest_batch * steps:
-            self._completions.append((now, cells, busy, worker))
+            self._window.append((now, cells, busy, worker))
             self._cells += cells
             self._busy_s += busy
             self._tasks_by_worker[worker] += 1
@@ -95,16 +95,16 @@ class ExpectedWait:
 
     def _expire(self, now: float) -> None:
         horizon = now - self._window_s
-        while self._completions and self._completions[0][0] < horizon:
-            _, cells, busy, worker = self._completions.popleft()
+        while self._window and self._window[0][0] < horizon:
+            _, cells, busy, worker = self._window.popleft()
             self._cells -= cells
             self._busy_s -= busy
             self._tasks_by_worker[worker] -= 1
             if not self._tasks_by_worker[worker]:
                 del self._tasks_by_worker[worker]
-                if self._last_completion.get(worker, now) < horizon:  # gone quiet, or gone: forget it
-                    del self._last_completion[worker]
-        if not self._completions:
+                if self._last_finish.get(worker, now) < horizon:  # gone quiet, or gone: forget it
+                    del self._last_finish[worker]
+        if not self._window:
             self._busy_s = 0.0  # no float residue once the window is empty
 
 
@@ -118,8 +118,8 @@ class Admission:
         self._last_key: tuple[Any, ...] | None = None
         self._last_refusal = RequestError(OVERLOADED, "")
 
-    def completed(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> float:
-        return self.estimator.completed(cells, largest_batch, worker, submitted, steps)
+    def measure_task(self, cells: int, largest_batch: int, worker: Hashable, submitted: float, steps: int = 1) -> float:
+        return self.estimator.measure_task(cells, largest_batch, worker, submitted, steps)
 
     def check(self, queued_cells: int, deadline_ms: int | None) -> None:
         """Raise DEADLINE_EXCEEDED if the expected wait exceeds the deadline, OVERLOADED if it exceeds the limit."""

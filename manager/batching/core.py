@@ -240,7 +240,7 @@ class BatchingCore:
             self.processor.task_submitted(task)
         return tasks
 
-    def complete(self, worker: WorkerHandle, notice: CompletionNotice) -> list[Outcome]:
+    def tasks_finished(self, worker: WorkerHandle, notice: CompletionNotice) -> list[Outcome]:
         """The tasks a worker's notice reports finished: requests progress, and those done are answered.
 
         Admission's capacity goes by the manager's time for a task (the rate the whole server drains its
@@ -252,11 +252,11 @@ class BatchingCore:
             task = worker.finish(task_id)
             if task is not None:
                 steps = len(task.step_sizes)
-                busy = self.admission.completed(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
+                busy = self.admission.measure_task(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
                 if isinstance(task.message, LaneTaskMessage) and task_id in timed:
                     busy = timed[task_id] / 1e6
-                self.scheduler.step_costs.completed(task.spec.key, task.step_sizes[0], steps, busy)
-                self.processor.task_completed(task, notice.errors.get(task_id))
+                self.scheduler.step_costs.record(task.spec.key, task.step_sizes[0], steps, busy)
+                self.processor.task_finished(task, notice.errors.get(task_id))
         return self._outcomes()
 
     def workers_changed(self) -> None:

@@ -296,12 +296,9 @@ class Dispatcher:
             for step in copies
         ]
 
-    def complete(self, task: Task) -> list[tuple[Request, int, np.ndarray]]:
-        """Read the task's host copies (a kind's in one copy) and free their io rows.
-
-        Results are stored on their requests; watched values are returned, in order,
-        as (request, watch index, value) for the model to observe.
-        """
+    def read_copies(self, task: Task) -> list[tuple[Request, str | int, np.ndarray]]:
+        """Read the task's host copies (a kind's in one copy) and free their io rows: (request, result
+        name or watch index, value) each, in the order of `task.reads`."""
         worker = self._workers[task.worker_id]
         by_kind: dict[ValueKind, list[int]] = {}
         for _, _, kind, io_slot in task.reads:
@@ -311,11 +308,4 @@ class Dispatcher:
             slots = np.array(io_slots, np.int64)
             values[kind] = iter(worker.io[kind][slots])  # a copy: the rows go back at once
             worker.io_slots[kind].give(slots)
-        observed = []
-        for request, key, kind, _ in task.reads:
-            value = next(values[kind])
-            if type(key) is str:
-                request.results[key] = value
-            else:
-                observed.append((request, key, value))
-        return observed
+        return [(request, key, next(values[kind])) for request, key, kind, _ in task.reads]

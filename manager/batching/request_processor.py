@@ -58,9 +58,10 @@ class RequestProcessor:
     def task_submitted(self, task: Task) -> None:
         self.unsubmitted_nodes -= task.nodes
 
-    def task_completed(self, task: Task, error: str | None) -> None:
-        """Host copies are read by the dispatcher; here requests progress, finish and are forgotten."""
-        observed = self._dispatcher.complete(task)
+    def task_finished(self, task: Task, error: str | None) -> None:
+        """A worker finished the task: its host copies (read by the dispatcher) become results and observed
+        values, and requests progress, finish and are forgotten."""
+        copies = self._dispatcher.read_copies(task)
         table, rows = self._table, task.rows
         table.task_ended(rows, task.counts)
         if error is not None:
@@ -68,7 +69,13 @@ class RequestProcessor:
                 self.fail(request, RequestError(INTERNAL, f"a worker failed to run {task.spec.key}: {error}"))
         else:
             finished: dict[Request, None] = {}  # answers this task completed, made together
-            for request, watch_index, value in observed:
+            watched = []
+            for copy in copies:
+                if type(copy[1]) is str:
+                    copy[0].results[copy[1]] = copy[2]
+                else:
+                    watched.append(copy)
+            for request, watch_index, value in watched:
                 if request.state is not Lifecycle.RUNNING or request in finished:
                     continue
                 try:
@@ -80,7 +87,7 @@ class RequestProcessor:
                     self._streams_changed[request] = None
                 if done:
                     finished[request] = None
-            for request, key, _, _ in task.reads:
+            for request, key, _ in copies:
                 if request.stream and not request.done:
                     self._streams_changed[request] = None
                 if (

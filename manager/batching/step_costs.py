@@ -37,7 +37,7 @@ class StepCosts:
                     assumed[key] = max(assumed.get(key, 0.0), float(seconds))
         self._assumed = assumed
 
-    def completed(self, key: str, batch_size: int, steps: int, busy_s: float) -> None:
+    def record(self, key: str, batch_size: int, steps: int, busy_s: float) -> None:
         """A task of `steps` steps, the first at `batch_size`, kept its worker busy `busy_s` seconds."""
         cost = busy_s / steps
         previous = self._measured.get((key, batch_size))

@@ -121,7 +121,7 @@ class Manager:
                     self.frontend.flush()
                 if completions in events:
                     with self.frontend.replies_held():
-                        self._completions()
+                        self._read_notices()
                     self._schedule_idle_workers()  # keep the workers fed before admitting new requests
                 if control in events:
                     self._worker_control()
@@ -148,9 +148,9 @@ class Manager:
                 for task in tasks:
                     self.stats.task_submitted(task)
 
-    def _completions(self) -> None:
+    def _read_notices(self) -> None:
         for worker, notice in self.pool.notices():
-            self._conclude(self.core.complete(worker, notice))
+            self._conclude(self.core.tasks_finished(worker, notice))
 
     def _check_parent(self) -> None:
         """A manager whose supervisor is gone drains like on SIGTERM: what it accepted is finished
@@ -213,7 +213,7 @@ class Manager:
             return
         self._next_watch = now + WATCH_INTERVAL_S
         self._check_parent()
-        self._completions()
+        self._read_notices()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
         self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)
