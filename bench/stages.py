@@ -174,7 +174,7 @@ def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count:
                             frame = encode_task(task.message)
                         with stage("worker decode"):
                             sent = decode_task(frame)
-                        answered += _run(core, worker, task.task_id, sent, timed, stage, clock)
+                        answered += _run(core, worker, task.task_id, sent, timed, specs, stage, clock)
                         tasks += 1
                         steps += len(task.step_sizes)
         finally:
@@ -200,11 +200,11 @@ def _warm_up_seconds(cells: list[torch.nn.Module], specs: list) -> dict[str, flo
     return timings
 
 
-def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, stage: Callable, clock) -> int:
+def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, specs, stage: Callable, clock) -> int:
     """Run one task as the CPU worker does and complete it; returns the answers it made."""
     with stage("resolve"):
         if isinstance(sent, LaneTaskMessage):
-            issued: Any = resolve_lanes(sent, worker.tensors, cells, {})
+            issued: Any = resolve_lanes(sent, worker.tensors, cells, {}, specs[sent.cell_index].stop)
         else:
             issued = resolve(sent, worker.tensors, cells, {})
     with stage("run beyond the cell"):

@@ -24,6 +24,15 @@ class ValueKind(NamedTuple):
         return f"{self.dtype}[{','.join(map(str, self.shape))}]"
 
 
+class Stop(NamedTuple):
+    """When a lane of a cell type is done before its last step: once output `port` has produced
+    `value` (a decoder's end-of-sequence token). The worker decides it on the device: from then on the
+    lane's carried outputs repeat their values of that step, so its later tokens are `value` too."""
+
+    port: int
+    value: int
+
+
 @dataclass(frozen=True)
 class CellTypeSpec:
     """A cell type: what it reads and writes, and how the scheduler batches it.
@@ -40,6 +49,7 @@ class CellTypeSpec:
     # The cell receives such a port as two arguments: the flat rows, and for each row the
     # index of the batch row (node) it belongs to.
     ragged_inputs: frozenset[int] = frozenset()
+    stop: Stop | None = None
 
     @property
     def max_batch(self) -> int:

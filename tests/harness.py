@@ -115,7 +115,7 @@ class Harness:
         }
         with torch.inference_mode():
             if isinstance(message, LaneTaskMessage):
-                lanes = resolve_lanes(message, tensors, cells, peers)
+                lanes = resolve_lanes(message, tensors, cells, peers, self.specs[message.cell_index].stop)
                 for (_, _, io, io_slots), rows in zip(lanes.downloads, run_lanes(lanes)):
                     io.index_copy_(0, io_slots, rows)
             else:

@@ -1,6 +1,7 @@
 """Lane tasks on the CUDA backend's tensor work, on fake "cuda" tensors (see test_cuda_fake.py): every
 chain cell type of the built-in models runs a lane task of k steps as one staging copy, k steps
-enqueued and one counter write, with no host synchronization, whatever its lanes read."""
+enqueued and one counter write, with no host synchronization, whatever its lanes read (a decoder's
+stop included)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def test_a_lane_task_of_every_chain_cell_is_one_copy_k_steps_and_one_signal(layo
     assert layouts["gru/layer0"].every_step == (0,) and layouts["gru/layer1"].inputs[0].mode == SEQUENCE  # stacked
     assert any(rule.mode == STATE and rule.source == 2 for rule in layouts["seq2seq/decoder"].inputs)  # the token fed back
     chains = [(index, spec) for index, spec in enumerate(specs) if spec.key in layouts]
+    assert {spec.key: spec for _, spec in chains}["seq2seq/decoder"].stop is not None  # its EOS masked, no sync
     with fake_cuda():
         calls = FakeCalls()
         tasks, ids = fake_tasks(layout, calls)

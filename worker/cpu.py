@@ -109,7 +109,7 @@ class CpuBackend(Backend):
         try:  # every step is resolved before any runs: a step that cannot be fails its whole task
             issued: list[IssuedTask] | LaneTask | FailedTask
             if isinstance(task, LaneTaskMessage):
-                issued = resolve_lanes(task, self._tensors, self._cells, self._peers)
+                issued = resolve_lanes(task, self._tensors, self._cells, self._peers, self._specs[task.cell_index].stop)
             else:
                 issued = resolve(task, self._tensors, self._cells, self._peers)
         except Exception as exc:  # an unknown arena or peer: the task still takes its turn on the stream, failed

@@ -226,7 +226,8 @@ class DeviceTasks:
             for entry in inputs
         ]
         cell = self._cells[task.cell_index]
-        lane_task = LaneTask(task.task_id, cell, batch, offsets, inputs, outputs, every_step, downloads)
+        stop = self._specs[task.cell_index].stop
+        lane_task = LaneTask(task.task_id, cell, batch, offsets, inputs, outputs, every_step, downloads, stop)
         for (_, _, io, io_slots), rows in zip(downloads, run_lanes(lane_task)):
             for start, at, count in consecutive_runs(io_slots):
                 self._calls.download(io[at : at + count], rows.narrow(0, start, count))

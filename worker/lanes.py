@@ -11,6 +11,10 @@ the lanes still going). Each output's last value per lane is written to its row 
 the host must see are copied from the steps' results in one index per output. So a task costs a
 fixed number of operations beyond its cells, whatever its number of steps or lanes, and one loop
 iteration of Python per step.
+
+A cell type with a stop (a decoder's EOS, common.graph.Stop) has it applied here, on the device: a lane
+whose carried stop output already holds the stop value keeps the values it carried in, so its state
+stays as it was and its later tokens are the stop value, with no host sync and no Python per lane.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from batchmaker.common.graph import Stop
 from batchmaker.common.lanes import SEQUENCE, STATE
 from batchmaker.common.task import LaneTaskMessage, TaskInput
 from batchmaker.worker.batched_task import (
@@ -70,6 +75,7 @@ class LaneTask:
     outputs: list[tuple[torch.Tensor, torch.Tensor]]  # per output: (arena, rows: each lane's last, or its entries')
     every_step: dict[int, torch.Tensor]  # outputs written at every step: which of their rows of every step
     downloads: list[StepRows]
+    stop: Stop | None = None
 
 
 def step_batches(steps: np.ndarray) -> tuple[list[int], list[int]]:
@@ -124,6 +130,7 @@ def run_lanes(task: LaneTask) -> list[torch.Tensor]:
         if entry.later is not None
     ]
     carried = [(port, entry.source) for port, entry in enumerate(inputs) if entry.mode == STATE]
+    stop = task.stop if task.stop is not None and any(source == task.stop.port for _, source in carried) else None
     ragged = [(port, first[port][1], entry.cuts) for port, entry in enumerate(inputs) if entry.cuts is not None]
     kept = {port: [] for port in {*task.every_step, *(download.port for download in task.downloads)}}
     ends: list[list[torch.Tensor]] = [[] for _ in task.outputs]  # per output, the last values of lanes as they end
@@ -139,6 +146,8 @@ def run_lanes(task: LaneTask) -> list[torch.Tensor]:
             args[port : port + 1] = [values[port][:cut], segments[:cut]]
         produced = task.cell(*args)
         results = (produced,) if isinstance(produced, torch.Tensor) else tuple(produced)
+        if stop is not None:
+            results = _stopped_kept(results, values, carried, stop, size)
         for port, source in carried:
             values[port] = results[source]
         for port, rows in kept.items():
@@ -157,12 +166,30 @@ def run_lanes(task: LaneTask) -> list[torch.Tensor]:
     return [_packed(kept[port]).index_select(0, entries) for port, entries, _, _ in task.downloads]
 
 
+def _stopped_kept(
+    results: tuple[torch.Tensor, ...], values: list[Any], carried: list[tuple[int, int]], stop: Stop, size: int
+) -> tuple[torch.Tensor, ...]:
+    """A step's results with the rows of lanes already stopped (their carried stop output holds the stop
+    value) replaced by the values they carried in: those lanes stand still."""
+    carried_in = {source: values[port][:size] for port, source in carried}
+    stopped = carried_in[stop.port] == stop.value
+    return tuple(
+        torch.where(stopped.view(-1, *(1,) * (result.dim() - 1)), carried_in[output], result)
+        if output in carried_in
+        else result
+        for output, result in enumerate(results)
+    )
+
+
 def _packed(rows: list[torch.Tensor]) -> torch.Tensor:
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-def resolve_lanes(task: LaneTaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> LaneTask:
-    """A lane task message on host tensors (the CPU backend's arenas): the issuer's share of the work.
+def resolve_lanes(
+    task: LaneTaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas, stop: Stop | None
+) -> LaneTask:
+    """A lane task message on host tensors (the CPU backend's arenas): the issuer's share of the work;
+    `stop` is its cell type's.
 
     Every index array of the task becomes one tensor, viewed per array."""
     cuts = check_lane_task(task)
@@ -185,5 +212,5 @@ def resolve_lanes(task: LaneTaskMessage, tensors: list[torch.Tensor], cells: lis
     every_step = {port: next(views) for port, _ in task.every_step}
     downloads = [StepRows(port, next(views), arena_of(tensors, io), next(views)) for port, _, io, _ in task.downloads]
     batch, offsets = step_batches(task.steps)
-    return LaneTask(task.task_id, cells[task.cell_index], batch, offsets, inputs, outputs, every_step, downloads)
+    return LaneTask(task.task_id, cells[task.cell_index], batch, offsets, inputs, outputs, every_step, downloads, stop)
 

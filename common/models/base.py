@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from batchmaker.common.config import ConfigError, ModelConfig
-from batchmaker.common.graph import CellGraph, CellTypeSpec, ValueKind
+from batchmaker.common.graph import CellGraph, CellTypeSpec, Stop, ValueKind
 from batchmaker.common.models.weights import is_random, read_weights
 from batchmaker.common.plan import Plan, Unfolded, compile_graph
 from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
@@ -101,10 +101,11 @@ class Planner(ABC):
         inputs: tuple[ValueKind, ...],
         outputs: tuple[ValueKind, ...],
         ragged_inputs: frozenset[int] = frozenset(),
+        stop: Stop | None = None,
     ) -> CellTypeSpec:
         settings = self.config.cell_config(cell)
         return CellTypeSpec(
-            f"{self.name}/{cell}", inputs, outputs, settings.batch_sizes, settings.priority, ragged_inputs
+            f"{self.name}/{cell}", inputs, outputs, settings.batch_sizes, settings.priority, ragged_inputs, stop
         )
 
     # -- serving -----------------------------------------------------------------------------

@@ -21,9 +21,11 @@ share one task; the encoder outputs stay in their registers until the last decod
 The first decoder step reads the GO token and the encoder's final state; each later
 step reads the previous step's argmax straight from the device arena, so decoder
 steps are issued ahead of time like encoder steps. The graph is unfolded up to the
-request's maximum decoding length; only the stop decision needs a host-visible
-value: each step's token is copied back and observed, and at EOS the request is
-answered while steps already issued past it finish and free their slots.
+request's maximum decoding length. The top decoder layer declares its stop (EOS on
+its token output), which the worker applies on the device: a lane past its EOS keeps
+its state and repeats EOS, with no host sync. The host learns of it from each step's
+token, copied back and observed: at EOS the request is answered while steps already
+issued past it finish and free their slots.
 
 Weights file keys: `encoder.embedding.weight` [src_vocab, emb], `encoder.lstm.*_l0`
 and `decoder.lstm.*_l0` (torch.nn.LSTM names: weight_ih_l0, weight_hh_l0, bias_ih_l0,
@@ -44,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from batchmaker.common.config import ConfigError, ModelConfig
-from batchmaker.common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, Ragged, ValueKind
+from batchmaker.common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, Ragged, Stop, ValueKind
 from batchmaker.common.models.base import (
     FOLD_KEY,
     Model,
@@ -131,12 +133,14 @@ class Seq2SeqPlanner(Planner):
         inputs: tuple[ValueKind, ...] = (TOKEN if layer == 0 else state, state, state)
         outputs: tuple[ValueKind, ...] = (state, state)
         ragged: frozenset[int] = frozenset()
+        stop = None
         if part == "decoder" and layer == self.num_layers - 1:
             outputs += (TOKEN,)
+            stop = Stop(2, self.eos_id)
             if self.attention is not None:
                 inputs += (state,)
                 ragged = frozenset({MEMORY_PORT})
-        spec = self._cell_type(self.layer_cell(part, layer), inputs, outputs, ragged)
+        spec = self._cell_type(self.layer_cell(part, layer), inputs, outputs, ragged, stop)
         self._cell_types[spec.key] = spec
         return spec.key
 
