@@ -36,7 +36,7 @@ from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.run import ROOT, git, machine
 from batchmaker.common.config import load_config
 from batchmaker.common.models import init_missing_weights
-from batchmaker.common.protocol import decode, encode
+from batchmaker.common.protocol import RequestError, decode, encode
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.task import (
     CompletionNotice,
@@ -74,6 +74,7 @@ def _config(model: str, hidden: int, batch: int) -> str:
 [server]
 arena_rows = {ROWS}
 io_rows = {ROWS}
+max_queue_delay_ms = 0  # every request admitted: a refusal would leave it unanswered here
 
 [scheduler]
 max_tasks_to_submit = 64
@@ -163,7 +164,9 @@ def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count:
                             planner.plan(message["inputs"])  # timed apart: the core plans again within `admit`
                         burst.append((b"client", message["id"], message, time.perf_counter()))
                     with stage("admit"):
-                        core.admit_burst(burst)
+                        refused = [r for r in core.admit_burst(burst) if isinstance(r, RequestError)]
+                    if refused:
+                        raise RuntimeError(f"{name}: {len(refused)} requests refused, the first: {refused[0]}")
                 while answered < count:
                     with stage("schedule"):
                         formed = core.schedule(worker.handle)
