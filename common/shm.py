@@ -77,7 +77,12 @@ class SharedArray:
             self._shm.close()
         except BufferError:
             pass  # a torch view still exports the buffer; the mapping goes with the process
-        if self.owner:
+        self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the name (for the owner): no process can attach any more, and the memory goes once
+        every mapping of it is closed."""
+        if self.owner and self._shm.name in _created_here:
             _created_here.discard(self._shm.name)
             try:
                 self._shm.unlink()

@@ -96,6 +96,15 @@ def test_the_allocator_hands_out_low_rows_first_and_never_the_reserved_ones():
     assert sorted(slots.take(slots.capacity).tolist()) == list(range(FIRST_FREE_SLOT, 8))
 
 
+def test_rows_given_back_are_handed_out_again_in_ascending_runs():
+    """A GPU worker copies a task's io rows to the host one run of consecutive rows at a time."""
+    slots = SlotAllocator(16)
+    first = slots.take(6)
+    slots.give(first[[2, 0, 5, 1, 4, 3]])  # in whatever order a task read them
+    assert slots.take(4).tolist() == [2, 3, 4, 5]
+    assert [slots.take_one() for _ in range(2)] == [6, 7]
+
+
 def test_asking_more_rows_than_are_free_is_refused_and_changes_nothing():
     slots = SlotAllocator(4)
     with pytest.raises(RuntimeError, match="3 rows asked of an arena with 2 free"):

@@ -31,6 +31,7 @@ from test_cuda_fake import (
 from torch.overrides import TorchFunctionMode
 
 from batchmaker.common.task import TaskMessage, decode_notice
+from batchmaker.worker import backend as backend_module
 from batchmaker.worker import cuda
 from batchmaker.worker.backend import FULL_TASK_RUNS, DeviceFault
 from batchmaker.worker.cuda import CudaBackend
@@ -424,5 +425,28 @@ def test_a_detached_peer_is_unmapped_only_after_the_stream_passes_its_last_reads
         backend.detach_peer(DISTANT_PEER)
         assert len(backend._retired) == 1  # the stream has not moved
         runtime.run(backend._calls.stream)
-        backend.detach_peer(DISTANT_PEER)
+        backend.issue(lstm_task(1, small, backend))  # the next task (or detach) lets the mapping go
         assert backend._retired == []
+
+
+def test_a_warm_up_task_that_does_not_finish_fails_start_up(small, monkeypatch: pytest.MonkeyPatch):
+    """Its late signal would otherwise be taken for the first served task's, whose rows were not yet written."""
+    monkeypatch.setattr(backend_module, "FULL_TASK_TIMEOUT_S", 0.01)
+    specs, _, kinds = small
+    with fake_backend(small) as (backend, runtime, _):
+        hold_stream(backend, runtime)
+        with pytest.raises(RuntimeError, match="did not finish within"):
+            backend.time_full_tasks(specs, {kind: (2 * i, 2 * i + 1) for i, kind in enumerate(kinds)})
+        runtime.run(backend._calls.stream)
+
+
+def test_closing_with_copies_still_queued_leaves_the_io_arenas_mapped(small, monkeypatch: pytest.MonkeyPatch):
+    """A stuck stream may still copy into the io arenas: they stay pinned and mapped, only their names go."""
+    monkeypatch.setattr(cuda, "CLOSE_TIMEOUT_S", 0.01)
+    with fake_backend(small) as (backend, runtime, _):
+        hold_stream(backend, runtime)
+        arenas = list(backend._shared)
+        backend.close()
+        assert all(runtime.is_pinned(shared.array) for shared in arenas)
+        assert not any(Path("/dev/shm", shared.name).exists() for shared in arenas)
+        runtime.run(backend._calls.stream)

@@ -146,11 +146,16 @@ class Backend(ABC):
 
     def _through_stream(self, task: TaskMessage) -> None:
         """Run one task the way serving does (issued, run on the stream, its completion awaited), before
-        serving starts: the poller starts from the signal counter's value at registration."""
+        serving starts: the poller starts from the signal counter's value at registration, so a task that
+        does not finish in time fails start-up."""
         seen = self.signal()
         self.issue(task)
         self.wait_for_signal(seen, FULL_TASK_TIMEOUT_S)
-        self.finish(task.task_id)
+        if self.signal() <= seen:  # a late signal would later be taken for a served task's
+            raise RuntimeError(f"a warm-up task did not finish within {FULL_TASK_TIMEOUT_S:.0f} s on {self.device}")
+        error = self.finish(task.task_id)
+        if error is not None:
+            raise RuntimeError(f"a warm-up task failed on {self.device}: {error}")
 
     def full_task_seconds(self) -> dict[str, float]:
         """Seconds per task of each cell type at its largest batch, timed at warm-up (time_full_tasks)."""

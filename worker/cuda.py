@@ -205,9 +205,15 @@ class CudaBackend(Backend):
             event = self._runtime.event()
             event.record(self._calls.stream)
             self._retired.append((event, gone))
+        self._unmap_retired()
+
+    def _unmap_retired(self) -> None:
+        """Drop the mappings of detached peers whose last reads the stream has passed."""
         self._retired = [(event, tensors) for event, tensors in self._retired if not event.query()]
 
     def issue(self, task: TaskMessage | LaneTaskMessage) -> None:
+        if self._retired:
+            self._unmap_retired()
         self._tasks.issue(task)
 
     def signal(self) -> int:
@@ -237,11 +243,19 @@ class CudaBackend(Backend):
         return self._tasks.read_io(arena_id, slots)
 
     def close(self) -> None:
+        """Unpin and unmap the io arenas once the stream has finished. A stream that has not (stuck, or
+        failed) may still copy into them: they stay pinned and mapped until the process exits, and only
+        their names go, so that no copy lands in memory handed back."""
         try:
-            if not self._calls.wait(CLOSE_TIMEOUT_S):
-                log.warning("the stream of %s did not finish in %.0f s; closing anyway", self.device, CLOSE_TIMEOUT_S)
+            finished = self._calls.wait(CLOSE_TIMEOUT_S)
+            if not finished:
+                log.warning("the stream of %s did not finish in %.0f s; its io arenas stay mapped", self.device, CLOSE_TIMEOUT_S)
         except RuntimeError as exc:  # a device fault surfaces at the first query after it
             log.error("the stream of %s failed: %s", self.device, exc)
+            finished = False
         for shared in self._shared:
-            self._runtime.unpin(shared.array)
-            shared.close()
+            if finished:
+                self._runtime.unpin(shared.array)
+                shared.close()
+            else:
+                shared.unlink()

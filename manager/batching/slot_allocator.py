@@ -37,8 +37,10 @@ class SlotAllocator:
         return int(self._free[self._top])
 
     def give(self, slots: np.ndarray) -> None:
+        """Rows back on the stack, highest first: the next `take` hands them out ascending (runs of
+        consecutive rows, which a GPU worker copies to the host in one transfer each)."""
         count = len(slots)
-        self._free[self._top : self._top + count] = slots
+        self._free[self._top : self._top + count] = np.sort(slots)[::-1]
         self._top += count
 
     def give_one(self, slot: int) -> None:
