@@ -15,7 +15,9 @@ task body around them: gathers, carries, scatters, downloads), notice (encoded a
 (the core's completion: host copies, answers) and reply (each answer's frame).
 
 The process collects garbage as the manager does (rarely, start-up state frozen). Workloads: an LSTM on the bundled WMT sentences at hidden 256 and at hidden 8 (where the cells cost
-almost nothing and the control plane is all that is left), and a TreeLSTM on SST trees at hidden 256.
+almost nothing and the control plane is all that is left), a TreeLSTM on SST trees at hidden 256, and
+the 22-token sentence of `bench idle` at hidden 256, one request at a time (each admitted once the one
+before has its answer): a lone request's path on an idle server, without the sockets.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from batchmaker.bench.datasets import DATASETS
+from batchmaker.bench.idle import lone_sentence
 from batchmaker.bench.run import ROOT, git, machine
 from batchmaker.common.config import load_config
 from batchmaker.common.models import init_missing_weights
@@ -60,10 +63,11 @@ STAGES = (
 )  # fmt: skip
 ROWS = 65536
 BURST = 32  # requests the manager reads and admits at once (it admits whatever waits on its socket)
-WORKLOADS = {  # name: (model table, dataset, requests admitted at once)
-    "LSTM H=256, WMT": ("lstm", 256, 64, "wmt", 256),
-    "LSTM H=8, WMT": ("lstm", 8, 512, "wmt", 2048),
-    "TreeLSTM H=256, SST": ("treelstm", 256, 64, "sst", 256),
+WORKLOADS = {  # name: (model, hidden size, largest batch, dataset, requests, whether each runs alone)
+    "LSTM H=256, WMT": ("lstm", 256, 64, "wmt", 256, False),
+    "LSTM H=8, WMT": ("lstm", 8, 512, "wmt", 2048, False),
+    "TreeLSTM H=256, SST": ("treelstm", 256, 64, "sst", 256, False),
+    "LSTM H=256, one 22-token request at a time": ("lstm", 256, 64, "lone", 64, True),
 }
 
 
@@ -125,8 +129,9 @@ class _Worker:
             shared.close()
 
 
-def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count: int) -> dict[str, Any]:
-    """Stage seconds summed over `count` requests admitted at once and run to their answers."""
+def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count: int, alone: bool) -> dict[str, Any]:
+    """Stage seconds summed over `count` requests admitted at once and run to their answers, or (`alone`)
+    each admitted once the one before has its answer, as on an idle server."""
     clock: dict[str, float] = defaultdict(float)
 
     @contextmanager
@@ -145,7 +150,7 @@ def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count:
         seconds = _warm_up_seconds(cells, specs)
         timed = [_Timed(cell, clock) for cell in cells]
         planner = models[model]
-        inputs = DATASETS[dataset]()
+        inputs = lone_sentence() if dataset == "lone" else DATASETS[dataset]()
         frames = [encode({"id": i, "model": model, "inputs": inputs[i % len(inputs)]}) for i in range(count)]
         for frame in frames:  # a serving manager has the plans of common shapes cached: so here
             planner.plan(decode(frame, 1 << 24)["inputs"])
@@ -155,31 +160,33 @@ def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count:
         tasks = steps = answered = 0
         try:
             with torch.inference_mode():
-                for start in range(0, count, BURST):
-                    burst = []
-                    for frame in frames[start : start + BURST]:
-                        with stage("decode"):
-                            message = decode(frame, 1 << 24)
-                        with stage("plan"):
-                            planner.plan(message["inputs"])  # timed apart: the core plans again within `admit`
-                        burst.append((b"client", message["id"], message, time.perf_counter()))
-                    with stage("admit"):
-                        refused = [r for r in core.admit_burst(burst) if isinstance(r, RequestError)]
-                    if refused:
-                        raise RuntimeError(f"{name}: {len(refused)} requests refused, the first: {refused[0]}")
-                while answered < count:
-                    with stage("schedule"):
-                        formed = core.schedule(worker.handle)
-                    if not formed:
-                        raise RuntimeError(f"{name}: nothing scheduled with {count - answered} requests unanswered")
-                    for task in formed:
-                        with stage("encode"):
-                            frame = encode_task(task.message)
-                        with stage("worker decode"):
-                            sent = decode_task(frame)
-                        answered += _run(core, worker, task.task_id, sent, timed, specs, stage, clock)
-                        tasks += 1
-                        steps += len(task.step_sizes)
+                for group in [[frame] for frame in frames] if alone else [frames]:
+                    for start in range(0, len(group), BURST):
+                        burst = []
+                        for frame in group[start : start + BURST]:
+                            with stage("decode"):
+                                message = decode(frame, 1 << 24)
+                            with stage("plan"):
+                                planner.plan(message["inputs"])  # timed apart: the core plans again within `admit`
+                            burst.append((b"client", message["id"], message, time.perf_counter()))
+                        with stage("admit"):
+                            refused = [r for r in core.admit_burst(burst) if isinstance(r, RequestError)]
+                        if refused:
+                            raise RuntimeError(f"{name}: {len(refused)} requests refused, the first: {refused[0]}")
+                    admitted = answered + len(group)
+                    while answered < admitted:
+                        with stage("schedule"):
+                            formed = core.schedule(worker.handle)
+                        if not formed:
+                            raise RuntimeError(f"{name}: nothing scheduled with {admitted - answered} requests unanswered")
+                        for task in formed:
+                            with stage("encode"):
+                                frame = encode_task(task.message)
+                            with stage("worker decode"):
+                                sent = decode_task(frame)
+                            answered += _run(core, worker, task.task_id, sent, timed, specs, stage, clock)
+                            tasks += 1
+                            steps += len(task.step_sizes)
         finally:
             worker.close()
     clock["admit"] -= clock["plan"]
@@ -204,7 +211,9 @@ def _warm_up_seconds(cells: list[torch.nn.Module], specs: list) -> dict[str, flo
 
 
 def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, specs, stage: Callable, clock) -> int:
-    """Run one task as the CPU worker does and complete it; returns the answers it made."""
+    """Run one task as the CPU worker does and complete it, its notice saying how long it kept the worker
+    busy (as a worker's does: the scheduler sizes lane tasks by it); returns the answers it made."""
+    began = time.perf_counter()
     with stage("resolve"):
         if isinstance(sent, LaneTaskMessage):
             issued: Any = resolve_lanes(sent, worker.tensors, cells, {}, specs[sent.cell_index].stop)
@@ -216,8 +225,9 @@ def _run(core: BatchingCore, worker: _Worker, task_id: int, sent: Any, cells, sp
                 io.index_copy_(0, io_slots, rows)
         else:
             run_steps(issued)
+    busy_us = [int((time.perf_counter() - began) * 1e6)]
     with stage("notice"):
-        notice = decode_notice(encode_notice(CompletionNotice(0, [task_id], {}, 1)))
+        notice = decode_notice(encode_notice(CompletionNotice(0, [task_id], {}, 1, busy_us=busy_us)))
     with stage("complete"):
         outcomes = core.tasks_finished(worker.handle, notice)
     answered = 0
@@ -235,7 +245,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     gc.freeze()
     gc.set_threshold(100_000, 20, 100)
     scale = 4 if quick else 1
-    rows = [measure(name, *spec[:4], spec[4] // scale) for name, spec in WORKLOADS.items()]
+    rows = [measure(name, *spec[:4], spec[4] // scale, spec[5]) for name, spec in WORKLOADS.items()]
     result = {
         "preset": "stages",
         "quick": quick,
