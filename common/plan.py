@@ -336,6 +336,7 @@ def plan_of(
     ends a padded graph's padding. A lane without nodes (a one-word tree has no internal node) is
     left out: queued, it would start at the next lane's first node and run it as its own cell type."""
     count = len(depth)
+    _check_lengths(count, inputs=inputs, outputs=outputs, **dict(zip(("ragged_start", "ragged_count"), ragged or ())))
     kept = [lane[1] > start for lane, start in zip(lanes, [0, *(end for _, end in lanes)])]
     lanes = [lane for lane, keep in zip(lanes, kept) if keep]
     layouts = (None,) * len(lanes) if lane_layouts is None else tuple(l for l, keep in zip(lane_layouts, kept) if keep)
@@ -373,3 +374,10 @@ def plan_of(
         register_groups=register_groups,
         lane_layouts=layouts,
     )
+
+
+def _check_lengths(count: int, **arrays: np.ndarray) -> None:
+    """Every node array of a plan has a row per node: a planner that builds one short fails its request."""
+    for name, array in arrays.items():
+        if len(array) != count:
+            raise ValueError(f"the plan's {name} has {len(array)} rows for {count} nodes")

@@ -12,6 +12,7 @@ import torch
 from conftest import ROOT, write_config
 from harness import Harness
 
+from batchmaker.bench.trees import random_tree
 from batchmaker.common.config import CellTypeConfig, ModelConfig
 from batchmaker.common.graph import CellGraph, External, NodeOutput, Ragged, Zero
 from batchmaker.common.models.base import save_weights
@@ -29,30 +30,6 @@ VOCAB = 50
 def model_config(**params) -> ModelConfig:
     params = {"vocab_size": VOCAB, "embedding_size": 6, "hidden_size": 8, **params}
     return ModelConfig("m", "unused:build", Path("unused.pt"), params, CellTypeConfig((1, 2, 4), 3), {})
-
-
-def random_tree(rng: np.random.Generator, nodes: int, vocab_size: int, max_children: int = 9) -> dict:
-    """A random tree with 0..max_children children per node, numbered in a shuffled order.
-
-    Internal nodes carry a word or none (-1) at random: Child-Sum reads words anywhere.
-    """
-    children: list[list[int]] = [[]]
-    frontier = [0]
-    while len(children) < nodes and frontier:
-        parent = frontier.pop(int(rng.integers(len(frontier))))
-        for _ in range(min(int(rng.integers(1, max_children + 1)), nodes - len(children))):
-            children[parent].append(len(children))
-            frontier.append(len(children))
-            children.append([])
-    label = rng.permutation(len(children))  # node k is sent as label[k]
-    tokens = [0] * len(children)
-    parents = [-1] * len(children)
-    for node, kids in enumerate(children):
-        word = int(rng.integers(vocab_size))
-        tokens[label[node]] = word if not kids or rng.random() < 0.5 else NO_WORD
-        for kid in kids:
-            parents[label[kid]] = int(label[node])
-    return {"tokens": tokens, "parents": parents}
 
 
 # -- SST trees -------------------------------------------------------------------------------------
@@ -232,6 +209,7 @@ builder = "batchmaker.common.models.childsum:build"
 weights = "cs.pt"
 vocab_size = 50
 hidden_size = 8
+num_classes = 4
 batch_sizes = [1, 2, 4]
 """
 
@@ -254,7 +232,7 @@ def test_lanes_of_a_complete_binary_tree_run_level_by_level(tmp_path: Path):
         request = h.admit("bin", tree(tokens, parents))
         assert waves(request.unfolded.plan) == [("bin/leaf", [16]), ("bin/internal", [8, 4, 2, 1]), ("bin/classifier", [1])]
         request = h.admit("cs", tree(tokens, parents))
-        assert waves(request.unfolded.plan) == [("cs/node", [16, 8, 4, 2, 1])]
+        assert waves(request.unfolded.plan) == [("cs/node", [16, 8, 4, 2, 1]), ("cs/classifier", [1])]
         worker = h.workers[0]
         h.schedule(worker)
         assert [task.nodes for task in h.in_flight(worker)][:1] == [4]  # a full batch of leaves, then more
@@ -483,3 +461,13 @@ def test_a_full_arena_lets_placed_requests_finish_while_new_ones_wait(tmp_path: 
         assert h.slots_in_use() == 0
     finally:
         h.close()
+
+
+def test_a_plan_whose_node_arrays_disagree_is_refused_when_built():
+    """A planner that builds a short array fails its own request at plan time, never the plan store."""
+    from batchmaker.common.plan import plan_of
+
+    depth, inputs, outputs = np.zeros(3, np.int64), np.zeros((3, 1), np.int32), np.zeros((3, 1), np.int32)
+    ragged = (np.zeros(2, np.int32), np.zeros(2, np.int32), np.zeros((0, 1), np.int32))
+    with pytest.raises(ValueError, match="ragged_start has 2 rows for 3 nodes"):
+        plan_of([("m/node", 3)], depth, inputs, outputs, ragged, {}, {}, ())

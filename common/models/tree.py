@@ -381,6 +381,9 @@ class TreePlanner(Planner):
         copies: dict[int, tuple[tuple[str | int, int], ...]] = {root: (("h", 0), ("c", 1))}
         registers = {self.state_kind: np.arange(2 * count)}
         if classes:
+            if ragged is not None:  # the classifier reads no ragged input: its range is empty
+                start, counts, refs = ragged
+                ragged = (np.append(start, len(refs)).astype(np.int32), np.append(counts, 0).astype(np.int32), refs)
             node_inputs[count, 0] = 2 * root
             outputs[count, 0] = 2 * count
             copies[count] = (("logits", 0),)
