@@ -1,6 +1,6 @@
 """The CUDA backend itself on a fake runtime (tests/cuda_fakes.py): stream order, attaching peers,
 polling, device faults, warm-up, downloads into the io arenas. Every tensor is a fake on "cuda";
-what only a real GPU can show is in the `cuda`-marked tests and scripts/gpu-check."""
+what only a real GPU can show is in the `cuda`-marked tests and scripts/device-check."""
 
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ from conftest import (
 )
 from test_integration_trees import CHILDSUM_VOCAB, SST
 from test_integration_trees import MODELS as TREE_MODELS
-from test_tree_models import random_tree
 
+from batchmaker.bench.trees import random_tree
 from batchmaker.clients import AsyncClient
 from batchmaker.common.config import Config
 from batchmaker.common.models import build_model

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from conftest import ROOT, RunningServer, start_server, stop_server, wait_idle, write_config
-from test_tree_models import random_tree
 
+from batchmaker.bench.trees import random_tree
 from batchmaker.clients import AsyncClient, ServerError
 from batchmaker.common.models import build_model
 from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import ROOT, SMALL_GRU, SMALL_SEQ2SEQ, start_server, stop_server, wait_idle, write_config
 from test_integration_seq2seq import assert_same_decoding
-from test_tree_models import TREE_MODELS, random_tree
+from test_tree_models import TREE_MODELS
 
+from batchmaker.bench.trees import random_tree
 from batchmaker.clients import AsyncClient
 from batchmaker.common.models import build_model
 

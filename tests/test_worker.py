@@ -82,11 +82,15 @@ def wait_signal(backend, value: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def run_two_steps(device: str, cells, cuda_graphs: bool = False) -> np.ndarray:
-    """Two chained steps of two sequences issued back to back; returns the final h rows from the io arena."""
+def run_two_steps(device: str, cells, cuda_graphs: bool = False) -> tuple[np.ndarray, int]:
+    """Two chained steps of two sequences issued back to back after warm-up (which captures the graphs, if
+    on); returns the final h rows from the io arena and how many cell graphs were captured."""
     _specs, _modules, kinds, _ = cells
     backend = make_backend(device, cells, cuda_graphs)
     try:
+        backend.warm_up()
+        captured = len(backend._tasks.graphs) if device != "cpu" else 0
+        seen = backend.signal()
         results = io_array(backend, "float32[64]")
         # sequence A = 5, 7; sequence B = 9, 3
         first = lstm_step_task(1, kinds, [5, 9], [ZERO_SLOT, ZERO_SLOT], [10, 12], None)
@@ -94,11 +98,11 @@ def run_two_steps(device: str, cells, cuda_graphs: bool = False) -> np.ndarray:
         # The second task depends on the first: issued at once, the stream's FIFO order makes it correct.
         backend.issue(decode_task(encode_task(first)))
         backend.issue(decode_task(encode_task(second)))
-        wait_signal(backend, 2)
+        wait_signal(backend, seen + 2)
         assert backend.finish(1) is None and backend.finish(2) is None
         out = results.array[2:4].copy()
         results.close()
-        return out
+        return out, captured
     finally:
         backend.close()
 
@@ -114,7 +118,7 @@ def expected_h(cells, sequences: list[list[int]]) -> np.ndarray:
 
 
 def test_cpu_backend_runs_chained_tasks_in_stream_order(cells):
-    got = run_two_steps("cpu", cells)
+    got, _ = run_two_steps("cpu", cells)
     np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
 
 
@@ -338,8 +342,12 @@ def test_notices_carry_the_downloaded_rows_they_are_asked_for(cells, polled):
 def test_cuda_backend_matches_cpu(cells, cuda_graphs: bool):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    got = run_two_steps("cuda:0", cells, cuda_graphs)
+    got, captured = run_two_steps("cuda:0", cells, cuda_graphs)
+    assert (captured > 0) == cuda_graphs  # replayed graphs, not the eager run again
     np.testing.assert_allclose(got, expected_h(cells, [[5, 7], [9, 3]]), atol=1e-5)
+    if cuda_graphs:
+        eager, _ = run_two_steps("cuda:0", cells, False)
+        np.testing.assert_allclose(got, eager, atol=1e-6)
 
 
 @pytest.mark.cuda

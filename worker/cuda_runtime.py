@@ -8,6 +8,9 @@ peer that was never opened). Only imported when a worker is started on a GPU.
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import MutableMapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -15,6 +18,25 @@ import numpy as np
 import torch
 
 HostArray = np.ndarray  # host memory the device copies to or from: pinned, or registered with `pin`
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either
+
+log = logging.getLogger("worker")
+
+
+def expandable_segments(conf: str) -> bool:
+    """Whether allocator settings (PYTORCH_CUDA_ALLOC_CONF's form) turn expandable segments on."""
+    return any(part.replace(" ", "").lower() == "expandable_segments:true" for part in conf.split(","))
+
+
+def arenas_shareable(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Turn expandable segments off for this process before CUDA starts: the arenas peers read are shared
+    through cudaIpcGetMemHandle, which memory mapped in expandable segments does not support."""
+    for variable in ALLOC_CONF_VARIABLES:
+        conf = environ.get(variable, "")
+        if expandable_segments(conf):
+            kept = [part for part in conf.split(",") if not part.replace(" ", "").lower().startswith("expandable_segments")]
+            environ[variable] = ",".join(kept)
+            log.warning("%s asks for expandable segments; this worker turns them off so peers can map its arenas", variable)
 
 
 class CudaRuntime:

@@ -286,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         curve = worker_curve(config.server, args.curve)
         torch.set_num_threads(args.threads or config.server.threads_per_worker)
+        if args.device.startswith("cuda"):
+            from batchmaker.worker.cuda_runtime import arenas_shareable
+
+            arenas_shareable()
         specs, cells, kinds = load_cells(config, args.device)
         server = config.server
         backend = make_backend(
