@@ -73,6 +73,24 @@ def test_a_missing_weights_file_is_refused_naming_the_path_and_never_created(tmp
     assert not (tmp_path / "lstm_trained.pt").exists()
 
 
+def test_every_missing_or_mismatched_weights_file_is_named_in_one_error(tmp_path: Path):
+    torch.save(named_as_served(hidden=32).state_dict(), tmp_path / "wide.pt")
+    others = "".join(
+        MODEL.replace("[models.lstm]", f"[models.{name}]").replace('"lstm.pt"', f'"{weights}"')
+        for name, weights in (("second", "second.pt"), ("sized", "wide.pt"))
+    )
+    config = write_config(tmp_path, weights="first.pt", model=others)
+    message = assert_refused(
+        serve(config, cwd=tmp_path),
+        "3 models cannot load their weights",
+        f"[models.mylstm] weights file {tmp_path / 'first.pt'} does not exist",
+        f"[models.second] weights file {tmp_path / 'second.pt'} does not exist",
+        f"[models.sized] weights file {tmp_path / 'wide.pt'} does not fit the config's sizes",
+    )
+    assert message.count(f"batchmaker init-weights {config}") == 2
+    assert not (tmp_path / "first.pt").exists() and not (tmp_path / "second.pt").exists()
+
+
 def test_scripts_serve_resolves_the_config_from_the_callers_folder_and_invents_no_weights(tmp_path: Path):
     write_config(tmp_path, weights="lstm_trained.pt")
     result = subprocess.run(

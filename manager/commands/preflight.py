@@ -47,15 +47,31 @@ def check_weights(config: Config) -> None:
 def _read_all_weights(argv: list[str]) -> int:
     """`python -m batchmaker.manager.commands.preflight CONFIG`: read every model's weights.
 
-    A ConfigError's message goes to stderr, with status 2.
+    Every model's problem goes to stderr, all in one message, with status 2: a user who forgot
+    several files learns of them all at once rather than one start-up at a time.
     """
     try:
-        for model_config in load_config(argv[0]).models.values():
-            build_model(model_config).load_weights()
+        models = load_config(argv[0]).models.values()
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    problems = []
+    for model_config in models:
+        try:
+            build_model(model_config).load_weights()
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        print(_weights_problems(problems), file=sys.stderr)
+        return 2
     return 0
+
+
+def _weights_problems(problems: list[str]) -> str:
+    """One message for every model whose weights cannot be served, each problem as its model's check said it."""
+    if len(problems) == 1:
+        return problems[0]
+    return "\n".join([f"{len(problems)} models cannot load their weights:", *(f"- {problem}" for problem in problems)])
 
 
 def warn_random_weights(models: dict[str, Planner]) -> None:
