@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+from collections.abc import KeysView
 from typing import Any
 
 import msgpack
@@ -39,7 +40,17 @@ ERROR_CODES = (
     SESSION_LOST,
 )
 
-OPS = ("infer", "models", "health", "stats", "cancel")
+# The fields a request of each op may carry (docs/protocol.md, "Requests"): any other is refused.
+REQUEST_FIELDS = {
+    "infer": ("id", "op", "model", "inputs", "deadline_ms", "priority", "stream", "session", "session_end", "session_step"),
+    "models": ("id", "op"),
+    "health": ("id", "op"),
+    "stats": ("id", "op"),
+    "cancel": ("id", "op", "target"),
+}
+OPS = tuple(REQUEST_FIELDS)
+_FIELDS = {op: dict.fromkeys(fields).keys() for op, fields in REQUEST_FIELDS.items()}  # ordered, and sets
+SHOWN_UNKNOWN_NAMES = 8  # unknown names a refusal quotes at most
 
 # Tensor dtypes accepted on the wire; anything else is refused rather than guessed.
 WIRE_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -69,6 +80,26 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def unknown_names(given: dict[Any, Any], allowed: KeysView[str], noun: str) -> str | None:
+    """The keys of `given` outside `allowed` as a refusal names them ("input 'x'", "inputs 'x', 'y'"),
+    the first few each cut short; None when there are none, which costs one set comparison."""
+    if given.keys() <= allowed:
+        return None
+    unknown = [name for name in given if name not in allowed]
+    quoted = ", ".join(echo(name) for name in unknown[:SHOWN_UNKNOWN_NAMES])
+    return f"{noun}{'s' if len(unknown) > 1 else ''} {quoted}{', ...' if len(unknown) > SHOWN_UNKNOWN_NAMES else ''}"
+
+
+def check_request_fields(message: dict[Any, Any]) -> None:
+    """Refuse a field its op does not read: a misspelt optional field (`deadline` for `deadline_ms`)
+    would otherwise be ignored without a word. An unknown op is left to whoever dispatches ops."""
+    op = message.get("op", "infer")
+    allowed = _FIELDS.get(op) if isinstance(op, str) else None
+    unknown = None if allowed is None else unknown_names(message, allowed, "field")
+    if unknown is not None:
+        raise RequestError(BAD_REQUEST, f"unknown {unknown} for op {op!r}; its fields are: {', '.join(allowed)}")
 
 
 def encode(message: Any) -> bytes:

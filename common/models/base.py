@@ -32,7 +32,15 @@ from batchmaker.common.config import ConfigError, ModelConfig
 from batchmaker.common.graph import CellGraph, CellTypeSpec, Stop, ValueKind
 from batchmaker.common.models.weights import is_random, read_weights
 from batchmaker.common.plan import Plan, Unfolded, compile_graph
-from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, is_tensor_map, map_to_tensor
+from batchmaker.common.protocol import (
+    BAD_REQUEST,
+    INVALID_INPUT,
+    RequestError,
+    echo,
+    is_tensor_map,
+    map_to_tensor,
+    unknown_names,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +101,23 @@ class Planner(ABC):
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
-        """The `models` reply entry: kind, inputs, outputs, vocab_size."""
+        """The `models` reply entry: kind, inputs (every input a request may send), outputs, vocab_size."""
+
+    @functools.cached_property
+    def declared_inputs(self) -> dict[str, Any]:
+        """The inputs a request may send, by name, as `describe()` lists them: a model declares them once, there."""
+        return self.describe()["inputs"]
+
+    def check_input_names(self, inputs: Any) -> None:
+        """Refuse a request whose inputs are not a map or name an input the model does not declare: a
+        misspelt optional input (`max_length` for `max_len`) would otherwise be ignored without a word."""
+        if not isinstance(inputs, dict):
+            raise RequestError(BAD_REQUEST, "inputs must be a map")
+        unknown = unknown_names(inputs, self.declared_inputs.keys(), "input")
+        if unknown is not None:
+            raise RequestError(
+                INVALID_INPUT, f"unknown {unknown} for model {self.name!r}; it takes: {', '.join(self.declared_inputs)}"
+            )
 
     def _cell_type(
         self,
@@ -249,6 +273,12 @@ def build_planner(config: ModelConfig) -> Planner:
     planner = _construct(config, getattr(module, PLANNER_FUNCTION, builder))
     if not isinstance(planner, Planner):
         raise ConfigError(f"{_where(config)} builder {config.builder!r} did not return a Model")
+    inputs = planner.describe().get("inputs")
+    if not isinstance(inputs, dict) or not all(isinstance(name, str) for name in inputs):
+        raise ConfigError(
+            f"{_where(config)} builder {config.builder!r}: describe() must map 'inputs' to the model's inputs "
+            f"by name (requests may send those only), got {echo(inputs)}"
+        )
     return planner
 
 

@@ -115,6 +115,7 @@ class BatchingCore:
             raise RequestError(UNKNOWN_MODEL, f"no model named {echo(name)}; this server has {', '.join(self.models)}")
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
+        model.check_input_names(message["inputs"])
         stream = message.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError(BAD_REQUEST, f"'stream' must be true or false, got {echo(stream)}")

@@ -1,5 +1,6 @@
 """The client side of the manager: the ROUTER socket clients talk to, its authentication, the
-envelope of each message (one frame, a msgpack map, an `id`), replies, and departed clients.
+envelope of each message (one frame, a msgpack map, an `id`, no field its op does not read),
+replies, and departed clients.
 
 No reply is dropped while its client is connected. A ROUTER socket silently drops messages to a
 peer whose send queue is full (its high-water mark), so the socket is ROUTER_MANDATORY: a full
@@ -35,7 +36,7 @@ import zmq
 from batchmaker.common.addresses import is_loopback
 from batchmaker.common.auth import CurveServer
 from batchmaker.common.config import ServerConfig
-from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, encode
+from batchmaker.common.protocol import BAD_REQUEST, RequestError, check_request_fields, decode, encode
 from batchmaker.common.sockets import MORE, NOW, receive
 from batchmaker.manager.loop.connections import ClientConnections
 from batchmaker.manager.loop.error_frames import ErrorFrames
@@ -121,6 +122,7 @@ class ClientFrontend:
                 raise RequestError(BAD_REQUEST, "request lacks 'id' (an int or a string)")
             if echo_id(message["id"]) is None:
                 raise RequestError(BAD_REQUEST, f"'id' must be an int or a string of at most {MAX_ID_CHARS} characters")
+            check_request_fields(message)
         except RequestError as exc:
             request_id = echo_id(message.get("id")) if isinstance(message, dict) else None
             return Incoming(client, request_id, None, exc, arrival)
