@@ -1,19 +1,32 @@
-# Sourced by the scripts in this folder: create or reuse the project virtualenv (.venv)
-# and install the project into it. torch comes first, in the build that fits the machine:
-#   - BATCHMAKER_TORCH, when set, is passed to pip as is, e.g.
+# Sourced by the scripts in this folder: find or create the Python environment the project runs in, and install
+# the project into it (editable, with the test and bench extras). The interpreter is BATCHMAKER_PYTHON, else the
+# active virtualenv's python (VIRTUAL_ENV), else python3. torch:
+#   - BATCHMAKER_TORCH, when set, is passed to pip as is and installed into .venv, e.g.
 #     BATCHMAKER_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124";
-#   - with an NVIDIA driver (nvidia-smi on PATH), torch==2.13.0 from PyPI (the CUDA build);
-#   - otherwise the CPU build torch==2.13.0+cpu, from pip's configured indexes when they hold it,
+#   - else, when the interpreter already imports a torch in the range pyproject.toml declares, that torch is used
+#     where it is: a virtualenv's python gets the project installed into that virtualenv, any other python a .venv
+#     that sees its packages (--system-site-packages). A torch below the range is an error;
+#   - else, with an NVIDIA driver (nvidia-smi on PATH), torch==2.13.0 from PyPI (the CUDA build), into .venv;
+#   - otherwise the CPU build torch==2.13.0+cpu into .venv, from pip's configured indexes when they hold it,
 #     else from PyTorch's CPU wheel index.
-# The chosen torch spec is recorded in the stamp file: changing it reinstalls torch.
-# BATCHMAKER_PYTHON picks the interpreter that creates the virtualenv (python3 by default).
+# An existing .venv is reused as it is: only deleting it makes the scripts look for an interpreter's torch again.
+# BATCHMAKER_WHEELS=DIR installs offline: every pip install reads DIR alone (--no-index --find-links DIR), and
+# the project is built without build isolation, with setuptools from the environment or from DIR.
+# The stamp file records the torch spec the scripts installed, or that they use the interpreter's: a changed spec
+# replaces a torch the scripts installed; a torch they did not install is never removed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
-PY="$VENV/bin/python"
-STAMP="$VENV/.batchmaker-installed"
 TORCH_VERSION="2.13.0"
 TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+# The lowest torch the project supports: the bound of pyproject.toml's "torch>=X" dependency.
+TORCH_MINIMUM="$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml")"
+# What the project builds with (pyproject.toml's [build-system] requires), installed by hand when offline.
+BUILD_REQUIRES="$(sed -n 's/^requires = \["\([^"]*\)"\]$/\1/p' "$ROOT/pyproject.toml")"
+FOUND_TORCH="the interpreter's own torch"  # the stamp's entry when the scripts install no torch
+PIP_INSTALL=(-m pip install --quiet --disable-pip-version-check)
+if [ -n "${BATCHMAKER_WHEELS:-}" ]; then
+    PIP_INSTALL+=(--no-index --find-links "$BATCHMAKER_WHEELS")
+fi
 
 require_python_311() {
     if ! command -v "$1" >/dev/null 2>&1; then
@@ -27,47 +40,111 @@ require_python_311() {
     fi
 }
 
-# The torch spec to install: the user's, else the CUDA build where an NVIDIA driver is present, else the CPU build.
-torch_spec() {
-    if [ -n "${BATCHMAKER_TORCH:-}" ]; then
-        echo "$BATCHMAKER_TORCH"
-    elif command -v nvidia-smi >/dev/null 2>&1; then
+# The torch $1 imports, as "VERSION IN_RANGE VIRTUALENV" (IN_RANGE True or False; VIRTUALENV the virtualenv it is
+# in, empty for any other python), or nothing when it has no torch. A torch that is there but fails to import fails.
+interpreter_torch() {
+    "$1" -c '
+import re, sys
+try:
+    import torch
+except ModuleNotFoundError as error:
+    if error.name != "torch":
+        raise
+    sys.exit()
+found = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+minimum = tuple(int(part) for part in sys.argv[1].split(".")[:2])
+print(torch.__version__, found >= minimum, sys.prefix if sys.prefix != sys.base_prefix else "")
+' "$TORCH_MINIMUM"
+}
+
+# The torch spec to install when neither the user nor the interpreter provides one: the CUDA build where an
+# NVIDIA driver is present, else the CPU build.
+default_torch_spec() {
+    if command -v nvidia-smi >/dev/null 2>&1; then
         echo "torch==$TORCH_VERSION"
     else
         echo "torch==$TORCH_VERSION+cpu"
     fi
 }
 
-# pip arguments that install `spec`: a +cpu build pip's own indexes lack comes from PyTorch's CPU wheel index.
+# pip arguments that install `spec`: a +cpu build pip's own indexes lack comes from PyTorch's CPU wheel index
+# (never offline, where DIR alone must hold it).
 torch_pip_args() {
     local spec="$1"
-    if [ "$spec" = "torch==$TORCH_VERSION+cpu" ] \
-        && ! "$PY" -m pip install --dry-run --no-deps --quiet --disable-pip-version-check "$spec" >/dev/null 2>&1; then
+    if [ "$spec" = "torch==$TORCH_VERSION+cpu" ] && [ -z "${BATCHMAKER_WHEELS:-}" ] \
+        && ! "$PY" "${PIP_INSTALL[@]}" --dry-run --no-deps "$spec" >/dev/null 2>&1; then
         echo "$spec --index-url $TORCH_CPU_INDEX"
     else
         echo "$spec"
     fi
 }
 
+BASE_PY="${BATCHMAKER_PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}"
+BASE_PY="${BASE_PY:-python3}"
+VENV="$ROOT/.venv"
+if [ ! -x "$VENV/bin/python" ]; then
+    require_python_311 "$BASE_PY"
+fi
+if [ -n "${BATCHMAKER_TORCH:-}" ]; then
+    TORCH_SPEC="$BATCHMAKER_TORCH"
+elif [ -x "$VENV/bin/python" ]; then
+    # .venv keeps the torch it was made for: the interpreter's when it sees the interpreter's packages.
+    if grep -qx 'include-system-site-packages = true' "$VENV/pyvenv.cfg" 2>/dev/null; then
+        TORCH_SPEC="$FOUND_TORCH"
+    else
+        TORCH_SPEC="$(default_torch_spec)"
+    fi
+else
+    PROBE="$(interpreter_torch "$BASE_PY")"
+    if [ -z "$PROBE" ]; then
+        TORCH_SPEC="$(default_torch_spec)"
+    else
+        read -r FOUND_VERSION IN_RANGE FOUND_VENV <<<"$PROBE"
+        if [ "$IN_RANGE" != "True" ]; then
+            echo "error: $BASE_PY imports torch $FOUND_VERSION; batchmaker needs torch >= $TORCH_MINIMUM." \
+                "Upgrade that torch, or set BATCHMAKER_TORCH to a torch for the scripts to install into $VENV," \
+                "e.g. BATCHMAKER_TORCH=\"torch==$TORCH_VERSION --index-url https://download.pytorch.org/whl/cu126\"" >&2
+            return 1
+        fi
+        echo "using torch $FOUND_VERSION of $BASE_PY" >&2
+        TORCH_SPEC="$FOUND_TORCH"
+        VENV="${FOUND_VENV:-$VENV}"
+    fi
+fi
+PY="$VENV/bin/python"
+STAMP="$VENV/.batchmaker-installed"
+
 if [ ! -x "$PY" ]; then
-    require_python_311 "${BATCHMAKER_PYTHON:-python3}"
     echo "creating $VENV" >&2
-    "${BATCHMAKER_PYTHON:-python3}" -m venv "$VENV"
+    if [ "$TORCH_SPEC" = "$FOUND_TORCH" ]; then
+        "$BASE_PY" -m venv --system-site-packages "$VENV"  # the interpreter's torch stays visible
+    else
+        "$BASE_PY" -m venv "$VENV"
+    fi
 fi
 require_python_311 "$PY"
-TORCH_SPEC="$(torch_spec)"
 INSTALLED_SPEC="$(cat "$STAMP" 2>/dev/null || true)"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$INSTALLED_SPEC" != "$TORCH_SPEC" ]; then
-    if [ -f "$STAMP" ] && [ "$INSTALLED_SPEC" != "$TORCH_SPEC" ]; then
-        # pip takes any 2.13.0 build (+cpu or not) as satisfying torch==2.13.0: remove the old build first.
-        echo "torch spec changed from '$INSTALLED_SPEC' to '$TORCH_SPEC': reinstalling torch" >&2
+    if [ -f "$STAMP" ] && [ "$INSTALLED_SPEC" != "$TORCH_SPEC" ] && [ "$INSTALLED_SPEC" != "$FOUND_TORCH" ]; then
+        # The scripts installed that torch: remove it, as pip takes any 2.13.0 build (+cpu or not) as satisfying
+        # torch==2.13.0, and an interpreter's torch must not stay hidden behind it.
+        echo "torch spec changed from '$INSTALLED_SPEC' to '$TORCH_SPEC': removing the torch installed for it" >&2
         "$PY" -m pip uninstall --quiet --yes torch
     fi
-    TORCH_ARGS="$(torch_pip_args "$TORCH_SPEC")"
-    echo "installing $TORCH_ARGS, then batchmaker and its dependencies, into $VENV" >&2
-    # shellcheck disable=SC2086
-    "$PY" -m pip install --quiet --disable-pip-version-check $TORCH_ARGS
-    "$PY" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test,bench]"
+    if [ "$TORCH_SPEC" != "$FOUND_TORCH" ]; then
+        TORCH_ARGS="$(torch_pip_args "$TORCH_SPEC")"
+        echo "installing $TORCH_ARGS into $VENV" >&2
+        # shellcheck disable=SC2086
+        "$PY" "${PIP_INSTALL[@]}" $TORCH_ARGS
+    fi
+    echo "installing batchmaker and its dependencies into $VENV" >&2
+    if [ -n "${BATCHMAKER_WHEELS:-}" ]; then
+        # Without build isolation the project builds with the environment's setuptools: the one there, or DIR's.
+        "$PY" "${PIP_INSTALL[@]}" "$BUILD_REQUIRES"
+        "$PY" "${PIP_INSTALL[@]}" --no-build-isolation -e "$ROOT[test,bench]"
+    else
+        "$PY" "${PIP_INSTALL[@]}" -e "$ROOT[test,bench]"
+    fi
     echo "$TORCH_SPEC" >"$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -16,18 +16,27 @@ BASH = shutil.which("bash")
 CPU = "torch==2.13.0+cpu"
 CPU_INDEX = ["--index-url", "https://download.pytorch.org/whl/cpu"]
 
-# A stand-in for python3 and for the virtualenv's python: runs `-c` code as the real interpreter would (with the
-# version FAKE_PYTHON_VERSION claims), records every `-m pip` call, answers `pip install --dry-run` with
-# FAKE_DRY_RUN_RC, and makes `-m venv DIR` a virtualenv holding another copy of itself.
+# A stand-in for python3 and for a virtualenv's python: runs `-c` code as the real interpreter would (with the
+# version FAKE_PYTHON_VERSION claims, a torch at FAKE_TORCH_VERSION or none, and in a virtualenv when the folder
+# above its own holds a pyvenv.cfg), records every `-m pip` call, answers `pip install --dry-run` with
+# FAKE_DRY_RUN_RC, and makes `-m venv [--system-site-packages] DIR` a virtualenv holding another copy of itself.
 FAKE_PYTHON = f"""#!{sys.executable}
-import json, os, shutil, sys
+import json, os, shutil, sys, types
 args = sys.argv[1:]
 if args[0] == "-c":
+    sys.argv = ["-c", *args[2:]]
     sys.version_info = tuple(int(part) for part in os.environ["FAKE_PYTHON_VERSION"].split("."))
+    sys.modules["torch"] = None  # ModuleNotFoundError, unless a fake torch takes its place
+    if "FAKE_TORCH_VERSION" in os.environ:
+        sys.modules["torch"] = types.SimpleNamespace(__version__=os.environ["FAKE_TORCH_VERSION"])
+    prefix = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.prefix = prefix if os.path.exists(os.path.join(prefix, "pyvenv.cfg")) else sys.base_prefix
     exec(args[1])
 elif args[:2] == ["-m", "venv"]:
-    os.makedirs(os.path.join(args[2], "bin"))
-    shutil.copy(__file__, os.path.join(args[2], "bin", "python"))
+    os.makedirs(os.path.join(args[-1], "bin"))
+    shutil.copy(__file__, os.path.join(args[-1], "bin", "python"))
+    with open(os.path.join(args[-1], "pyvenv.cfg"), "w") as cfg:
+        cfg.write(f"include-system-site-packages = {{str('--system-site-packages' in args).lower()}}\\n")
 elif args[:2] == ["-m", "pip"]:
     with open(os.environ["FAKE_PIP_LOG"], "a") as log:
         log.write(json.dumps(args[2:]) + "\\n")
@@ -47,7 +56,7 @@ class Checkout:
         shutil.copy(ROOT / "pyproject.toml", self.root / "pyproject.toml")
         self.bin = tmp_path / "bin"
         self.bin.mkdir()
-        for tool in ("dirname", "cat"):
+        for tool in ("dirname", "cat", "sed", "grep"):
             (self.bin / tool).symlink_to(shutil.which(tool))
         self.python = tmp_path / "python3"
         self.python.write_text(FAKE_PYTHON)
@@ -70,12 +79,21 @@ class Checkout:
         smi.write_text("#!/bin/sh\nexit 0\n")
         smi.chmod(0o755)
 
-    def source(self, **env: str) -> subprocess.CompletedProcess:
-        """Source _env.sh in a fresh shell; returns the finished process (pip calls go to pip_calls())."""
+    def add_virtualenv(self) -> Path:
+        """A virtualenv of the user's, outside the checkout, whose python is the fake one."""
+        venv = self.root.parent / "user-venv"
+        (venv / "bin").mkdir(parents=True)
+        shutil.copy(self.python, venv / "bin" / "python")
+        (venv / "pyvenv.cfg").write_text("include-system-site-packages = false\n")
+        return venv
+
+    def source(self, **env: str | None) -> subprocess.CompletedProcess:
+        """Source _env.sh in a fresh shell, with `env` added (None removes a variable); returns the finished
+        process (pip calls go to pip_calls())."""
         self.pip_log.unlink(missing_ok=True)
         return subprocess.run(
             [BASH, "-c", 'source "$1"', "_", str(self.root / "scripts" / "_env.sh")],
-            env={**self.env, **env},
+            env={name: value for name, value in {**self.env, **env}.items() if value is not None},
             capture_output=True,
             text=True,
             timeout=60,
@@ -105,12 +123,16 @@ def project(checkout: Checkout) -> list[str]:
     return ["install", "-e", f"{checkout.root}[test,bench]"]
 
 
+def sees_system_site_packages(venv: Path) -> bool:
+    return "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
+
+
 def test_without_a_driver_the_cpu_build_comes_from_the_configured_indexes(checkout):
     result = checkout.source()
     assert result.returncode == 0, result.stderr
     assert (checkout.root / ".venv" / "bin" / "python").exists()
     calls = checkout.pip_calls()
-    assert ["install", "--dry-run", "--no-deps", "--quiet", "--disable-pip-version-check", CPU] in calls
+    assert ["install", "--quiet", "--disable-pip-version-check", "--dry-run", "--no-deps", CPU] in calls
     assert installs(calls) == [["install", CPU], project(checkout)]
     assert checkout.stamp.read_text().strip() == CPU
 
@@ -164,7 +186,7 @@ def test_a_changed_torch_spec_replaces_the_installed_build(checkout):
     checkout.add_nvidia_driver()
     result = checkout.source()
     assert result.returncode == 0, result.stderr
-    assert "reinstalling torch" in result.stderr
+    assert "removing the torch installed for it" in result.stderr
     calls = checkout.pip_calls()
     assert calls[0] == ["uninstall", "--quiet", "--yes", "torch"]
     assert installs(calls) == [["install", "torch==2.13.0"], project(checkout)]
@@ -191,3 +213,109 @@ def test_a_missing_python_is_named(checkout):
     result = checkout.source(BATCHMAKER_PYTHON="python3.11-nowhere")
     assert result.returncode != 0
     assert "python3.11-nowhere not found" in result.stderr and "needs Python >= 3.11" in result.stderr
+
+
+FOUND = "the interpreter's own torch"  # the stamp when the scripts use the interpreter's torch
+
+
+def test_a_torch_in_range_is_used_where_it_is_even_with_a_driver(checkout):
+    checkout.add_nvidia_driver()
+    result = checkout.source(FAKE_TORCH_VERSION="2.11.0+cu126")
+    assert result.returncode == 0, result.stderr
+    assert "using torch 2.11.0+cu126" in result.stderr
+    assert sees_system_site_packages(checkout.root / ".venv")
+    calls = checkout.pip_calls()
+    assert not any(call[0] == "uninstall" for call in calls)
+    assert installs(calls) == [project(checkout)]
+    assert checkout.stamp.read_text().strip() == FOUND
+
+
+def test_a_prerelease_build_at_the_lower_bound_is_in_range(checkout):
+    result = checkout.source(FAKE_TORCH_VERSION="2.8.0a0+5228986")  # as vendor images number their builds
+    assert result.returncode == 0, result.stderr
+    assert installs(checkout.pip_calls()) == [project(checkout)]
+
+
+def test_an_active_virtualenv_with_torch_gets_the_project_itself(checkout):
+    venv = checkout.add_virtualenv()
+    result = checkout.source(BATCHMAKER_PYTHON=None, VIRTUAL_ENV=str(venv), FAKE_TORCH_VERSION="2.11.0")
+    assert result.returncode == 0, result.stderr
+    assert not (checkout.root / ".venv").exists()
+    assert installs(checkout.pip_calls()) == [project(checkout)]
+    assert (venv / ".batchmaker-installed").read_text().strip() == FOUND
+    result = checkout.source(BATCHMAKER_PYTHON=None, VIRTUAL_ENV=str(venv), FAKE_TORCH_VERSION="2.11.0")
+    assert result.returncode == 0, result.stderr
+    assert checkout.pip_calls() == []
+
+
+def test_a_torch_below_the_range_is_refused_with_the_ways_out(checkout):
+    result = checkout.source(FAKE_TORCH_VERSION="2.5.1+cu121")
+    assert result.returncode != 0
+    assert "imports torch 2.5.1+cu121" in result.stderr and "needs torch >= 2.8" in result.stderr
+    assert "Upgrade that torch" in result.stderr and "BATCHMAKER_TORCH" in result.stderr
+    assert not (checkout.root / ".venv").exists()
+    assert checkout.pip_calls() == []
+
+
+def test_batchmaker_torch_installs_past_an_old_torch(checkout):
+    spec = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
+    result = checkout.source(FAKE_TORCH_VERSION="2.5.1", BATCHMAKER_TORCH=spec)
+    assert result.returncode == 0, result.stderr
+    assert not sees_system_site_packages(checkout.root / ".venv")
+    assert installs(checkout.pip_calls()) == [["install", *spec.split()], project(checkout)]
+
+
+def test_without_torch_or_a_driver_the_venv_is_its_own(checkout):
+    result = checkout.source()
+    assert result.returncode == 0, result.stderr
+    assert not sees_system_site_packages(checkout.root / ".venv")
+    assert installs(checkout.pip_calls()) == [["install", CPU], project(checkout)]
+
+
+@pytest.mark.parametrize("torch_version", [None, "2.11.0"])
+def test_a_wheel_folder_makes_every_install_offline(checkout, tmp_path, torch_version):
+    wheels = str(tmp_path / "wheels")
+    result = checkout.source(BATCHMAKER_WHEELS=wheels, FAKE_TORCH_VERSION=torch_version, FAKE_DRY_RUN_RC="1")
+    assert result.returncode == 0, result.stderr
+    calls = checkout.pip_calls()
+    assert all(call[0] == "install" for call in calls)
+    assert all(call[:5] == ["install", "--quiet", "--disable-pip-version-check", "--no-index", "--find-links"]
+               and call[5] == wheels for call in calls)
+    offline = ["--no-index", "--find-links", wheels]
+    torch = [] if torch_version else [["install", *offline, CPU]]  # no fallback to PyTorch's index offline
+    assert installs(calls) == [
+        *torch,
+        ["install", *offline, "setuptools>=68"],
+        ["install", *offline, "--no-build-isolation", "-e", f"{checkout.root}[test,bench]"],
+    ]
+
+
+def test_the_interpreters_torch_is_never_uninstalled(checkout):
+    assert checkout.source(FAKE_TORCH_VERSION="2.11.0").returncode == 0
+    checkout.add_nvidia_driver()  # would change the spec the scripts install: .venv keeps the interpreter's torch
+    result = checkout.source(FAKE_TORCH_VERSION="2.11.0")
+    assert result.returncode == 0, result.stderr
+    assert checkout.pip_calls() == []
+    spec = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
+    result = checkout.source(FAKE_TORCH_VERSION="2.11.0", BATCHMAKER_TORCH=spec)
+    assert result.returncode == 0, result.stderr
+    calls = checkout.pip_calls()
+    assert not any(call[0] == "uninstall" for call in calls)
+    assert installs(calls) == [["install", *spec.split()], project(checkout)]
+    # Back to the interpreter's torch: the one the scripts installed goes, and nothing else.
+    result = checkout.source(FAKE_TORCH_VERSION="2.11.0")
+    assert result.returncode == 0, result.stderr
+    calls = checkout.pip_calls()
+    assert calls[0] == ["uninstall", "--quiet", "--yes", "torch"]
+    assert installs(calls) == [project(checkout)]
+    assert checkout.stamp.read_text().strip() == FOUND
+
+
+def test_an_active_virtualenvs_torch_is_never_uninstalled(checkout):
+    venv = checkout.add_virtualenv()
+    env = {"BATCHMAKER_PYTHON": None, "VIRTUAL_ENV": str(venv), "FAKE_TORCH_VERSION": "2.11.0"}
+    assert checkout.source(**env).returncode == 0
+    checkout.add_nvidia_driver()
+    result = checkout.source(**env)
+    assert result.returncode == 0, result.stderr
+    assert checkout.pip_calls() == []
