@@ -165,9 +165,9 @@ class FakeRuntime(CudaRuntime):
         pinned = self._pinned_arrays + self.registered
         return any(np.shares_memory(array, known) and _within(array, known) for known in pinned)
 
-    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+    def upload(self, device: torch.Tensor, host: torch.Tensor, start: int) -> None:
         assert any(host is tensor for tensor in self.pinned_tensors), "an asynchronous upload from unpinned memory"
-        assert device.device.type == "cuda" and device.nbytes == host.nbytes
+        assert device.device.type == "cuda" and 0 <= start and start + device.nbytes <= host.nbytes
         self.enqueue("upload", device.device)
 
     def download(self, host: np.ndarray, rows: torch.Tensor) -> None:

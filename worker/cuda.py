@@ -28,6 +28,7 @@ from batchmaker.worker.backend import TORCH_DTYPES, ArenaInfo, Backend, arena_id
 from batchmaker.worker.cuda_graphs import capture_on
 from batchmaker.worker.cuda_runtime import CudaRuntime
 from batchmaker.worker.device_tasks import DeviceCalls, DeviceTasks, Staging, device_faults
+from batchmaker.worker.staging_ring import StagingRing
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ FIRST_POLL_S = 0.00002  # the poller's first sleep after the counter did not mov
 MAX_POLL_S = 0.0005
 WARM_UP_TIMEOUT_S = 300.0  # the first run of every cell compiles and loads kernels
 CLOSE_TIMEOUT_S = 5.0
+STAGING_RING_BYTES = 4 << 20  # tasks in flight stage from here; a task that does not fit allocates its own
 
 
 class PeerUnreadable(RuntimeError):
@@ -54,6 +56,9 @@ class StreamCalls(DeviceCalls):
         self.counter[0] = 0
         self._sequence = torch.zeros(1, dtype=torch.int64, device=device)
         self.issued = 0
+        with torch.inference_mode():  # as the tasks that view it run
+            ring = torch.empty(STAGING_RING_BYTES, dtype=torch.uint8, device=device)
+        self._ring = StagingRing(*self.runtime.pinned(STAGING_RING_BYTES), ring)
 
     def on_stream(self) -> AbstractContextManager:
         return self.runtime.use(self.stream)
@@ -64,9 +69,15 @@ class StreamCalls(DeviceCalls):
         return self.runtime.use(self._peer_streams[device])
 
     def staging(self, nbytes: int) -> Staging:
-        host, array = self.runtime.pinned(nbytes)
-        device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return Staging(array, device, lambda: self.runtime.upload(device, host))
+        """A region of the staging ring for the task about to be issued (its counter value is the next), or,
+        when the ring's free space cannot hold it, buffers of its own from torch's caching allocators."""
+        region = self._ring.take(nbytes, self.issued + 1, int(self.counter[0]))
+        if region is None:
+            start, (host, array) = 0, self.runtime.pinned(nbytes)
+            device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            host, (start, array, device) = self._ring.pinned, region
+        return Staging(array, device, lambda: self.runtime.upload(device, host, start))
 
     def signal(self) -> None:
         self.issued += 1

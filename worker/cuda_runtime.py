@@ -76,9 +76,10 @@ class CudaRuntime:
     def unpin(self, array: HostArray) -> None:
         torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
 
-    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
-        """Enqueue host-to-device bytes on the current stream; `host` comes from `pinned`."""
-        device.copy_(host, non_blocking=True)
+    def upload(self, device: torch.Tensor, host: torch.Tensor, start: int) -> None:
+        """Enqueue the copy of `host` bytes from `start` (a tensor from `pinned`) to the bytes `device` on the
+        current stream."""
+        device.copy_(host.narrow(0, start, device.numel()), non_blocking=True)
 
     def download(self, host: HostArray, rows: torch.Tensor) -> None:
         """Enqueue device-to-host rows on the current stream; `host` is memory that lives as long as the
