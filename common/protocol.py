@@ -195,8 +195,12 @@ def decode_outputs(outputs: dict[str, Any]) -> dict[str, Any]:
     return {key: map_to_tensor(value, key) if is_tensor_map(value) else value for key, value in outputs.items()}
 
 
-def error_reply(request_id: Any, code: str, message: str) -> dict[str, Any]:
-    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+def error_reply(request_id: Any, code: str, message: str, retry_after_ms: int | None = None) -> dict[str, Any]:
+    """`retry_after_ms`: for OVERLOADED, when the server expects to admit the request (docs/protocol.md, "Errors")."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if retry_after_ms is not None:
+        error["retry_after_ms"] = retry_after_ms
+    return {"id": request_id, "ok": False, "error": error}
 
 
 def partial_reply(request_id: Any, outputs: dict[str, Any], restarted: bool = False) -> dict[str, Any]:

@@ -32,3 +32,13 @@ def test_errors_that_say_the_same_share_a_template_and_templates_are_bounded():
     assert decode(frames.frame(7, RequestError(OVERLOADED, "estimated wait 300 ms")))["error"]["message"] == (
         "estimated wait 300 ms"
     )
+
+
+def test_a_refusal_saying_when_to_retry_has_its_own_template():
+    frames = ErrorFrames()
+    error = RequestError(OVERLOADED, "estimated wait 300 ms; retry later")
+    frame = frames.frame(5, error, retry_after_ms=250)
+    assert frame == encode(error_reply(5, error.code, error.message, 250))
+    assert decode(frame)["error"] == {"code": OVERLOADED, "message": error.message, "retry_after_ms": 250}
+    assert "retry_after_ms" not in decode(frames.frame(6, error))["error"]
+    assert len(frames) == 2

@@ -22,17 +22,18 @@ MAX_TEMPLATES = 64  # distinct errors kept encoded; all are dropped when one mor
 class ErrorFrames:
     def __init__(self, max_templates: int = MAX_TEMPLATES):
         self._max_templates = max_templates
-        self._templates: dict[tuple[str, str], tuple[bytes, bytes]] = {}  # the bytes around the id, per (code, message)
+        # the bytes around the id, per (code, message, retry_after_ms)
+        self._templates: dict[tuple[str, str, int | None], tuple[bytes, bytes]] = {}
         self._pack_id = msgpack.Packer(use_bin_type=True).pack
 
-    def frame(self, request_id: Any, error: RequestError) -> bytes:
+    def frame(self, request_id: Any, error: RequestError, retry_after_ms: int | None = None) -> bytes:
         """The encoded error reply to `request_id` (an int, a str or None, as the frontend echoes ids)."""
-        key = (error.code, error.message)
+        key = (error.code, error.message, retry_after_ms)
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= self._max_templates:
                 self._templates.clear()
-            packed = encode(error_reply(None, error.code, error.message))  # its id, None, packs as one byte
+            packed = encode(error_reply(None, *key))  # its id, None, packs as one byte
             template = self._templates[key] = (packed[:ID_AT], packed[ID_AT + 1 :])
         head, tail = template
         return head + self._pack_id(request_id) + tail

@@ -145,9 +145,9 @@ class ClientFrontend:
     def reply(self, client: bytes, message: dict[str, Any]) -> None:
         self._reply(client, encode(message))
 
-    def refuse(self, client: bytes, request_id: Any, error: RequestError) -> None:
+    def refuse(self, client: bytes, request_id: Any, error: RequestError, retry_after_ms: int | None = None) -> None:
         """Answer a request with an error (packed from a template: most replies under a flood are refusals)."""
-        self._reply(client, self._error_frames.frame(request_id, error))
+        self._reply(client, self._error_frames.frame(request_id, error, retry_after_ms))
 
     def _reply(self, client: bytes, body: bytes) -> None:
         if self._held is not None:

@@ -13,6 +13,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -248,9 +249,9 @@ class Manager:
                 self._refuse(incoming, RequestError(INTERNAL, f"{type(exc).__name__}: {exc}"))
         self._infer(burst)
 
-    def _refuse(self, incoming: Incoming, error: RequestError) -> None:
+    def _refuse(self, incoming: Incoming, error: RequestError, retry_after_ms: int | None = None) -> None:
         self.stats.request_refused(error.code)
-        self.frontend.refuse(incoming.client, incoming.request_id, error)
+        self.frontend.refuse(incoming.client, incoming.request_id, error, retry_after_ms)
 
     def _handle(self, incoming: Incoming) -> None:
         message = incoming.message
@@ -281,9 +282,19 @@ class Manager:
         if not burst:
             return
         admitted = self.core.admit_burst([(i.client, i.request_id, i.message, i.arrival) for i in burst])
-        for incoming, result in zip(burst, admitted):
-            if isinstance(result, RequestError):
-                self._refuse(incoming, result)
+        refusals = [(incoming, result) for incoming, result in zip(burst, admitted) if isinstance(result, RequestError)]
+        retry_after_ms = self._retry_after_ms() if any(e.code == OVERLOADED for _, e in refusals) else None
+        for incoming, error in refusals:
+            self._refuse(incoming, error, retry_after_ms if error.code == OVERLOADED else None)
+
+    def _retry_after_ms(self) -> int | None:
+        """When a request refused with OVERLOADED now would be admitted: once the expected wait, at the measured
+        capacity, is back under max_queue_delay_ms. None while that bound is not what refuses."""
+        admission = self.core.admission.snapshot(self.core.unfinished_nodes)
+        wait_ms, limit_ms = admission["estimated_wait_ms"], admission["max_queue_delay_ms"]
+        if wait_ms is None or not limit_ms or wait_ms <= limit_ms:
+            return None
+        return math.ceil(wait_ms - limit_ms)
 
     # -- introspection ---------------------------------------------------------------------------
     def _models(self) -> dict[str, Any]:
@@ -322,6 +333,7 @@ class Manager:
                 for w in self.workers.values()
             ],
             "expected_workers": self.expected_workers,
+            "max_message_bytes": self.config.server.max_message_bytes,
         }
 
     def _stats(self) -> dict[str, Any]:
