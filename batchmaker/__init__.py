@@ -13,9 +13,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from batchmaker.clients import AsyncClient, Client, Partial, Reply, ServerError, ServerLost
+    from batchmaker.clients import (
+        AsyncClient,
+        Backoff,
+        Client,
+        Partial,
+        Reply,
+        RequestTooLarge,
+        ServerError,
+        ServerLost,
+    )
 
-__all__ = ["AsyncClient", "Client", "Partial", "Reply", "ServerError", "ServerLost"]
+__all__ = ["AsyncClient", "Backoff", "Client", "Partial", "Reply", "RequestTooLarge", "ServerError", "ServerLost"]
 
 
 def __getattr__(name: str) -> Any:

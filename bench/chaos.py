@@ -54,8 +54,8 @@ from batchmaker.bench.run import ROOT, git, machine
 from batchmaker.bench.servers import HOSTS, SERVER, Fleet
 from batchmaker.bench.verify import TOLERANCE, mismatch
 from batchmaker.clients import ServerError
+from batchmaker.clients.messages import infer_message, to_infer_reply
 from batchmaker.clients.servers import Server, is_probe
-from batchmaker.clients.sync_client import infer_message, to_infer_reply
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model, init_missing_weights
 from batchmaker.common.protocol import encode

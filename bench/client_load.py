@@ -29,8 +29,8 @@ import psutil
 from batchmaker.bench.generator import spawned
 from batchmaker.clients import AsyncClient, ServerError
 from batchmaker.clients.loadgen import percentiles
+from batchmaker.clients.messages import infer_message, to_infer_reply
 from batchmaker.clients.servers import ASIDE, RequestId, Server, is_probe, is_stopping
-from batchmaker.clients.sync_client import infer_message, to_infer_reply
 from batchmaker.manager.commands.launcher import cpu_seconds
 
 FAULT_WAIT_S = 1.0  # at most this long past its time a fault waits for its server to owe answers

@@ -1,8 +1,10 @@
 """Thin clients for the batchmaker wire protocol; they need only pyzmq, msgpack and numpy."""
 
 from .async_client import AsyncClient
-from .errors import ServerError, ServerLost
+from .errors import RequestTooLarge, ServerError, ServerLost
+from .messages import Reply
+from .retry import Backoff
 from .streams import Partial
-from .sync_client import Client, Reply
+from .sync_client import Client
 
-__all__ = ["AsyncClient", "Client", "Partial", "Reply", "ServerError", "ServerLost"]
+__all__ = ["AsyncClient", "Backoff", "Client", "Partial", "Reply", "RequestTooLarge", "ServerError", "ServerLost"]

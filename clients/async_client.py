@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Self
 
@@ -23,48 +22,26 @@ import zmq.asyncio
 
 from batchmaker.common.protocol import encode, is_partial
 
+from .base import ClientBase, Outgoing
 from .errors import ServerLost
-from .servers import (
-    ASIDE,
-    DEFAULT_HEALTH_INTERVAL,
-    DEFAULT_HEALTH_TIMEOUT,
-    RequestId,
-    Server,
-    ServerSet,
-    as_addresses,
-    connection_closed,
-    is_probe,
-)
-from .sessions import SessionSteps
+from .messages import CurveKeys, Reply, check, connect_dealer, read_reply, timeout_error, to_stream_item
+from .servers import ASIDE, RequestId, Server, connection_closed, is_probe
 from .streams import Partial, cancel_message, restart_notice
-from .sync_client import (
-    DEFAULT_ADDRESS,
-    DEFAULT_TIMEOUT,
-    CurveKeys,
-    Reply,
-    check,
-    connect_dealer,
-    infer_message,
-    read_reply,
-    timeout_error,
-    to_infer_reply,
-    to_stream_item,
-)
 
 
 class _Call:
-    """A request awaiting its reply: its frame (kept to send it again), the server holding it, its last send.
+    """A request awaiting its reply: the request, the server holding it, its last send, its backoff's timer.
 
     A streamed request's partials go to `partials`, followed by None once `future` is done."""
 
-    __slots__ = ("frame", "future", "server", "sent", "refused_by", "partials", "streamed", "restart")
+    __slots__ = ("request", "future", "server", "sent", "timer", "partials", "streamed", "restart")
 
-    def __init__(self, frame: bytes, future: asyncio.Future[dict[str, Any]], stream: bool = False):
-        self.frame = frame
+    def __init__(self, request: Outgoing, future: asyncio.Future[dict[str, Any]], stream: bool = False):
+        self.request = request
         self.future = future
         self.server: Server | None = None  # None while no server is up to take it
         self.sent: asyncio.Future[Any] | None = None
-        self.refused_by: set[Server] = set()  # servers that answered it with a retryable error
+        self.timer: asyncio.TimerHandle | None = None  # sends it again once its backoff ends
         self.partials: asyncio.Queue[dict[str, Any] | None] | None = None
         self.streamed = False  # partials were delivered
         self.restart = False  # it was sent again since: the next partial delivered says so
@@ -85,37 +62,24 @@ class _Call:
         self.future.set_result(reply)
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """Concurrent client for one event loop; `asyncio.gather` thousands of `infer` calls on it.
 
     `address` is one server or several. With several, `resend=False` fails the requests
     of a lost server with ServerLost instead of sending them to another server, and
     `health_interval` / `health_timeout` (seconds) set how soon a silent server is
-    probed and set aside. Use it from a single event loop (the one that first calls
-    it) and close it there.
+    probed and set aside. A request refused with OVERLOADED is sent again after a
+    backoff, up to `max_retries` times (docs/protocol.md, "Retries"); one larger than
+    the server accepts raises RequestTooLarge unsent. Use it from a single event loop
+    (the one that first calls it) and close it there.
     """
 
-    def __init__(
-        self,
-        address: str | Sequence[str] = DEFAULT_ADDRESS,
-        timeout: float = DEFAULT_TIMEOUT,
-        curve: CurveKeys | None = None,
-        resend: bool = True,
-        health_interval: float = DEFAULT_HEALTH_INTERVAL,
-        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
-    ):
-        self.addresses = as_addresses(address)
-        self.address = ", ".join(self.addresses)
-        self.timeout = timeout
-        self.resend = resend
-        self._servers = ServerSet(self.addresses, health_interval, health_timeout)
-        self._ids = itertools.count(1)
+    def _connect(self, curve: CurveKeys | None) -> None:
         self._pending: dict[RequestId, _Call] = {}
         self._parked: dict[RequestId, _Call] = {}  # requests waiting for a server to be up
+        self._in_order = asyncio.Lock()  # first come, first sent: held while a server is asked its limit
         self._tasks: list[asyncio.Task[None]] = []
         self._closed_reason: str | None = None
-        self.resent = 0  # requests sent again because their server was lost or draining
-        self.sessions = SessionSteps()
         context = zmq.asyncio.Context.instance()
         # Replies are bounded by the requests in flight; an unbounded receive queue keeps
         # a burst of them from filling the server's ROUTER pipe, which would drop replies.
@@ -137,13 +101,8 @@ class AsyncClient:
     ) -> Reply:
         """Run one inference; numpy arrays in `inputs` travel as tensor maps. `session` continues that
         server-held session (docs/protocol.md, "Sessions"); `session_end` ends it once answered."""
-        message = infer_message(model, inputs, deadline_ms, priority)
-        if session is None:
-            return to_infer_reply(await self.call(message))
-        server = self.sessions.server(session, self._servers.pick)
-        reply = await self._call(message | self.sessions.fields(session, session_end), server)
-        self.sessions.answered(session, session_end, reply)
-        return to_infer_reply(reply)
+        message, server = self._infer_request(model, inputs, deadline_ms, priority, session, session_end)
+        return self._infer_reply(await self._call(message, server), session, session_end)
 
     async def stream(
         self,
@@ -157,13 +116,13 @@ class AsyncClient:
         A Partial with `restarted` set voids those before it (the request started over on another
         server or worker). Closing the iterator early cancels the request (`contextlib.aclosing` closes
         it when its block ends); `timeout` bounds the whole stream."""
-        request_id, call = self._start(infer_message(model, inputs, deadline_ms, priority, True), None, stream=True)
+        message, _ = self._infer_request(model, inputs, deadline_ms, priority, None, False, stream=True)
+        request_id, call = await self._start(message, None, stream=True)
         assert call.partials is not None
-        until = time.monotonic() + self.timeout
         try:
             while True:
                 try:
-                    reply = await asyncio.wait_for(call.partials.get(), until - time.monotonic())
+                    reply = await asyncio.wait_for(call.partials.get(), call.request.until - time.monotonic())
                 except TimeoutError:
                     raise timeout_error(self.address, self.timeout, request_id, parked=call.server is None) from None
                 if reply is None:
@@ -203,9 +162,12 @@ class AsyncClient:
         return {server.address: len(server.outstanding) for server in self._servers.servers}
 
     async def _call(self, message: dict[str, Any], server: Server | None) -> dict[str, Any]:
-        request_id, call = self._start(message, server)
+        return await self._answer(*await self._start(message, server))
+
+    async def _answer(self, request_id: RequestId, call: _Call) -> dict[str, Any]:
+        """Await a started request's reply within its timeout, then forget the request."""
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(call.request.until - time.monotonic()):
                 reply = await call.future
         except TimeoutError:
             raise timeout_error(self.address, self.timeout, request_id, parked=call.server is None) from None
@@ -213,24 +175,31 @@ class AsyncClient:
             self._forget(request_id, call)
         return check(reply)
 
-    def _start(self, message: dict[str, Any], server: Server | None, stream: bool = False) -> tuple[RequestId, _Call]:
-        """Give the request an id and send it (or park it); the caller awaits and then forgets it."""
+    async def _start(self, message: dict[str, Any], server: Server | None, stream: bool = False) -> tuple[RequestId, _Call]:
+        """Give the request an id, size it and send it (or park it); the caller awaits and then forgets it.
+
+        Requests leave in the order of the calls (a session's pipelined requests run in it), also while
+        a server is asked its max_message_bytes: requests that come meanwhile wait for the answer."""
         if self._closed_reason is not None:
             raise ConnectionError(self._closed_reason)
-        if "id" in message:
-            request_id = message["id"]
-            if request_id in self._pending:
-                raise ValueError(f"request id {request_id!r} is already in flight on this client")
-        else:
-            request_id = next(self._ids)
-            while request_id in self._pending:
-                request_id = next(self._ids)
-            message = {**message, "id": request_id}
-        call = _Call(encode(message), asyncio.get_running_loop().create_future(), stream)
-        self._pending[request_id] = call
+        request = self._outgoing(message, server, self._pending)
+        async with self._in_order:
+            for asked in self._limits_to_ask(request):
+                question = self._send_new(self._outgoing({"op": "health"}, asked, self._pending))
+                self._heard_limit(asked, await self._answer(*question))
+            return self._send_new(request, stream)
+
+    def _send_new(self, request: Outgoing, stream: bool = False) -> tuple[RequestId, _Call]:
+        """Size a request and send it (or park it), now."""
+        self._check_size(request)
+        if request.request_id in self._pending:  # taken while a limit was asked
+            raise ValueError(f"request id {request.request_id!r} is already in flight on this client")
+        call = _Call(request, asyncio.get_running_loop().create_future(), stream)
+        self._pending[request.request_id] = call
+        self.sessions.sending(request.message)
         self._ensure_started()
-        self._dispatch(request_id, call, server)
-        return request_id, call
+        self._dispatch(request.request_id, call, request.home)
+        return request.request_id, call
 
     def _dispatch(self, request_id: RequestId, call: _Call, server: Server | None = None) -> None:
         """Send a request to `server`, else to the least loaded up server, else park it until one is up."""
@@ -244,18 +213,21 @@ class AsyncClient:
         self._servers.sent(server, request_id, time.monotonic())
         # Only the reply is awaited: the send completes at once unless zmq's queue is full,
         # and a send that fails or is cancelled by close() fails the reply instead.
-        sent = call.sent = self._sockets[server.index].send(call.frame)
+        sent = call.sent = self._sockets[server.index].send(call.request.frame)
         sent.add_done_callback(lambda done: self._on_sent(done, request_id, call))
 
     def _forget(self, request_id: RequestId, call: _Call) -> None:
         if self._pending.get(request_id) is call:
             del self._pending[request_id]
+            self.sessions.settled(call.request.message)
         self._parked.pop(request_id, None)
         if call.server is not None:
             call.server.outstanding.discard(request_id)
         call.future.cancel()
         if call.sent is not None:
             call.sent.cancel()
+        if call.timer is not None:
+            call.timer.cancel()
 
     async def close(self) -> None:
         """Stop receiving and fail every request still waiting with a ConnectionError."""
@@ -311,7 +283,8 @@ class AsyncClient:
 
     def _on_reply(self, server: Server, reply: dict[str, Any]) -> None:
         request_id = reply["id"]
-        self._servers.heard(server, time.monotonic())
+        now = time.monotonic()
+        self._servers.heard(server, now)
         if is_probe(request_id):
             if self._servers.probe_answered(server, reply):
                 self._dispatch_parked()
@@ -325,13 +298,24 @@ class AsyncClient:
             if call.partials is not None:
                 call.deliver(reply)
             return
-        target = self._servers.retry_target(server, reply, call.refused_by)
-        if target is not None:
+        resend = self._resend(call.request, server, reply, now)
+        if resend is not None:
             server.outstanding.discard(request_id)
-            self.resent += 1
-            self._dispatch(request_id, call, target)
+            if resend.at <= now:
+                self._dispatch(request_id, call, resend.target)
+            else:
+                loop = asyncio.get_running_loop()
+                call.timer = loop.call_later(resend.at - now, self._resend_later, request_id, call, resend.target, reply)
             return
         call.answer(reply)
+
+    def _resend_later(self, request_id: RequestId, call: _Call, target: Server | None, refusal: dict[str, Any]) -> None:
+        """Its backoff ended: send the request again, unless a request of its session was sent since (that one
+        would run first): then its caller gets the refusal."""
+        if self.sessions.pipelined(call.request.message):
+            call.answer(refusal)
+        else:
+            self._dispatch(request_id, call, target)
 
     async def _watch_connection(self, server: Server, monitor: zmq.asyncio.Socket) -> None:
         while True:

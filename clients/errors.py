@@ -1,4 +1,5 @@
-"""The exceptions a client raises: an error answer from the server, or a server lost with resending off."""
+"""The exceptions a client raises: an error answer from the server, a server lost with resending off, or a
+request too large to send."""
 
 from __future__ import annotations
 
@@ -31,4 +32,20 @@ class ServerLost(ConnectionError):
             "it was not sent elsewhere because resending is off"
         )
         self.address = address
+        self.request_id = request_id
+
+
+class RequestTooLarge(ValueError):
+    """A request whose encoded frame is over the server's `server.max_message_bytes`, refused before sending:
+    the server would close the connection without reading it, and the caller would learn nothing until its
+    timeout. Nothing was sent; other requests on the client are not disturbed."""
+
+    def __init__(self, size: int, limit: int, request_id: Any):
+        super().__init__(
+            f"request {request_id!r} is {size} bytes encoded, over the server's limit of {limit} bytes "
+            "(server.max_message_bytes); it was not sent: send smaller inputs, or raise the server's "
+            "server.max_message_bytes (and the client's max_message_bytes if you set it)"
+        )
+        self.size = size
+        self.limit = limit
         self.request_id = request_id

@@ -5,10 +5,13 @@ session's requests to the server its first one went to (while that server is up)
 back the step the session reached, from its replies: a server that does not know a session (it restarted, or another server behind a multi-address
 client answered before) and is asked to continue from step n > 0 answers SESSION_LOST instead of
 silently starting over from zero. SESSION_LOST is not retryable: it is never sent to another server.
+And it counts each session's requests in flight: a refused one among several pipelined ones is not
+resent later, as it would then run after those sent behind it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +22,26 @@ class SessionSteps:
     def __init__(self) -> None:
         self._steps: dict[str, int] = {}
         self._servers: dict[str, Server] = {}
+        self._in_flight: Counter[str] = Counter()
+
+    def sending(self, message: dict[str, Any]) -> None:
+        """A request is sent (a session's counts)."""
+        name = message.get("session")
+        if isinstance(name, str):
+            self._in_flight[name] += 1
+
+    def settled(self, message: dict[str, Any]) -> None:
+        """A request sent is answered or given up on."""
+        name = message.get("session")
+        if isinstance(name, str):
+            self._in_flight[name] -= 1
+            if self._in_flight[name] <= 0:
+                del self._in_flight[name]
+
+    def pipelined(self, message: dict[str, Any]) -> bool:
+        """Whether another request of the message's session is in flight: this one must not be resent behind it."""
+        name = message.get("session")
+        return isinstance(name, str) and self._in_flight[name] > 1
 
     def server(self, session: str, pick: Callable[[], Server | None]) -> Server | None:
         """The server the session's next request goes to: the one its first went to (`pick` chooses it)."""

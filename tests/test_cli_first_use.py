@@ -15,7 +15,7 @@ from test_clients_offline import FakeServer
 from test_serve_cli import BATCHMAKER
 
 from batchmaker.clients.cli import main as cli_main
-from batchmaker.clients.sync_client import infer_message
+from batchmaker.clients.messages import infer_message
 
 
 @pytest.mark.parametrize("command", ["health", "models", "stats"])

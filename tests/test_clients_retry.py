@@ -1,6 +1,8 @@
-"""The retry rule of clients with several servers: a retryable error (OVERLOADED, UNAVAILABLE, WORKER_LOST) is
+"""The failover rule of clients with several servers: a retryable error (OVERLOADED, UNAVAILABLE, WORKER_LOST) is
 resent to another server, each server gets a request once, then the caller gets the last error;
-other errors, and every error with one address, reach the caller as they are."""
+other errors, and every error with one address, reach the caller as they are. Here the resends of
+OVERLOADED after a backoff are off (`max_retries=0`) where they would change that; test_clients_backoff.py
+covers them."""
 
 from __future__ import annotations
 
@@ -58,10 +60,11 @@ def test_async_resends_retryable_errors_to_another_server(servers: list[FakeServ
 
 
 def test_async_gives_the_last_error_once_every_server_refused(servers: list[FakeServer]) -> None:
+    """With retries after a backoff off, each server is tried once (with them on, see test_clients_backoff.py)."""
     start(servers, "overloaded", "unavailable", "overloaded")
 
     async def run() -> list:
-        async with AsyncClient([s.address for s in servers], timeout=10, **FAST) as client:
+        async with AsyncClient([s.address for s in servers], timeout=10, max_retries=0, **FAST) as client:
             return await infer_many(client, range(5))
 
     results = asyncio.run(run())
@@ -90,7 +93,8 @@ def test_sync_resends_retryable_errors_and_then_fails_with_the_last(servers: lis
     with Client([s.address for s in servers], timeout=10, **FAST) as client:
         assert {client.infer("m", {"n": n}).outputs["server"] for n in range(6)} == {"s2"}
     servers[2].mode = "overloaded"
-    with Client([s.address for s in servers], timeout=10, **FAST) as client, pytest.raises(ServerError) as caught:
+    several = [s.address for s in servers]
+    with Client(several, timeout=10, max_retries=0, **FAST) as client, pytest.raises(ServerError) as caught:
         client.infer("m", {"n": 99})
     assert caught.value.code in (OVERLOADED, UNAVAILABLE)  # the last server's refusal
     for server in servers:
@@ -99,14 +103,15 @@ def test_sync_resends_retryable_errors_and_then_fails_with_the_last(servers: lis
 
 @pytest.mark.parametrize("mode", ["unavailable", "overloaded"])
 def test_one_address_raises_the_code_without_resending(servers: list[FakeServer], mode: str) -> None:
+    """UNAVAILABLE always, and OVERLOADED with retries after a backoff off (`max_retries=0`)."""
     (server,) = start(servers, mode)
     code = REFUSALS[mode][0]
-    with Client(server.address, timeout=10) as client, pytest.raises(ServerError, match=code) as caught:
+    with Client(server.address, timeout=10, max_retries=0) as client, pytest.raises(ServerError, match=code) as caught:
         client.infer("m", {"n": 1})
     assert caught.value.code == code and server.infer_ids == [caught.value.request_id]
 
     async def run() -> BaseException:
-        async with AsyncClient(server.address, timeout=10) as client:
+        async with AsyncClient(server.address, timeout=10, max_retries=0) as client:
             return (await infer_many(client, range(1)))[0]
 
     assert isinstance(error := asyncio.run(run()), ServerError) and error.code == code

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from batchmaker.clients import Client
-from batchmaker.clients.sync_client import Reply
+from batchmaker.clients.messages import Reply
 from examples.forecaster.forecast import forecast
 from examples.forecaster.train import sensor_series
 
