@@ -114,7 +114,7 @@ def test_overload_refuses_beyond_the_admission_limit_ahead_of_the_queue_and_reco
         async def flood() -> tuple[list[tuple[int, object]], list[int]]:
             """All requests at once; returns (order of arrival of the reply, reply) in sending order, and the
             number of requests in flight the manager reported while they were being answered."""
-            async with AsyncClient(server.address, timeout=120) as client, AsyncClient(server.address) as observer:
+            async with AsyncClient(server.address, timeout=120, max_retries=0) as client, AsyncClient(server.address) as observer:
                 arrivals = 0
 
                 async def one(tokens) -> tuple[int, object]:
