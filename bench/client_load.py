@@ -141,7 +141,7 @@ async def _saturate(
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     measuring = stopping = False
-    async with AsyncClient(addresses, timeout=60) as client:
+    async with AsyncClient(addresses, timeout=60, max_retries=0) as client:  # refusals counted as the server gives them
 
         async def keep_one_outstanding() -> None:
             while not stopping:
@@ -212,8 +212,9 @@ async def _open_loop(
     count = len(due)
     run = OpenLoop(due, np.full(count, np.nan), np.full(count, np.nan), [None] * count, [None] * count)
     start = time.monotonic()
-    recording = RecordingClient(addresses, start, timeout=60) if fault else None
-    async with recording or AsyncClient(addresses, timeout=60) as client:
+    # Refusals are counted as the server gives them (no resend after a backoff); failover stays as the library does it.
+    recording = RecordingClient(addresses, start, timeout=60, max_retries=0) if fault else None
+    async with recording or AsyncClient(addresses, timeout=60, max_retries=0) as client:
 
         async def one(index: int) -> None:
             run.sent[index] = time.monotonic() - start

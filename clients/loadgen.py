@@ -54,7 +54,7 @@ async def run_open_loop(
     order = rng.permutation(len(inputs))
     loop = asyncio.get_running_loop()
     samples: list[Sample] = []
-    async with AsyncClient(address, timeout=timeout) as client:
+    async with AsyncClient(address, timeout=timeout, max_retries=0) as client:  # a refusal is a sample's outcome
 
         async def one(sample: Sample) -> None:
             sample.sent = loop.time() - start
