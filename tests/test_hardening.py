@@ -245,14 +245,16 @@ allowed_clients = "{allowed}"
         server_public = keys / "server.key"
         with Client(server.address, timeout=10, curve=(client_secret, server_public)) as client:
             assert client.infer("lstm", {"tokens": [1, 2, 3]}).outputs["h"].shape == (64,)
-            received = client.stats()["requests"]["received"]
+            before = client.stats()
         stranger = Client(server.address, timeout=1, curve=(stranger_secret, server_public))
         with stranger, pytest.raises(TimeoutError):
             stranger.infer("lstm", {"tokens": [1, 2, 3]})
         with Client(server.address, timeout=1) as anonymous, pytest.raises(TimeoutError):
             anonymous.infer("lstm", {"tokens": [1, 2, 3]})
         with Client(server.address, timeout=10, curve=(client_secret, server_public)) as client:
-            # Only this stats request arrived since: the refused clients' requests never reached the manager.
-            assert client.stats()["requests"]["received"] == received + 1
+            # Only this stats call arrived since: the refused clients' requests never reached the manager.
+            after = client.stats()
+            assert after["requests"]["received"] == before["requests"]["received"]
+            assert after["control_calls"]["stats"] == before["control_calls"]["stats"] + 1
     finally:
         stop_server(server)

@@ -41,6 +41,7 @@ def test_scraped_values(metrics: Metrics) -> None:
     metrics.request_refused("BAD_REQUEST")
     metrics.partial_sent("lstm")
     metrics.partial_sent("lstm")
+    metrics.control_call("stats")
     for size in (1, 3, 32):
         metrics.task_submitted("lstm/layer0", size)
     metrics.set_queue_depth("lstm/layer0", 17)
@@ -61,6 +62,8 @@ def test_scraped_values(metrics: Metrics) -> None:
     assert value("batchmaker_requests_total", model="gru", outcome="OVERLOADED") == 0  # present before any event
     assert value("batchmaker_partial_replies_total", model="lstm") == 2
     assert value("batchmaker_partial_replies_total", model="gru") == 0
+    assert value("batchmaker_control_calls_total", op="stats") == 1
+    assert value("batchmaker_control_calls_total", op="health") == 0  # present before any call
 
     assert value("batchmaker_request_latency_seconds_count", model="lstm") == 2  # errors are not observed
     assert value("batchmaker_request_latency_seconds_sum", model="lstm") == pytest.approx(0.034)

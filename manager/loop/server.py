@@ -25,6 +25,7 @@ from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import Planner, build_planner, cell_layout
 from batchmaker.common.protocol import (
     BAD_REQUEST,
+    CONTROL_OPS,
     INTERNAL,
     OPS,
     OVERLOADED,
@@ -55,6 +56,12 @@ def load_models(config: Config) -> tuple[dict[str, Planner], list[CellTypeSpec],
     models = {name: build_planner(model_config) for name, model_config in config.models.items()}
     specs, kinds = cell_layout(list(models.values()))
     return models, specs, kinds
+
+
+def control_op(incoming: Incoming) -> str | None:
+    """The op of a control call (CONTROL_OPS), which stats counts apart from inference requests; else None."""
+    op = incoming.message.get("op") if incoming.message is not None else None
+    return op if isinstance(op, str) and op in CONTROL_OPS else None
 
 
 class Manager:
@@ -232,7 +239,11 @@ class Manager:
         their records together), every other op in its turn, after the requests before it."""
         burst: list[Incoming] = []
         for incoming in self.frontend.receive():
-            self.stats.request_received()
+            op = control_op(incoming)
+            if op is None:
+                self.stats.request_received()
+            else:
+                self.stats.control_call(op)
             if incoming.error is None and incoming.message.get("op", "infer") == "infer" and not self.draining:
                 burst.append(incoming)
                 continue
@@ -250,7 +261,8 @@ class Manager:
         self._infer(burst)
 
     def _refuse(self, incoming: Incoming, error: RequestError, retry_after_ms: int | None = None) -> None:
-        self.stats.request_refused(error.code)
+        if control_op(incoming) is None:  # a refused control call is counted as a control call only
+            self.stats.request_refused(error.code)
         self.frontend.refuse(incoming.client, incoming.request_id, error, retry_after_ms)
 
     def _handle(self, incoming: Incoming) -> None:

@@ -21,10 +21,13 @@ name                                       type       meaning
 =========================================  =========  ===================================================
 requests_total{model,outcome}              counter    requests answered; outcome is "ok" or an error code;
                                                       model is "-" when the request was refused before
-                                                      a served model was known (unreadable frame, ...)
+                                                      a served model was known (unreadable frame, ...);
+                                                      control calls are counted in control_calls_total
 request_latency_seconds{model}             histogram  arrival to reply, successful requests only
 request_queue_seconds{model}               histogram  arrival to first task submitted, successful requests only
 partial_replies_total{model}               counter    partial replies sent to streamed requests (`stream: true`)
+control_calls_total{op}                    counter    calls of models, health, stats and cancel, answered or
+                                                      refused; never counted in requests_total
 batch_size{cell_type}                      histogram  nodes per step of a submitted task (buckets 1, 2, 4 ... 1024)
 tasks_total{cell_type}                     counter    batched tasks submitted to workers
 queue_depth_nodes{cell_type}               gauge      nodes ready to run and not yet submitted
@@ -49,7 +52,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
 
-from batchmaker.common.protocol import ERROR_CODES
+from batchmaker.common.protocol import CONTROL_OPS, ERROR_CODES
 
 NO_MODEL = "-"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -120,6 +123,10 @@ class Metrics:
             "batchmaker_partial_replies", "Partial replies sent to streamed requests.", ("model",),
             registry=self.registry,
         )
+        self._control_calls = Counter(
+            "batchmaker_control_calls", "Calls of the ops about the server (models, health, stats, cancel).", ("op",),
+            registry=self.registry,
+        )
         self._batch_size = Histogram(
             "batchmaker_batch_size", "Nodes per step of a batched task submitted to a worker.",
             ("cell_type",), buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
@@ -152,6 +159,7 @@ class Metrics:
         self._request_children.update({(NO_MODEL, code): self._requests.labels(NO_MODEL, code) for code in ERROR_CODES})
         self._latency_children = {model: (self._latency.labels(model), self._queue.labels(model)) for model in models}
         self._partial_children = {model: self._partials.labels(model) for model in models}
+        self._control_children = {op: self._control_calls.labels(op) for op in CONTROL_OPS}
         self._cell_children = {
             cell: (self._batch_size.labels(cell), self._tasks.labels(cell), self._queue_depth.labels(cell))
             for cell in cell_types
@@ -187,6 +195,10 @@ class Metrics:
     def partial_sent(self, model: str) -> None:
         """A streamed request of a served `model` got a partial reply."""
         self._partial_children[model].inc()
+
+    def control_call(self, op: str) -> None:
+        """A call of one of CONTROL_OPS."""
+        self._control_children[op].inc()
 
     def request_refused(self, outcome: str) -> None:
         """Count a request refused before it named a served model."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from batchmaker.common.protocol import CONTROL_OPS
 from batchmaker.manager.batching.outcomes import Failed, Outcome, Replayed
 from batchmaker.manager.batching.records import Task
 
@@ -59,6 +60,8 @@ class Stats:
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics
         self.requests: collections.Counter[str] = collections.Counter()
+        # Calls about the server (models, health, stats, cancel), apart: a monitor polling stats must not look like load.
+        self.control_calls = dict.fromkeys(CONTROL_OPS, 0)
         self.tasks = 0
         self.steps = 0  # a multi-step task runs several
         self.nodes = 0
@@ -84,7 +87,14 @@ class Stats:
             self.metrics.task_submitted(task.spec.key, *task.step_nodes)
 
     def request_received(self) -> None:
+        """An inference request, or a message whose op is unreadable or unknown (refused, and counted so)."""
         self.requests["received"] += 1
+
+    def control_call(self, op: str) -> None:
+        """A call of one of CONTROL_OPS, answered or refused: never counted among `requests`."""
+        self.control_calls[op] += 1
+        if self.metrics is not None:
+            self.metrics.control_call(op)
 
     def request_refused(self, code: str) -> None:
         """A request answered with an error before it was admitted."""
@@ -158,6 +168,7 @@ class Stats:
                 latency[name] = {"p50": p50, "p90": p90, "p99": p99, "mean": float(samples[:, column].mean())}
         return {
             "requests": dict(self.requests),
+            "control_calls": dict(self.control_calls),
             "tasks": self.tasks,
             "steps": self.steps,
             "nodes": self.nodes,
