@@ -1,7 +1,8 @@
-"""Command-line client: `python -m batchmaker.clients.cli {infer,models,health,stats} ...`.
+"""Command-line client: `batchmaker-client {infer,models,health,stats} ...`.
 
-The subcommands are built by `add_client_commands` and run by `run_client_command`
-so the `batchmaker` entry point can mount the same commands under its own parser.
+The subcommands are built by `add_client_commands` and run by `run_client_command`, so the
+`batchmaker` entry point mounts the same commands under its own parser, reading `--config` with
+the server's config loader; `batchmaker-client` reads it with tomllib alone, without torch.
 """
 
 from __future__ import annotations
@@ -13,15 +14,36 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from .cli_output import (
+    closed_pipe_ends_quietly,
+    format_infer_reply,
+    format_models,
+    format_stream_item,
+    infer_json,
+    jsonable,
+    stream_item_json,
+)
+from .cli_server import (
+    ADDRESS_ENV,
+    CONNECT_TIMEOUT,
+    AddressError,
+    ConfigAddress,
+    Target,
+    answering,
+    find_target,
+    no_server_message,
+    toml_server_address,
+)
 from .errors import ServerError
-from .streams import Partial
-from .sync_client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, Client, Reply
+from .sync_client import DEFAULT_TIMEOUT, Client, Reply, infer_message, to_infer_reply
 from .text import DEFAULT_VOCAB, Vocabulary
 
-PREVIEW_VALUES = 8
-QUICK_TIMEOUT = 3.0  # models, health, stats: a live server answers at once, so silence means none is there
+SESSIONS_HELP = (
+    "Sessions (chain models): --session NAME continues the state the server keeps for NAME (its first "
+    "request starts it from zeros), and the reply prints its session_step. This command keeps nothing "
+    "between calls: pass the last session_step you saw with --session-step, so that a server which lost "
+    "the session answers SESSION_LOST instead of starting over, and end it with --session-end."
+)
 
 
 class UsageError(Exception):
@@ -34,12 +56,22 @@ def add_client_commands(subparsers: Any) -> None:
     connection.add_argument(
         "--address",
         action="append",
-        help=f"server address; repeat it to spread requests over several servers (default: {DEFAULT_ADDRESS})",
+        help=f"server address, e.g. tcp://127.0.0.1:5555; repeat it to spread requests over several servers "
+        f"(default: the --config file's, else ${ADDRESS_ENV}, comma-separated for several)",
     )
     connection.add_argument(
-        "--timeout",
+        "--config", type=Path, metavar="FILE", help="the server's TOML config: talk to its [server] address"
+    )
+    connection.add_argument(
+        "--connect-timeout",
         type=float,
-        help=f"seconds to wait for the reply (default: {DEFAULT_TIMEOUT:g} for infer, {QUICK_TIMEOUT:g} for the others)",
+        default=CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help="seconds to wait for the server to answer a health check before the request; "
+        "longer for a server that is starting (default: %(default)g)",
+    )
+    connection.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for the reply (default: %(default)g)"
     )
     connection.add_argument(
         "--curve",
@@ -48,7 +80,9 @@ def add_client_commands(subparsers: Any) -> None:
         help="key files for a server with CurveZMQ on (see batchmaker keygen)",
     )
 
-    infer = subparsers.add_parser("infer", parents=[connection], help="run one request and print its outputs")
+    infer = subparsers.add_parser(
+        "infer", parents=[connection], help="run one request and print its outputs", epilog=SESSIONS_HELP
+    )
     infer.add_argument("--model", required=True, help="name of a served model (see the models command)")
     source = infer.add_mutually_exclusive_group()
     source.add_argument("--tokens", help='token ids separated by spaces, e.g. "1 2 3"')
@@ -69,67 +103,100 @@ def add_client_commands(subparsers: Any) -> None:
     infer.add_argument(
         "--stream", action="store_true", help="print the outputs as they become final (Seq2Seq: tokens as they are decoded)"
     )
+    infer.add_argument("--session", metavar="NAME", help="continue (or start) the server-held session NAME")
+    infer.add_argument("--session-end", action="store_true", help="end the session once this request is answered")
+    infer.add_argument(
+        "--session-step", type=int, metavar="N", help="the session_step of the session's last reply you saw"
+    )
     infer.set_defaults(client_command="infer")
 
+    models = subparsers.add_parser("models", parents=[connection], help="list the served models, a few lines each")
+    models.add_argument("--json", action="store_true", help="print the whole reply as JSON")
+    models.set_defaults(client_command="models")
     for name, help_text in (
-        ("models", "list the served models and their inputs"),
-        ("health", "show whether the server is ready and its workers"),
-        ("stats", "show counters, latency percentiles and batch sizes"),
+        ("health", "show whether the server is ready and its workers (JSON)"),
+        ("stats", "show counters, latency percentiles and batch sizes (JSON)"),
     ):
         subparsers.add_parser(name, parents=[connection], help=help_text).set_defaults(client_command=name)
 
 
-def run_client_command(args: argparse.Namespace) -> int:
-    """Run a parsed client subcommand; returns the process exit status."""
+def run_client_command(args: argparse.Namespace, config_address: ConfigAddress = toml_server_address) -> int:
+    """Run a parsed client subcommand; returns the process exit status. `config_address` reads the
+    `[server] address` of a `--config` file."""
     try:
-        inputs = _infer_inputs(args) if args.client_command == "infer" else {}
-        client = _connect(args)
-        with client:
-            if args.client_command == "infer" and args.stream:
-                for item in client.stream(args.model, inputs, args.deadline_ms, args.priority):
-                    print(_stream_item_json(item) if args.json else _format_stream_item(item), flush=True)
-            elif args.client_command == "infer":
-                reply = client.infer(args.model, inputs, args.deadline_ms, args.priority)
-                print(_infer_json(reply) if args.json else _format_infer_reply(reply))
-            else:
-                reply = getattr(client, args.client_command)()
-                shown = {key: value for key, value in reply.items() if key not in ("id", "ok")}
-                print(json.dumps(_jsonable(shown), indent=2))
+        inputs: dict[str, Any] = {}
+        if args.client_command == "infer":
+            _check_session_options(args)
+            inputs = _infer_inputs(args)
+        target = find_target(args.address, args.config, config_address)
+        with _connect(target, args) as client:
+            if not answering(target.addresses, args.connect_timeout, args.curve):
+                return _fail("NO_SERVER", no_server_message(target, args.connect_timeout))
+            try:
+                _run(client, args, inputs)
+            except TimeoutError:
+                return _fail(
+                    "TIMEOUT",
+                    f"the server at {' or '.join(target.addresses)} answered a health check, but not the "
+                    f"{args.client_command} request within {args.timeout:g} s: it is busy or the request is long "
+                    "(--timeout waits longer)",
+                )
     except ServerError as exc:
         return _fail(exc.code, exc.message + _vocabulary_hint(args, exc))
-    except TimeoutError as exc:
-        if args.client_command == "infer":
-            return _fail("TIMEOUT", str(exc))
-        address = " or ".join(args.address or [DEFAULT_ADDRESS])
-        return _fail(
-            "NO_SERVER",
-            f"no server at {address}: nothing answered {args.client_command} within {_timeout(args):g} s; "
-            "start one with `batchmaker serve CONFIG`, or name its address with --address (--timeout waits longer)",
-        )
-    except UsageError as exc:
+    except (UsageError, AddressError) as exc:
         return _fail("USAGE", str(exc))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m batchmaker.clients.cli", description="Talk to a batchmaker server."
+        prog="batchmaker-client",
+        description=f"Talk to a batchmaker server, found with --address, --config FILE or ${ADDRESS_ENV}.",
     )
     add_client_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    return run_client_command(parser.parse_args(argv))
+    return closed_pipe_ends_quietly(lambda: run_client_command(parser.parse_args(argv)))
 
 
-def _timeout(args: argparse.Namespace) -> float:
-    if args.timeout is not None:
-        return args.timeout
-    return DEFAULT_TIMEOUT if args.client_command == "infer" else QUICK_TIMEOUT
-
-
-def _connect(args: argparse.Namespace) -> Client:
+def _connect(target: Target, args: argparse.Namespace) -> Client:
     try:
-        return Client(args.address or DEFAULT_ADDRESS, _timeout(args), curve=args.curve)
+        return Client(target.addresses, args.timeout, curve=args.curve)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _run(client: Client, args: argparse.Namespace, inputs: dict[str, Any]) -> None:
+    """Send the subcommand's request and print its reply."""
+    command = args.client_command
+    if command == "infer" and args.stream:
+        for item in client.stream(args.model, inputs, args.deadline_ms, args.priority):
+            print(stream_item_json(item) if args.json else format_stream_item(item), flush=True)
+    elif command == "infer":
+        reply = _infer(client, args, inputs)
+        print(infer_json(reply) if args.json else format_infer_reply(reply))
+    elif command == "models" and not args.json:
+        print(format_models(client.models()))
+    else:
+        reply = getattr(client, command)()
+        print(json.dumps(jsonable({key: value for key, value in reply.items() if key not in ("id", "ok")}), indent=2))
+
+
+def _infer(client: Client, args: argparse.Namespace, inputs: dict[str, Any]) -> Reply:
+    """One request; a session's carries the session fields as given, since nothing is kept between calls."""
+    if args.session is None:
+        return client.infer(args.model, inputs, args.deadline_ms, args.priority)
+    fields: dict[str, Any] = {"session": args.session}
+    if args.session_end:
+        fields["session_end"] = True
+    if args.session_step is not None:
+        fields["session_step"] = args.session_step
+    return to_infer_reply(client.call(infer_message(args.model, inputs, args.deadline_ms, args.priority) | fields))
+
+
+def _check_session_options(args: argparse.Namespace) -> None:
+    if args.session is None and (args.session_end or args.session_step is not None):
+        raise UsageError("--session-end and --session-step go with a session: name it with --session NAME")
+    if args.session is not None and args.stream:
+        raise UsageError("--stream cannot carry a session: leave out --stream or --session")
 
 
 def _infer_inputs(args: argparse.Namespace) -> dict[str, Any]:
@@ -143,7 +210,11 @@ def _infer_inputs(args: argparse.Namespace) -> dict[str, Any]:
         try:
             inputs["tokens"] = Vocabulary(args.vocab).encode(args.text)
         except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot load the vocabulary: {exc}") from None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise UsageError(
+                f"cannot read the vocabulary {args.vocab} ({reason}); give one with --vocab FILE "
+                "(one word per line, line number = id), or the ids with --tokens"
+            ) from None
     if args.inputs_json is not None:
         try:
             extra = json.loads(args.inputs_json)
@@ -165,62 +236,6 @@ def _vocabulary_hint(args: argparse.Namespace, error: ServerError) -> str:
         f" (--text turned the sentence into ids with the vocabulary {args.vocab}, {len(Vocabulary(args.vocab))} words; "
         "give the model's own with --vocab FILE, or its ids with --tokens)"
     )
-
-
-def _infer_json(reply: Reply) -> str:
-    """The reply for scripts: outputs in full (arrays as nested lists) and the timing."""
-    return json.dumps(_jsonable({"outputs": reply.outputs, "timing": reply.timing}))
-
-
-def _stream_item_json(item: Partial | Reply) -> str:
-    """A streamed reply for scripts: one JSON object a line, partials marked `partial` (and `restarted`)."""
-    if isinstance(item, Reply):
-        return _infer_json(item)
-    return json.dumps(_jsonable({"partial": True, "restarted": item.restarted, "outputs": item.outputs}))
-
-
-def _format_stream_item(item: Partial | Reply) -> str:
-    """A partial as lines of values (after a notice when the stream started over): a line for a 1-D
-    output (Seq2Seq's tokens), one per row for a 2-D one (a chain's `y`); the final reply as usual."""
-    if isinstance(item, Reply):
-        return _format_infer_reply(item)
-    lines = ["restarted: the request started over; the partial outputs above are void"] if item.restarted else []
-    for name, value in item.outputs.items():
-        array = np.asarray(value)
-        for row in array.reshape(-1, array.shape[-1]) if array.ndim > 1 else [array.reshape(-1)]:
-            shown = [f"{v:.6g}" if np.issubdtype(array.dtype, np.floating) else str(v) for v in row.tolist()]
-            lines.append(f"partial {name}: {' '.join(shown)}")
-    return "\n".join(lines)
-
-
-def _format_infer_reply(reply: Reply) -> str:
-    lines = [f"{name}: {_summarize(value)}" for name, value in reply.outputs.items()]
-    lines.append("timing: " + ", ".join(f"{key} {value}" for key, value in reply.timing.items()))
-    return "\n".join(lines)
-
-
-def _summarize(value: Any) -> str:
-    """Arrays as dtype, shape and their first values; anything else as JSON."""
-    if not isinstance(value, np.ndarray):
-        return json.dumps(_jsonable(value))
-    flat = value.reshape(-1)
-    floating = np.issubdtype(value.dtype, np.floating)
-    shown = [f"{item:.6g}" if floating else str(item) for item in flat[:PREVIEW_VALUES].tolist()]
-    more = ", ..." if flat.size > PREVIEW_VALUES else ""
-    return f"{value.dtype} shape {list(value.shape)} [{', '.join(shown)}{more}]"
-
-
-def _jsonable(value: Any) -> Any:
-    """Make a reply printable as JSON: binary blobs become their length, map keys strings."""
-    if isinstance(value, bytes):
-        return f"<{len(value)} bytes>"
-    if isinstance(value, dict):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.tolist()
-    return value
 
 
 def _fail(code: str, message: str) -> int:

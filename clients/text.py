@@ -11,8 +11,10 @@ from pathlib import Path
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 RESERVED = ("<pad>", "<unk>", "<s>", "</s>")
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "wmt16-ende"
-DEFAULT_VOCAB = DATA_DIR / "vocab.en"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "wmt16-ende"  # in a checkout, or an editable install
+# The batchmaker-client distribution installs the vocabulary (65 KB) in this package, for --text out of the box.
+INSTALLED_VOCAB = Path(__file__).resolve().parent / "vocabulary" / "vocab.en"
+DEFAULT_VOCAB = DATA_DIR / "vocab.en" if (DATA_DIR / "vocab.en").exists() else INSTALLED_VOCAB
 DEFAULT_SENTENCES = DATA_DIR / "sample.en"
 
 

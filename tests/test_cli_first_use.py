@@ -1,30 +1,18 @@
-"""The command line and the client as a new user meets them: no server answers quickly and says so,
-`infer --json` prints the reply in full for scripts, and torch tensors are accepted as inputs."""
+"""The command line and the client as a new user meets them: `infer --json` prints the reply in full
+for scripts, and torch tensors are accepted as inputs (finding the server: tests/test_cli_address.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import free_port
 from test_clients_offline import FakeServer
-from test_serve_cli import BATCHMAKER
 
 from batchmaker.clients.cli import main as cli_main
 from batchmaker.clients.messages import infer_message
-
-
-@pytest.mark.parametrize("command", ["health", "models", "stats"])
-def test_no_server_is_said_after_a_short_default_wait(command: str):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    result = subprocess.run([BATCHMAKER, command, "--address", address], capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 1
-    assert result.stderr.startswith(f"error NO_SERVER: no server at {address}: nothing answered {command} within 3 s"), result.stderr
-    assert "batchmaker serve CONFIG" in result.stderr and "--address" in result.stderr
 
 
 def test_infer_json_prints_every_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

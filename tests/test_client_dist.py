@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, RunningServer
 
+from batchmaker.clients.text import DEFAULT_VOCAB, Vocabulary
 from batchmaker.common.models import build_model
 
 pytestmark = pytest.mark.slow
@@ -48,7 +49,7 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtualenv with batchmaker-client installed from a copy of this checkout (the build writes files)."""
     base = tmp_path_factory.mktemp("client-dist")
     ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-    for folder in ("dist/client", "batchmaker", "clients", "common"):
+    for folder in ("dist/client", "batchmaker", "clients", "common", "data/wmt16-ende"):
         shutil.copytree(ROOT / folder, base / "src" / folder, ignore=ignore)
     env_dir = base / "venv"
     venv.create(env_dir, with_pip=True)
@@ -81,4 +82,21 @@ def test_installed_command_line_client(client_venv: Path, lstm_server: RunningSe
     assert result.stdout.startswith("h: float32 shape [64]")
     refused = run_isolated([command, "health", "--address", "x", "--address", "x"], client_venv, check=False)
     assert refused.returncode == 1 and refused.stderr.startswith("error USAGE: ")
+    assert run_isolated([command, "--help"], client_venv).stdout.startswith("usage: batchmaker-client ")
+
+
+def test_installed_command_line_client_reads_the_config_and_has_the_vocabulary(
+    client_venv: Path, lstm_server: RunningServer
+) -> None:
+    """--config read without torch, and --text with the vocabulary the distribution installs."""
+    command = client_venv / "bin" / "batchmaker-client"
+    sentence = "the report ."
+    ids = Vocabulary(DEFAULT_VOCAB).encode(sentence)
+    assert max(ids) < 1000  # the small LSTM's vocabulary
+    result = run_isolated(
+        [command, "infer", "--config", lstm_server.config.path, "--model", "lstm", "--text", sentence, "--json"], client_venv
+    )
+    model = build_model(lstm_server.config.models["lstm"])
+    expected = model.reference(model.load_weights(), {"tokens": ids})["h"]
+    assert np.abs(np.asarray(json.loads(result.stdout)["outputs"]["h"], np.float32) - expected).max() <= 1e-5
 

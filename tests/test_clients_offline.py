@@ -279,8 +279,10 @@ def test_cli_against_fake_server(server: FakeServer, capsys: pytest.CaptureFixtu
     assert cli_main(["health", "--address", server.address]) == 0
     assert '"status": "ready"' in capsys.readouterr().out
 
-    assert cli_main(["models", "--address", server.address]) == 0
+    assert cli_main(["models", "--address", server.address, "--json"]) == 0
     assert '"<16 bytes>"' in capsys.readouterr().out
+    assert cli_main(["models", "--address", server.address]) == 0
+    assert capsys.readouterr().out.startswith("lstm: kind lstm, vocab_size 8192\n")
 
     assert cli_main(["infer", "--address", server.address, "--model", "lstm", "--tokens", "1 2 3"]) == 0
     out = capsys.readouterr().out

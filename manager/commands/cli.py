@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from batchmaker.clients.cli import add_client_commands, run_client_command
+from batchmaker.clients.cli_output import closed_pipe_ends_quietly
 from batchmaker.common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
 from batchmaker.common.logs import setup_logging
 
@@ -61,9 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_address(path: Path) -> str:
+    """The `[server] address` of a config, read and checked as `batchmaker serve` reads it."""
+    return load_config(path).server.address
+
+
 def main(argv: list[str] | None = None) -> int:
-    setup_logging("supervisor")
     argv = sys.argv[1:] if argv is None else argv
+    return closed_pipe_ends_quietly(lambda: _command(argv))
+
+
+def _command(argv: list[str]) -> int:
+    setup_logging("supervisor")
     if argv[:1] == ["keygen"]:
         from batchmaker.common.auth import keygen_main
 
@@ -74,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "client_command", None):
-        return run_client_command(args)
+        return run_client_command(args, _config_address)
     try:
         return args.handler(args)
     except ConfigError as exc:
