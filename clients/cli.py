@@ -35,7 +35,8 @@ from .cli_server import (
     toml_server_address,
 )
 from .errors import ServerError
-from .sync_client import DEFAULT_TIMEOUT, Client, Reply, infer_message, to_infer_reply
+from .messages import DEFAULT_TIMEOUT, Reply, infer_message, to_infer_reply
+from .sync_client import Client
 from .text import DEFAULT_VOCAB, Vocabulary
 
 SESSIONS_HELP = (

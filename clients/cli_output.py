@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .messages import Reply
 from .streams import Partial
-from .sync_client import Reply
 
 PREVIEW_VALUES = 8
 CLOSED_PIPE_STATUS = 128 + signal.SIGPIPE  # 141: what a shell reports for a command a closed pipe stopped

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ServerError
-from .sync_client import DEFAULT_ADDRESS, Client, CurveKeys
+from .messages import DEFAULT_ADDRESS, CurveKeys
+from .sync_client import Client
 
 ADDRESS_ENV = "BATCHMAKER_ADDRESS"
 CONNECT_TIMEOUT = 3.0  # a running server answers health at once; a starting one takes longer (--connect-timeout)

@@ -20,8 +20,6 @@ from batchmaker.common.protocol import encode, is_partial
 from .base import ClientBase, Outgoing, Resend
 from .errors import ServerLost
 from .messages import (
-    DEFAULT_ADDRESS,
-    DEFAULT_TIMEOUT,
     CurveKeys,
     Reply,
     check,
@@ -32,8 +30,6 @@ from .messages import (
 )
 from .servers import ASIDE, RequestId, Server, connection_closed, is_probe
 from .streams import Partial, cancel_message, restart_notice
-
-__all__ = ["DEFAULT_ADDRESS", "DEFAULT_TIMEOUT", "Client", "Reply"]  # what the command-line client imports from here
 
 MAX_REMEMBERED_TIMEOUTS = 1024  # requests that timed out, remembered so that cancel reaches their server
 
