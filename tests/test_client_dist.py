@@ -1,6 +1,7 @@
-"""The batchmaker-client distribution: installed alone into a fresh virtualenv, it talks to a server without torch.
+"""The batchmaker-client distribution: installed alone into a fresh virtualenv, it talks to a server without torch;
+and both distributions install one import package, batchmaker, and nothing else at the top of site-packages.
 
-Slow-ish (it builds a virtualenv and installs pyzmq, msgpack and numpy from the
+Slow-ish (it builds virtualenvs and installs pyzmq, msgpack and numpy from the
 package index), so it is marked `slow`; it stays in the default run.
 """
 
@@ -99,4 +100,34 @@ def test_installed_command_line_client_reads_the_config_and_has_the_vocabulary(
     model = build_model(lstm_server.config.models["lstm"])
     expected = model.reference(model.load_weights(), {"tokens": ids})["h"]
     assert np.abs(np.asarray(json.loads(result.stdout)["outputs"]["h"], np.float32) - expected).max() <= 1e-5
+
+
+def installed_tops(env_dir: Path, distribution: str) -> set[str]:
+    """What a distribution installed at the top of site-packages, as its RECORD lists it (scripts left out)."""
+    site = next((env_dir / "lib").glob("python*/site-packages"))
+    record = next(site.glob(f"{distribution}-*.dist-info")) / "RECORD"
+    paths = [line.split(",")[0] for line in record.read_text().splitlines() if line]
+    return {path.split("/")[0] for path in paths if not path.startswith("..")}
+
+
+def test_the_client_distribution_installs_batchmaker_only(client_venv: Path) -> None:
+    assert installed_tops(client_venv, "batchmaker_client") == {"batchmaker", "batchmaker_client-0.1.0.dist-info"}
+
+
+def test_the_server_wheel_installs_batchmaker_only(tmp_path: Path) -> None:
+    """Built from a copy of this checkout and installed without its dependencies (torch is not needed to look)."""
+    source = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    for folder in ("batchmaker", "manager", "worker", "common", "clients", "bench"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    pip = [python, "-m", "pip", "--disable-pip-version-check"]
+    run_isolated([*pip, "wheel", "--quiet", "--no-deps", "--wheel-dir", tmp_path / "wheels", source], tmp_path)
+    (wheel,) = (tmp_path / "wheels").glob("batchmaker-*.whl")
+    run_isolated([*pip, "install", "--quiet", "--no-deps", wheel], tmp_path)
+    assert installed_tops(env_dir, "batchmaker") == {"batchmaker", "batchmaker-0.1.0.dist-info"}
 
