@@ -110,7 +110,7 @@ class SchedulerConfig:
     idle_tasks: int = 4  # deep enough that the worker never waits for a busy event loop
     bucket_width: int = 10  # padded policy: requests whose lengths fall in one bucket of this width batch together
     max_group_requests: int = 0  # padded and graph policies: requests per batch; 0: the model's largest batch size
-    max_steps_per_task: int = 16  # consecutive waves of the same lanes one task may run; 1: single steps only
+    max_steps_per_task: int = 64  # consecutive waves of the same lanes one task may run (a lone sentence: one task); 1: single steps only
     max_join_delay_us: int = 2000  # expected duration of a worker's multi-step tasks in flight, at most
 
 

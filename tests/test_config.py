@@ -188,7 +188,7 @@ def test_unknown_scheduler_key_and_bad_max_tasks(tmp_path: Path) -> None:
 
 
 def test_multi_step_keys(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, MODEL)).scheduler.max_steps_per_task == 16
+    assert load_config(write(tmp_path, MODEL)).scheduler.max_steps_per_task == 64
     assert load_config(write(tmp_path, MODEL)).scheduler.max_join_delay_us == 2000
     text = "[scheduler]\nmax_steps_per_task = 1\nmax_join_delay_us = 500\n" + MODEL
     scheduler = load_config(write(tmp_path, text)).scheduler

@@ -13,6 +13,7 @@ from batchmaker.common.lanes import CONSTANT, ONE_STEP, SEQUENCE, STATE, LaneLay
 from batchmaker.common.models import build_model
 from batchmaker.common.models.seq2seq import decoding_mismatch
 from batchmaker.common.task import LaneTaskMessage
+from batchmaker.manager.batching.scheduler import STEPS_BEFORE_A_STOP
 from batchmaker.manager.loop.server import load_models
 
 CELL = "lstm/layer0"
@@ -57,6 +58,23 @@ def test_a_one_token_lane_joins_the_lane_task_of_longer_ones(make_harness):
     assert [step_sizes(message) for _, message in h.sent] == [[3, 2, 1, 1]]
     h.complete_oldest(worker)
     assert len(h.finished) == 3 and all(error is None for _, error in h.finished)
+
+
+def test_a_decoder_lane_takes_few_steps_a_task_while_other_lanes_take_many(tmp_path):
+    """Steps past a decoder's stop run for nothing: its lanes go STEPS_BEFORE_A_STOP steps a task at most."""
+    config = write_config(tmp_path, SMALL_SEQ2SEQ)
+    specs = load_models(config)[1]
+    h = Harness(config, max_steps_per_task=64, full_task_s={spec.key: 1e-6 for spec in specs})
+    try:
+        h.admit("seq2seq", {"tokens": list(range(5, 45)), "max_len": 50})
+        h.run_on_cpu()
+        steps = {}
+        for _, message in h.sent:
+            steps.setdefault(specs[message.cell_index].key, []).append(len(step_sizes(message)))
+        assert steps["seq2seq/encoder"] == [40]
+        assert max(steps["seq2seq/decoder"]) == STEPS_BEFORE_A_STOP
+    finally:
+        h.close()
 
 
 def test_a_lane_moving_to_another_worker_reads_its_state_from_the_first_at_its_first_step(make_harness):

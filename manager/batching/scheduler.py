@@ -60,6 +60,9 @@ from batchmaker.manager.batching.waves import Waves
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 ROUNDING = 1e-6  # of a step: a delay that holds exactly k steps' cost holds k steps, whatever float division says
+# Steps a lane that may stop early (a decoder, `CellTypeSpec.stop`) takes in one task, at most: its steps past
+# the stop run for nothing, and at saturation that waste costs more than the hand-off of another task.
+STEPS_BEFORE_A_STOP = 16
 
 
 class Scheduler:
@@ -330,6 +333,8 @@ class Scheduler:
         limit = 1
         if self.max_steps_per_task > 1 and cost is not None and cost > 0:
             limit = max(1, min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING)))
+            if queue.spec.stop is not None:
+                limit = min(limit, STEPS_BEFORE_A_STOP)
         steps = self._lane_tasks.steps(queue, taken, limit, worker)
         order = np.argsort(-steps, kind="stable")
         lanes, rows, steps, first = taken.lanes[order], taken.rows[order], steps[order], taken.first[order]
