@@ -55,7 +55,7 @@ class ChildSumPlanner(TreePlanner):
         inputs = np.full((count, 3), ZERO_REF, np.int32)
         inputs[:, 0] = external_ref(np.arange(count))
         kids = [tree.children[node] for node in order.tolist()]
-        ragged_count = np.array([len(k) for k in kids], np.int32)
+        ragged_count = np.array([len(k) for k in kids] + [0] * bool(self.num_classes), np.int32)  # the classifier: none
         ragged_start = (np.cumsum(ragged_count) - ragged_count).astype(np.int32)
         flat = 2 * position[np.array([child for k in kids for child in k], np.int64)]
         refs = np.full((len(flat), 3), ZERO_REF, np.int32)

@@ -381,9 +381,6 @@ class TreePlanner(Planner):
         copies: dict[int, tuple[tuple[str | int, int], ...]] = {root: (("h", 0), ("c", 1))}
         registers = {self.state_kind: np.arange(2 * count)}
         if classes:
-            if ragged is not None:  # the classifier reads no ragged input: its range is empty
-                start, counts, refs = ragged
-                ragged = (np.append(start, len(refs)).astype(np.int32), np.append(counts, 0).astype(np.int32), refs)
             node_inputs[count, 0] = 2 * root
             outputs[count, 0] = 2 * count
             copies[count] = (("logits", 0),)
@@ -398,5 +395,5 @@ class TreePlanner(Planner):
     ) -> tuple[list[tuple[str, int]], np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None, np.ndarray]:
         """For `plan`: the tree cells' lanes as (cell key, end position), every node's inputs in plan
         order (registers of children as 2 * position and 2 * position + 1, external token ids as
-        external references numbered in plan order), ragged inputs (start, count, refs) if any, and
-        the external token ids."""
+        external references numbered in plan order), ragged inputs (start, count, refs) if any, for every
+        node of the plan (the classifier, last, reads none), and the external token ids."""
