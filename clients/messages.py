@@ -54,17 +54,30 @@ def wire_value(name: str, value: Any) -> Any:
     `__array__`) become numpy arrays, so the client needs none of them installed."""
     if isinstance(value, dict):
         return {key: wire_value(f"{name}.{key}", item) for key, item in value.items()}
-    if isinstance(value, (np.ndarray, np.generic, list, tuple, str, bytes, int, float, bool)) or value is None:
+    if isinstance(value, np.ndarray):
+        return _float32(name, value) if value.dtype == np.float64 else value
+    if isinstance(value, (np.generic, list, tuple, str, bytes, int, float, bool)) or value is None:
         return value
     if not hasattr(value, "__array__"):
         return value  # the encoder refuses it, naming its type
     try:
-        return np.asarray(value)
+        array = np.asarray(value)
     except (TypeError, RuntimeError, ValueError) as exc:  # e.g. a tensor on a GPU, or one that requires grad
         raise TypeError(
             f"input {name!r}: cannot read the {type(value).__name__} as a numpy array ({exc}); "
             "pass value.detach().cpu().numpy()"
         ) from None
+    return wire_value(name, array)
+
+
+def _float32(name: str, array: np.ndarray) -> np.ndarray:
+    """A float64 array as float32, the dtype of every float input the server's models take: the model
+    computes in float32 anyway. A value beyond float32's range would change; it is refused here."""
+    with np.errstate(over="ignore"):
+        cast = array.astype(np.float32)
+    if not np.array_equal(np.isfinite(cast), np.isfinite(array)):
+        raise ValueError(f"input {name!r}: float64 values beyond float32's range (the server's models compute in float32)")
+    return cast
 
 
 def read_reply(frame: bytes) -> dict[str, Any] | None:

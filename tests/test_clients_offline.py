@@ -84,8 +84,8 @@ def test_bundle_is_reproducible(tmp_path: Path) -> None:
 
 def test_clients_import_neither_torch_nor_the_server() -> None:
     code = (
-        "import sys, clients, clients.cli, clients.text\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'manager', 'worker')]\n"
+        "import sys, batchmaker.clients, batchmaker.clients.cli, batchmaker.clients.text\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('batchmaker.manager', 'batchmaker.worker'))]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
@@ -297,3 +297,16 @@ def test_cli_against_fake_server(server: FakeServer, capsys: pytest.CaptureFixtu
 
     assert cli_main(["infer", "--address", server.address, "--model", "lstm", "--inputs", "[1]"]) == 1
     assert capsys.readouterr().err.startswith("error USAGE: ")
+
+
+def test_float64_inputs_go_as_float32_and_values_float32_cannot_hold_are_refused_locally() -> None:
+    import torch
+
+    from batchmaker.clients.messages import infer_message
+
+    x = np.array([[0.1, 2.5], [1e-3, -4.0]])
+    sent = infer_message("m", {"x": x, "t": torch.tensor(x), "ids": np.arange(3)}, None, None)["inputs"]
+    assert sent["x"].dtype == np.float32 and sent["t"].dtype == np.float32 and sent["ids"].dtype == np.int64
+    np.testing.assert_array_equal(sent["x"], x.astype(np.float32))
+    with pytest.raises(ValueError, match="input 'x': float64 values beyond float32's range"):
+        infer_message("m", {"x": np.array([1e300])}, None, None)
