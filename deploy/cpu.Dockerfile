@@ -1,11 +1,12 @@
 # batchmaker on CPU workers. Build from the repository root:
 #   docker build -f deploy/cpu.Dockerfile -t batchmaker:cpu .
-# The project is installed by its own scripts/_env.sh (a virtualenv in /app/.venv, the CPU build of torch).
+# The project is installed by its own scripts/_env.sh (a virtualenv in /app/.venv, the CPU build of torch),
+# without the test and bench extras.
 FROM python:3.11-slim
 
 WORKDIR /app
 COPY . /app
-RUN bash -c 'source scripts/_env.sh' && rm -rf /root/.cache/pip \
+RUN BATCHMAKER_EXTRAS= bash -c 'source scripts/_env.sh' && rm -rf /root/.cache/pip \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin batchmaker
 
 ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1

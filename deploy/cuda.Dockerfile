@@ -9,7 +9,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 
 WORKDIR /app
 COPY . /app
-RUN BATCHMAKER_TORCH="$BATCHMAKER_TORCH" bash -c 'source scripts/_env.sh' && rm -rf /root/.cache/pip \
+RUN BATCHMAKER_TORCH="$BATCHMAKER_TORCH" BATCHMAKER_EXTRAS= bash -c 'source scripts/_env.sh' && rm -rf /root/.cache/pip \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin batchmaker
 
 ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1

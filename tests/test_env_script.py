@@ -319,3 +319,12 @@ def test_an_active_virtualenvs_torch_is_never_uninstalled(checkout):
     result = checkout.source(**env)
     assert result.returncode == 0, result.stderr
     assert checkout.pip_calls() == []
+
+
+def test_the_images_install_the_server_without_the_test_and_bench_extras(checkout):
+    result = checkout.source(BATCHMAKER_EXTRAS="")
+    assert result.returncode == 0, result.stderr
+    assert installs(checkout.pip_calls())[-1] == ["install", "-e", str(checkout.root)]
+    for image in ("cpu", "cuda"):
+        assert "BATCHMAKER_EXTRAS= bash -c 'source scripts/_env.sh'" in (ROOT / "deploy" / f"{image}.Dockerfile").read_text()
+
