@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -54,10 +53,11 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of load (default: %(default)s)")
     parser.add_argument("--verify", type=int, default=200, help="replies checked against the reference")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--address", help="the server's client address (default: the config's, tcp://127.0.0.1:5555)")
     args = parser.parse_args()
 
     config = load_config(args.config)
-    address = config.server.address
+    address = args.address or config.server.address
     vocabulary = Vocabulary()
     max_length = config.models["lstm"].params.get("max_length", 400)
     inputs = [{"tokens": vocabulary.encode(s)[:max_length]} for s in load_sentences()]
@@ -65,7 +65,7 @@ def main() -> int:
     # The server's log: open while it runs, kept afterwards.
     log = tempfile.NamedTemporaryFile(prefix="batchmaker-demo-", suffix=".log", delete=False)  # noqa: SIM115
     print(f"starting the server on {address} (log: {log.name})")
-    server = launch(args.config, log)
+    server = launch(args.config, log, *(("--address", address) if args.address else ()))
     try:
         wait_until_ready(address, server, timeout=120)
         print(f"sending {args.rate:.0f} requests/s (Poisson) for {args.duration:.0f} s ...")
@@ -91,11 +91,11 @@ def main() -> int:
           f"{stats['leaving_requests']} requests left while older ones still ran")
     print(f"verified        {checked} replies against the reference model, max abs error {worst:.2e}")
     print(f"shutdown        {'clean, no process left' if not leftovers else f'processes left: {leftovers}'}")
+    print(f"server log      {log.name}")
     failed = worst > TOLERANCE or summary["ok"] != summary["requests"] or leftovers
     if failed:
         print("DEMO FAILED", file=sys.stderr)
         return 1
-    os.unlink(log.name)
     return 0
 
 
