@@ -101,7 +101,7 @@ def test_concurrent_mixed_requests_equal_the_reference(served):
 
 BAD = [
     ("lstm2", {"h0": np.zeros((1, 16), np.float32)}, "h0 must have shape [2, 16], got [1, 16]"),
-    ("lstm2", {"c0": np.zeros((2, 16), np.float64)}, "c0 must be a float32 tensor [2, 16], got float64"),
+    ("lstm2", {"c0": np.zeros((2, 16), np.float16)}, "c0 must be a float32 tensor [2, 16], got float16"),  # float64 goes as float32
     ("lstm2", {"h0": [[0.0] * 16, [float("nan")] * 16]}, "h0[1][0] = nan is not a finite float32"),
     ("gru2", {"c0": np.zeros((2, 16), np.float32)}, "unknown input 'c0' for model 'gru2'; it takes: tokens, h0"),
     ("lstm_x", {"x": np.zeros((0, 16), np.float32)}, "x is empty; send at least one row"),
