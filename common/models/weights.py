@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchmaker.common.config import ConfigError
+from batchmaker.common.models.weights_kind import recognise
 
 if TYPE_CHECKING:
     import torch
@@ -141,19 +142,51 @@ def _check_keys(model: Model, where: str, path: Path, state: dict, expected: dic
         f"  expected: {_listing(list(expected))}",
         f"  found:    {_listing(found)}",
     ]
-    renames = _prefix_renames(missing, [key for key in found if key not in expected], state, expected)
-    if renames:
-        rules = ", ".join(f"{old or '(none)'} -> {new or '(none)'}" for old, new in renames.items())
-        lines.append(
-            f"  The names differ by prefix: {rules} (the prefix is the module's attribute name). Name the "
-            "attributes as expected, or rename the keys into a new file: python -c \"import torch; "
-            f"r = {renames!r}; s = torch.load('{path}', weights_only=True); "
-            "torch.save({next((n + k[len(o):] for o, n in r.items() if k.startswith(o)), k): v "
-            f"for k, v in s.items()}}, '{_sibling(path, 'renamed')}')\""
-        )
-    else:
-        lines.append("  Save a state dict with the expected names (docs/models.md lists each model's), or fix the config.")
+    unexpected = [key for key in found if key not in expected]
+    lines.append(
+        _other_kind(model, path, state, expected)
+        or _rename_hint(_prefix_renames(missing, unexpected, state, expected), path)
+        or "  Save a state dict with the expected names (docs/models.md lists each model's), or fix the config."
+    )
     raise ConfigError("\n".join(lines))
+
+
+def _rename_hint(renames: dict[str, str], path: Path) -> str | None:
+    """For a file of the config's kind whose attribute names differ: the renaming."""
+    if not renames:
+        return None
+    rules = ", ".join(f"{old or '(none)'} -> {new or '(none)'}" for old, new in renames.items())
+    return (
+        f"  The names differ by prefix: {rules} (the prefix is the module's attribute name). Name the "
+        f"attributes as expected, or rename the keys into a new file: {_rename_command(renames, path)}"
+    )
+
+
+def _other_kind(model: Model, path: Path, state: dict, expected: dict[str, tuple[int, ...]]) -> str | None:
+    """For a file of another kind than the config's (another builder, an embedding or a head the config
+    lacks, other layers), which neither renaming nor sizes would fix: the config that serves it."""
+    shapes = {key: tuple(value.shape) for key, value in state.items() if key != RANDOM_MARK and hasattr(value, "shape")}
+    found, wanted = recognise(shapes), recognise(expected)
+    if found is None or wanted is None or found.layout == wanted.layout:
+        return None
+    hint = (
+        f"  The file holds another kind of model: {found.what}, where the config's model reads {wanted.what}. "
+        f"To serve this file, give [models.{model.name}] {found.config_lines()} in place of its sizes"
+    )
+    renames = {old: new for old, new in found.renames.items() if old != new}
+    if not renames:
+        return hint + "."
+    rules = ", ".join(f"{old or '(none)'} -> {new}" for old, new in renames.items())
+    return f"{hint}, and rename its keys ({rules}) into a new file: {_rename_command(found.renames, path)}"
+
+
+def _rename_command(renames: dict[str, str], path: Path) -> str:
+    """A command that writes a copy of the file with its key prefixes renamed (the first that matches)."""
+    return (
+        f"python -c \"import torch; r = {renames!r}; s = torch.load('{path}', weights_only=True); "
+        "torch.save({next((n + k[len(o):] for o, n in r.items() if k.startswith(o)), k): v "
+        f"for k, v in s.items()}}, '{_sibling(path, 'renamed')}')\""
+    )
 
 
 def _listing(keys: list[str]) -> str:
@@ -191,7 +224,6 @@ def _check_shapes(model: Model, where: str, path: Path, state: dict, expected: d
         return
     sizes = ", ".join(f"{key} = {value}" for key, value in sorted(model.config.params.items()) if isinstance(value, int))
     details = "; ".join(f"{key} is {found} in the file, the config needs {shape}" for key, found, shape in wrong[:SHOWN_KEYS])
-    raise ConfigError(
-        f"{where} weights file {path} does not fit the config's sizes ({sizes}): {details}. "
-        f"Set the sizes in [models.{model.name}] to those the weights were trained with."
-    )
+    other_kind = _other_kind(model, path, state, expected)
+    remedy = f"\n{other_kind}" if other_kind else f" Set the sizes in [models.{model.name}] to those the weights were trained with."
+    raise ConfigError(f"{where} weights file {path} does not fit the config's sizes ({sizes}): {details}.{remedy}")
