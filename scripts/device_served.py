@@ -35,7 +35,7 @@ def serving_config(directory: Path, devices: list[str], cuda_graphs: bool = Fals
     if lstm_hidden is not None:
         text = text[: text.index("[models.gru]")].replace("hidden_size = 256", f"hidden_size = {lstm_hidden}")
         text = re.sub(r"(?m)^batch_sizes = .*$", "batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]", text)
-        text = text.replace('"../weights/lstm-h256.pt"', f'"{directory}/lstm-h{lstm_hidden}.pt"')
+        text = text.replace('"../weights/lstm-h256-random.pt"', f'"{directory}/lstm-h{lstm_hidden}.pt"')
     workers = f"devices = {_toml_list(devices)}" if devices[0] != "cpu" else f'devices = "cpu"\ncpu_workers = {len(devices)}'
     text = re.sub(r"(?m)^devices = .*$\n^cpu_workers = .*$", f"{workers}\ncuda_graphs = {str(cuda_graphs).lower()}", text)
     text = re.sub(r"(?m)^address = .*$", f'address = "tcp://127.0.0.1:{free_port_on("127.0.0.1")}"', text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def test_default_config_loads() -> None:
     assert list(config.models) == ["lstm"]
     lstm = config.models["lstm"]
     assert lstm.builder == "batchmaker.common.models.lstm:build"
-    assert lstm.weights == (ROOT / "weights" / "lstm-h256.pt").resolve()
+    assert lstm.weights == (ROOT / "weights" / "lstm-h256-random.pt").resolve()
     assert lstm.params["hidden_size"] == 256
     assert lstm.params["vocab_size"] == 8192
     assert lstm.default_cell.batch_sizes[0] == 1 and lstm.default_cell.batch_sizes[-1] == 64
@@ -536,3 +537,14 @@ def test_cross_gpu_reads_are_always_allowed_unless_set(tmp_path: Path) -> None:
 @pytest.mark.parametrize("value", ['"sometimes"', "true", '""'])
 def test_an_unknown_cross_gpu_reads_is_refused(tmp_path: Path, value: str) -> None:
     config_error(tmp_path, f"[server]\ncross_gpu_reads = {value}\n" + MODEL, "cross_gpu_reads")
+
+
+def test_the_bundled_configs_name_their_random_weights_as_random():
+    """init-weights writes random weights under the names these give: never a trained model's name."""
+    configs = [*(ROOT / "configs").glob("*.toml")]
+    assert configs
+    for path in configs:
+        for model in load_config(path).models.values():
+            assert model.weights.stem.endswith("-random"), (path.name, model.name, model.weights.name)
+    manifests = (ROOT / "deploy" / "k8s" / "configmap.yaml").read_text()
+    assert re.findall(r'weights = "([^"]+)"', manifests) == ["/weights/lstm-h256-random.pt"]

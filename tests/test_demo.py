@@ -16,7 +16,7 @@ from batchmaker.common.models import init_missing_weights
 def test_the_demo_serves_on_its_address_and_keeps_its_log(tmp_path: Path):
     config = tmp_path / "default.toml"
     text = (ROOT / "configs" / "default.toml").read_text()
-    config.write_text(text.replace('weights = "../weights/lstm-h256.pt"', f'weights = "{tmp_path}/lstm.pt"'))
+    config.write_text(text.replace('weights = "../weights/lstm-h256-random.pt"', f'weights = "{tmp_path}/lstm.pt"'))
     init_missing_weights(load_config(config))
     address = f"tcp://127.0.0.1:{free_port()}"
     done = subprocess.run(
