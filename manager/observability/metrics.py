@@ -160,11 +160,10 @@ class Metrics:
         self._latency_children = {model: (self._latency.labels(model), self._queue.labels(model)) for model in models}
         self._partial_children = {model: self._partials.labels(model) for model in models}
         self._control_children = {op: self._control_calls.labels(op) for op in CONTROL_OPS}
-        self._cell_children = {
-            cell: (self._batch_size.labels(cell), self._tasks.labels(cell), self._queue_depth.labels(cell))
-            for cell in cell_types
-        }
-        self._worker_children: dict[str, tuple[Gauge, Gauge, Gauge]] = {}
+        self._cell_children: dict[str, tuple] = {}
+        for cell in cell_types:
+            self._cell(cell)
+        self._worker_children: dict[str, tuple] = {}
         self._metrics_app = make_wsgi_app(self.registry)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -215,14 +214,8 @@ class Metrics:
         self._cell(cell_type)[2].set(ready_nodes)
 
     def set_worker(self, worker: str, tasks_in_flight: int, arena_rows_in_use: int, arena_rows_capacity: int) -> None:
-        children = self._worker_children.get(worker)
-        if children is None:
-            children = self._worker_children[worker] = (
-                self._in_flight.labels(worker),
-                self._rows_in_use.labels(worker),
-                self._rows_capacity.labels(worker),
-            )
-        in_flight, in_use, capacity = children
+        gauges = (self._in_flight, self._rows_in_use, self._rows_capacity)
+        in_flight, in_use, capacity = _labelled(self._worker_children, worker, gauges)
         in_flight.set(tasks_in_flight)
         in_use.set(arena_rows_in_use)
         capacity.set(arena_rows_capacity)
@@ -237,14 +230,7 @@ class Metrics:
         self._restarts.inc()
 
     def _cell(self, cell_type: str) -> tuple[Histogram, Counter, Gauge]:
-        children = self._cell_children.get(cell_type)
-        if children is None:
-            children = self._cell_children[cell_type] = (
-                self._batch_size.labels(cell_type),
-                self._tasks.labels(cell_type),
-                self._queue_depth.labels(cell_type),
-            )
-        return children
+        return _labelled(self._cell_children, cell_type, (self._batch_size, self._tasks, self._queue_depth))
 
     # -- exposition -----------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> int:
@@ -295,3 +281,12 @@ class Metrics:
         ok, reason = probe()
         start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain; charset=utf-8")])
         return [reason.encode() + b"\n"]
+
+
+def _labelled(cache: dict[str, tuple], label: str, metrics: tuple[Any, ...]) -> tuple:
+    """The metrics' children for `label`, made once and kept in `cache`: `labels()` takes a lock and a
+    lookup on every call."""
+    children = cache.get(label)
+    if children is None:
+        children = cache[label] = tuple(metric.labels(label) for metric in metrics)
+    return children
