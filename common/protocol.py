@@ -52,7 +52,7 @@ OPS = tuple(REQUEST_FIELDS)
 _FIELDS = {op: dict.fromkeys(fields).keys() for op, fields in REQUEST_FIELDS.items()}  # ordered, and sets
 SHOWN_UNKNOWN_NAMES = 8  # unknown names a refusal quotes at most
 # Every op but infer: calls about the server, which stats counts apart from inference requests.
-CONTROL_OPS = ("models", "health", "stats", "cancel")
+CONTROL_OPS = tuple(op for op in REQUEST_FIELDS if op != "infer")
 
 # Tensor dtypes accepted on the wire; anything else is refused rather than guessed.
 WIRE_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
