@@ -336,7 +336,6 @@ def plan_of(
     ends a padded graph's padding. A lane without nodes (a one-word tree has no internal node) is
     left out: queued, it would start at the next lane's first node and run it as its own cell type."""
     count = len(depth)
-    _check_lengths(count, inputs=inputs, outputs=outputs, **dict(zip(("ragged_start", "ragged_count"), ragged or ())))
     kept = [lane[1] > start for lane, start in zip(lanes, [0, *(end for _, end in lanes)])]
     lanes = [lane for lane, keep in zip(lanes, kept) if keep]
     layouts = (None,) * len(lanes) if lane_layouts is None else tuple(l for l, keep in zip(lane_layouts, kept) if keep)
@@ -353,6 +352,7 @@ def plan_of(
         np.zeros(count, np.int32),
         np.zeros((0, inputs.shape[1]), np.int32),
     )
+    _check_lengths(count, inputs=inputs, outputs=outputs, ragged_start=ragged_start, ragged_count=ragged_count)
     return Plan(
         lane_cells=tuple(key for key, _ in lanes),
         lane_bounds=bounds,
