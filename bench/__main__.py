@@ -1,4 +1,5 @@
-"""./scripts/bench PRESET [--quick]: run benchmark presets and write results/PRESET.json and plots."""
+"""./scripts/bench PRESET [--quick]: run benchmark presets and write results/PRESET.json and plots;
+./scripts/bench results --from DIR: write the results page (and the README's block) from that JSON."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from batchmaker.bench import (
     overload,
     plots,
     report,
+    results,
+    results_page,
+    results_readme,
     servers,
     servers_report,
     stages,
@@ -28,11 +32,29 @@ from batchmaker.bench.run import MODERATE, ROOT, run_preset
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
     parser.add_argument(
-        "preset", choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "all"]
+        "preset", choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "all", "results"]
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        default=ROOT / "docs" / "benchmarks",
+        help="results: the directory of JSON to read (default: docs/benchmarks)",
+    )
+    parser.add_argument("--page", type=Path, help="results: the page to write (default: DIR/results.md)")
+    parser.add_argument("--readme", type=Path, help="results: a README whose results block to rewrite")
     args = parser.parse_args(argv)
+    if args.preset == "results":
+        page = args.page or args.source / "results.md"
+        try:
+            results_page.write(args.source, page, args.readme)
+        except (results.NoResults, results_readme.NoReadmeBlock) as exc:
+            print(f"results: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {page}" + (f" and the results block of {args.readme}" if args.readme else ""))
+        return 0
     sweep = QUICK if args.quick else FULL
     if args.preset in ("ceiling", "all"):
         result = ceiling.run(args.quick, args.out)
@@ -110,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         wrong.append("overload")
     if args.preset == "all" and not chaos.main(args.quick, args.out):
         wrong.append("chaos")
+    if args.preset == "all":
+        results_page.write(args.out, args.out / "results.md")
+        print(f"wrote {args.out / 'results.md'}")
     return 1 if wrong else 0
 
 
