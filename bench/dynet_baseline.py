@@ -1,7 +1,7 @@
 """The treelstm preset's `dynet` section: the same TreeLSTM in DyNet 2.1.2, offline, as a baseline.
 
 DyNet is an optional dependency kept out of the project's environment: `BATCHMAKER_DYNET_PYTHON`
-names a Python that can `import dynet` (BENCHMARKS.md says how to build one). That interpreter runs
+names a Python that can `import dynet` (docs/benchmarks/log.md says how to build one). That interpreter runs
 bench/dynet_treelstm.py on the preset's weights and SST trees (agenda-based autobatching, `BATCH`
 trees per graph, one thread) and reports trees/s; its roots are checked against our reference.
 In the same run, the cellular server is driven by a closed loop, and our sustained (from the

@@ -1,4 +1,4 @@
-"""The summary of a preset's run, its targets, and the table BENCHMARKS.md shows."""
+"""The summary of a preset's run, its targets, and the table `./scripts/bench` prints."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ class ExpectedWait:
     view on purpose: queued cells drain at the rate the whole server runs them, and a manager short
     of CPU drains them slower than its workers could run them. A build in which each worker timed
     its own tasks put the capacity up to 46% above the rate the server answered at under overload
-    (BENCHMARKS.md, "A task's busy time, timed by the worker").
+    (docs/benchmarks/log.md, "A task's busy time, timed by the worker").
 
     Only nearly full tasks count: small batches run far fewer cells per second than full ones, so
     a rate measured on them would turn away bursts the server could absorb, and a server filling
