@@ -3,8 +3,9 @@
 Starts `batchmaker serve` on configs/default.toml, sends Poisson arrivals of real
 English sentences (data/wmt16-ende/sample.en) for about 20 s, checks a random
 sample of replies against the unbatched reference model, prints throughput,
-latency, queueing vs compute time and batch sizes, then stops the server and
-checks that none of its processes is left.
+latency, queueing vs compute time and batch sizes beside the numbers the results
+page's JSON holds for the same model (docs/benchmarks/, and whether they were measured
+on this machine), then stops the server and checks that none of its processes is left.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from batchmaker.bench import yardstick
 from batchmaker.clients import Client
 from batchmaker.clients.loadgen import run_open_loop, summarize
 from batchmaker.clients.text import Vocabulary, load_sentences
@@ -54,6 +56,12 @@ def main() -> int:
     parser.add_argument("--verify", type=int, default=200, help="replies checked against the reference")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--address", help="the server's client address (default: the config's, tcp://127.0.0.1:5555)")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=ROOT / "docs" / "benchmarks",
+        help="the benchmark JSON to compare with (default: the results page's, docs/benchmarks)",
+    )
     args = parser.parse_args()
 
     config = load_config(args.config)
@@ -89,6 +97,8 @@ def main() -> int:
     print(f"mean batch size {stats['mean_batch_size']:.1f} cells per task over {stats['tasks']} tasks")
     print(f"cellular        {stats['joining_tasks']} tasks joined new requests to running ones; "
           f"{stats['leaving_requests']} requests left while older ones still ran")
+    for line in yardstick.lines(args.reference, args.rate, config.models["lstm"].params):
+        print(line)
     print(f"verified        {checked} replies against the reference model, max abs error {worst:.2e}")
     print(f"shutdown        {'clean, no process left' if not leftovers else f'processes left: {leftovers}'}")
     print(f"server log      {log.name}")
