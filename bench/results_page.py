@@ -14,6 +14,7 @@ from batchmaker.bench import results_readme
 from batchmaker.bench.presets import PRESETS
 from batchmaker.bench.results import (
     TIE,
+    NoResults,
     Workload,
     commit_of,
     fault_rows,
@@ -276,6 +277,10 @@ def readme_block(results: dict[str, dict[str, Any]], page: Path, readme: Path) -
 def write(directory: Path, page: Path, readme: Path | None = None) -> None:
     """The page from the JSON in `directory`, and the README's block when a README is named."""
     results = load(directory)
+    if not shown_results(results):
+        raise NoResults(
+            f"{directory} holds no JSON of the presets the page shows ({', '.join([*PRESETS, *ALSO_SHOWN])})"
+        )
     if readme is not None:  # checked before the page is written, so a README without a block changes nothing
         results_readme.rewrite(readme, readme_block(results, page, readme))
     page.write_text(render(results, directory, page, readme))

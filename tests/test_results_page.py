@@ -125,8 +125,11 @@ def test_the_five_lines_follow_from_the_ratios(bench_dir: Path):
 def test_a_directory_without_idle_overload_or_chaos_says_they_were_not_measured(bench_dir: Path):
     for name in ("idle", "overload", "chaos", "http"):
         (bench_dir / f"{name}.json").unlink()
+    lstm = json.loads((bench_dir / "lstm.json").read_text())
+    (bench_dir / "lstm.json").write_text(json.dumps(dict(lstm, quick=True)))
     results_page.write(bench_dir, bench_dir / "results.md")
     page = (bench_dir / "results.md").read_text()
+    assert "**Smoke run:** lstm ran with `--quick`" in page
     assert "**Idle:** not measured here" in page
     assert "Not measured here: `./scripts/bench overload` and `./scripts/bench chaos` write them." in page
 
@@ -159,6 +162,12 @@ def test_bad_input_is_refused_with_a_clear_error_and_writes_nothing(tmp_path: Pa
     assert main(["results", "--from", str(bench_dir), "--readme", str(readme)]) == 2
     assert "has no results block" in capsys.readouterr().err
     assert readme.read_text() == "# no block here\n" and not (bench_dir / "results.md").exists()
+
+    only_servers = tmp_path / "servers"
+    only_servers.mkdir()
+    (only_servers / "servers.json").write_text(json.dumps({"preset": "servers", "machine": MACHINE}))
+    assert main(["results", "--from", str(only_servers)]) == 2
+    assert "holds no JSON of the presets the page shows" in capsys.readouterr().err
 
     (bench_dir / "broken.json").write_text("{not json")
     assert main(["results", "--from", str(bench_dir)]) == 2
