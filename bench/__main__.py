@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         page = args.page or args.source / "results.md"
         try:
             results_page.write(args.source, page, args.readme)
-        except (results.NoResults, results_readme.NoReadmeBlock) as exc:
+        except (results.ResultsError, results_readme.NoReadmeBlock) as exc:
             print(f"results: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {page}" + (f" and the results block of {args.readme}" if args.readme else ""))

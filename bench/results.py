@@ -22,6 +22,7 @@ from typing import Any
 
 from batchmaker.bench.presets import PRESETS
 
+PEER_KEYS = ("name", "setting", "requests_per_s", "cellular_requests_per_s")  # what every `peers` entry holds
 TIE = 1.1  # a ratio within 1/TIE..TIE either way is a tie: the run-to-run spread of one policy is about this
 
 
@@ -83,8 +84,8 @@ class Comparison:
         return f"{self.preset} {self.ratio:.2f}x {self.against} ({self.ours:,.0f} against {self.theirs:,.0f} {unit})"
 
 
-class NoResults(Exception):
-    """The directory holds no JSON a results page can be made from."""
+class ResultsError(Exception):
+    """The directory's JSON cannot make a results page: there is none, a file is not JSON, or an entry lacks a field."""
 
 
 def load(directory: Path) -> dict[str, dict[str, Any]]:
@@ -94,9 +95,9 @@ def load(directory: Path) -> dict[str, dict[str, Any]]:
         try:
             found[path.stem] = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
-            raise NoResults(f"{path} is not JSON: {exc}") from exc
+            raise ResultsError(f"{path} is not JSON: {exc}") from exc
     if not found:
-        raise NoResults(f"{directory} holds no benchmark JSON (./scripts/bench all --out {directory} writes it)")
+        raise ResultsError(f"{directory} holds no benchmark JSON (./scripts/bench all --out {directory} writes it)")
     return found
 
 
@@ -119,6 +120,10 @@ def peers(result: dict[str, Any]) -> list[Row]:
                 "cellular_requests_per_s": closed["trees_per_s"],
             }
         )
+    for entry in entries:
+        missing = [key for key in PEER_KEYS if key not in entry]
+        if missing:
+            raise ResultsError(f"{result.get('preset')}: a peers entry lacks {', '.join(missing)}: {entry}")
     return [
         Row(
             entry["name"],

@@ -14,7 +14,7 @@ from batchmaker.bench import results_readme
 from batchmaker.bench.presets import PRESETS
 from batchmaker.bench.results import (
     TIE,
-    NoResults,
+    ResultsError,
     Workload,
     commit_of,
     fault_rows,
@@ -37,6 +37,7 @@ def shown(path: Path) -> str:
 
 
 def link(target: Path, page: Path) -> str:
+    """A markdown link's target as seen from the page, so that the page can live anywhere."""
     return Path(os.path.relpath(target.resolve(), page.resolve().parent)).as_posix()
 
 
@@ -278,7 +279,7 @@ def write(directory: Path, page: Path, readme: Path | None = None) -> None:
     """The page from the JSON in `directory`, and the README's block when a README is named."""
     results = load(directory)
     if not shown_results(results):
-        raise NoResults(
+        raise ResultsError(
             f"{directory} holds no JSON of the presets the page shows ({', '.join([*PRESETS, *ALSO_SHOWN])})"
         )
     if readme is not None:  # checked before the page is written, so a README without a block changes nothing

@@ -169,6 +169,10 @@ def test_bad_input_is_refused_with_a_clear_error_and_writes_nothing(tmp_path: Pa
     assert main(["results", "--from", str(only_servers)]) == 2
     assert "holds no JSON of the presets the page shows" in capsys.readouterr().err
 
+    (bench_dir / "http.json").write_text(json.dumps({"preset": "http", "peers": [{"name": "Triton 2.50"}]}))
+    assert main(["results", "--from", str(bench_dir)]) == 2
+    assert "http: a peers entry lacks setting, requests_per_s, cellular_requests_per_s" in capsys.readouterr().err
+
     (bench_dir / "broken.json").write_text("{not json")
     assert main(["results", "--from", str(bench_dir)]) == 2
     assert "broken.json is not JSON" in capsys.readouterr().err
