@@ -42,7 +42,7 @@ def machine_line(there: dict[str, Any]) -> str:
 
 
 def lines(directory: Path, rate: float, params: dict[str, Any]) -> list[str]:
-    """The lines the demo prints beside its own numbers (one saying so when the reference is missing)."""
+    """The lines the demo prints beside its own numbers (one saying why when there is no reference to print)."""
     path = directory / f"{PRESET}.json"
     if not path.exists():
         return [
@@ -51,18 +51,25 @@ def lines(directory: Path, rate: float, params: dict[str, Any]) -> list[str]:
                 "measures it on this machine)"
             )
         ]
-    result = json.loads(path.read_text())
+    try:
+        return measured(directory, json.loads(path.read_text()), rate, params)
+    except (json.JSONDecodeError, KeyError, ValueError) as exc:
+        return [f"reference       none: {shown(path)} is not a {PRESET} preset's JSON ({type(exc).__name__}: {exc})"]
+
+
+def measured(directory: Path, result: dict[str, Any], rate: float, params: dict[str, Any]) -> list[str]:
+    """The cellular policy's latency at the load nearest the demo's, its peak, a lone request, and the machine."""
     cellular = result["policies"]["cellular"]
     near = min(cellular["points"] + list(cellular["moderate"].values()), key=lambda p: abs(p["offered_rps"] - rate))
     latency = near["latency_ms"]
     differ = model_differences(result, params)
     found = [
-        f"reference       {shown(path)} (commit {commit_of(result)}): the cellular policy, "
+        f"reference       {shown(directory / f'{PRESET}.json')} (commit {commit_of(result)}): the cellular policy, "
         + ("the same model on the same sentences" if not differ else f"ANOTHER model ({'; '.join(differ)})"),
         (
             f"{INDENT}at {near['offered_rps']:.0f} requests/s offered: latency p50 {latency['p50']:.2f}  "
-            f"p90 {latency['p90']:.2f}  p99 {latency['p99']:.2f} ms; peak {result['summary']['cellular']['peak_throughput']:.0f} "
-            "requests/s"
+            f"p90 {latency['p90']:.2f}  p99 {latency['p99']:.2f} ms; "
+            f"peak {result['summary']['cellular']['peak_throughput']:.0f} requests/s"
         ),
     ]
     idle_path = directory / "idle.json"

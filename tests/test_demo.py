@@ -57,6 +57,12 @@ def test_the_reference_says_when_it_is_missing_from_another_model_or_from_anothe
     (missing,) = yardstick.lines(tmp_path, 200.0, params)
     assert missing.startswith("reference       none: ") and f"{tmp_path / 'lstm.json'} is missing" in missing
 
+    (tmp_path / "lstm.json").write_text(json.dumps({"preset": "lstm", "policies": {"padded": {}}}))
+    (unusable,) = yardstick.lines(tmp_path, 200.0, params)
+    assert (
+        f"reference       none: {tmp_path / 'lstm.json'} is not a lstm preset's JSON (KeyError: 'cellular')" == unusable
+    )
+
     result = json.loads((REFERENCE / "lstm.json").read_text())
     result["machine"] = dict(machine(), cores=machine()["cores"] + 1)
     (tmp_path / "lstm.json").write_text(json.dumps(result))
