@@ -122,6 +122,16 @@ def test_the_five_lines_follow_from_the_ratios(bench_dir: Path):
     assert "1.3x-5.0x" in idle and "the server's own path adding 6.0-8.0 ms" in idle
 
 
+def test_a_peer_in_a_workloads_json_joins_its_table(tmp_path: Path):
+    lstm = workload("lstm", {"cellular": (1000.0, 50.0), "padded": (500.0, 200.0)}, peers=[TRITON])
+    (tmp_path / "lstm.json").write_text(json.dumps(lstm))
+    results_page.write(tmp_path, tmp_path / "results.md")
+    page = (tmp_path / "results.md").read_text()
+    assert "| padded | 500 | 200.0 | 2.00x | 0.25x |\n| Triton 2.50 | 400 | 40.0 | 1.50x | 0.50x |" in page
+    assert "- Triton 2.50: HTTP, 64 requests outstanding: 400 against cellular batching's 600 req/s." in page
+    assert "lstm 1.50x Triton 2.50 (600 against 400 req/s)" in verdict_line(page, "Wins on peak throughput")
+
+
 def test_a_directory_without_idle_overload_or_chaos_says_they_were_not_measured(bench_dir: Path):
     for name in ("idle", "overload", "chaos", "http"):
         (bench_dir / f"{name}.json").unlink()
