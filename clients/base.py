@@ -18,6 +18,7 @@ from .messages import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, CurveKeys, Reply, infer_
 from .retry import DEFAULT_BACKOFF, DEFAULT_MAX_RETRIES, Backoff, is_refusal, retry_after_s
 from .servers import ASIDE, DEFAULT_HEALTH_INTERVAL, DEFAULT_HEALTH_TIMEOUT, RequestId, Server, ServerSet, as_addresses
 from .sessions import SessionSteps
+from .trace_context import trace_fields
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024  # the server's default server.max_message_bytes, for servers that do not say
 SMALLEST_MESSAGE_LIMIT = 1024  # the lowest server.max_message_bytes a server accepts: smaller requests always fit
@@ -108,8 +109,9 @@ class ClientBase:
         session_end: bool,
         stream: bool = False,
     ) -> tuple[dict[str, Any], Server | None]:
-        """An infer message, and the server it must go to: its session's, else None (any)."""
-        message = infer_message(model, inputs, deadline_ms, priority, stream)
+        """An infer message, and the server it must go to: its session's, else None (any). It carries the
+        current span's trace context, if any, so that the server's span joins the caller's trace."""
+        message = infer_message(model, inputs, deadline_ms, priority, stream) | trace_fields()
         if session is None:
             return message, None
         server = self.sessions.server(session, self._servers.pick)

@@ -21,6 +21,7 @@ AFFINITIES = ("subgraph", "request")
 # Reads of another GPU's arenas: also staged through a CUDA context on the other GPU where the two have no
 # peer access; only where they have it; none at all.
 CROSS_GPU_READS = ("always", "peer-access", "never")
+TRACE_PROTOCOLS = ("http/protobuf", "grpc")  # OTLP transports, named as OTEL_EXPORTER_OTLP_PROTOCOL names them
 
 
 class ConfigError(ValueError):
@@ -115,11 +116,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry spans of requests, exported over OTLP (docs/deploy.md, "Tracing with a collector")."""
+
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    protocol: str = "http/protobuf"
+    sample_rate: float = 0.0  # of requests without a sampled caller; a caller's sampled flag is always honoured
+    service_name: str = "batchmaker"
+    max_queued_spans: int = 2048  # finished spans waiting for the exporter; beyond it new ones are dropped
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     server: ServerConfig = field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
+    tracing: TracingConfig | None = None  # None: no [tracing] table, no spans
 
 
 def load_config(path: str | Path) -> Config:
@@ -135,16 +148,17 @@ def load_config(path: str | Path) -> Config:
 
 
 def parse_config(raw: dict[str, Any], path: Path) -> Config:
-    unknown = set(raw) - {"server", "scheduler", "models"}
+    unknown = set(raw) - {"server", "scheduler", "models", "tracing"}
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models")
+        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models, tracing")
     server = _parse_server(_table(raw, "server", path), path)
     scheduler = _parse_scheduler(_table(raw, "scheduler", path), path)
     models_raw = _table(raw, "models", path)
     if not models_raw:
         raise ConfigError(f"{path}: no [models.NAME] table; at least one model must be served")
     models = {name: _parse_model(name, _table(models_raw, name, path, f"models.{name}"), path) for name in models_raw}
-    return Config(path=path, server=server, scheduler=scheduler, models=models)
+    tracing = _parse_tracing(_table(raw, "tracing", path), path) if "tracing" in raw else None
+    return Config(path=path, server=server, scheduler=scheduler, models=models, tracing=tracing)
 
 
 def _table(raw: dict[str, Any], key: str, path: Path, where: str | None = None) -> dict[str, Any]:
@@ -294,6 +308,27 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
         ),
         max_steps_per_task=_positive_int(table, "max_steps_per_task", defaults.max_steps_per_task, "scheduler", path),
         max_join_delay_us=_positive_int(table, "max_join_delay_us", defaults.max_join_delay_us, "scheduler", path),
+    )
+
+
+def _parse_tracing(table: dict[str, Any], path: Path) -> TracingConfig:
+    defaults = TracingConfig()
+    _check_keys(table, set(TracingConfig.__dataclass_fields__), "tracing", path)
+    protocol = _string(table, "protocol", defaults.protocol, "tracing", path)
+    if protocol not in TRACE_PROTOCOLS:
+        raise ConfigError(f"{path}: [tracing] protocol must be one of {', '.join(TRACE_PROTOCOLS)}, got {protocol!r}")
+    endpoint = _string(table, "endpoint", defaults.endpoint, "tracing", path)
+    if not endpoint.startswith(("http://", "https://")):
+        raise ConfigError(f'{path}: [tracing] endpoint must be a URL like "http://127.0.0.1:4318/v1/traces", got {endpoint!r}')
+    rate = table.get("sample_rate", defaults.sample_rate)
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"{path}: [tracing] sample_rate must be a number from 0.0 to 1.0, got {rate!r}")
+    return TracingConfig(
+        endpoint=endpoint,
+        protocol=protocol,
+        sample_rate=float(rate),
+        service_name=_string(table, "service_name", defaults.service_name, "tracing", path),
+        max_queued_spans=_positive_int(table, "max_queued_spans", defaults.max_queued_spans, "tracing", path),
     )
 
 

@@ -42,7 +42,10 @@ ERROR_CODES = (
 
 # The fields a request of each op may carry (docs/protocol.md, "Requests"): any other is refused.
 REQUEST_FIELDS = {
-    "infer": ("id", "op", "model", "inputs", "deadline_ms", "priority", "stream", "session", "session_end", "session_step"),
+    "infer": (
+        "id", "op", "model", "inputs", "deadline_ms", "priority", "stream", "session", "session_end", "session_step",
+        "traceparent", "tracestate",
+    ),
     "models": ("id", "op"),
     "health": ("id", "op"),
     "stats": ("id", "op"),
