@@ -14,6 +14,7 @@ from batchmaker.common.config import POLICIES, ConfigError, load_config, with_me
 from batchmaker.common.logs import setup_logging
 from batchmaker.manager.loop.server import Manager
 from batchmaker.manager.observability.memory_trace import MemoryTrace
+from batchmaker.manager.observability.trace_export import open_tracing
 
 log = logging.getLogger("batchmaker.manager")
 
@@ -47,14 +48,9 @@ def main(argv: list[str] | None = None) -> int:
             config = with_policy(config, args.policy)
         if args.metrics_address is not None:
             config = with_metrics_address(config, args.metrics_address)
-        manager = Manager(
-            config,
-            args.address or config.server.address,
-            args.worker_address,
-            args.expected_workers,
-            args.parent_pid,
-            token,
-        )
+        address = args.address or config.server.address
+        tracing = open_tracing(config, address)
+        manager = Manager(config, address, args.worker_address, args.expected_workers, args.parent_pid, token, tracing)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -42,6 +42,9 @@ from batchmaker.manager.loop.frontend import ClientFrontend, Incoming
 from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.manager.observability.metrics import Metrics
 from batchmaker.manager.observability.stats import Stats
+
+if TYPE_CHECKING:
+    from batchmaker.manager.observability.tracing import RequestTracing
 
 log = logging.getLogger("batchmaker.manager")
 
@@ -73,7 +76,9 @@ class Manager:
         expected_workers: int,
         parent_pid: int | None = None,
         supervisor_token: bytes = b"",
+        tracing: RequestTracing | None = None,
     ):
+        """`tracing`: the spans of requests (manager.observability.trace_export.open_tracing), or None for none."""
         self.config = config
         self.models, self.specs, self.kinds = load_models(config)
         self.expected_workers = expected_workers
@@ -92,6 +97,7 @@ class Manager:
             bound = metrics.serve(host, int(port))
             log.info("metrics on http://%s:%d/metrics", host, bound)
         self.stats = Stats(metrics)
+        self.tracing = tracing
         self._context = server_context()
         self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, supervisor_token)
         self.workers = self.pool.workers
@@ -155,9 +161,14 @@ class Manager:
                 self.pool.send(worker, tasks)
                 for task in tasks:
                     self.stats.task_submitted(task)
+                if self.tracing is not None and self.tracing.live:
+                    for task in tasks:
+                        self.tracing.task_submitted(task, self.core.processor.requests_of(task))
 
     def _read_notices(self) -> None:
         for worker, notice in self.pool.notices():
+            if self.tracing is not None:
+                self.tracing.tasks_finished(notice.task_ids)
             self._conclude(self.core.tasks_finished(worker, notice))
 
     def _check_parent(self) -> None:
@@ -175,10 +186,14 @@ class Manager:
         self.frontend.close()
         self._context.term()
         self.stats.close()
+        if self.tracing is not None:
+            self.tracing.close()
 
     def _conclude(self, outcomes: list[Outcome]) -> None:
         """Reply to the requests the core concluded about, and record each outcome."""
         for outcome in outcomes:
+            if self.tracing is not None:
+                self.tracing.concluded(outcome)
             if isinstance(outcome, Refused):
                 self.stats.request_refused(outcome.error.code)
                 self.frontend.refuse(outcome.client, outcome.request_id, outcome.error)
@@ -231,6 +246,8 @@ class Manager:
         log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
         self.pool.remove(worker)
         self.stats.worker_lost(worker.worker_id)
+        if self.tracing is not None:
+            self.tracing.worker_lost(worker.worker_id, reason)
         self._conclude(self.core.worker_lost(worker, reason, self.draining))
 
     # -- clients -------------------------------------------------------------------------------
@@ -294,6 +311,8 @@ class Manager:
         if not burst:
             return
         admitted = self.core.admit_burst([(i.client, i.request_id, i.message, i.arrival) for i in burst])
+        if self.tracing is not None:
+            self.tracing.received(burst, admitted)
         refusals = [(incoming, result) for incoming, result in zip(burst, admitted) if isinstance(result, RequestError)]
         retry_after_ms = self._retry_after_ms() if any(e.code == OVERLOADED for _, e in refusals) else None
         for incoming, error in refusals:
@@ -349,7 +368,9 @@ class Manager:
         }
 
     def _stats(self) -> dict[str, Any]:
+        tracing = {} if self.tracing is None else {"tracing": self.tracing.snapshot()}
         return {
+            **tracing,
             **self.stats.snapshot(),
             "policy": self.config.scheduler.policy,
             "host": self.pool.host,
