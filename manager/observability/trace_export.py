@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ EXPORT_TIMEOUT_S = 10.0  # one export to the collector, retries included
 EXPORT_BATCH = 512  # spans per export at most
 EXPORT_DELAY_MS = 1000  # how long a span may wait for a fuller batch
 DROP_LOG_INTERVAL_S = 60.0
+# The SDK counts its processor's queue and drops only when this says so; `stats` reports them from those counts.
+SDK_METRICS_SWITCH = "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"
 _EXPORTERS = {
     "http/protobuf": ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "tracing"),
     "grpc": ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "tracing-grpc"),
@@ -64,6 +67,7 @@ def open_tracing(config: Config, address: str) -> RequestTracing | None:
     from batchmaker.manager.observability.tracing import RequestTracing
 
     tracing = config.tracing
+    os.environ.setdefault(SDK_METRICS_SWITCH, "true")  # read as the processor is made; an operator's "false" stands
     reader = InMemoryMetricReader()
     provider = TracerProvider(resource=Resource.create({"service.name": tracing.service_name}), sampler=ALWAYS_ON)
     processor = BatchSpanProcessor(

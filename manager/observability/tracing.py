@@ -273,10 +273,12 @@ def _server_attributes(address: str) -> dict[str, Any]:
 
 
 def _processor_metrics(reader: InMemoryMetricReader) -> dict[str, int]:
-    """The span processor's queue and drops, from the metrics the SDK keeps about it."""
-    queued = capacity = dropped = 0
+    """The span processor's queue and drops, from the metrics the SDK keeps about it (none where those are off)."""
     data = reader.get_metrics_data()
-    for resource in data.resource_metrics if data is not None else ():
+    if data is None:
+        return {}
+    queued = capacity = dropped = 0
+    for resource in data.resource_metrics:
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
                 points = list(metric.data.data_points)
