@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--page", type=Path, help="results: the page to write (default: DIR/results.md)")
     parser.add_argument("--readme", type=Path, help="results: a README whose results block to rewrite")
+    parser.add_argument(
+        "--trace-to", metavar="URL", help="ceiling: trace every request, exporting the spans over OTLP/HTTP to URL"
+    )
     args = parser.parse_args(argv)
     if args.preset == "results":
         page = args.page or args.source / "results.md"
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sweep = QUICK if args.quick else FULL
     if args.preset in ("ceiling", "all"):
-        result = ceiling.run(args.quick, args.out)
+        result = ceiling.run(args.quick, args.out, args.trace_to)
         print(ceiling.table(result))
         if not all(row["verify"]["ok"] for row in result["rows"]):
             print("ceiling: answers differ from the reference model", file=sys.stderr)

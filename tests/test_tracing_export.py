@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import SMALL_LSTM, free_port, start_server, stop_server, wait_idle, wait_until, write_config
+from conftest import ROOT, SMALL_LSTM, free_port, start_server, stop_server, wait_idle, wait_until, write_config
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -133,6 +134,28 @@ def test_spans_reach_the_collector_as_children_of_the_callers(tmp_path: Path, co
                          "spans_dropped": 0}  # fmt: skip
     finally:
         stop_server(server)
+
+
+def test_the_protocol_docs_tracing_example_joins_its_trace(tmp_path: Path):
+    """The example of docs/protocol.md, "Tracing", run as written: its request is traced (at sample_rate 0,
+    only because its span is sampled) as the child of a span of the example's process."""
+    receiver = Receiver()
+    endpoint, stop = http_receiver(receiver)
+    config = write_config(tmp_path, SMALL_LSTM + f'[tracing]\nendpoint = "{endpoint}"\n')
+    server = start_server(config, workers=1)
+    try:
+        section = (ROOT / "docs" / "protocol.md").read_text().split("\n## Tracing\n", 1)[1].split("\n## ", 1)[0]
+        (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+        example = tmp_path / "example.py"
+        example.write_text(code.replace("tcp://127.0.0.1:5555", server.address))
+        subprocess.run([sys.executable, example], cwd=ROOT, check=True, timeout=120)
+        [(_, span)] = wait_until(receiver.requests, "the example's span at the collector")
+        assert (
+            span.parent_span_id and {a.key: a.value.int_value for a in span.attributes}["batchmaker.request.cells"] == 3
+        )
+    finally:
+        stop_server(server)
+        stop()
 
 
 def test_a_collector_that_is_down_costs_spans_never_requests(tmp_path: Path):

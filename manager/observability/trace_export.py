@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from batchmaker.common.config import Config, ConfigError, TracingConfig
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from batchmaker.manager.observability.tracing import RequestTracing
 
 EXPORT_TIMEOUT_S = 10.0  # one export to the collector, retries included
@@ -82,7 +84,7 @@ def open_tracing(config: Config, address: str) -> RequestTracing | None:
     return RequestTracing(provider, tracing.sample_rate, address, reader)
 
 
-def _exporter(tracing: TracingConfig):  # -> SpanExporter; the annotation would import the SDK
+def _exporter(tracing: TracingConfig) -> SpanExporter:
     module, _ = _EXPORTERS[tracing.protocol]
     exporter = importlib.import_module(module).OTLPSpanExporter
     return exporter(endpoint=tracing.endpoint, timeout=EXPORT_TIMEOUT_S)
