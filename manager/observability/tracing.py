@@ -108,6 +108,7 @@ class RequestTracing:
                 self._traces[(incoming.client, incoming.request_id)] = trace_
 
     def task_submitted(self, task: Task, requests: Sequence[Request]) -> None:
+        """A task was sent with cells of `requests` (its rows' requests, in order): the sampled ones note it."""
         record = None
         for request, cells in zip(requests, task.counts.tolist()):
             trace_ = self._traces.get((request.client, request.request_id))
@@ -119,6 +120,7 @@ class RequestTracing:
             trace_.tasks.append((record, cells, max(0.0, task.submitted - trace_.ready)))
 
     def tasks_finished(self, task_ids: Sequence[int]) -> None:
+        """A worker's completion notice: its tasks' spans end now, and their requests' next cells wait from now."""
         now = time.perf_counter()
         for task_id in task_ids:
             record = self._tasks.pop(task_id, None)
@@ -135,6 +137,7 @@ class RequestTracing:
             record.finished, record.lost = now, reason
 
     def concluded(self, outcome: Outcome) -> None:
+        """What the core concluded: an event of a sampled request, or its end, when its spans are built."""
         if not self._traces:
             return
         now = time.perf_counter()
