@@ -215,6 +215,6 @@ class RequestProcessor:
         return replayed
 
     def requests_of(self, task: Task) -> list[Request]:
-        """The requests a task holds nodes of (for tests and introspection)."""
+        """The requests a task holds nodes of, in the order of its rows (tracing, tests and introspection)."""
         return [self._table.requests[row] for row in task.rows]
 
