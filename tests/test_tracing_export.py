@@ -158,9 +158,10 @@ def test_the_protocol_docs_tracing_example_joins_its_trace(tmp_path: Path):
         stop()
 
 
-def test_a_collector_that_is_down_costs_spans_never_requests(tmp_path: Path):
+def test_a_collector_that_is_down_costs_spans_never_requests(tmp_path: Path, capfd: pytest.CaptureFixture):
     """Every request of a burst is traced and answered while nothing listens at the endpoint: the
-    processor's queue stays within max_queued_spans and what does not fit is dropped."""
+    processor's queue stays within max_queued_spans, what does not fit is dropped, and the drops are
+    logged once, not once a span."""
     tracing = (
         f'[tracing]\nendpoint = "http://127.0.0.1:{free_port()}/v1/traces"\nsample_rate = 1.0\nmax_queued_spans = 16\n'
     )
@@ -185,6 +186,7 @@ def test_a_collector_that_is_down_costs_spans_never_requests(tmp_path: Path):
         assert tracing_stats["spans_queued"] <= 16 and tracing_stats["spans_dropped"] > len(requests)
     finally:
         stop_server(server)
+    assert capfd.readouterr().err.count("Queue full, dropping") == 1
 
 
 NO_PACKAGE = """
