@@ -107,9 +107,10 @@ class ClientBase:
         session: str | None,
         session_end: bool,
         stream: bool = False,
+        version: int | None = None,
     ) -> tuple[dict[str, Any], Server | None]:
         """An infer message, and the server it must go to: its session's, else None (any)."""
-        message = infer_message(model, inputs, deadline_ms, priority, stream)
+        message = infer_message(model, inputs, deadline_ms, priority, stream, version)
         if session is None:
             return message, None
         server = self.sessions.server(session, self._servers.pick)

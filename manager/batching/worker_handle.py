@@ -182,6 +182,22 @@ class WorkerHandle:
     def slots_in_use(self) -> int:
         return sum(a.in_use for a in self.slots.values()) + sum(a.in_use for a in self.io_slots.values())
 
+    def stats(self) -> dict[str, Any]:
+        """This worker's part of the `stats` reply."""
+        return {
+            "tasks_in_flight": self.in_flight,
+            "tasks_completed": self.tasks_completed,
+            "first_task_delay_ms": None if self.first_task_delay is None else self.first_task_delay * 1e3,
+            "pid": self.pid,
+            "host": self.host,
+            "local": self.local,
+            "rows_read_from_peers": {str(peer): rows for peer, rows in self.rows_read_from.items()},
+            "rows_in_notices": self.rows_in_notices,
+            "unreadable_peers": {str(peer): why for peer, why in self.unreadable.items()},
+            "arenas": self.occupancy(),
+            "slots_in_use": self.slots_in_use(),
+        }
+
     def close(self) -> None:
         self.io = {}
         for shared in self._shared:
