@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, SMALL_LSTM, start_server, stop_server, wait_until, write_config
+from conftest import ROOT, SMALL_LSTM, free_port, start_server, stop_server, wait_until, write_config
 from test_model_control import assert_matches, reference, versions, weights_file
 
 from batchmaker.clients import Client, ServerError
@@ -52,7 +53,8 @@ def rewrite(path: Path, old: str, new: str) -> None:
 
 def test_sighup_adds_removes_and_reloads_models(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM + SECOND_LSTM)
-    serve = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path)]
+    metrics = f"127.0.0.1:{free_port()}"  # a command-line setting: the reload keeps it, not the file's (none)
+    serve = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path), "--metrics-address", metrics]
     with open(tmp_path / "serve.log", "w") as log:
         server = subprocess.Popen(serve, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -75,6 +77,9 @@ def test_sighup_adds_removes_and_reloads_models(tmp_path: Path):
         assert lstm.version == 2
         assert_matches(lstm.outputs, reference(new, retrained)({"tokens": [4, 5, 6]}))
         assert refused.value.code == UNKNOWN_MODEL
+        scraped = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+        assert 'batchmaker_requests_total{model="third",outcome="ok"} 1.0' in scraped  # a model added, labelled
+        assert 'batchmaker_requests_total{model="lstm",outcome="ok"} 1.0' in scraped  # its version 2 counts as lstm
     finally:
         assert not launcher.stop_server(server)
 

@@ -15,7 +15,7 @@ from batchmaker.clients import AsyncClient, Client, ServerError
 from batchmaker.common.config import Config
 from batchmaker.common.models import build_model
 from batchmaker.common.models.base import save_weights
-from batchmaker.common.protocol import BAD_REQUEST, UNKNOWN_MODEL
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, UNKNOWN_MODEL
 
 TOLERANCE = 1e-5
 
@@ -101,6 +101,9 @@ def test_a_reload_under_load_fails_nothing_and_sessions_finish_on_their_version(
             assert reply["ok"] and reply["version"] == 2
             wait_until(lambda: load.seen(2) >= 20, "requests served by version 2")
             assert versions(client) == {1: "draining", 2: "ready"}  # the session still holds version 1
+            with pytest.raises(ServerError) as elsewhere:
+                client.infer("lstm", {"tokens": [8, 9]}, session="kept", version=2)
+            assert elsewhere.value.code == INVALID_INPUT and "belongs to model 'lstm'" in elsewhere.value.message
             second = client.infer("lstm", {"tokens": [8, 9]}, session="kept", session_end=True)
             pinned = client.infer("lstm", {"tokens": [8, 9]}, version=2)
         assert not load.failures

@@ -44,14 +44,23 @@ class _Waiter:
 
 class ModelControl:
     def __init__(
-        self, config: Config, core: BatchingCore, pool: WorkerPool, reply: Reply, reread: Callable[[], Config]
+        self,
+        config: Config,
+        core: BatchingCore,
+        pool: WorkerPool,
+        reply: Reply,
+        reread: Callable[[], Config],
+        served: Callable[[str], None],
     ):
+        """`reply` answers a call once its loads are done; `reread` reads the config file again; `served` is
+        told of each model that serves a new version (the metrics label its requests from then on)."""
         self._config = config
         self._core = core
         self._versions = core.versions
         self._pool = pool
         self._reply = reply
         self._reread = reread
+        self._served = served
         self._waiters: list[_Waiter] = []
         self._stamps = {name: _stamp(model.weights) for name, model in config.models.items()}
 
@@ -171,6 +180,7 @@ class ModelControl:
         for older in self._versions.ready(version):
             log.info("version %d of model %s drains: version %d serves", older.number, older.model, version.number)
         log.info("version %d of model %s serves", version.number, version.model)
+        self._served(version.model)
         self._ended(version, None)
 
     def _fail(self, version: Version, reason: str) -> None:

@@ -107,8 +107,9 @@ class Manager:
         self.core = BatchingCore(config, models, self.specs, self.kinds, self.workers)
         self.versions = self.core.versions
         self.control = ModelControl(
-            config, self.core, self.pool, self._control_reply, reread or (lambda: load_config(config.path))
-        )
+            config, self.core, self.pool, self._control_reply, reread or (lambda: load_config(config.path)),
+            self.stats.model_served,
+        )  # fmt: skip
         log.info("serving %s on %s", ", ".join(models), client_address)
 
     # -- event loop ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 from batchmaker.common.protocol import CONTROL_OPS
 from batchmaker.manager.batching.outcomes import Failed, Outcome, Replayed
 from batchmaker.manager.batching.records import Task
+from batchmaker.manager.batching.versions import served_name
 
 if TYPE_CHECKING:
     from batchmaker.manager.batching.worker_handle import WorkerHandle
@@ -102,12 +103,17 @@ class Stats:
         if self.metrics is not None:
             self.metrics.request_refused(code)
 
+    def model_served(self, name: str) -> None:
+        """A model loaded while the server runs serves from now on: the metrics label its requests."""
+        if self.metrics is not None:
+            self.metrics.add_model(name)
+
     def concluded(self, outcome: Outcome) -> None:
         """What the batching core concluded about an admitted request."""
         if isinstance(outcome, Replayed):
             self.replayed += 1
             return
-        name = outcome.request.model.name
+        name = served_name(outcome.request.model.name)
         if isinstance(outcome, Failed):
             self.requests[outcome.error.code] += 1
             if self.metrics is not None:
