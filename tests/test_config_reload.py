@@ -21,7 +21,7 @@ from batchmaker.clients import Client, ServerError
 from batchmaker.clients.cli import main as cli_main
 from batchmaker.common.config import Config, load_config
 from batchmaker.common.models import build_model, init_missing_weights
-from batchmaker.common.protocol import UNKNOWN_MODEL
+from batchmaker.common.protocol import BAD_REQUEST, UNKNOWN_MODEL
 from batchmaker.manager.commands import launcher
 
 SECOND_LSTM = SMALL_LSTM.replace("[models.lstm]", "[models.second]").replace('"lstm.pt"', '"second.pt"')
@@ -59,6 +59,8 @@ def test_sighup_adds_removes_and_reloads_models(tmp_path: Path):
         server = subprocess.Popen(serve, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         launcher.wait_until_ready(config.server.address, server, timeout=120)
+        # The supervisor's own readiness check, after which it restarts workers rather than giving up on them.
+        wait_until(lambda: "batchmaker serving on" in (tmp_path / "serve.log").read_text(), "the supervisor ready")
         retrained = weights_file(config, "lstm-retrained.pt", seed=5)
         rewrite(config.path, SECOND_LSTM, THIRD_LSTM)
         rewrite(config.path, 'weights = "lstm.pt"', f'weights = "{retrained.name}"')
@@ -71,15 +73,24 @@ def test_sighup_adds_removes_and_reloads_models(tmp_path: Path):
             lstm = client.infer("lstm", {"tokens": [4, 5, 6]})
             with pytest.raises(ServerError) as refused:
                 client.infer("second", {"tokens": [1]})
+            # A worker restarted now reads a config file that names other models than the manager started with:
+            # it builds the manager's, then loads what came since, and serves them.
+            lost = client.health()["workers"][0]["pid"]
+            os.kill(lost, signal.SIGKILL)
+            wait_until(lambda: [w["pid"] for w in client.health()["workers"]] not in ([], [lost]), "a new worker")
+            again = [client.infer(name, {"tokens": [4, 5, 6]}) for name in ("third", "lstm")]
         new = load_config(config.path)
+        assert [reply.version for reply in again] == [1, 2]
+        assert_matches(again[0].outputs, third.outputs)
+        assert_matches(again[1].outputs, lstm.outputs)
         assert third.version == 1
         assert_matches(third.outputs, reference_of(new, "third")({"tokens": [4, 5, 6]}))
         assert lstm.version == 2
         assert_matches(lstm.outputs, reference(new, retrained)({"tokens": [4, 5, 6]}))
         assert refused.value.code == UNKNOWN_MODEL
         scraped = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
-        assert 'batchmaker_requests_total{model="third",outcome="ok"} 1.0' in scraped  # a model added, labelled
-        assert 'batchmaker_requests_total{model="lstm",outcome="ok"} 1.0' in scraped  # its version 2 counts as lstm
+        assert 'batchmaker_requests_total{model="third",outcome="ok"} 2.0' in scraped  # a model added, labelled
+        assert 'batchmaker_requests_total{model="lstm",outcome="ok"} 2.0' in scraped  # its version 2 counts as lstm
     finally:
         assert not launcher.stop_server(server)
 
@@ -91,9 +102,17 @@ def reference_of(config: Config, name: str) -> Callable[[dict[str, Any]], dict[s
 
 
 def test_a_server_setting_changed_in_the_file_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture):
-    config = write_config(tmp_path, SMALL_LSTM)
+    config = write_config(tmp_path, SMALL_LSTM, scheduler='policy = "padded"')
     server = start_server(config, workers=1)
     try:
+        with server.client() as client, pytest.raises(ServerError) as baseline:
+            client.call({"op": "load", "model": "lstm"})
+        assert baseline.value.code == BAD_REQUEST and "under the cellular policy only, not 'padded'" in baseline.value.message
+        text = config.path.read_text()
+        config.path.write_text(text + "[models.broken\n")
+        assert cli_main(["reload", "--address", server.address]) == 1
+        assert "error BAD_REQUEST: the config was not reloaded: " in capsys.readouterr().err
+        config.path.write_text(text)
         rewrite(config.path, "arena_rows = 4096", "arena_rows = 8192\nmax_queued_requests = 50")
         rewrite(config.path, 'weights = "lstm.pt"', 'weights = "elsewhere.pt"')
         assert cli_main(["reload", "--address", server.address]) == 1
