@@ -231,10 +231,9 @@ class BatchingCore:
         return self.processor.unsubmitted_nodes + sum(worker.nodes_in_flight for worker in self.workers.values())
 
     # -- versions ------------------------------------------------------------------------------
-    def add_cell_types(self, specs: list[CellTypeSpec]) -> None:
-        """A version being loaded brings its cell types, numbered after every earlier one. Refused (before
-        anything changes) when they need what the server was not sized for at start: a kind of value it has
-        no arenas for, or more ports than its plan store holds."""
+    def check_cell_types(self, specs: list[CellTypeSpec]) -> None:
+        """Refuse the cell types of a version to load when they need what the server was not sized for at
+        start: a kind of value it has no arenas for, or more ports than its plan store holds."""
         kinds = {kind for spec in specs for kind in (*spec.inputs, *spec.outputs)}
         unknown = sorted(kind.key for kind in kinds - self._kinds)
         if unknown:
@@ -248,6 +247,9 @@ class BatchingCore:
                 BAD_REQUEST, f"its cells have {inputs} inputs and {outputs} outputs, more than any cell of this server "
                 "had at start; restart the server with the model in its config",
             )  # fmt: skip
+
+    def add_cell_types(self, specs: list[CellTypeSpec]) -> None:
+        """A version being loaded brings its cell types (`check_cell_types` passed), numbered after every earlier one."""
         self.scheduler.add_cell_types(specs)
         self._max_batches.update({spec.key: spec.max_batch for spec in specs})
 

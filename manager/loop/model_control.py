@@ -68,9 +68,7 @@ class ModelControl:
     def load(self, incoming: Incoming) -> None:
         """`{"op": "load", "model": NAME, "weights": PATH, "config": FILE}`: a new version of NAME."""
         message = incoming.message
-        name = message.get("model")
-        if not isinstance(name, str) or not name:
-            raise RequestError(BAD_REQUEST, "load lacks 'model' (the name of the model to load)")
+        name = _model_name(message, "load")
         config_file, weights = (_optional_path(message, key) for key in ("config", "weights"))
         if config_file is not None:
             model = _model_in(config_file, name)
@@ -82,12 +80,12 @@ class ModelControl:
             )
         if weights is not None:
             model = dataclasses.replace(model, weights=weights)
-        version = self._begin(name, model)
+        version = self._start(self._prepare(name, model))
         self._wait(incoming, [version], {"model": name, "version": version.number})
 
     def unload(self, incoming: Incoming) -> dict[str, Any]:
         """`{"op": "unload", "model": NAME}`: NAME serves nothing new; its versions drain."""
-        name = incoming.message.get("model")
+        name = _model_name(incoming.message, "unload")
         versions = self._versions.unload(name)
         log.info("unloading model %s (versions %s)", name, ", ".join(str(v.number) for v in versions))
         return {"model": name, "draining": [v.number for v in versions]}
@@ -107,7 +105,8 @@ class ModelControl:
         served = set(self._versions.served)
         changed = [name for name, model in new.models.items() if name not in served or self._changed(name, model)]
         removed = sorted(served - set(new.models))
-        started = [self._begin(name, new.models[name]) for name in changed]  # refused before any unload
+        prepared = [self._prepare(name, new.models[name]) for name in changed]  # any refusal comes before a change
+        started = [self._start(version) for version in prepared]
         for name in removed:
             self._versions.unload(name)
         self._config = new
@@ -116,8 +115,8 @@ class ModelControl:
         self._wait(incoming, started, answer)
 
     # -- loads ---------------------------------------------------------------------------------
-    def _begin(self, name: str, model: ModelConfig) -> Version:
-        """Check a new version of `name` and start loading it on every worker; RequestError if it cannot be."""
+    def _prepare(self, name: str, model: ModelConfig) -> Version:
+        """A new version of `name`, checked as far as the manager can (RequestError if it cannot be served)."""
         if self._config.scheduler.policy != "cellular":
             raise RequestError(
                 BAD_REQUEST,
@@ -127,14 +126,18 @@ class ModelControl:
             version = self._versions.next_version(name, model, build_planner)
         except ConfigError as exc:
             raise RequestError(BAD_REQUEST, str(exc)) from None
-        specs, _ = cell_layout([version.planner])
+        self._core.check_cell_types(cell_layout([version.planner])[0])
+        return version
+
+    def _start(self, version: Version) -> Version:
+        """Load a prepared version on every worker; it serves once they all have."""
         first = len(self._core.scheduler.queues)
-        self._core.add_cell_types(specs)
+        self._core.add_cell_types(cell_layout([version.planner])[0])
         self._versions.begin(version, first, set(self._core.workers))
         self._stamps[version.internal] = _stamp(version.config.weights)
         for worker in self._core.workers.values():
             self._send(worker, version)
-        log.info("loading version %d of model %s from %s", version.number, name, version.config.weights)
+        log.info("loading version %d of model %s from %s", version.number, version.model, version.config.weights)
         if not version.waiting_on:
             self._ready(version)
         return version
@@ -220,7 +223,7 @@ class ModelControl:
 
     # -- draining ------------------------------------------------------------------------------
     def drain(self) -> None:
-        """Once per loop turn: a draining version nothing uses any more leaves the workers."""
+        """Every watch interval: a draining version that nothing uses any more leaves the workers."""
         for version, by_sessions in self._versions.draining():
             if not self._core.in_use(version.planner, by_sessions):
                 version.state = UNLOADED
@@ -243,6 +246,13 @@ class ModelControl:
         newest = [v for v in self._versions.by_internal.values() if v.model == name and v.state == READY][-1]
         rewritten = self._stamps[newest.internal] != _stamp(model.weights)
         return rewritten or dataclasses.replace(newest.config, name=name) != model
+
+
+def _model_name(message: dict[str, Any], op: str) -> str:
+    name = message.get("model")
+    if not isinstance(name, str) or not name:
+        raise RequestError(BAD_REQUEST, f"{op} lacks 'model' (the name of a model), got {echo(name)}")
+    return name
 
 
 def _optional_path(message: dict[str, Any], key: str) -> Path | None:

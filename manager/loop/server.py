@@ -157,7 +157,6 @@ class Manager:
                 self._watch_workers()
                 self._conclude(self.core.partials(self.frontend.has_backlog))  # one per streamed request and turn
                 self._reload_if_asked()
-                self.control.drain()
                 self._schedule_idle_workers()
                 if self.draining and (not self.core.requests or time.monotonic() > self._draining_until):
                     break
@@ -258,6 +257,7 @@ class Manager:
         self._read_notices()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
+        self.control.drain()  # here, not every turn: it looks through the requests in flight
         self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)
 
     def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
