@@ -182,3 +182,19 @@ def test_a_worker_lost_while_a_version_loads_leaves_the_load_to_the_others(tmp_p
             assert_matches(reply.outputs, answer({"tokens": [n, n + 1]}))
     finally:
         stop_server(server)
+
+
+def test_a_weights_file_rewritten_in_place_is_a_change_and_an_unchanged_file_none(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM)
+    server = start_server(config, workers=1)
+    try:
+        with server.client() as client:
+            assert client.call({"op": "reload"})["loaded"] == {}
+            retrained = weights_file(config, "lstm.pt", seed=21)  # the configured file, overwritten
+            reloaded = client.call({"op": "reload"})
+            assert reloaded["loaded"] == {"lstm": 2} and reloaded["unloaded"] == []
+            reply = client.infer("lstm", {"tokens": [2, 3]})
+        assert reply.version == 2
+        assert_matches(reply.outputs, reference(config, retrained)({"tokens": [2, 3]}))
+    finally:
+        stop_server(server)

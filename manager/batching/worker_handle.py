@@ -99,6 +99,7 @@ class WorkerHandle:
         self.last_seen = now  # any message from the worker
         self.signal = 0  # its stream's counter, as last reported
         self.progress_at = now  # when the counter last advanced, or work arrived while it was idle
+        self.loads_pending = 0  # versions it was told to load and has not answered for: its tasks wait meanwhile
 
     def _add_arenas(self, kind: ValueKind, device: dict[str, Any] | None, io: dict[str, Any] | None) -> None:
         if device is None or io is None or (self.local and not io.get("shm")):

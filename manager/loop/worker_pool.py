@@ -179,6 +179,8 @@ class WorkerPool:
                 if worker is None or not isinstance(model, str) or not isinstance(error, (str, type(None))):
                     self._drop("a malformed load report on the worker control socket")
                     continue
+                worker.loads_pending -= 1
+                worker.progress_at = time.monotonic()  # its tasks waited for the load: the hang watchdog counts anew
                 loads.append((worker, model, error))
             else:
                 worker = self._register(identity, message)
@@ -192,6 +194,7 @@ class WorkerPool:
         """Tell a worker to build a version's model (its table) and add its cell types from index `first_cell`;
         it answers `loaded`. It runs the tasks sent after this message only once it has done so."""
         message = {"model": model, "first_cell": first_cell, "cells": cells}
+        worker.loads_pending += 1
         self.control.send_multipart([worker.identity, b"load", encode(message)])
 
     def unload(self, worker: WorkerHandle, cells: list[int]) -> None:
@@ -294,7 +297,7 @@ class WorkerPool:
         for worker in self.workers.values():
             if now - worker.last_seen > self._heartbeat_timeout:
                 lost.append((worker, f"silent for {now - worker.last_seen:.1f} s"))
-            elif worker.tasks and now - worker.progress_at > self._hang_timeout:
+            elif worker.tasks and not worker.loads_pending and now - worker.progress_at > self._hang_timeout:
                 if worker.local:
                     _kill(worker.pid)
                 else:  # its pid means nothing here; it also exits once the manager falls silent to it
