@@ -49,6 +49,12 @@ class Version:
     def internal(self) -> str:
         return self.config.name
 
+    def retire(self, state: str, reason: str | None = None) -> None:
+        """It serves no more (unloaded, or its load failed): the plans it cached go with it, since nothing will
+        plan with it again and a server reloaded many times would otherwise keep every version's."""
+        self.state, self.reason = state, reason
+        self.planner.plan_cache = None
+
     @property
     def cell_indices(self) -> list[int]:
         return list(range(self.first_cell, self.first_cell + len(self.planner.cell_types)))

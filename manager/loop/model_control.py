@@ -187,7 +187,7 @@ class ModelControl:
         self._ended(version, None)
 
     def _fail(self, version: Version, reason: str) -> None:
-        version.state, version.reason = FAILED, reason
+        version.retire(FAILED, reason)
         log.error("version %d of model %s failed to load: %s", version.number, version.model, reason)
         self._drop(version)
         self._ended(version, reason)
@@ -226,7 +226,7 @@ class ModelControl:
         """Every watch interval: a draining version that nothing uses any more leaves the workers."""
         for version, by_sessions in self._versions.draining():
             if not self._core.in_use(version.planner, by_sessions):
-                version.state = UNLOADED
+                version.retire(UNLOADED)
                 self._drop(version)
                 log.info("version %d of model %s unloaded", version.number, version.model)
 

@@ -26,8 +26,8 @@ requests_total{model,outcome}              counter    requests answered; outcome
 request_latency_seconds{model}             histogram  arrival to reply, successful requests only
 request_queue_seconds{model}               histogram  arrival to first task submitted, successful requests only
 partial_replies_total{model}               counter    partial replies sent to streamed requests (`stream: true`)
-control_calls_total{op}                    counter    calls of models, health, stats and cancel, answered or
-                                                      refused; never counted in requests_total
+control_calls_total{op}                    counter    calls of models, health, stats, cancel, load, unload and
+                                                      reload, answered or refused; never counted in requests_total
 batch_size{cell_type}                      histogram  nodes per step of a submitted task (buckets 1, 2, 4 ... 1024)
 tasks_total{cell_type}                     counter    batched tasks submitted to workers
 queue_depth_nodes{cell_type}               gauge      nodes ready to run and not yet submitted
@@ -124,7 +124,7 @@ class Metrics:
             registry=self.registry,
         )
         self._control_calls = Counter(
-            "batchmaker_control_calls", "Calls of the ops about the server (models, health, stats, cancel).", ("op",),
+            "batchmaker_control_calls", "Calls of the ops about the server (models, health, stats, cancel, load, unload, reload).", ("op",),
             registry=self.registry,
         )
         self._batch_size = Histogram(
