@@ -103,7 +103,9 @@ class AsyncClient(ClientBase):
         """Run one inference; numpy arrays in `inputs` travel as tensor maps. `session` continues that
         server-held session (docs/protocol.md, "Sessions"); `session_end` ends it once answered. `version`
         asks for that version of the model (default: the newest ready one; a session's, for a session)."""
-        message, server = self._infer_request(model, inputs, deadline_ms, priority, session, session_end, False, version)
+        message, server = self._infer_request(
+            model, inputs, deadline_ms, priority, session, session_end, stream=False, version=version
+        )
         return self._infer_reply(await self._call(message, server), session, session_end)
 
     async def stream(

@@ -33,7 +33,8 @@ def format_models(reply: dict[str, Any]) -> str:
     """A few lines a model: its kind and sizes, then its inputs, its outputs and its cell types."""
     lines = [f"protocol version {reply['version']}"] if "version" in reply else []
     for name, model in (reply.get("models") or {}).items():
-        facts = {key: value for key, value in model.items() if key not in DESCRIBED and key not in ("version", "versions")}
+        listed = (*DESCRIBED, "version", "versions")  # the newest version is the last of its versions' line
+        facts = {key: value for key, value in model.items() if key not in listed}
         lines.append(f"{name}: {_facts(facts)}")
         for key, (heading, describe) in DESCRIBED.items():
             if model.get(key):

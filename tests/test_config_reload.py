@@ -54,7 +54,8 @@ def rewrite(path: Path, old: str, new: str) -> None:
 def test_sighup_adds_removes_and_reloads_models(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM + SECOND_LSTM)
     metrics = f"127.0.0.1:{free_port()}"  # a command-line setting: the reload keeps it, not the file's (none)
-    serve = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path), "--metrics-address", metrics]
+    serve = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path)]
+    serve += ["--metrics-address", metrics]
     with open(tmp_path / "serve.log", "w") as log:
         server = subprocess.Popen(serve, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -77,7 +78,7 @@ def test_sighup_adds_removes_and_reloads_models(tmp_path: Path):
             # it builds the manager's, then loads what came since, and serves them.
             lost = client.health()["workers"][0]["pid"]
             os.kill(lost, signal.SIGKILL)
-            wait_until(lambda: [w["pid"] for w in client.health()["workers"]] not in ([], [lost]), "a new worker")
+            wait_until(lambda: pids(client) not in ([], [lost]), "a new worker")
             again = [client.infer(name, {"tokens": [4, 5, 6]}) for name in ("third", "lstm")]
         new = load_config(config.path)
         assert [reply.version for reply in again] == [1, 2]
@@ -95,6 +96,10 @@ def test_sighup_adds_removes_and_reloads_models(tmp_path: Path):
         assert not launcher.stop_server(server)
 
 
+def pids(client: Client) -> list[int]:
+    return [worker["pid"] for worker in client.health()["workers"]]
+
+
 def reference_of(config: Config, name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     model = build_model(config.models[name])
     state = model.load_weights()
@@ -107,7 +112,8 @@ def test_a_server_setting_changed_in_the_file_is_refused_by_name(tmp_path: Path,
     try:
         with server.client() as client, pytest.raises(ServerError) as baseline:
             client.call({"op": "load", "model": "lstm"})
-        assert baseline.value.code == BAD_REQUEST and "under the cellular policy only, not 'padded'" in baseline.value.message
+        assert baseline.value.code == BAD_REQUEST
+        assert "under the cellular policy only, not 'padded'" in baseline.value.message
         text = config.path.read_text()
         config.path.write_text(text + "[models.broken\n")
         assert cli_main(["reload", "--address", server.address]) == 1
@@ -117,7 +123,8 @@ def test_a_server_setting_changed_in_the_file_is_refused_by_name(tmp_path: Path,
         rewrite(config.path, 'weights = "lstm.pt"', 'weights = "elsewhere.pt"')
         assert cli_main(["reload", "--address", server.address]) == 1
         error = capsys.readouterr().err
-        assert "error BAD_REQUEST: the config was not reloaded: [server] arena_rows, [server] max_queued_requests" in error
+        refusal = "error BAD_REQUEST: the config was not reloaded: [server] arena_rows, [server] max_queued_requests"
+        assert refusal in error
         assert "cannot change while the server runs" in error
         with server.client() as client:
             assert versions(client) == {1: "ready"}  # nothing of the file was applied, its weights included
@@ -170,11 +177,11 @@ def test_a_worker_lost_while_a_version_loads_leaves_the_load_to_the_others(tmp_p
                 wait_until(lambda: versions(watcher).get(2) == "loading", "version 2 loading")
                 lost = watcher.health()["workers"][0]["pid"]
                 os.kill(lost, signal.SIGKILL)
-                wait_until(lambda: lost not in [w["pid"] for w in watcher.health()["workers"]], "the worker written off")
+                wait_until(lambda: lost not in pids(watcher), "the worker written off")
                 (tmp_path / "gate").touch()
                 loading.join(timeout=120)
                 assert outcome["reply"]["ok"] and outcome["reply"]["version"] == 2
-                wait_until(lambda: len(watcher.health()["workers"]) == 2, "the lost worker restarted")
+                wait_until(lambda: len(pids(watcher)) == 2, "the lost worker restarted")
                 answer = reference(config, retrained)
                 replies = [watcher.infer("lstm", {"tokens": [n, n + 1]}) for n in range(40)]
         for n, reply in enumerate(replies):

@@ -192,7 +192,8 @@ def test_weights_that_do_not_fit_are_refused_and_the_old_version_serves_on(tmp_p
             small_table = tmp_path / "small" / "config.toml"  # a model of another hidden size: other arenas
             with pytest.raises(ServerError) as unsized:
                 client.call({"op": "load", "model": "lstm", "config": str(small_table)})
-            assert unsized.value.code == BAD_REQUEST and "value kinds no model of this server had at start" in unsized.value.message
+            assert unsized.value.code == BAD_REQUEST
+            assert "value kinds no model of this server had at start" in unsized.value.message
             assert versions(client) == {1: "ready", 2: "failed"}  # refused before anything changed
     finally:
         stop_server(server)

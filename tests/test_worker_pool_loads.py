@@ -27,7 +27,8 @@ def test_a_worker_loading_is_not_taken_for_hung_and_its_answer_is_handed_on(pool
     socket, reply = pool.register("elsewhere")  # another host: a hung one is told to stop, never killed by pid
     worker = pool.handle(reply)
     pool.pool.load(worker, {"name": "lstm@2"}, 1, ["lstm@2/layer0"])
-    assert decode(pool.reply(socket, b"load")) == {"model": {"name": "lstm@2"}, "first_cell": 1, "cells": ["lstm@2/layer0"]}
+    sent = {"model": {"name": "lstm@2"}, "first_cell": 1, "cells": ["lstm@2/layer0"]}
+    assert decode(pool.reply(socket, b"load")) == sent
     worker.tasks[1] = object()  # a task waits behind the load
     worker.progress_at -= 3600  # for longer than any hang timeout
     worker.last_seen = time.monotonic()

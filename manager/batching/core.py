@@ -249,7 +249,8 @@ class BatchingCore:
             )  # fmt: skip
 
     def add_cell_types(self, specs: list[CellTypeSpec]) -> None:
-        """A version being loaded brings its cell types (`check_cell_types` passed), numbered after every earlier one."""
+        """A version being loaded brings its cell types (`check_cell_types` passed), numbered after every
+        earlier one."""
         self.scheduler.add_cell_types(specs)
         self._max_batches.update({spec.key: spec.max_batch for spec in specs})
 

@@ -391,7 +391,9 @@ class Manager:
             "client_connections": self.frontend.connections.live,
             "refused_connections": self.frontend.connections.refused,
             "plan_caches": {
-                v.internal: v.planner.plan_cache.snapshot() for v in self.versions.by_internal.values() if v.planner.plan_cache
+                version.internal: version.planner.plan_cache.snapshot()
+                for version in self.versions.by_internal.values()
+                if version.planner.plan_cache
             },
             "workers": {str(w.worker_id): w.stats() for w in self.workers.values()},
         }

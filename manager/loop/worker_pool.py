@@ -243,7 +243,8 @@ class WorkerPool:
                     BAD_REQUEST, f"worker serves cells {echo(message.get('cells'))}, the manager {self.start_cells}"
                 )
             if message.get("cells") != self.start_cells:
-                log.info("worker %s built other models than the manager started with: it builds those", echo(message.get("index")))
+                index = echo(message.get("index"))
+                log.info("worker %s built other models than the manager started with: it builds those", index)
                 self.control.send_multipart([identity, b"registered", encode({"ok": False, "models": self._layout})])
                 return None
             host = message.get("host")

@@ -124,7 +124,8 @@ class Metrics:
             registry=self.registry,
         )
         self._control_calls = Counter(
-            "batchmaker_control_calls", "Calls of the ops about the server (models, health, stats, cancel, load, unload, reload).", ("op",),
+            "batchmaker_control_calls",
+            "Calls of the ops about the server (models, health, stats, cancel, load, unload, reload).", ("op",),
             registry=self.registry,
         )
         self._batch_size = Histogram(

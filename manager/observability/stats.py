@@ -61,7 +61,8 @@ class Stats:
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics
         self.requests: collections.Counter[str] = collections.Counter()
-        # Calls about the server (models, health, stats, cancel, load, unload, reload), apart: a monitor polling stats must not look like load.
+        # Calls about the server (models, health, stats, cancel, load, unload, reload), apart: a monitor polling
+        # stats must not look like load.
         self.control_calls = dict.fromkeys(CONTROL_OPS, 0)
         self.tasks = 0
         self.steps = 0  # a multi-step task runs several
