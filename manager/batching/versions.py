@@ -126,22 +126,36 @@ class Versions:
         return [v for v in self.by_internal.values() if v.state == LOADING]
 
     def ready(self, version: Version) -> list[Version]:
-        """`version` serves from now on; the versions of its model it replaces drain. Returns those."""
-        version.state = READY
+        """`version` has loaded: it serves from now on, and the older versions of its model drain (returned),
+        unless a newer one loaded first, which it then leaves serving (it drains at once itself)."""
         self._unloading.discard(version.model)
-        older = [v for v in self._by_model[version.model] if v.state == READY and v is not version]
-        for each in older:
+        serving = [v for v in self._by_model[version.model] if v.state == READY]
+        if any(v.number > version.number for v in serving):
+            version.state = DRAINING
+            return []
+        version.state = READY
+        for each in serving:
             each.state = DRAINING
-        return older
+        return serving
 
     def unload(self, model: str) -> list[Version]:
         """Stop serving `model`: its versions drain, finishing what they started. Returns them."""
-        live = [v for v in self._by_model.get(model, []) if v.state in (READY, DRAINING)]
-        if model in self._unloading or not live:
-            raise RequestError(UNKNOWN_MODEL, f"no model named {echo(model)}; this server has {', '.join(self.served)}")
+        live = self.check_unload(model)
         self._unloading.add(model)
         for version in live:
             version.state = DRAINING
+        return live
+
+    def check_unload(self, model: str) -> list[Version]:
+        """The versions an unload of `model` drains; RequestError when it cannot be unloaded now."""
+        live = [v for v in self._by_model.get(model, []) if v.state in (READY, DRAINING)]
+        if model in self._unloading or not live:
+            raise RequestError(UNKNOWN_MODEL, f"no model named {echo(model)}; this server has {', '.join(self.served)}")
+        loading = [v.number for v in self._by_model[model] if v.state == LOADING]
+        if loading:
+            raise RequestError(
+                BAD_REQUEST, f"version {loading[0]} of model {model!r} is loading; unload the model once it has loaded"
+            )
         return live
 
     def draining(self) -> list[tuple[Version, bool]]:

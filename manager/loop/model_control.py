@@ -106,6 +106,8 @@ class ModelControl:
         changed = [name for name, model in new.models.items() if name not in served or self._changed(name, model)]
         removed = sorted(served - set(new.models))
         prepared = [self._prepare(name, new.models[name]) for name in changed]  # any refusal comes before a change
+        for name in removed:
+            self._versions.check_unload(name)
         started = [self._start(version) for version in prepared]
         for name in removed:
             self._versions.unload(name)
@@ -182,7 +184,7 @@ class ModelControl:
     def _ready(self, version: Version) -> None:
         for older in self._versions.ready(version):
             log.info("version %d of model %s drains: version %d serves", older.number, older.model, version.number)
-        log.info("version %d of model %s serves", version.number, version.model)
+        log.info("version %d of model %s loaded (%s)", version.number, version.model, version.state)
         self._served(version.model)
         self._ended(version, None)
 
