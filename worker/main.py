@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             worker.run()
         except OtherModels as exc:
+            if models == exc.models:  # built from the manager's own tables, and still not what it serves
+                log.error("the models the manager sent build other cell types than it serves; exiting")
+                return 1
             log.info("the manager serves other models than %s names now: building those", args.config)
             models = exc.models
             continue
