@@ -9,8 +9,8 @@ import pytest
 from conftest import SMALL_LSTM, write_config
 
 from batchmaker.common.models.base import build_planner
-from batchmaker.common.protocol import BAD_REQUEST, UNKNOWN_MODEL, RequestError
-from batchmaker.manager.batching.versions import DRAINING, LOADING, READY, Versions
+from batchmaker.common.protocol import BAD_REQUEST, SESSION_LOST, UNKNOWN_MODEL, RequestError
+from batchmaker.manager.batching.versions import DRAINING, LOADING, READY, UNLOADED, Versions
 
 
 @pytest.fixture
@@ -66,3 +66,9 @@ def test_a_model_cannot_be_unloaded_while_a_version_of_it_loads(versions: Versio
     with pytest.raises(RequestError) as gone:
         versions.resolve("lstm", None, "lstm")
     assert gone.value.code == UNKNOWN_MODEL
+    versions.by_internal["lstm"].retire(UNLOADED)
+    versions.ready(load(versions, 2))  # the model loaded again: a session of its version 1 is lost
+    with pytest.raises(RequestError) as lost:
+        versions.resolve("lstm", None, "lstm")
+    assert lost.value.code == SESSION_LOST and "version 1 of model 'lstm' was unloaded" in lost.value.message
+    assert versions.resolve("lstm", None, None).name == "lstm@3"

@@ -15,7 +15,7 @@ from typing import Any
 
 from batchmaker.common.config import VERSION_MARK, ModelConfig
 from batchmaker.common.models.base import Planner
-from batchmaker.common.protocol import BAD_REQUEST, UNKNOWN_MODEL, RequestError, echo
+from batchmaker.common.protocol import BAD_REQUEST, SESSION_LOST, UNKNOWN_MODEL, RequestError, echo
 
 LOADING = "loading"  # the workers are loading its weights; no request goes to it yet
 READY = "ready"  # serves requests; the newest ready version serves those that name none
@@ -103,9 +103,14 @@ class Versions:
                 numbers = ", ".join(str(v.number) for v in ready)
                 raise RequestError(UNKNOWN_MODEL, f"model {model!r} has no ready version {version}; ready: {numbers}")
             return chosen.planner
-        pinned_version = self.by_internal.get(pinned) if pinned is not None else None
-        if pinned_version is not None and pinned_version.model == model and pinned_version.state in (READY, DRAINING):
-            return pinned_version.planner
+        session = self.by_internal.get(pinned) if pinned is not None else None
+        if session is not None and session.model == model:
+            if session.state not in (READY, DRAINING):
+                raise RequestError(
+                    SESSION_LOST, f"the session's version {session.number} of model {model!r} was unloaded; "
+                    "start a new session under another name",
+                )  # fmt: skip
+            return session.planner
         return ready[-1].planner
 
     def number_of(self, planner: Planner) -> int:
