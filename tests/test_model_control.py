@@ -10,12 +10,13 @@ from typing import Any, Self
 import numpy as np
 import pytest
 from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
+from test_raw_protocol import RawClient
 
 from batchmaker.clients import AsyncClient, Client, ServerError
 from batchmaker.common.config import Config
 from batchmaker.common.models import build_model
 from batchmaker.common.models.base import save_weights
-from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, UNKNOWN_MODEL
+from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, UNKNOWN_MODEL, map_to_tensor
 
 TOLERANCE = 1e-5
 
@@ -129,19 +130,20 @@ def test_unloading_under_load_finishes_what_was_admitted_and_refuses_the_rest(tm
     answer = reference(config, config.models["lstm"].weights)
     server = start_server(config, workers=1)
     try:
-
-        async def unload_behind_requests() -> tuple[list[Any], dict[str, Any]]:
-            async with AsyncClient(server.address, timeout=120) as client:
-                requests = [client.infer("lstm", {"tokens": [n % 1000] * 150}) for n in range(40)]
-                admitted = [asyncio.ensure_future(request) for request in requests]
-                await asyncio.sleep(0)  # the requests leave before the unload, on the same socket
-                unloaded = await client.call({"op": "unload", "model": "lstm"})
-                return await asyncio.gather(*admitted), unloaded
-
-        replies, unloaded = asyncio.run(unload_behind_requests())
+        raw = RawClient(server.address)  # one socket: the server reads the requests, then the unload, in order
+        try:
+            for n in range(40):
+                raw.send({"id": n, "op": "infer", "model": "lstm", "inputs": {"tokens": [n % 1000] * 150}})
+            raw.send({"id": "unload", "op": "unload", "model": "lstm"})
+            replies = raw.recv_many(41)
+        finally:
+            raw.close()
+        unloaded = replies.pop("unload")
         assert unloaded["ok"] and unloaded["draining"] == [1]
-        for n, reply in enumerate(replies):
-            assert_matches(reply.outputs, answer({"tokens": [n % 1000] * 150}))
+        for n, reply in replies.items():
+            assert reply["ok"] and reply["version"] == 1, reply
+            outputs = {name: map_to_tensor(value) for name, value in reply["outputs"].items()}
+            assert_matches(outputs, answer({"tokens": [n % 1000] * 150}))
         with server.client() as client:
             with pytest.raises(ServerError) as refused:
                 client.infer("lstm", {"tokens": [1]})
