@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
 import pytest
-from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
+from conftest import SMALL_LSTM, start_server, stop_server, wait_until, with_faults, write_config
 from test_raw_protocol import RawClient
 
 from batchmaker.clients import AsyncClient, Client, ServerError
@@ -197,5 +199,35 @@ def test_weights_that_do_not_fit_are_refused_and_the_old_version_serves_on(tmp_p
             assert unsized.value.code == BAD_REQUEST
             assert "value kinds no model of this server had at start" in unsized.value.message
             assert versions(client) == {1: "ready", 2: "failed"}  # refused before anything changed
+    finally:
+        stop_server(server)
+
+
+def test_requests_replayed_after_a_worker_loss_replay_on_their_own_version(tmp_path: Path):
+    config = write_config(tmp_path, with_faults(tmp_path, SMALL_LSTM), server="hang_timeout_ms = 1500")
+    old, new = config.models["lstm"].weights, weights_file(config, "lstm-retrained.pt", seed=13)
+    references = {1: reference(config, old), 2: reference(config, new)}
+    server = start_server(config, workers=2)
+    try:
+        with server.client(timeout=120) as client:
+            client.infer("lstm", {"tokens": [1, 2]}, session="old")  # a session on version 1
+            assert client.call({"op": "load", "model": "lstm", "weights": str(new)})["version"] == 2
+            hung = client.health()["workers"][0]["pid"]  # the worker given work first
+            os.kill(hung, signal.SIGUSR1)  # its cells stop returning; its heartbeats go on, until it is written off
+
+            async def both_versions() -> list[Any]:
+                async with AsyncClient(server.address, timeout=120) as aclient:
+                    session = aclient.infer("lstm", {"tokens": [3, 4, 5] * 20}, session="old", session_end=True)
+                    fresh = [aclient.infer("lstm", {"tokens": [n] * (20 + n)}) for n in range(30)]
+                    return await asyncio.gather(session, *fresh)
+
+            session, *fresh = asyncio.run(both_versions())
+            stats = client.stats()
+        assert stats["worker_losses"] >= 1 and stats["replayed_requests"] > 0
+        assert session.version == 1
+        assert_matches(session.outputs, references[1]({"tokens": [1, 2] + [3, 4, 5] * 20}))
+        for n, reply in enumerate(fresh):
+            assert reply.version == 2
+            assert_matches(reply.outputs, references[2]({"tokens": [n] * (20 + n)}))
     finally:
         stop_server(server)

@@ -10,6 +10,7 @@ versions' states (docs/deploy.md, "Rolling out new weights").
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +117,7 @@ class Versions:
     def number_of(self, planner: Planner) -> int:
         return self.by_internal[planner.name].number
 
-    def next_version(self, model: str, config: ModelConfig, planner_of: Any) -> Version:
+    def next_version(self, model: str, config: ModelConfig, planner_of: Callable[[ModelConfig], Planner]) -> Version:
         """A new version of `model` (loading), built from `config` under its internal name by `planner_of`."""
         number = 1 + max((v.number for v in self._by_model.get(model, [])), default=0)
         renamed = dataclasses.replace(config, name=internal_name(model, number))
