@@ -169,6 +169,14 @@ class Versions:
         being unloaded as a whole, when a session's next request finds no model)."""
         return [(v, v.model not in self._unloading) for v in self.by_internal.values() if v.state == DRAINING]
 
+    def plan_caches(self) -> dict[str, dict[str, int]]:
+        """The plan caches of the versions that keep one, by internal name (`stats`)."""
+        return {
+            internal: version.planner.plan_cache.snapshot()
+            for internal, version in self.by_internal.items()
+            if version.planner.plan_cache is not None
+        }
+
     def describe(self) -> dict[str, Any]:
         """The `models` reply: each model served (its newest ready version's description, its versions and their
         states), and the versions of those no longer served ("unloaded")."""

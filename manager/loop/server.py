@@ -390,11 +390,7 @@ class Manager:
             "unreachable_clients": self.frontend.unreachable_clients,
             "client_connections": self.frontend.connections.live,
             "refused_connections": self.frontend.connections.refused,
-            "plan_caches": {
-                version.internal: version.planner.plan_cache.snapshot()
-                for version in self.versions.by_internal.values()
-                if version.planner.plan_cache
-            },
+            "plan_caches": self.versions.plan_caches(),
             "workers": {str(w.worker_id): w.stats() for w in self.workers.values()},
         }
 
