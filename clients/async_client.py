@@ -98,10 +98,14 @@ class AsyncClient(ClientBase):
         priority: int | None = None,
         session: str | None = None,
         session_end: bool = False,
+        version: int | None = None,
     ) -> Reply:
         """Run one inference; numpy arrays in `inputs` travel as tensor maps. `session` continues that
-        server-held session (docs/protocol.md, "Sessions"); `session_end` ends it once answered."""
-        message, server = self._infer_request(model, inputs, deadline_ms, priority, session, session_end)
+        server-held session (docs/protocol.md, "Sessions"); `session_end` ends it once answered. `version`
+        asks for that version of the model (default: the newest ready one; a session's, for a session)."""
+        message, server = self._infer_request(
+            model, inputs, deadline_ms, priority, session, session_end, stream=False, version=version
+        )
         return self._infer_reply(await self._call(message, server), session, session_end)
 
     async def stream(

@@ -1,4 +1,4 @@
-"""Command-line client: `batchmaker-client {infer,models,health,stats} ...`.
+"""Command-line client: `batchmaker-client {infer,models,health,stats,reload} ...`, `models load|unload NAME`.
 
 The subcommands are built by `add_client_commands` and run by `run_client_command`, so the
 `batchmaker` entry point mounts the same commands under its own parser, reading `--config` with
@@ -11,6 +11,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,28 @@ def add_client_commands(subparsers: Any) -> None:
     )
     infer.set_defaults(client_command="infer")
 
-    models = subparsers.add_parser("models", parents=[connection], help="list the served models, a few lines each")
+    models = subparsers.add_parser(
+        "models", parents=[connection], help="list the served models and their versions, or load or unload one"
+    )
     models.add_argument("--json", action="store_true", help="print the whole reply as JSON")
     models.set_defaults(client_command="models")
+    actions = models.add_subparsers(dest="models_action", metavar="{load,unload}")
+    load = actions.add_parser(
+        "load", parents=[connection], help="load a new version of a model (or a new model) while the server runs"
+    )
+    load.add_argument("name", help="the model's name")
+    load.add_argument("--weights", type=Path, metavar="PATH", help="its weights file (default: as it is configured)")
+    load.epilog = (
+        "--config FILE also names the file whose [models.NAME] table to load (default: the model's table as "
+        "the server has it). Paths are read by the server."
+    )
+    load.set_defaults(client_command="load")
+    unload = actions.add_parser("unload", parents=[connection], help="stop serving a model; what it started finishes")
+    unload.add_argument("name", help="the model's name")
+    unload.set_defaults(client_command="unload")
+    subparsers.add_parser(
+        "reload", parents=[connection], help="re-read the server's config file and apply its models' changes"
+    ).set_defaults(client_command="reload")
     for name, help_text in (
         ("health", "show whether the server is ready and its workers (JSON)"),
         ("stats", "show counters, latency percentiles and batch sizes (JSON)"),
@@ -176,9 +196,28 @@ def _run(client: Client, args: argparse.Namespace, inputs: dict[str, Any]) -> No
         print(infer_json(reply) if args.json else format_infer_reply(reply))
     elif command == "models" and not args.json:
         print(format_models(client.models()))
+    elif command in CONTROL_CALLS:
+        reply = client.call(CONTROL_CALLS[command](args))
+        print(json.dumps(jsonable({key: value for key, value in reply.items() if key not in ("id", "ok")})))
     else:
         reply = getattr(client, command)()
         print(json.dumps(jsonable({key: value for key, value in reply.items() if key not in ("id", "ok")}), indent=2))
+
+
+def _load(args: argparse.Namespace) -> dict[str, Any]:
+    message: dict[str, Any] = {"op": "load", "model": args.name}
+    for key in ("weights", "config"):
+        if getattr(args, key) is not None:
+            message[key] = str(getattr(args, key).resolve())
+    return message
+
+
+# The commands that change what the server serves, and their messages.
+CONTROL_CALLS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "load": _load,
+    "unload": lambda args: {"op": "unload", "model": args.name},
+    "reload": lambda args: {"op": "reload"},
+}
 
 
 def _infer(client: Client, args: argparse.Namespace, inputs: dict[str, Any]) -> Reply:

@@ -33,11 +33,24 @@ def format_models(reply: dict[str, Any]) -> str:
     """A few lines a model: its kind and sizes, then its inputs, its outputs and its cell types."""
     lines = [f"protocol version {reply['version']}"] if "version" in reply else []
     for name, model in (reply.get("models") or {}).items():
-        lines.append(f"{name}: {_facts({key: value for key, value in model.items() if key not in DESCRIBED})}")
+        listed = (*DESCRIBED, "version", "versions")  # the newest version is the last of its versions' line
+        facts = {key: value for key, value in model.items() if key not in listed}
+        lines.append(f"{name}: {_facts(facts)}")
         for key, (heading, describe) in DESCRIBED.items():
             if model.get(key):
                 lines.append(heading + ", ".join(f"{item} {describe(spec)}" for item, spec in model[key].items()))
+        if model.get("versions"):
+            lines.append("  versions: " + _versions(model["versions"]))
+    for name, versions in (reply.get("unloaded") or {}).items():
+        lines.append(f"{name}: not served; versions: {_versions(versions)}")
     return "\n".join(lines)
+
+
+def _versions(versions: list[dict[str, Any]]) -> str:
+    """`1 draining, 2 ready`, a failed one with its reason."""
+    return ", ".join(
+        f"{v['version']} {v['state']}" + (f" ({v['reason']})" if v.get("reason") else "") for v in versions
+    )
 
 
 def _settings(settings: dict[str, Any]) -> str:

@@ -31,10 +31,16 @@ class Reply:
     outputs: dict[str, Any]
     timing: dict[str, int]
     session_step: int | None = None  # of a session's request: the session's requests answered so far
+    version: int | None = None  # the version of the model that served it
 
 
 def infer_message(
-    model: str, inputs: dict[str, Any], deadline_ms: int | None, priority: int | None, stream: bool = False
+    model: str,
+    inputs: dict[str, Any],
+    deadline_ms: int | None,
+    priority: int | None,
+    stream: bool = False,
+    version: int | None = None,
 ) -> dict[str, Any]:
     """Build an infer request, leaving out optional fields so the server applies its defaults."""
     if isinstance(inputs, dict):
@@ -46,6 +52,8 @@ def infer_message(
         message["priority"] = priority
     if stream:
         message["stream"] = True
+    if version is not None:
+        message["version"] = version
     return message
 
 
@@ -110,7 +118,10 @@ def check(reply: dict[str, Any]) -> dict[str, Any]:
 
 def to_infer_reply(reply: dict[str, Any]) -> Reply:
     return Reply(
-        outputs=decode_outputs(reply.get("outputs") or {}), timing=reply.get("timing") or {}, session_step=reply.get("session_step")
+        outputs=decode_outputs(reply.get("outputs") or {}),
+        timing=reply.get("timing") or {},
+        session_step=reply.get("session_step"),
+        version=reply.get("version"),
     )
 
 

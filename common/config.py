@@ -22,6 +22,7 @@ AFFINITIES = ("subgraph", "request")
 # peer access; only where they have it; none at all.
 CROSS_GPU_READS = ("always", "peer-access", "never")
 TRACE_PROTOCOLS = ("http/protobuf", "grpc")  # OTLP transports, named as OTEL_EXPORTER_OTLP_PROTOCOL names them
+VERSION_MARK = "@"  # a model's later versions are served internally as models named "NAME@2", "NAME@3", ...
 
 
 class ConfigError(ValueError):
@@ -156,6 +157,9 @@ def parse_config(raw: dict[str, Any], path: Path) -> Config:
     models_raw = _table(raw, "models", path)
     if not models_raw:
         raise ConfigError(f"{path}: no [models.NAME] table; at least one model must be served")
+    for name in models_raw:
+        if VERSION_MARK in name:
+            raise ConfigError(f"{path}: [models.{name}] a model's name must not contain {VERSION_MARK!r}")
     models = {name: _parse_model(name, _table(models_raw, name, path, f"models.{name}"), path) for name in models_raw}
     tracing = _parse_tracing(_table(raw, "tracing", path), path) if "tracing" in raw else None
     return Config(path=path, server=server, scheduler=scheduler, models=models, tracing=tracing)
@@ -389,3 +393,27 @@ def with_metrics_address(config: Config, address: str) -> Config:
     if address and ":" not in address:
         raise ConfigError(f'--metrics-address must look like "127.0.0.1:9100" (or "" for none), got {address!r}')
     return dataclasses.replace(config, server=dataclasses.replace(config.server, metrics_address=address))
+
+
+def model_to_wire(model: ModelConfig) -> dict[str, Any]:
+    """A model's table as the manager sends it to workers that load it at run time (msgpack-ready)."""
+    def cell(settings: CellTypeConfig) -> dict[str, Any]:
+        return {"batch_sizes": list(settings.batch_sizes), "priority": settings.priority}
+
+    return {
+        "name": model.name, "builder": model.builder, "weights": str(model.weights), "params": model.params,
+        "default_cell": cell(model.default_cell), "cells": {name: cell(c) for name, c in model.cells.items()},
+        "config_path": None if model.config_path is None else str(model.config_path),
+    }  # fmt: skip
+
+
+def model_from_wire(wire: dict[str, Any]) -> ModelConfig:
+    """The inverse of `model_to_wire`."""
+    def cell(settings: dict[str, Any]) -> CellTypeConfig:
+        return CellTypeConfig(tuple(settings["batch_sizes"]), settings["priority"])
+
+    return ModelConfig(
+        name=wire["name"], builder=wire["builder"], weights=Path(wire["weights"]), params=wire["params"],
+        default_cell=cell(wire["default_cell"]), cells={name: cell(c) for name, c in wire["cells"].items()},
+        config_path=None if wire["config_path"] is None else Path(wire["config_path"]),
+    )  # fmt: skip

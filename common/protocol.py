@@ -43,13 +43,16 @@ ERROR_CODES = (
 # The fields a request of each op may carry (docs/protocol.md, "Requests"): any other is refused.
 REQUEST_FIELDS = {
     "infer": (
-        "id", "op", "model", "inputs", "deadline_ms", "priority", "stream", "session", "session_end", "session_step",
-        "traceparent", "tracestate",
+        *("id", "op", "model", "version", "inputs", "deadline_ms", "priority", "stream"),
+        *("session", "session_end", "session_step", "traceparent", "tracestate"),
     ),
     "models": ("id", "op"),
     "health": ("id", "op"),
     "stats": ("id", "op"),
     "cancel": ("id", "op", "target"),
+    "load": ("id", "op", "model", "weights", "config"),
+    "unload": ("id", "op", "model"),
+    "reload": ("id", "op"),
 }
 OPS = tuple(REQUEST_FIELDS)
 _FIELDS = {op: dict.fromkeys(fields).keys() for op, fields in REQUEST_FIELDS.items()}  # ordered, and sets

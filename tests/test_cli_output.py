@@ -34,6 +34,7 @@ def test_models_prints_a_few_lines_a_model_with_shapes_on_one_line(lstm_server: 
         "  inputs:  tokens int64 [-1] (max_length 200), h0 float32 [1, 64] (optional), c0 float32 [1, 64] (optional)",
         "  outputs: h float32 [64], c float32 [64], h_n float32 [1, 64], c_n float32 [1, 64]",
         "  cells:   lstm/layer0 (batch_sizes [1, 2, 4, 8, 16, 32], priority 0)",
+        "  versions: 1 ready",
     ]
     as_json = run(CLIENT, "models", "--json", env=at(lstm_server))
     with lstm_server.client() as client:
@@ -81,7 +82,8 @@ def test_stats_counts_control_calls_apart_from_requests(lstm_server: RunningServ
     assert printed.returncode == 0, printed.stderr
     after = json.loads(printed.stdout)
     calls = {op: after["control_calls"][op] - before["control_calls"][op] for op in after["control_calls"]}
-    assert calls == {"models": 1, "health": 5, "stats": 1, "cancel": 1}  # each command's health check, and health itself
+    # each command's health check, and health itself
+    assert calls == {"models": 1, "health": 5, "stats": 1, "cancel": 1, "load": 0, "unload": 0, "reload": 0}
     requests = {key: after["requests"].get(key, 0) - before["requests"].get(key, 0) for key in ("received", "ok", "BAD_REQUEST")}
     assert requests == {"received": 2, "ok": 1, "BAD_REQUEST": 1}
     assert after["requests"]["received"] == sum(n for key, n in after["requests"].items() if key != "received")

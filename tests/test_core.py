@@ -180,7 +180,7 @@ def test_a_burst_is_admitted_in_order_its_limits_counting_the_requests_before_ea
 
 def test_a_bug_in_a_models_plan_fails_its_request_and_not_the_burst(harness, monkeypatch):
     h = harness()
-    model = h.core.models["lstm"]
+    model = h.core.versions.resolve("lstm", None, None)
     plan = model.plan
     monkeypatch.setattr(model, "plan", lambda inputs: plan(inputs) if inputs["tokens"] != [666] else 1 / 0)
     results = h.core.admit_burst([(b"c", i, {"model": "lstm", "inputs": {"tokens": tokens}}, 0.0) for i, tokens in

@@ -67,7 +67,8 @@ def test_a_connection_beyond_max_clients_is_closed_and_never_served(capped):
     stats = ask(second, {"id": "stats", "op": "stats"})
     assert stats["client_connections"] == 2 and stats["refused_connections"] >= 1
     assert stats["requests"]["received"] == 1 + 8  # the refused client's infer never reached the server
-    assert stats["control_calls"] == {"models": 0, "health": 2, "stats": 1, "cancel": 0}
+    calls = {"models": 0, "health": 2, "stats": 1, "cancel": 0, "load": 0, "unload": 0, "reload": 0}
+    assert stats["control_calls"] == calls
     assert third.poll(0) == 0
 
     third.disable_monitor()

@@ -134,7 +134,7 @@ def test_the_event_loop_wakes_for_a_waiting_request_s_deadline(harness):
 def test_a_bidirectional_chain_refuses_sessions(harness):
     """A chain that reads its sequence both ways has no state to carry to the next chunk."""
     h = harness()
-    h.core.models["lstm"].directions = 2  # as a bidirectional chain reports itself
+    h.core.versions.resolve("lstm", None, None).directions = 2  # as a bidirectional chain reports itself
     with pytest.raises(RequestError) as refused:
         h.core.admit(b"a", 1, session_request("s", [1, 2]), 0.0)
     assert refused.value.code == "INVALID_INPUT" and "unidirectional" in refused.value.message

@@ -161,6 +161,33 @@ class Backend(ABC):
         """Seconds per task of each cell type at its largest batch, timed at warm-up (time_full_tasks)."""
         return dict(self._full_task_s)
 
+    @property
+    @abstractmethod
+    def cells(self) -> tuple[list[CellTypeSpec | None], list[torch.nn.Module | None]]:
+        """The cell types by index and their modules, which run-time loads extend and unloads empty."""
+
+    def _place(self, cells: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """Modules loaded at run time, made ready to run on this backend's stream."""
+        return cells
+
+    def add_cells(self, first: int, specs: list[CellTypeSpec], cells: list[torch.nn.Module]) -> None:
+        """A version loaded at run time: its cell types take the indices from `first` on. Indices before it that
+        this worker never loaded (versions gone before it joined) stay empty: the manager sends them no task."""
+        own_specs, own_cells = self.cells
+        if first < len(own_cells):
+            raise ValueError(f"cell types from index {first} on are already loaded here (up to {len(own_cells) - 1})")
+        placed = self._place(cells)
+        gap = first - len(own_cells)
+        own_specs.extend([None] * gap + list(specs))
+        own_cells.extend([None] * gap + placed)
+
+    def drop_cells(self, indices: list[int]) -> None:
+        """Forget the modules of cell types nothing will run again (a version unloaded): their weights go."""
+        _, own_cells = self.cells
+        for index in indices:
+            if 0 <= index < len(own_cells):
+                own_cells[index] = None
+
     @abstractmethod
     def attach_peer(self, worker_id: int, arenas: list[dict[str, Any]]) -> str | None:
         """Open another worker's device arenas (as announced at its registration) to read values produced there;

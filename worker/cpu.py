@@ -72,6 +72,10 @@ class CpuBackend(Backend):
         return self._arena_info
 
     @property
+    def cells(self) -> tuple[list[CellTypeSpec | None], list[nn.Module | None]]:
+        return self._specs, self._cells  # type: ignore[return-value]
+
+    @property
     def signal_name(self) -> str:
         return self._counter.name
 

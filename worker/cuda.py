@@ -153,6 +153,22 @@ class CudaBackend(Backend):
         return self._arena_info
 
     @property
+    def cells(self) -> tuple[list[CellTypeSpec | None], list[nn.Module | None]]:
+        return self._tasks.cells
+
+    def _place(self, cells: list[nn.Module]) -> list[nn.Module]:
+        """Modules loaded at run time go to the device, which is waited for as after start-up; they run eagerly,
+        uncaptured (`cuda_graphs` captures the cells a worker starts with)."""
+        with self._calls.on_stream():
+            moved = [cell.to(self._dev) for cell in cells]
+        self._runtime.synchronize(self._dev)
+        return moved
+
+    def drop_cells(self, indices: list[int]) -> None:
+        super().drop_cells(indices)
+        self._tasks.forget_graphs(indices)
+
+    @property
     def signal_name(self) -> None:
         return None  # the counter is pinned memory private to this process
 

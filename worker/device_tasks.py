@@ -141,6 +141,16 @@ class DeviceTasks:
             for key in own:
                 del self.peers[key]
 
+    @property
+    def cells(self) -> tuple[list[CellTypeSpec | None], list[nn.Module | None]]:
+        """The cell types and modules by index (run-time loads extend them, unloads empty them)."""
+        return self._specs, self._cells  # type: ignore[return-value]
+
+    def forget_graphs(self, indices: list[int]) -> None:
+        """Drop the captured graphs of cell types that were unloaded, with the buffers they hold."""
+        for key in [key for key in self.graphs if key[0] in set(indices)]:
+            del self.graphs[key]
+
     def issue(self, task: TaskMessage | LaneTaskMessage) -> None:
         """Enqueue the task and then its signal: a task that cannot be issued still completes, with its error.
 

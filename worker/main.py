@@ -26,16 +26,24 @@ import zmq
 
 from batchmaker.common.addresses import completion_address
 from batchmaker.common.auth import CurveClient
-from batchmaker.common.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from batchmaker.common.config import (
+    DEFAULT_CONFIG,
+    Config,
+    ConfigError,
+    ModelConfig,
+    ServerConfig,
+    load_config,
+    model_from_wire,
+)
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.hosts import default_host_id
 from batchmaker.common.logs import setup_logging
-from batchmaker.common.models.base import build_model, cell_layout
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.sockets import NOW, receive, server_context
 from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
+from batchmaker.worker.loading import build_cells, load_version
 from batchmaker.worker.notices import InProgressFIFO, Poller
 
 log = logging.getLogger("batchmaker.worker")
@@ -46,20 +54,11 @@ EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a devic
 EXIT_DEVICE_FAULT = 4  # the device failed while serving: its context is unusable, a fresh process is needed
 
 
-def load_cells(config: Config, device: str = "cpu") -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
-    """Every configured model's cell types in the manager's order, with their modules (weights loaded).
-
-    The weights go to `device` before the cells are made, so tables the cells derive from them
-    (folded input projections) are computed there."""
-    models = [build_model(model_config) for model_config in config.models.values()]
-    specs, kinds = cell_layout(models)
-    modules: dict[str, torch.nn.Module] = {}
-    target = device if device.startswith("cuda") else "cpu"  # an unknown device is make_backend's to refuse
-    for model in models:
-        modules.update(model.make_cells({key: value.to(target) for key, value in model.load_weights().items()}))
-    for module in modules.values():
-        module.eval()
-    return specs, [modules[spec.key] for spec in specs], kinds
+def load_cells(
+    config: Config, device: str = "cpu"
+) -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
+    """Every configured model's cell types in the manager's order, with their modules (weights loaded)."""
+    return build_cells(list(config.models.values()), device)
 
 
 def make_backend(
@@ -84,6 +83,15 @@ def make_backend(
 
         return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs, cross_gpu_reads)
     raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")
+
+
+class OtherModels(Exception):
+    """The manager serves other models than this worker's config file names (it was edited, and reloaded,
+    since the manager started): the worker builds the manager's and registers again."""
+
+    def __init__(self, models: list[ModelConfig]):
+        super().__init__("the manager serves other models")
+        self.models = models
 
 
 class Worker:
@@ -168,6 +176,8 @@ class Worker:
             if self._socket in events:
                 kind, payload = self._socket.recv_multipart()
                 reply = decode(payload)
+                if kind == b"registered" and reply.get("models") is not None:
+                    raise OtherModels([model_from_wire(model) for model in reply["models"]])
                 if kind != b"registered" or not reply.get("ok"):
                     raise RuntimeError(f"manager refused registration: {reply.get('error')}")
                 self._attach_peers(reply.get("peers", {}))
@@ -203,7 +213,13 @@ class Worker:
             self._stop = True
 
     def run(self) -> None:
-        worker_id = self._register()
+        try:
+            worker_id = self._register()
+        except OtherModels:
+            self._backend.close()
+            self._socket.close()
+            self._context.term()
+            raise
         where = "the manager's host" if self._local else "another host than the manager's: results travel in notices"
         log.info("worker %d registered as %d on %s, on %s", self._index, worker_id, self._backend.device, where)
         address = completion_address(self._manager)
@@ -242,6 +258,12 @@ class Worker:
                 self._attach_peers(decode(payload))
             elif kind == b"forget-peer":
                 self._backend.detach_peer(decode(payload)["worker_id"])
+            elif kind == b"load":  # before any task sent after it: those may run the version it loads
+                message = decode(payload)
+                error = load_version(self._backend, message)
+                self._socket.send(encode({"op": "loaded", "model": message["model"]["name"], "error": error}))
+            elif kind == b"unload":
+                self._backend.drop_cells(decode(payload)["cells"])
             elif kind == b"stop":
                 log.info("the manager told this worker to stop")
                 self._stop = True
@@ -290,11 +312,42 @@ def main(argv: list[str] | None = None) -> int:
             from batchmaker.worker.cuda_runtime import arenas_shareable
 
             arenas_shareable()
-        specs, cells, kinds = load_cells(config, args.device)
-        server = config.server
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG_ERROR
+    models = list(config.models.values())
+    while True:
+        started = _start(args.device, args.index, models, config.server)
+        if isinstance(started, int):
+            return started
+        backend, cell_keys = started
+        worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve)
+        signal.signal(signal.SIGTERM, worker.request_stop)
+        signal.signal(signal.SIGINT, worker.request_stop)
+        try:
+            worker.run()
+        except OtherModels as exc:
+            if models == exc.models:  # built from the manager's own tables, and still not what it serves
+                log.error("the models the manager sent build other cell types than it serves; exiting")
+                return 1
+            log.info("the manager serves other models than %s names now: building those", args.config)
+            models = exc.models
+            continue
+        except DeviceFault as exc:
+            log.error("%s; exiting, to be restarted: the manager replays this worker's requests", exc)
+            return EXIT_DEVICE_FAULT
+        except (TimeoutError, RuntimeError) as exc:
+            log.error("%s", exc)
+            return 1
+        return 0
+
+
+def _start(device: str, index: int, models: list[ModelConfig], server: ServerConfig) -> tuple[Backend, list[str]] | int:
+    """The warmed-up backend serving `models`, with its cell types' keys; or the exit status when it cannot start."""
+    try:
+        specs, cells, kinds = build_cells(models, device)
         backend = make_backend(
-            args.device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs,
-            server.cross_gpu_reads,
+            device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs, server.cross_gpu_reads
         )
         try:
             backend.warm_up()
@@ -305,21 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return EXIT_CONFIG_ERROR
     except Exception:  # a device that cannot run the cells: say so once, with the cause, and stop
-        log.exception("worker %d could not start on %s", args.index, args.device)
+        log.exception("worker %d could not start on %s", index, device)
         return EXIT_STARTUP_FAILED
-    cell_keys = [spec.key for spec in specs]
-    worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve)
-    signal.signal(signal.SIGTERM, worker.request_stop)
-    signal.signal(signal.SIGINT, worker.request_stop)
-    try:
-        worker.run()
-    except DeviceFault as exc:
-        log.error("%s; exiting, to be restarted: the manager replays this worker's requests", exc)
-        return EXIT_DEVICE_FAULT
-    except (TimeoutError, RuntimeError) as exc:
-        log.error("%s", exc)
-        return 1
-    return 0
+    return backend, [spec.key for spec in specs]
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from batchmaker.common.protocol import (
     INVALID_INPUT,
     OVERLOADED,
     UNAVAILABLE,
-    UNKNOWN_MODEL,
     WORKER_LOST,
     RequestError,
     echo,
@@ -45,6 +44,7 @@ from batchmaker.manager.batching.policies import make_policy, make_scheduler
 from batchmaker.manager.batching.records import Request, Task
 from batchmaker.manager.batching.request_processor import RequestProcessor
 from batchmaker.manager.batching.sessions import Session, SessionStore, Waiting, session_fields
+from batchmaker.manager.batching.versions import Versions, served_name
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class BatchingCore:
         worker pool); `workers_changed` and `worker_lost` tell the core when the set changed."""
         self._server = config.server
         self._max_batches = {spec.key: spec.max_batch for spec in specs}
-        self.models = models
+        self._kinds = set(kinds)
+        self.versions = Versions(models)
         self.workers = workers
         self.admission = Admission(self._server.max_queue_delay_ms)
         self.table, self.store = make_tables(specs, kinds)
@@ -107,12 +108,10 @@ class BatchingCore:
         return results
 
     def _take(self, burst: _Burst, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> Request | None:
-        name = message.get("model")
-        if not isinstance(name, str):
-            raise RequestError(BAD_REQUEST, "request lacks 'model' (the name of a served model)")
-        model = self.models.get(name)
-        if model is None:
-            raise RequestError(UNKNOWN_MODEL, f"no model named {echo(name)}; this server has {', '.join(self.models)}")
+        fields = session_fields(message)
+        pinned = None if fields is None else self.sessions.model_of(fields.name)
+        model = self.versions.resolve(message.get("model"), message.get("version"), pinned)
+        name = served_name(model.name)
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
         model.check_input_names(message["inputs"])
@@ -128,7 +127,6 @@ class BatchingCore:
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
         deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
         priority = _optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
-        fields = session_fields(message)
         limit = self._server.max_queued_requests
         in_flight = len(self.requests) + self.sessions.waiting + len(burst.requests)
         if in_flight >= limit:
@@ -231,6 +229,36 @@ class BatchingCore:
     def unfinished_nodes(self) -> int:
         """Cells a newly admitted request waits for: those queued and those its workers have yet to run."""
         return self.processor.unsubmitted_nodes + sum(worker.nodes_in_flight for worker in self.workers.values())
+
+    # -- versions ------------------------------------------------------------------------------
+    def check_cell_types(self, specs: list[CellTypeSpec]) -> None:
+        """Refuse the cell types of a version to load when they need what the server was not sized for at
+        start: a kind of value it has no arenas for, or more ports than its plan store holds."""
+        kinds = {kind for spec in specs for kind in (*spec.inputs, *spec.outputs)}
+        unknown = sorted(kind.key for kind in kinds - self._kinds)
+        if unknown:
+            raise RequestError(
+                BAD_REQUEST, f"its cells use value kinds no model of this server had at start ({', '.join(unknown)}); "
+                "the workers' arenas are made at start: restart the server with the model in its config",
+            )  # fmt: skip
+        inputs, outputs = max(len(spec.inputs) for spec in specs), max(len(spec.outputs) for spec in specs)
+        if inputs > self.store.ports or outputs > self.store.outputs:
+            raise RequestError(
+                BAD_REQUEST, f"its cells have {inputs} inputs and {outputs} outputs, more than any cell of this server "
+                "had at start; restart the server with the model in its config",
+            )  # fmt: skip
+
+    def add_cell_types(self, specs: list[CellTypeSpec]) -> None:
+        """A version being loaded brings its cell types (`check_cell_types` passed), numbered after every
+        earlier one."""
+        self.scheduler.add_cell_types(specs)
+        self._max_batches.update({spec.key: spec.max_batch for spec in specs})
+
+    def in_use(self, planner: Planner, by_sessions: bool) -> bool:
+        """Whether a request in flight runs on `planner` (or, `by_sessions`, a live session may send one)."""
+        if by_sessions and planner.name in self.sessions.models_in_use():
+            return True
+        return any(request.model is planner for request in self.table.live.values())
 
     # -- workers -------------------------------------------------------------------------------
     def schedule(self, worker: WorkerHandle) -> list[Task]:

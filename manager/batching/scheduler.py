@@ -94,6 +94,12 @@ class Scheduler:
         self._layout_list: list[LaneLayout] = [ONE_STEP]  # the same, by number
         self._lane_tasks = LaneTasks(table, store, dispatcher)
 
+    def add_cell_types(self, specs: list[CellTypeSpec]) -> None:
+        """Queues for a loaded version's cell types, which the workers number after every earlier one."""
+        for spec in specs:
+            self.queues[spec.key] = CellTypeQueue(spec, len(self.queues))
+        self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
+
     # -- readiness ---------------------------------------------------------------------------
     def release(self, requests: list[Request]) -> None:
         """Queue the requests' lanes, in order; their cells run from now on."""

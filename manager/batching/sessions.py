@@ -160,6 +160,15 @@ class SessionStore:
             raise RequestError(OVERLOADED, f"{len(self._live)} sessions live (limit {self.max_sessions}); retry later")
         return None
 
+    def model_of(self, name: Any) -> str | None:
+        """The model a live session runs on (a version's internal name): its requests stay on that version."""
+        session = self._live.get(name)
+        return None if session is None else session.model
+
+    def models_in_use(self) -> set[str]:
+        """The models the live sessions run on."""
+        return {session.model for session in self._live.values()}
+
     def busy(self, name: str) -> bool:
         """Whether a request of this session runs, or waits: a new one must wait behind it."""
         session = self._live.get(name)

@@ -99,6 +99,7 @@ class WorkerHandle:
         self.last_seen = now  # any message from the worker
         self.signal = 0  # its stream's counter, as last reported
         self.progress_at = now  # when the counter last advanced, or work arrived while it was idle
+        self.loads_pending = 0  # versions it was told to load and has not answered for: its tasks wait meanwhile
 
     def _add_arenas(self, kind: ValueKind, device: dict[str, Any] | None, io: dict[str, Any] | None) -> None:
         if device is None or io is None or (self.local and not io.get("shm")):
@@ -181,6 +182,22 @@ class WorkerHandle:
 
     def slots_in_use(self) -> int:
         return sum(a.in_use for a in self.slots.values()) + sum(a.in_use for a in self.io_slots.values())
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's part of the `stats` reply."""
+        return {
+            "tasks_in_flight": self.in_flight,
+            "tasks_completed": self.tasks_completed,
+            "first_task_delay_ms": None if self.first_task_delay is None else self.first_task_delay * 1e3,
+            "pid": self.pid,
+            "host": self.host,
+            "local": self.local,
+            "rows_read_from_peers": {str(peer): rows for peer, rows in self.rows_read_from.items()},
+            "rows_in_notices": self.rows_in_notices,
+            "unreadable_peers": {str(peer): why for peer, why in self.unreadable.items()},
+            "arenas": self.occupancy(),
+            "slots_in_use": self.slots_in_use(),
+        }
 
     def close(self) -> None:
         self.io = {}

@@ -174,6 +174,11 @@ class Supervisor:
             self._aborting = True
         self._stopping = True
 
+    def forward_reload(self, *_: object) -> None:
+        """SIGHUP: the manager reads the config again and applies its models' changes (it owns the models)."""
+        if self.manager is not None and self.manager.poll() is None:
+            _signal_pid(self.manager.pid, signal.SIGHUP)
+
     @property
     def stopping(self) -> bool:
         return self._stopping
@@ -286,6 +291,7 @@ def serve(
     supervisor = Supervisor(config, address, workers)
     signal.signal(signal.SIGINT, supervisor.request_stop)
     signal.signal(signal.SIGTERM, supervisor.request_stop)
+    signal.signal(signal.SIGHUP, supervisor.forward_reload)
     supervisor.start()
     try:
         if not supervisor.wait_ready():

@@ -10,7 +10,7 @@ import signal
 
 import zmq
 
-from batchmaker.common.config import POLICIES, ConfigError, load_config, with_metrics_address, with_policy
+from batchmaker.common.config import POLICIES, Config, ConfigError, load_config, with_metrics_address, with_policy
 from batchmaker.common.logs import setup_logging
 from batchmaker.manager.loop.server import Manager
 from batchmaker.manager.observability.memory_trace import MemoryTrace
@@ -42,15 +42,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if trace is not None:
         trace.start()
-    try:
+
+    def read_config() -> Config:
+        """The config file with the command line's overrides: at start, and again on every reload."""
         config = load_config(args.config)
         if args.policy is not None:
             config = with_policy(config, args.policy)
         if args.metrics_address is not None:
             config = with_metrics_address(config, args.metrics_address)
+        return config
+
+    try:
+        config = read_config()
         address = args.address or config.server.address
         tracing = open_tracing(config, address)
-        manager = Manager(config, address, args.worker_address, args.expected_workers, args.parent_pid, token, tracing)
+        manager = Manager(
+            config, address, args.worker_address, args.expected_workers, args.parent_pid, token, tracing, read_config
+        )
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
@@ -66,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.set_threshold(100_000, 20, 100)
     signal.signal(signal.SIGTERM, manager.stop)
     signal.signal(signal.SIGINT, manager.stop)
+    signal.signal(signal.SIGHUP, manager.request_reload)
     try:
         manager.run()
     finally:

@@ -16,11 +16,12 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from batchmaker.common.config import Config
+from batchmaker.common.config import Config, load_config, model_to_wire
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import Planner, build_planner, cell_layout
 from batchmaker.common.protocol import (
@@ -37,8 +38,10 @@ from batchmaker.common.protocol import (
 from batchmaker.common.sockets import server_context
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Refused
+from batchmaker.manager.batching.versions import served_name
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.loop.frontend import ClientFrontend, Incoming
+from batchmaker.manager.loop.model_control import ModelControl
 from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.manager.observability.metrics import Metrics
 from batchmaker.manager.observability.stats import Stats
@@ -77,10 +80,12 @@ class Manager:
         parent_pid: int | None = None,
         supervisor_token: bytes = b"",
         tracing: RequestTracing | None = None,
+        reread: Callable[[], Config] | None = None,
     ):
-        """`tracing`: the spans of requests (manager.observability.trace_export.open_tracing), or None for none."""
+        """`tracing`: the spans of requests (manager.observability.trace_export.open_tracing), or None for none.
+        `reread` reads the config again for a reload (`reload`, SIGHUP), with the command line's overrides."""
         self.config = config
-        self.models, self.specs, self.kinds = load_models(config)
+        models, self.specs, self.kinds = load_models(config)
         self.expected_workers = expected_workers
         server = config.server
         self.idle_tasks = config.scheduler.idle_tasks
@@ -89,22 +94,29 @@ class Manager:
         self._drain_timeout = server.drain_timeout_ms / 1e3
         self._parent_pid = parent_pid
         self._next_watch = 0.0
+        self._reload_asked = False
 
         metrics = None
         if server.metrics_address:
-            metrics = Metrics(list(self.models), [spec.key for spec in self.specs])
+            metrics = Metrics(list(models), [spec.key for spec in self.specs])
             host, _, port = server.metrics_address.rpartition(":")
             bound = metrics.serve(host, int(port))
             log.info("metrics on http://%s:%d/metrics", host, bound)
         self.stats = Stats(metrics)
         self.tracing = tracing
         self._context = server_context()
-        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, supervisor_token)
+        layout = [model_to_wire(model) for model in config.models.values()]
+        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, supervisor_token, layout)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)
 
-        self.core = BatchingCore(config, self.models, self.specs, self.kinds, self.workers)
-        log.info("serving %s on %s", ", ".join(self.models), client_address)
+        self.core = BatchingCore(config, models, self.specs, self.kinds, self.workers)
+        self.versions = self.core.versions
+        self.control = ModelControl(
+            config, self.core, self.pool, self._control_reply, reread or (lambda: load_config(config.path)),
+            self.stats.model_served,
+        )  # fmt: skip
+        log.info("serving %s on %s", ", ".join(models), client_address)
 
     # -- event loop ----------------------------------------------------------------------------
     def stop(self, *_: object) -> None:
@@ -115,6 +127,10 @@ class Manager:
             log.info("draining: %d requests in flight", len(self.core.requests))
         elif not self._orphaned():
             self._stopping = True
+
+    def request_reload(self, *_: object) -> None:
+        """SIGHUP: reload the config at the end of the loop turn."""
+        self._reload_asked = True
 
     def _orphaned(self) -> bool:
         return self._parent_pid is not None and os.getppid() != self._parent_pid
@@ -146,11 +162,20 @@ class Manager:
                 self._conclude(self.core.expire())
                 self._watch_workers()
                 self._conclude(self.core.partials(self.frontend.has_backlog))  # one per streamed request and turn
+                self._reload_if_asked()
                 self._schedule_idle_workers()
                 if self.draining and (not self.core.requests or time.monotonic() > self._draining_until):
                     break
         finally:
             self._shutdown()
+
+    def _reload_if_asked(self) -> None:
+        if self._reload_asked:
+            self._reload_asked = False
+            try:
+                self.control.reload(None)
+            except RequestError as exc:
+                log.error("%s", exc.message)
 
     def _schedule_idle_workers(self) -> None:
         for worker in self.workers.values():
@@ -200,25 +225,33 @@ class Manager:
                 continue
             request = outcome.request
             if isinstance(outcome, Partial):
-                self.stats.partial_sent(request.model.name)
+                self.stats.partial_sent(served_name(request.model.name))
                 self.frontend.reply(request.client, partial_reply(request.request_id, outcome.outputs, outcome.restarted))
                 continue
             self.stats.concluded(outcome)
             if isinstance(outcome, Answered):
-                reply = {"id": request.request_id, "ok": True, "outputs": outcome.outputs, "timing": outcome.timing}
+                reply = {
+                    "id": request.request_id, "ok": True, "outputs": outcome.outputs, "timing": outcome.timing,
+                    "version": self.versions.number_of(request.model),
+                }  # fmt: skip
                 if outcome.session_step is not None:
                     reply["session_step"] = outcome.session_step
                 self.frontend.reply(request.client, reply)
             elif isinstance(outcome, Failed):
                 error = outcome.error
-                log.info("request %r (%s) ended: %s %s", request.request_id, request.model.name, error.code, error.message,
-                         extra={"request_id": request.request_id, "model": request.model.name, "outcome": error.code})
+                model = served_name(request.model.name)
+                log.info("request %r (%s) ended: %s %s", request.request_id, model, error.code, error.message,
+                         extra={"request_id": request.request_id, "model": model, "outcome": error.code})
                 self.frontend.refuse(request.client, request.request_id, error)
 
     # -- workers -------------------------------------------------------------------------------
     def _worker_control(self) -> None:
-        restarted, exited, health_checks = self.pool.control_messages()
+        restarted, exited, health_checks, registered, loads = self.pool.control_messages()
         self.core.workers_changed()
+        for worker in registered:
+            self.control.worker_joined(worker)
+        for worker, model, error in loads:
+            self.control.loaded(worker, model, error)
         for identity in health_checks:
             self.pool.answer_health(identity, self._health())
         for _ in restarted:
@@ -239,12 +272,14 @@ class Manager:
         self._read_notices()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
+        self.control.drain()  # here, not every turn: it looks through the requests in flight
         self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)
 
     def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
         """Forget a dead worker; the core replays (or fails) the requests that had values there."""
         log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
         self.pool.remove(worker)
+        self.control.worker_gone(worker)
         self.stats.worker_lost(worker.worker_id)
         if self.tracing is not None:
             self.tracing.worker_lost(worker.worker_id, reason)
@@ -290,7 +325,7 @@ class Manager:
         if op == "infer":  # while draining: every other is admitted in a burst
             raise RequestError(OVERLOADED, "the server is draining before it stops; send the request elsewhere")
         if op == "models":
-            self._answer(incoming, {"version": PROTOCOL_VERSION, "models": self._models()})
+            self._answer(incoming, {"version": PROTOCOL_VERSION, **self.versions.describe()})
         elif op == "health":
             self._answer(incoming, self._health())
         elif op == "stats":
@@ -302,6 +337,19 @@ class Manager:
             if outcomes is not None:
                 self._conclude(outcomes)
             self._answer(incoming, {"cancelled": outcomes is not None})
+        elif op == "load":
+            self.control.load(incoming)
+        elif op == "unload":
+            self._answer(incoming, self.control.unload(incoming))
+        elif op == "reload":
+            self.control.reload(incoming)
+
+    def _control_reply(self, incoming: Incoming, result: dict[str, Any] | RequestError) -> None:
+        """The reply to a load or a reload, once its versions have loaded or failed."""
+        if isinstance(result, RequestError):
+            self._refuse(incoming, result)
+        else:
+            self._answer(incoming, result)
 
     def _answer(self, incoming: Incoming, fields: dict[str, Any]) -> None:
         self.frontend.reply(incoming.client, {"id": incoming.request_id, "ok": True, **fields})
@@ -328,21 +376,6 @@ class Manager:
         return math.ceil(wait_ms - limit_ms)
 
     # -- introspection ---------------------------------------------------------------------------
-    def _models(self) -> dict[str, Any]:
-        described = {}
-        for name, model in self.models.items():
-            entry = model.describe()
-            if model.random_weights:
-                entry["random_weights"] = True
-            if model.can_stream:
-                entry["stream"] = True
-            entry["cell_types"] = {
-                spec.key: {"batch_sizes": list(spec.batch_sizes), "priority": spec.priority}
-                for spec in model.cell_types.values()
-            }
-            described[name] = entry
-        return described
-
     def _health(self) -> dict[str, Any]:
         up = len(self.workers)
         if self.draining:
@@ -378,22 +411,7 @@ class Manager:
             "unreachable_clients": self.frontend.unreachable_clients,
             "client_connections": self.frontend.connections.live,
             "refused_connections": self.frontend.connections.refused,
-            "plan_caches": {name: m.plan_cache.snapshot() for name, m in self.models.items() if m.plan_cache},
-            "workers": {
-                str(w.worker_id): {
-                    "tasks_in_flight": w.in_flight,
-                    "tasks_completed": w.tasks_completed,
-                    "first_task_delay_ms": None if w.first_task_delay is None else w.first_task_delay * 1e3,
-                    "pid": w.pid,
-                    "host": w.host,
-                    "local": w.local,
-                    "rows_read_from_peers": {str(peer): rows for peer, rows in w.rows_read_from.items()},
-                    "rows_in_notices": w.rows_in_notices,
-                    "unreadable_peers": {str(peer): why for peer, why in w.unreadable.items()},
-                    "arenas": w.occupancy(),
-                    "slots_in_use": w.slots_in_use(),
-                }
-                for w in self.workers.values()
-            },
+            "plan_caches": self.versions.plan_caches(),
+            "workers": {str(w.worker_id): w.stats() for w in self.workers.values()},
         }
 

@@ -45,6 +45,8 @@ class ControlMessages(NamedTuple):
     restarted: list[WorkerHandle]  # registered as restarts of earlier workers
     exited: list[tuple[WorkerHandle, str]]  # seen to exit by the supervisor (with why)
     health_checks: list[bytes]  # identities that asked for the manager's health: answer with `answer_health`
+    registered: list[WorkerHandle]  # every worker that registered (restarts included): it lacks later versions
+    loads: list[tuple[WorkerHandle, str, str | None]]  # a worker loaded a version (its internal name), or why not
 
 
 class WorkerPool:
@@ -55,9 +57,12 @@ class WorkerPool:
         kinds: list[ValueKind],
         server: ServerConfig,
         supervisor_token: bytes = b"",
+        layout: list[dict[str, Any]] | None = None,
     ):
         """`supervisor_token` is the secret the supervisor that started this process signs its
-        messages with; without one, no message is taken as the supervisor's."""
+        messages with; without one, no message is taken as the supervisor's. `layout`: the tables of the
+        models the manager started with (`model_to_wire`), sent to a worker that registers with other cells (its
+        config file was edited since), which builds them and registers again."""
         check_worker_address(address, server, "the worker address")
         self._supervisor_token = supervisor_token
         self._max_rows = {"device": server.arena_rows, "io": server.io_rows}
@@ -65,7 +70,8 @@ class WorkerPool:
         self.workers: dict[int, WorkerHandle] = {}
         self.host = default_host_id()
         self._hosts: dict[str, int] = {self.host: 0}  # host identity -> host number
-        self._cells = [spec.key for spec in specs]
+        self.start_cells = [spec.key for spec in specs]  # a worker registers with these, then loads what came later
+        self._layout = layout or []
         self._kinds = kinds
         self._heartbeat_timeout = server.heartbeat_timeout_ms / 1e3
         self._hang_timeout = server.hang_timeout_ms / 1e3
@@ -136,11 +142,13 @@ class WorkerPool:
         restarted: list[WorkerHandle] = []
         exited: list[tuple[WorkerHandle, str]] = []
         health_checks: list[bytes] = []
+        registered: list[WorkerHandle] = []
+        loads: list[tuple[WorkerHandle, str, str | None]] = []
         while True:
             try:
                 identity, frame = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return ControlMessages(restarted, exited, health_checks)
+                return ControlMessages(restarted, exited, health_checks, registered, loads)
             except ValueError:  # not a two-frame message: not one of our workers
                 self._drop("a message of more than one frame on the worker control socket")
                 continue
@@ -165,12 +173,39 @@ class WorkerPool:
                 ]
             elif op == "peers":  # which of the announced arenas a registered worker could open
                 self._peers_read(identity, message)
+            elif op == "loaded":  # a worker loaded a version at run time, or says why it could not
+                worker = self._worker_of(identity)
+                model, error = message.get("model"), message.get("error")
+                if worker is None or not isinstance(model, str) or not isinstance(error, (str, type(None))):
+                    self._drop("a malformed load report on the worker control socket")
+                    continue
+                worker.loads_pending -= 1
+                worker.progress_at = time.monotonic()  # its tasks waited for the load: the hang watchdog counts anew
+                loads.append((worker, model, error))
             else:
                 worker = self._register(identity, message)
                 if worker is not None and (worker.host, worker.index) in self.seen:
                     restarted.append(worker)
                 if worker is not None:
                     self.seen.add((worker.host, worker.index))
+                    registered.append(worker)
+
+    def load(self, worker: WorkerHandle, model: dict[str, Any], first_cell: int, cells: list[str]) -> None:
+        """Tell a worker to build a version's model (its table) and add its cell types from index `first_cell`;
+        it answers `loaded`. It runs the tasks sent after this message only once it has done so."""
+        message = {"model": model, "first_cell": first_cell, "cells": cells}
+        worker.loads_pending += 1
+        self.control.send_multipart([worker.identity, b"load", encode(message)])
+
+    def unload(self, worker: WorkerHandle, cells: list[int]) -> None:
+        """Tell a worker to drop the weights of these cell types: nothing will run them again."""
+        self.control.send_multipart([worker.identity, b"unload", encode({"cells": cells})])
+
+    def stop(self, worker: WorkerHandle) -> None:
+        self.control.send_multipart([worker.identity, b"stop", b""])
+
+    def _worker_of(self, identity: bytes) -> WorkerHandle | None:
+        return next((w for w in self.workers.values() if w.identity == identity), None)
 
     def answer_health(self, identity: bytes, health: dict[str, Any]) -> None:
         """Answer a readiness check `control_messages` returned."""
@@ -183,7 +218,7 @@ class WorkerPool:
     def _peers_read(self, identity: bytes, message: dict[str, Any]) -> None:
         """A worker says which peers' arenas it opened and which it could not (an IPC open that failed, GPUs
         without peer access, server.cross_gpu_reads): placement moves a request to it only from the former."""
-        worker = next((w for w in self.workers.values() if w.identity == identity), None)
+        worker = self._worker_of(identity)
         readable, unreadable = message.get("readable"), message.get("unreadable")
         if worker is None or not isinstance(readable, list) or not isinstance(unreadable, dict):
             self._drop("a malformed peers report on the worker control socket")
@@ -203,8 +238,15 @@ class WorkerPool:
         try:
             if message.get("op") != "register":
                 raise RequestError(BAD_REQUEST, f"unknown worker op {echo(message.get('op'))}")
-            if message.get("cells") != self._cells:
-                raise RequestError(BAD_REQUEST, f"worker serves cells {echo(message.get('cells'))}, the manager {self._cells}")
+            if message.get("cells") != self.start_cells and not self._layout:
+                raise RequestError(
+                    BAD_REQUEST, f"worker serves cells {echo(message.get('cells'))}, the manager {self.start_cells}"
+                )
+            if message.get("cells") != self.start_cells:
+                index = echo(message.get("index"))
+                log.info("worker %s built other models than the manager started with: it builds those", index)
+                self.control.send_multipart([identity, b"registered", encode({"ok": False, "models": self._layout})])
+                return None
             host = message.get("host")
             if not isinstance(host, str) or not host:
                 raise RequestError(BAD_REQUEST, "worker did not say which host it runs on")
@@ -256,7 +298,7 @@ class WorkerPool:
         for worker in self.workers.values():
             if now - worker.last_seen > self._heartbeat_timeout:
                 lost.append((worker, f"silent for {now - worker.last_seen:.1f} s"))
-            elif worker.tasks and now - worker.progress_at > self._hang_timeout:
+            elif worker.tasks and not worker.loads_pending and now - worker.progress_at > self._hang_timeout:
                 if worker.local:
                     _kill(worker.pid)
                 else:  # its pid means nothing here; it also exits once the manager falls silent to it

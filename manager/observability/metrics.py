@@ -26,8 +26,8 @@ requests_total{model,outcome}              counter    requests answered; outcome
 request_latency_seconds{model}             histogram  arrival to reply, successful requests only
 request_queue_seconds{model}               histogram  arrival to first task submitted, successful requests only
 partial_replies_total{model}               counter    partial replies sent to streamed requests (`stream: true`)
-control_calls_total{op}                    counter    calls of models, health, stats and cancel, answered or
-                                                      refused; never counted in requests_total
+control_calls_total{op}                    counter    calls of models, health, stats, cancel, load, unload and
+                                                      reload, answered or refused; never counted in requests_total
 batch_size{cell_type}                      histogram  nodes per step of a submitted task (buckets 1, 2, 4 ... 1024)
 tasks_total{cell_type}                     counter    batched tasks submitted to workers
 queue_depth_nodes{cell_type}               gauge      nodes ready to run and not yet submitted
@@ -105,7 +105,7 @@ class Metrics:
         self.liveness_timeout_s = liveness_timeout_s
         self._loop_turned_at = time.monotonic()
         self._readiness: tuple[int, int, bool] = (0, 1, False)  # (workers registered, workers expected, draining)
-        self._models = frozenset(models)
+        self._models: frozenset[str] = frozenset()  # the served models' names, the only model label values
         self._requests = Counter(
             "batchmaker_requests", "Requests answered, by model and outcome (ok or an error code).",
             ("model", "outcome"), registry=self.registry,
@@ -124,7 +124,8 @@ class Metrics:
             registry=self.registry,
         )
         self._control_calls = Counter(
-            "batchmaker_control_calls", "Calls of the ops about the server (models, health, stats, cancel).", ("op",),
+            "batchmaker_control_calls",
+            "Calls of the ops about the server (models, health, stats, cancel, load, unload, reload).", ("op",),
             registry=self.registry,
         )
         self._batch_size = Histogram(
@@ -152,13 +153,11 @@ class Metrics:
             "batchmaker_worker_restarts", "Workers that died and were replaced.", registry=self.registry
         )
 
-        outcomes = ("ok", *ERROR_CODES)
-        self._request_children = {
-            (model, outcome): self._requests.labels(model, outcome) for model in models for outcome in outcomes
-        }
-        self._request_children.update({(NO_MODEL, code): self._requests.labels(NO_MODEL, code) for code in ERROR_CODES})
-        self._latency_children = {model: (self._latency.labels(model), self._queue.labels(model)) for model in models}
-        self._partial_children = {model: self._partials.labels(model) for model in models}
+        self._request_children = {(NO_MODEL, code): self._requests.labels(NO_MODEL, code) for code in ERROR_CODES}
+        self._latency_children: dict[str, tuple] = {}
+        self._partial_children: dict[str, Any] = {}
+        for model in models:
+            self.add_model(model)
         self._control_children = {op: self._control_calls.labels(op) for op in CONTROL_OPS}
         self._cell_children: dict[str, tuple] = {}
         for cell in cell_types:
@@ -175,6 +174,16 @@ class Metrics:
 
     def set_readiness(self, workers: int, expected_workers: int, draining: bool) -> None:
         self._readiness = (workers, expected_workers, draining)  # one assignment: the HTTP threads see all or none
+
+    def add_model(self, model: str) -> None:
+        """A model served from now on (at start, or loaded while the server runs): its labelled children."""
+        if model in self._models:
+            return
+        self._models = self._models | {model}
+        outcomes = ("ok", *ERROR_CODES)
+        self._request_children.update({(model, outcome): self._requests.labels(model, outcome) for outcome in outcomes})
+        self._latency_children[model] = (self._latency.labels(model), self._queue.labels(model))
+        self._partial_children[model] = self._partials.labels(model)
 
     def request_finished(self, model: str, outcome: str, total_s: float | None, queue_s: float | None) -> None:
         """Count an answered request; its latency and queueing time are observed only for outcome "ok"."""

@@ -21,6 +21,7 @@ import numpy as np
 from batchmaker.common.protocol import CONTROL_OPS
 from batchmaker.manager.batching.outcomes import Failed, Outcome, Replayed
 from batchmaker.manager.batching.records import Task
+from batchmaker.manager.batching.versions import served_name
 
 if TYPE_CHECKING:
     from batchmaker.manager.batching.worker_handle import WorkerHandle
@@ -60,7 +61,8 @@ class Stats:
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics
         self.requests: collections.Counter[str] = collections.Counter()
-        # Calls about the server (models, health, stats, cancel), apart: a monitor polling stats must not look like load.
+        # Calls about the server (models, health, stats, cancel, load, unload, reload), apart: a monitor polling
+        # stats must not look like load.
         self.control_calls = dict.fromkeys(CONTROL_OPS, 0)
         self.tasks = 0
         self.steps = 0  # a multi-step task runs several
@@ -102,12 +104,17 @@ class Stats:
         if self.metrics is not None:
             self.metrics.request_refused(code)
 
+    def model_served(self, name: str) -> None:
+        """A model loaded while the server runs serves from now on: the metrics label its requests."""
+        if self.metrics is not None:
+            self.metrics.add_model(name)
+
     def concluded(self, outcome: Outcome) -> None:
         """What the batching core concluded about an admitted request."""
         if isinstance(outcome, Replayed):
             self.replayed += 1
             return
-        name = outcome.request.model.name
+        name = served_name(outcome.request.model.name)
         if isinstance(outcome, Failed):
             self.requests[outcome.error.code] += 1
             if self.metrics is not None:
