@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from batchmaker.common.addresses import is_loopback
+from batchmaker.common.frontdoor_config import GrpcConfig, HttpConfig, parse_door_tables
 
 DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
@@ -120,6 +121,8 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
+    http: HttpConfig | None = None  # the Open Inference Protocol front door's listeners; None: off
+    grpc: GrpcConfig | None = None
 
 
 def load_config(path: str | Path) -> Config:
@@ -135,16 +138,17 @@ def load_config(path: str | Path) -> Config:
 
 
 def parse_config(raw: dict[str, Any], path: Path) -> Config:
-    unknown = set(raw) - {"server", "scheduler", "models"}
+    unknown = set(raw) - {"server", "scheduler", "models", "http", "grpc"}
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models")
+        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models, http, grpc")
     server = _parse_server(_table(raw, "server", path), path)
     scheduler = _parse_scheduler(_table(raw, "scheduler", path), path)
     models_raw = _table(raw, "models", path)
     if not models_raw:
         raise ConfigError(f"{path}: no [models.NAME] table; at least one model must be served")
     models = {name: _parse_model(name, _table(models_raw, name, path, f"models.{name}"), path) for name in models_raw}
-    return Config(path=path, server=server, scheduler=scheduler, models=models)
+    http, grpc = parse_door_tables(raw, path, ConfigError)
+    return Config(path=path, server=server, scheduler=scheduler, models=models, http=http, grpc=grpc)
 
 
 def _table(raw: dict[str, Any], key: str, path: Path, where: str | None = None) -> dict[str, Any]:
@@ -347,6 +351,19 @@ def with_policy(config: Config, policy: str) -> Config:
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+
+
+def with_door_addresses(config: Config, http: str | None, grpc: str | None) -> Config:
+    """The config with the front door's listeners set (`batchmaker serve --http ADDRESS --grpc ADDRESS`)."""
+    tables = {"http": {"address": http} if http is not None else None, "grpc": {"address": grpc} if grpc is not None else None}
+    given = {name: table for name, table in tables.items() if table is not None}
+    parsed = parse_door_tables(given, config.path, ConfigError)
+    changes = {}
+    for name, table in zip(("http", "grpc"), parsed):
+        if table is not None:
+            old = getattr(config, name)
+            changes[name] = table if old is None else dataclasses.replace(old, address=table.address)
+    return dataclasses.replace(config, **changes)
 
 
 def with_metrics_address(config: Config, address: str) -> Config:

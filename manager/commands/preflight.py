@@ -17,6 +17,7 @@ import sys
 from batchmaker.common.config import Config, ConfigError, load_config
 from batchmaker.common.models.base import Planner, build_model, build_planner
 from batchmaker.manager.batching.policies import check_policy
+from batchmaker.manager.commands.doors import check_door_packages
 from batchmaker.manager.commands.launcher import free_port_on
 
 log = logging.getLogger("batchmaker.supervisor")
@@ -30,6 +31,7 @@ def check_before_start(config: Config, address: str) -> None:
     warn_random_weights(planners)
     check_client_address(address, str(config.path))
     check_metrics_address(config.server.metrics_address, str(config.path))
+    check_door_packages(config)
 
 
 def check_weights(config: Config) -> None:
