@@ -268,3 +268,14 @@ hidden_size = 64
 num_classes = 5
 batch_sizes = [1, 2, 4, 8]
 """
+
+
+@pytest.fixture(scope="session")
+def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A server of every model kind behind the OIP front door (tests/oip_server.py), shared by the front
+    door's test modules: they must not change it."""
+    from oip_server import start_door
+
+    running = start_door(tmp_path_factory.mktemp("oip"))
+    yield running
+    stop_server(running.server)

@@ -3,13 +3,11 @@ tests/test_frontdoor_*.py modules, and the unbatched references their answers ar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 from conftest import (
     SMALL_LSTM,
     SMALL_SEQ2SEQ,
@@ -17,7 +15,6 @@ from conftest import (
     RunningServer,
     free_port,
     start_server,
-    stop_server,
     write_config,
 )
 
@@ -87,15 +84,6 @@ def start_door(directory: Path, models: str = MODELS, server: str = "", **tables
     http, grpc = free_port(), free_port()
     config = write_config(directory, models + door_tables(http, grpc, **tables), server=server)
     return Door(start_server(config, workers=1), config, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}")
-
-
-@pytest.fixture(scope="session")
-def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
-    """One server of every model kind behind the front door, shared by the front door's test modules: they
-    must not change it."""
-    running = start_door(tmp_path_factory.mktemp("oip"))
-    yield running
-    stop_server(running.server)
 
 
 def close(got: np.ndarray, expected: Any) -> bool:

@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from oip_server import TREE, Door, close, door  # noqa: F401 (the fixture)
+from oip_server import TREE, Door, close
 from tritonclient.utils import InferenceServerException
 
 from batchmaker.common.models.seq2seq import decoding_mismatch
@@ -108,7 +108,7 @@ def test_a_sequence_over_several_requests_equals_one_request(door: Door):
             sequence_start=index == 0,
             sequence_end=index == len(chunks) - 1,
         )
-    whole = door.reference("lstm", {"tokens": sum(chunks, [])})
+    whole = door.reference("lstm", {"tokens": [token for chunk in chunks for token in chunk]})
     assert close(reply.as_numpy("h_n"), whole["h_n"]) and close(reply.as_numpy("c_n"), whole["c_n"])
 
 
