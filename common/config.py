@@ -355,8 +355,7 @@ def with_policy(config: Config, policy: str) -> Config:
 
 def with_door_addresses(config: Config, http: str | None, grpc: str | None) -> Config:
     """The config with the front door's listeners set (`batchmaker serve --http ADDRESS --grpc ADDRESS`)."""
-    tables = {"http": {"address": http} if http is not None else None, "grpc": {"address": grpc} if grpc is not None else None}
-    given = {name: table for name, table in tables.items() if table is not None}
+    given = {name: {"address": address} for name, address in (("http", http), ("grpc", grpc)) if address is not None}
     parsed = parse_door_tables(given, config.path, ConfigError)
     changes = {}
     for name, table in zip(("http", "grpc"), parsed):

@@ -324,7 +324,8 @@ def serve(
             "ready: serving %s on %s with workers on %s (%s batching)",
             ", ".join(config.models), supervisor.address, devices, config.scheduler.policy,
         )
-        listeners = [f"{name} on {table.address}" for name, table in (("HTTP", config.http), ("gRPC", config.grpc)) if table]
+        doors = (("HTTP", config.http), ("gRPC", config.grpc))
+        listeners = [f"{name} on {table.address}" for name, table in doors if table is not None]
         also = f" (OIP {', '.join(listeners)})" if listeners else ""
         print(f"batchmaker serving on {supervisor.address}{also} (Ctrl-C to stop)", flush=True)
         return supervisor.watch()
