@@ -6,6 +6,7 @@ Paths are relative to the config file, as the key files of [server.curve] are.
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,11 @@ class HttpConfig:
 class GrpcConfig:
     address: str = DEFAULT_GRPC_ADDRESS
     security: DoorSecurity = DoorSecurity()
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an Authorization header (or gRPC metadata) value carries the token, compared in constant time."""
+    return hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
 
 
 def split_host_port(address: str, where: str) -> tuple[str, int]:

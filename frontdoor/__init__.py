@@ -17,7 +17,7 @@ def missing_oip_packages() -> list[str]:
     for package, module in modules.items():
         try:
             found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # a parent package (google) is missing
+        except (ModuleNotFoundError, ValueError):  # a parent package (google) is missing, or the import is blocked
             found = False
         if not found:
             missing.append(package)

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from batchmaker.common.frontdoor_config import GrpcConfig
+from batchmaker.common.frontdoor_config import GrpcConfig, bearer_matches
 from batchmaker.common.protocol import INVALID_INPUT, echo
 
 from . import inference_pb2 as pb
@@ -50,7 +50,7 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
         if self.token is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.token}":
+        if not bearer_matches(str(metadata.get("authorization", "")), self.token):
             await self._abort(
                 context, DoorError(UNAUTHENTICATED, "this server needs the metadata 'authorization: Bearer <token>'")
             )

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from batchmaker.common.frontdoor_config import HttpConfig, split_host_port
+from batchmaker.common.frontdoor_config import HttpConfig, bearer_matches, split_host_port
 from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, echo
 
 from .errors import TOO_LARGE, UNAUTHENTICATED, DoorError
@@ -83,7 +83,7 @@ class HttpDoor:
         self.metrics.request("http", endpoint)
         try:
             needs_token = self.token is not None and request.path not in OPEN_PATHS
-            if needs_token and request.headers.get("Authorization", "") != f"Bearer {self.token}":
+            if needs_token and not bearer_matches(request.headers.get("Authorization", ""), self.token):
                 raise DoorError(UNAUTHENTICATED, "this server needs the header 'Authorization: Bearer <token>'")
             length = request.content_length
             if length is not None and length > self.config.max_body_bytes:
