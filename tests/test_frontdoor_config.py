@@ -37,6 +37,13 @@ def test_the_front_door_is_off_without_its_tables_and_on_loopback_by_default(tmp
     assert door_processes(config_of(tmp_path, "[grpc]\n")) == 1
 
 
+def config_of_top(tmp_path: Path, tables: str):
+    """A config whose tables come first (a top-level key must)."""
+    path = tmp_path / "config.toml"
+    path.write_text(tables + MODEL)
+    return load_config(path)
+
+
 @pytest.mark.parametrize(
     ("tables", "words"),
     [
@@ -52,13 +59,6 @@ def test_the_front_door_is_off_without_its_tables_and_on_loopback_by_default(tmp
         ("http = 3\n", "[http] must be a table"),
     ],
 )
-def config_of_top(tmp_path: Path, tables: str):
-    """A config whose tables come first (a top-level key must)."""
-    path = tmp_path / "config.toml"
-    path.write_text(tables + MODEL)
-    return load_config(path)
-
-
 def test_each_mistake_is_named(tmp_path: Path, tables: str, words: str):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError) as refused:
