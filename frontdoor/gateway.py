@@ -32,6 +32,7 @@ from .tensors import datatype_of
 SERVER_NAME = "batchmaker"
 MODEL_VERSION = "1"  # each model is served in one version
 EXTENSIONS = ("binary_tensor_data", "sequence")
+READY_TIMEOUT_S = 2.0  # a manager that does not answer health this soon is not ready (a probe must not hang)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Gateway:
     async def ready(self) -> bool:
         """The manager answers, every configured worker is up and the server is not draining."""
         try:
-            health = await self._ask(self.client.health())
+            health = await self._ask(asyncio.wait_for(self.client.health(), READY_TIMEOUT_S))
         except DoorError:
             return False
         return health.get("status") == "ready" and bool(health.get("workers"))

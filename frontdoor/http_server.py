@@ -8,6 +8,7 @@ with `binary_data` (or all of them, with the request parameter `binary_data_outp
 from __future__ import annotations
 
 import json
+import logging
 import math
 import ssl
 import time
@@ -17,13 +18,14 @@ from typing import Any
 from aiohttp import web
 
 from batchmaker.common.frontdoor_config import HttpConfig, bearer_matches, split_host_port
-from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, echo
+from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, INVALID_INPUT, echo
 
 from .errors import TOO_LARGE, UNAUTHENTICATED, DoorError
 from .gateway import MODEL_VERSION, Gateway, InferRequest, InferResult
 from .metrics import DoorMetrics
 from .tensors import datatype_of, from_bytes, from_json, to_bytes, to_json
 
+log = logging.getLogger("batchmaker.frontdoor")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/metrics")  # probes and scrapes need no token
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -102,6 +104,9 @@ class HttpDoor:
         except web.HTTPException as exc:  # aiohttp's own: no route, wrong method
             self.metrics.error("http", str(exc.status))
             return web.json_response({"error": exc.reason}, status=exc.status, headers=exc.headers)
+        except Exception as exc:  # a failure of the front door itself: an OIP error, and the service goes on
+            log.exception("request %s %s failed", request.method, request.path)
+            return error_response(DoorError(INTERNAL, f"the front door failed: {type(exc).__name__}: {exc}"))
 
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True})

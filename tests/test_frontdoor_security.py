@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import shutil
 import ssl
 import urllib.error
 import urllib.request
@@ -22,6 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from oip_server import Door, close, start_door
 from tritonclient.utils import InferenceServerException
+
+from batchmaker.common.auth import keygen_main
 
 TOKEN = "s3cret-token"
 
@@ -126,3 +129,22 @@ def test_grpc_over_tls_needs_the_token(secured: tuple[Door, Path]):
     assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
     with pytest.raises(InferenceServerException):  # plaintext to a TLS port
         grpcclient.InferenceServerClient(door.grpc).is_server_live()
+
+
+def test_with_curve_on_the_manager_the_front_door_connects_with_the_servers_key(tmp_path: Path):
+    keys = tmp_path / "keys"
+    assert keygen_main([str(keys), "--name", "server"]) == 0
+    (keys / "clients").mkdir()
+    shutil.copy(keys / "server.key", keys / "clients" / "server.key")  # as docs/protocol.md says
+    curve = '\n[server.curve]\nsecret_key = "keys/server.key_secret"\nallowed_clients = "keys/clients"\n'
+    door = start_door(tmp_path, SMALL_LSTM, server=curve)
+    try:
+        triton = httpclient.InferenceServerClient(door.http)
+        assert triton.is_server_ready()
+        item = httpclient.InferInput("tokens", [3], "INT64")
+        item.set_data_from_numpy(tokens())
+        assert close(
+            triton.infer("lstm", [item]).as_numpy("h"), door.reference("lstm", {"tokens": tokens().tolist()})["h"]
+        )
+    finally:
+        stop_server(door.server)
