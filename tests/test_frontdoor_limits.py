@@ -97,6 +97,14 @@ def test_a_request_over_the_servers_frame_limit_is_413_too(limited: Door):
     assert refused.value.code == 413 and "max_message_bytes" in json.loads(refused.value.read())["error"]
 
 
+def test_a_grpc_message_over_the_limit_is_resource_exhausted(limited: Door):
+    item = grpcclient.InferInput("tokens", [MAX_BODY // 8 + 1], "INT64")
+    item.set_data_from_numpy(np.zeros(MAX_BODY // 8 + 1, dtype=np.int64))
+    with pytest.raises(InferenceServerException) as refused:
+        grpcclient.InferenceServerClient(limited.grpc).infer("lstm", [item])
+    assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+
+
 def test_an_http_client_that_disconnects_cancels_its_request(limited: Door):
     before = wait_idle(limited.server.client())
     body, headers = binary_body(LONG)
