@@ -17,6 +17,7 @@ from conftest import (
     start_server,
     write_config,
 )
+from test_custom_model import ELMAN
 
 from batchmaker.common.config import Config
 from batchmaker.common.models import build_model
@@ -48,14 +49,8 @@ hidden_size = 16
 head_size = 4
 max_length = 100
 batch_sizes = [1, 2, 4, 8]
-
-[models.elman]
-builder = "examples.elman:build"
-weights = "elman.pt"
-vocab_size = 200
-hidden_size = 16
-batch_sizes = [1, 2, 4, 8, 16]
 """
+    + ELMAN
 )
 
 # A binary tree over the SST vocabulary: leaves 0, 1, 3 carry words; 2 and 4 are internal; 4 is the root.
