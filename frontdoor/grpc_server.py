@@ -8,6 +8,7 @@ replies first, each response saying `triton_final_response` (Triton's decoupled 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import grpc
 
 from batchmaker.common.frontdoor_config import GrpcConfig, bearer_matches
-from batchmaker.common.protocol import INVALID_INPUT, echo
+from batchmaker.common.protocol import INTERNAL, INVALID_INPUT, echo
 
 from . import inference_pb2 as pb
 from . import inference_pb2_grpc
@@ -23,6 +24,8 @@ from .errors import UNAUTHENTICATED, DoorError
 from .gateway import MODEL_VERSION, Gateway, InferRequest, InferResult
 from .metrics import DoorMetrics
 from .tensors import datatype_of, from_bytes, from_json, to_bytes
+
+log = logging.getLogger("batchmaker.frontdoor")
 
 # The typed contents field of each datatype (FP16 travels as raw contents only, as in Triton).
 CONTENTS_FIELDS = {
@@ -147,7 +150,10 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             async for result in self.gateway.stream(parse_infer(request)):
                 responses.put_nowait(pb.ModelStreamInferResponse(infer_response=to_response(result)))
-        except DoorError as error:
+        except Exception as exc:  # the stream goes on: this request's error is its response
+            error = exc if isinstance(exc, DoorError) else DoorError(INTERNAL, f"{type(exc).__name__}: {exc}")
+            if error is not exc:
+                log.exception("a streamed request failed")
             self.metrics.error("grpc", error.code)
             failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
             responses.put_nowait(pb.ModelStreamInferResponse(error_message=error.text, infer_response=failed))

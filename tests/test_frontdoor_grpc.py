@@ -166,6 +166,14 @@ def test_a_stream_sends_seq2seq_tokens_as_they_are_decoded_then_the_final_reply(
     assert decoding_mismatch(tokens, door.reference("seq2seq", {"tokens": source.tolist(), "max_len": 40})) is None
 
 
+def test_a_stream_sends_a_taggers_rows_as_they_are_computed(door: Door):
+    tokens = np.random.default_rng(4).integers(0, 300, size=30).astype(np.int64)
+    *partials, final = stream(door, [("tagger", {"tokens": tokens}, "t")])
+    expected = door.reference("tagger", {"tokens": tokens.tolist()})
+    assert close(np.concatenate([p.as_numpy("y") for p in partials]), expected["y"])
+    assert close(final.as_numpy("y"), expected["y"]) and close(final.as_numpy("logits"), expected["logits"])
+
+
 def test_a_stream_answers_each_of_its_requests_and_their_errors(door: Door):
     tokens = np.array([4, 5, 6], dtype=np.int64)
     got = stream(
