@@ -93,6 +93,22 @@ def test_typed_contents_are_read_as_raw_ones(door: Door):
     assert close(h, door.reference("elman", {"tokens": [4, 5, 6]})["h"])
 
 
+def test_malformed_raw_or_typed_contents_are_invalid_argument(door: Door):
+    with grpc.insecure_channel(door.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        two_raw = pb.ModelInferRequest(model_name="elman", raw_input_contents=[b"", b""])
+        two_raw.inputs.add(name="tokens", datatype="INT64", shape=[0])
+        half = pb.ModelInferRequest(model_name="elman")
+        half.inputs.add(name="h0", datatype="FP16", shape=[1, 16]).contents.fp32_contents.extend([0.0] * 16)
+        for request, words in (
+            (two_raw, "2 raw_input_contents for 1 inputs"),
+            (half, "FP16' needs raw_input_contents"),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfer(request)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
+
+
 def test_a_sequence_over_several_requests_equals_one_request(door: Door):
     triton = client(door)
     chunks = [[3, 4], [5, 6, 7], [8]]

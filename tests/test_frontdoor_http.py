@@ -97,6 +97,19 @@ def test_every_model_kind_equals_its_reference(door: Door):
     assert decoding_mismatch(decoded.as_numpy("tokens"), reference) is None
 
 
+def test_nested_json_data_and_a_priority_are_taken(door: Door):
+    x = np.random.default_rng(5).standard_normal((3, 6)).astype(np.float32)
+    body = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 6], "data": x.tolist()}],
+        "outputs": [{"name": "logits"}],
+        "parameters": {"priority": 2},
+    }
+    status, answer, _ = post(door, "/v2/models/vectors/infer", json.dumps(body).encode())
+    [logits] = answer["outputs"]
+    assert status == 200 and logits["shape"] == [4]
+    assert close(np.array(logits["data"], dtype=np.float32), door.reference("vectors", {"x": x})["logits"])
+
+
 def test_a_sequence_over_several_requests_equals_one_request(door: Door):
     triton = client(door)
     chunks = [[5, 17, 342], [8, 9], [40, 41, 42, 43]]
@@ -186,6 +199,69 @@ def test_starting_a_sequence_still_open_is_refused(door: Door):
             },
             400,
             "need a sequence_id",
+        ),
+        (
+            "/v2/models/lstm/infer",
+            {
+                "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]}],
+                "parameters": {"priority": -1},
+            },
+            400,
+            "priority must be",
+        ),
+        (
+            "/v2/models/lstm/infer",
+            {
+                "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]}],
+                "parameters": {"sequence_id": 1.5},
+            },
+            400,
+            "sequence_id must be",
+        ),
+        (
+            "/v2/models/lstm/infer",
+            {
+                "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]}],
+                "parameters": {"sequence_id": 3, "sequence_start": "yes"},
+            },
+            400,
+            "must be booleans",
+        ),
+        (
+            "/v2/models/lstm/infer",
+            {
+                "inputs": [
+                    {"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]},
+                    {"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]},
+                ]
+            },
+            400,
+            "given twice",
+        ),
+        ("/v2/models/lstm/infer", {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1]}]}, 400, "neither"),
+        (
+            "/v2/models/lstm/infer",
+            {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]}], "outputs": ["h"]},
+            400,
+            "'outputs' must be a list",
+        ),
+        ("/v2/models/lstm/infer", {"inputs": {}}, 400, "'inputs' list"),
+        (
+            "/v2/models/lstm/infer",
+            {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]}], "parameters": []},
+            400,
+            "must be an object",
+        ),
+        (
+            "/v2/models/seq2seq/infer",
+            {
+                "inputs": [
+                    {"name": "tokens", "datatype": "INT64", "shape": [1], "data": [5]},
+                    {"name": "max_len", "datatype": "INT64", "shape": [2], "data": [3, 4]},
+                ]
+            },
+            400,
+            "is one value",
         ),
     ],
 )
