@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return asyncio.run(serve(config, args.manager or config.server.address, lambda: _parent_gone(args.parent_pid)))
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # aiohttp's bind raises OSError, grpc's RuntimeError
         log.error("cannot listen: %s", exc)
         return 2
 

@@ -3,6 +3,8 @@ missing `oip` extra named at start-up."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from batchmaker.common.config import ConfigError, load_config, with_door_addresses
 from batchmaker.manager.commands.doors import check_door_packages, door_arguments, door_processes
+from batchmaker.manager.commands.preflight import check_door_addresses
 
 MODEL = """
 [models.lstm]
@@ -84,3 +87,20 @@ def test_a_missing_extra_fails_start_up_naming_it(tmp_path: Path, monkeypatch: p
         check_door_packages(config)
     assert "pip install 'batchmaker[oip]'" in str(refused.value) and "missing: aiohttp" in str(refused.value)
     check_door_packages(config_of(tmp_path, ""))  # no front door: nothing to miss
+
+
+def test_a_listener_port_in_use_is_named_before_start(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = config_of(tmp_path, f'[grpc]\naddress = "127.0.0.1:{port}"\n')
+        with pytest.raises(
+            ConfigError, match=rf"\[grpc\] address 127.0.0.1:{port}: port {port} is in use.*--grpc 127.0.0.1:"
+        ):
+            check_door_addresses(config)
+        done = subprocess.run(
+            [sys.executable, "-m", "batchmaker.frontdoor", "--config", str(config.path)],
+            capture_output=True, text=True, timeout=120, check=False
+        )  # fmt: skip
+    assert done.returncode == 2 and "cannot listen" in done.stderr
