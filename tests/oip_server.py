@@ -3,7 +3,7 @@ tests/test_frontdoor_*.py modules, and the unbatched references their answers ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +69,16 @@ class Door:
     config: Config
     http: str
     grpc: str
+    _reference_models: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # model, weights: loaded once
 
     def reference(self, model: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        planner, state = self._reference_models.get(model) or self._load(model)
+        return planner.reference(state, inputs)
+
+    def _load(self, model: str) -> tuple[Any, Any]:
         planner = build_model(self.config.models[model])
-        return planner.reference(planner.load_weights(), inputs)
+        self._reference_models[model] = planner, planner.load_weights()
+        return self._reference_models[model]
 
 
 def start_door(directory: Path, models: str = MODELS, server: str = "", **tables: str) -> Door:

@@ -110,6 +110,15 @@ def test_nested_json_data_and_a_priority_are_taken(door: Door):
     assert close(np.array(logits["data"], dtype=np.float32), door.reference("vectors", {"x": x})["logits"])
 
 
+def test_many_requests_in_flight_from_several_connections_each_get_their_own_answer(door: Door):
+    rng = np.random.default_rng(6)
+    sequences = [rng.integers(0, 1000, size=int(rng.integers(1, 60))).astype(np.int64) for _ in range(120)]
+    triton = httpclient.InferenceServerClient(door.http, concurrency=12)
+    pending = [triton.async_infer("lstm", [tensor("tokens", tokens)]) for tokens in sequences]
+    for tokens, call in zip(sequences, pending):
+        assert close(call.get_result().as_numpy("h"), door.reference("lstm", {"tokens": tokens.tolist()})["h"])
+
+
 def test_a_sequence_over_several_requests_equals_one_request(door: Door):
     triton = client(door)
     chunks = [[5, 17, 342], [8, 9], [40, 41, 42, 43]]
