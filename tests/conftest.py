@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,9 @@ from batchmaker.common.models import init_missing_weights
 from batchmaker.manager.commands.supervisor import Supervisor
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
+# The front door's tests call gRPC and start servers (fork, then exec) from one process: grpc's fork handlers
+# would restart its poller in each child before the exec, where closing the inherited descriptors aborts it.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 def free_port() -> int:
