@@ -106,6 +106,7 @@ class HttpDoor:
             return web.json_response({"error": exc.reason}, status=exc.status, headers=exc.headers)
         except Exception as exc:  # a failure of the front door itself: an OIP error, and the service goes on
             log.exception("request %s %s failed", request.method, request.path)
+            self.metrics.error("http", INTERNAL)
             return error_response(DoorError(INTERNAL, f"the front door failed: {type(exc).__name__}: {exc}"))
 
     async def live(self, request: web.Request) -> web.Response:

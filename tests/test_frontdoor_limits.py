@@ -3,6 +3,7 @@ away (its request is cancelled on the server), refusals under load (429 / UNAVAI
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -84,6 +85,15 @@ def test_a_body_over_the_limit_gets_413_before_it_is_sent(limited: Door):
         )
         answer = connection.recv(65536).decode()  # answered without a byte of the body sent
     assert answer.startswith("HTTP/1.1 413") and "TOO_LARGE" in answer
+
+
+def test_a_chunked_body_that_grows_over_the_limit_gets_413(limited: Door):
+    connection = http.client.HTTPConnection(limited.http)
+    chunks = iter([b"{" + b" " * (MAX_BODY // 2), b" " * (MAX_BODY // 2), b"}"])  # no Content-Length: read, then cut
+    connection.request("POST", "/v2/models/lstm/infer", body=chunks, encode_chunked=True)
+    answer = connection.getresponse()
+    assert answer.status == 413 and "TOO_LARGE" in json.loads(answer.read())["error"]
+    connection.close()
 
 
 def test_a_request_over_the_servers_frame_limit_is_413_too(limited: Door):
