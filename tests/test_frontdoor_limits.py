@@ -1,5 +1,6 @@
 """The front door's limits and lifetimes against a real server: bodies over max_body_bytes, a client that goes
-away (its request is cancelled on the server), refusals under load (429 / UNAVAILABLE), and a stop that drains."""
+away (its request is cancelled on the server), refusals under load (429 / UNAVAILABLE), a request that kills
+its worker (500 / INTERNAL), and a stop that drains."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import faulty_lstm
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import SMALL_LSTM, stop_server, wait_idle, wait_until
+from conftest import SMALL_LSTM, stop_server, wait_idle, wait_until, with_faults
 from oip_server import Door, start_door
 from tritonclient.utils import InferenceServerException
 
@@ -199,3 +201,25 @@ def test_a_stopping_server_answers_what_its_front_door_accepted(tmp_path: Path):
         sender.join()
     [(status, error)] = answer
     assert status == 503 and error["error"].startswith("UNAVAILABLE")
+
+
+def test_a_request_that_kills_its_worker_is_500_over_http_and_internal_over_grpc(tmp_path: Path):
+    """The faulty LSTM's crash token kills the worker that runs it; with no replays left it fails with INTERNAL."""
+    door = start_door(tmp_path, with_faults(tmp_path, SMALL_LSTM), server="max_replays = 0")
+    crash = np.array([1, faulty_lstm.CRASH_TOKEN, 2], dtype=np.int64)
+    try:
+        http = httpclient.InferenceServerClient(door.http)
+        item = httpclient.InferInput("tokens", [3], "INT64")
+        item.set_data_from_numpy(crash)
+        with pytest.raises(InferenceServerException) as failed:
+            http.infer("lstm", [item])
+        assert failed.value.status() == "500" and "INTERNAL" in failed.value.message()
+        wait_until(http.is_server_ready, "the worker restarted", timeout=120)
+        triton = grpcclient.InferenceServerClient(door.grpc)
+        item = grpcclient.InferInput("tokens", [3], "INT64")
+        item.set_data_from_numpy(crash)
+        with pytest.raises(InferenceServerException) as failed:
+            triton.infer("lstm", [item])
+        assert failed.value.status() == "StatusCode.INTERNAL"
+    finally:
+        stop_server(door.server)
