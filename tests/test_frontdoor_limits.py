@@ -22,6 +22,8 @@ from conftest import SMALL_LSTM, stop_server, wait_idle, wait_until, with_faults
 from oip_server import Door, start_door
 from tritonclient.utils import InferenceServerException
 
+from batchmaker.clients.errors import ServerError
+from batchmaker.clients.messages import check
 from batchmaker.common.protocol import CANCELLED, OVERLOADED
 from batchmaker.frontdoor.errors import DoorError
 from batchmaker.frontdoor.http_server import error_response
@@ -172,6 +174,13 @@ def test_the_servers_retry_estimate_becomes_retry_after():
     assert response.status == 429 and response.headers["Retry-After"] == "2"
     assert json.loads(response.body)["error"] == "OVERLOADED: the expected wait is 900 ms (retry after 1500 ms)"
     assert "Retry-After" not in error_response(DoorError(OVERLOADED, "too many sessions")).headers
+    refusal = {"id": 1, "ok": False, "error": {"code": OVERLOADED, "message": "wait", "retry_after_ms": 120}}
+    with pytest.raises(ServerError) as refused:  # how the front door's client hands the estimate over
+        check(refusal)
+    assert refused.value.retry_after_ms == 120
+    with pytest.raises(ServerError) as refused:
+        check({**refusal, "error": {**refusal["error"], "retry_after_ms": True}})
+    assert refused.value.retry_after_ms is None
 
 
 def test_a_stopping_server_answers_what_its_front_door_accepted(tmp_path: Path):
