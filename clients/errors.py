@@ -10,14 +10,16 @@ class ServerError(Exception):
     """An `ok: false` reply, kept whole so callers can branch on the protocol error code.
 
     `code` is one of the codes in common.protocol (e.g. OVERLOADED means retry later,
-    INVALID_INPUT means the request itself is wrong); `request_id` is the id it answered.
+    INVALID_INPUT means the request itself is wrong); `request_id` is the id it answered;
+    `retry_after_ms` the server's estimate of when an OVERLOADED request would be admitted, when it gave one.
     """
 
-    def __init__(self, code: str, message: str, request_id: Any = None):
+    def __init__(self, code: str, message: str, request_id: Any = None, retry_after_ms: int | None = None):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.retry_after_ms = retry_after_ms
 
 
 class ServerLost(ConnectionError):

@@ -109,10 +109,12 @@ def check(reply: dict[str, Any]) -> dict[str, Any]:
     error = reply.get("error")
     if not isinstance(error, dict):
         error = {}
+    retry_after_ms = error.get("retry_after_ms")
     raise ServerError(
         str(error.get("code", INTERNAL)),
         str(error.get("message", "the server reported an error without a message")),
         reply.get("id"),
+        retry_after_ms if isinstance(retry_after_ms, int) and not isinstance(retry_after_ms, bool) else None,
     )
 
 

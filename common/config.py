@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from batchmaker.common.addresses import is_loopback
+from batchmaker.common.frontdoor_config import GrpcConfig, HttpConfig, parse_door_tables
 
 DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
@@ -134,6 +135,8 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     tracing: TracingConfig | None = None  # None: no [tracing] table, no spans
+    http: HttpConfig | None = None  # the Open Inference Protocol front door's listeners; None: off
+    grpc: GrpcConfig | None = None
 
 
 def load_config(path: str | Path) -> Config:
@@ -149,9 +152,11 @@ def load_config(path: str | Path) -> Config:
 
 
 def parse_config(raw: dict[str, Any], path: Path) -> Config:
-    unknown = set(raw) - {"server", "scheduler", "models", "tracing"}
+    unknown = set(raw) - {"server", "scheduler", "models", "tracing", "http", "grpc"}
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models, tracing")
+        raise ConfigError(
+            f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models, tracing, http, grpc"
+        )
     server = _parse_server(_table(raw, "server", path), path)
     scheduler = _parse_scheduler(_table(raw, "scheduler", path), path)
     models_raw = _table(raw, "models", path)
@@ -162,7 +167,8 @@ def parse_config(raw: dict[str, Any], path: Path) -> Config:
             raise ConfigError(f"{path}: [models.{name}] a model's name must not contain {VERSION_MARK!r}")
     models = {name: _parse_model(name, _table(models_raw, name, path, f"models.{name}"), path) for name in models_raw}
     tracing = _parse_tracing(_table(raw, "tracing", path), path) if "tracing" in raw else None
-    return Config(path=path, server=server, scheduler=scheduler, models=models, tracing=tracing)
+    http, grpc = parse_door_tables(raw, path, ConfigError)
+    return Config(path=path, server=server, scheduler=scheduler, models=models, tracing=tracing, http=http, grpc=grpc)
 
 
 def _table(raw: dict[str, Any], key: str, path: Path, where: str | None = None) -> dict[str, Any]:
@@ -386,6 +392,18 @@ def with_policy(config: Config, policy: str) -> Config:
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+
+
+def with_door_addresses(config: Config, http: str | None, grpc: str | None) -> Config:
+    """The config with the front door's listeners set (`batchmaker serve --http ADDRESS --grpc ADDRESS`)."""
+    given = {name: {"address": address} for name, address in (("http", http), ("grpc", grpc)) if address is not None}
+    parsed = parse_door_tables(given, config.path, ConfigError)
+    changes = {}
+    for name, table in zip(("http", "grpc"), parsed):
+        if table is not None:
+            old = getattr(config, name)
+            changes[name] = table if old is None else dataclasses.replace(old, address=table.address)
+    return dataclasses.replace(config, **changes)
 
 
 def with_metrics_address(config: Config, address: str) -> Config:

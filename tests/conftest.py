@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,9 @@ from batchmaker.common.models import init_missing_weights
 from batchmaker.manager.commands.supervisor import Supervisor
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
+# The front door's tests call gRPC and start servers (fork, then exec) from one process: grpc's fork handlers
+# would restart its poller in each child before the exec, where closing the inherited descriptors aborts it.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 def free_port() -> int:
@@ -268,3 +272,14 @@ hidden_size = 64
 num_classes = 5
 batch_sizes = [1, 2, 4, 8]
 """
+
+
+@pytest.fixture(scope="session")
+def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A server of every model kind behind the OIP front door (tests/oip_server.py), shared by the front
+    door's test modules: they must not change it."""
+    from oip_server import start_door
+
+    running = start_door(tmp_path_factory.mktemp("oip"))
+    yield running
+    stop_server(running.server)

@@ -118,7 +118,7 @@ def test_the_server_wheel_installs_batchmaker_only(tmp_path: Path) -> None:
     """Built from a copy of this checkout and installed without its dependencies (torch is not needed to look)."""
     source = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-    for folder in ("batchmaker", "manager", "worker", "common", "clients", "bench"):
+    for folder in ("batchmaker", "manager", "worker", "common", "clients", "bench", "frontdoor"):
         shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)

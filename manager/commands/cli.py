@@ -19,7 +19,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_format == "json":
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
         setup_logging("supervisor")
-    return serve(load_config(args.config), args.address, args.workers, args.policy, args.metrics_address)
+    doors = (args.http, args.grpc)
+    return serve(load_config(args.config), args.address, args.workers, args.policy, args.metrics_address, doors)
 
 
 def _init_weights(args: argparse.Namespace) -> int:
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--metrics-address", metavar="HOST:PORT", help='Prometheus /metrics address, overriding the config ("" for none)'
     )
+    serve.add_argument("--http", metavar="HOST:PORT", help="serve the Open Inference Protocol over HTTP there")
+    serve.add_argument("--grpc", metavar="HOST:PORT", help="serve the Open Inference Protocol over gRPC there")
     serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one object per line")
     serve.set_defaults(handler=_serve)
 

@@ -17,6 +17,7 @@ import sys
 from batchmaker.common.config import Config, ConfigError, load_config
 from batchmaker.common.models.base import Planner, build_model, build_planner
 from batchmaker.manager.batching.policies import check_policy
+from batchmaker.manager.commands.doors import check_door_packages
 from batchmaker.manager.commands.launcher import free_port_on
 from batchmaker.manager.observability.trace_export import check_tracing_packages
 
@@ -32,6 +33,8 @@ def check_before_start(config: Config, address: str) -> None:
     check_client_address(address, str(config.path))
     check_metrics_address(config.server.metrics_address, str(config.path))
     check_tracing_packages(config)
+    check_door_packages(config)
+    check_door_addresses(config)
 
 
 def check_weights(config: Config) -> None:
@@ -102,6 +105,17 @@ def check_metrics_address(address: str, config_path: str) -> None:
             f"metrics address {address}: port {port} is in use; stop the process holding it, or choose another "
             f"port with --metrics-address {host}:{_suggested_port(host)} (or metrics_address in [server] of {config_path})"
         )
+
+
+def check_door_addresses(config: Config) -> None:
+    """The front door's listeners must be free; with several front door processes they share them later."""
+    for flag, table in (("http", config.http), ("grpc", config.grpc)):
+        host, port = _tcp_host_port(table.address) if table is not None else (None, 0)
+        if host is not None and port and _in_use(host, port):
+            raise ConfigError(
+                f"[{flag}] address {table.address}: port {port} is in use; stop the process holding it, or choose "
+                f"another port with --{flag} {host}:{_suggested_port(host)} (or address in [{flag}] of {config.path})"
+            )
 
 
 def _tcp_host_port(address: str) -> tuple[str | None, int]:

@@ -26,10 +26,11 @@ import psutil
 import zmq
 
 from batchmaker.common.auth import connect_socket
-from batchmaker.common.config import Config, with_metrics_address, with_policy
+from batchmaker.common.config import Config, with_door_addresses, with_metrics_address, with_policy
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.shm import remove_stale_segments
 from batchmaker.common.worker_keys import worker_curve
+from batchmaker.manager.commands.doors import door_arguments, door_processes, doors_listening
 from batchmaker.manager.commands.preflight import check_before_start
 from batchmaker.manager.loop.main import SUPERVISOR_TOKEN_ENV
 
@@ -100,6 +101,7 @@ class Supervisor:
             self.worker_address = config.server.worker_address
         self._curve = worker_curve(config.server)  # for its own requests on the worker socket
         self.manager: subprocess.Popen | None = None
+        self.doors: list[subprocess.Popen] = []  # the OIP front door's processes ([http], [grpc])
         self.slots = [WorkerSlot(index, device) for index, device in enumerate(self.devices)]
         self._stopping = False
         self._aborting = False
@@ -136,6 +138,8 @@ class Supervisor:
         )
         for slot in self.slots:
             self._spawn_worker(slot)
+        arguments = door_arguments(self.config, self.address)
+        self.doors = [self._spawn("batchmaker.frontdoor", *arguments) for _ in range(door_processes(self.config))]
 
     @property
     def workers(self) -> list[subprocess.Popen]:
@@ -143,11 +147,12 @@ class Supervisor:
 
     @property
     def children(self) -> list[subprocess.Popen]:
-        return [p for p in [self.manager, *self.workers] if p is not None]
+        return [p for p in [self.manager, *self.doors, *self.workers] if p is not None]
 
     def wait_ready(self, timeout: float = 120.0) -> bool:
         """Ask the manager for its health until every worker has registered: on the worker socket
-        (with the workers' CURVE keys where it takes them), so client authentication does not apply."""
+        (with the workers' CURVE keys where it takes them), so client authentication does not apply;
+        then wait for the front door's listeners, if any."""
         context = zmq.Context.instance()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self._stopping:
@@ -159,11 +164,18 @@ class Supervisor:
                 if socket.poll(500):
                     _, reply = socket.recv_multipart()
                     if decode(reply).get("status") == "ready":
-                        return True
+                        return self._wait_doors(deadline)
             finally:
                 socket.close()
             time.sleep(0.2)
         return False
+
+    def _wait_doors(self, deadline: float) -> bool:
+        while not doors_listening(self.config):
+            if time.monotonic() > deadline or self._stopping or self._dead_child() is not None:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _dead_child(self) -> subprocess.Popen | None:
         return next((p for p in self.children if p.poll() is not None), None)
@@ -188,6 +200,10 @@ class Supervisor:
         while not self._stopping:
             if self.manager is not None and self.manager.poll() is not None:
                 log.error("the manager (pid %d) exited with status %s; stopping", self.manager.pid, self.manager.returncode)
+                return 1
+            door = next((door for door in self.doors if door.poll() is not None), None)
+            if door is not None:
+                log.error("a front door process (pid %d) exited with status %s; stopping", door.pid, door.returncode)
                 return 1
             for slot in self.slots:
                 self._tend(slot)
@@ -229,10 +245,14 @@ class Supervisor:
         A second SIGINT/SIGTERM meanwhile (or a manager that does not finish in time)
         turns this into SIGKILL for everything.
         """
-        if self.manager is not None and self.manager.poll() is None and not self._aborting:
-            _signal_pid(self.manager.pid, signal.SIGTERM)
+        draining = [p for p in [self.manager, *self.doors] if p is not None and p.poll() is None]
+        if self.manager in draining and not self._aborting:
+            # The front door stops taking requests and waits for the answers of those it took, which the
+            # manager gives while it drains; both are waited for.
+            for process in draining:
+                _signal_pid(process.pid, signal.SIGTERM)
             deadline = time.monotonic() + self.config.server.drain_timeout_ms / 1e3 + STOP_GRACE_S
-            while self.manager.poll() is None and not self._aborting and time.monotonic() < deadline:
+            while any(p.poll() is None for p in draining) and not self._aborting and time.monotonic() < deadline:
                 time.sleep(WATCH_INTERVAL_S)
         processes = []
         for child in self.children:
@@ -280,13 +300,19 @@ def _signal(process: psutil.Process, signum: int) -> None:
 
 
 def serve(
-    config: Config, address: str | None, workers: int | None, policy: str | None = None, metrics_address: str | None = None
+    config: Config,
+    address: str | None,
+    workers: int | None,
+    policy: str | None = None,
+    metrics_address: str | None = None,
+    doors: tuple[str | None, str | None] = (None, None),
 ) -> int:
-    """Run the server in the foreground until SIGINT/SIGTERM."""
+    """Run the server in the foreground until SIGINT/SIGTERM; `doors`: the front door's (HTTP, gRPC) listeners."""
     if policy is not None:
         config = with_policy(config, policy)
     if metrics_address is not None:
         config = with_metrics_address(config, metrics_address)
+    config = with_door_addresses(config, *doors)
     check_before_start(config, address or config.server.address)
     supervisor = Supervisor(config, address, workers)
     signal.signal(signal.SIGINT, supervisor.request_stop)
@@ -304,7 +330,10 @@ def serve(
             "ready: serving %s on %s with workers on %s (%s batching)",
             ", ".join(config.models), supervisor.address, devices, config.scheduler.policy,
         )
-        print(f"batchmaker serving on {supervisor.address} (Ctrl-C to stop)", flush=True)
+        doors = (("HTTP", config.http), ("gRPC", config.grpc))
+        listeners = [f"{name} on {table.address}" for name, table in doors if table is not None]
+        also = f" (OIP {', '.join(listeners)})" if listeners else ""
+        print(f"batchmaker serving on {supervisor.address}{also} (Ctrl-C to stop)", flush=True)
         return supervisor.watch()
     finally:
         supervisor.stop()

@@ -1,0 +1,130 @@
+"""The [http] and [grpc] tables: where the Open Inference Protocol front door listens, and how it is secured.
+
+Either table turns the front door on (docs/protocol.md, "Open Inference Protocol"); without both it does not run.
+Paths are relative to the config file, as the key files of [server.curve] are.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
+DEFAULT_GRPC_ADDRESS = "127.0.0.1:8001"
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+_FILES = ("tls_cert", "tls_key", "tls_client_ca", "token_file")
+
+
+@dataclass(frozen=True)
+class DoorSecurity:
+    """TLS (with client certificates checked against `tls_client_ca` when given) and a bearer token file."""
+
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    token_file: Path | None = None
+
+    def token(self) -> str | None:
+        """The bearer token requests must carry, read from its file (surrounding whitespace dropped)."""
+        return None if self.token_file is None else self.token_file.read_text().strip()
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    address: str = DEFAULT_HTTP_ADDRESS
+    processes: int = 1  # front door processes sharing the ports (SO_REUSEPORT)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger body gets 413 unread
+    security: DoorSecurity = DoorSecurity()
+
+
+@dataclass(frozen=True)
+class GrpcConfig:
+    address: str = DEFAULT_GRPC_ADDRESS
+    security: DoorSecurity = DoorSecurity()
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an Authorization header (or gRPC metadata) value carries the token, compared in constant time."""
+    return hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
+
+
+def split_host_port(address: str, where: str) -> tuple[str, int]:
+    """ "host:port" as the listeners take it; ValueError naming `where` when it is not one."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'{where} must look like "127.0.0.1:8000", got {address!r}')
+    return host.strip("[]"), int(port)
+
+
+def parse_door_tables(
+    raw: dict[str, Any], path: Path, error: type[ValueError]
+) -> tuple[HttpConfig | None, GrpcConfig | None]:
+    """The [http] and [grpc] tables of a config file (None where absent); a mistake raises `error`."""
+    http = grpc = None
+    if "http" in raw:
+        table = _table(raw["http"], "http", path, error)
+        _check_keys(table, {"address", "processes", "max_body_bytes", *_FILES}, "http", path, error)
+        http = HttpConfig(
+            address=_address(table, DEFAULT_HTTP_ADDRESS, "http", path, error),
+            processes=_int(table, "processes", 1, "http", path, error),
+            max_body_bytes=_int(table, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "http", path, error),
+            security=_security(table, "http", path, error),
+        )
+    if "grpc" in raw:
+        table = _table(raw["grpc"], "grpc", path, error)
+        _check_keys(table, {"address", *_FILES}, "grpc", path, error)
+        grpc = GrpcConfig(
+            address=_address(table, DEFAULT_GRPC_ADDRESS, "grpc", path, error),
+            security=_security(table, "grpc", path, error),
+        )
+    return http, grpc
+
+
+def _table(value: Any, where: str, path: Path, error: type[ValueError]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise error(f"{path}: [{where}] must be a table")
+    return value
+
+
+def _check_keys(table: dict[str, Any], allowed: set[str], where: str, path: Path, error: type[ValueError]) -> None:
+    unknown = set(table) - allowed
+    if unknown:
+        raise error(f"{path}: [{where}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _address(table: dict[str, Any], default: str, where: str, path: Path, error: type[ValueError]) -> str:
+    value = table.get("address", default)
+    try:
+        split_host_port(value if isinstance(value, str) else "", f"{path}: [{where}] address")
+    except ValueError as exc:
+        raise error(str(exc)) from None
+    return value
+
+
+def _int(table: dict[str, Any], key: str, default: int, where: str, path: Path, error: type[ValueError]) -> int:
+    value = table.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise error(f"{path}: [{where}] {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _security(table: dict[str, Any], where: str, path: Path, error: type[ValueError]) -> DoorSecurity:
+    files: dict[str, Path] = {}
+    for key in _FILES:
+        if key in table:
+            value = table[key]
+            if not isinstance(value, str) or not value:
+                raise error(f"{path}: [{where}] {key} must be a non-empty path, got {value!r}")
+            file = Path(value) if Path(value).is_absolute() else (path.parent / value).resolve()
+            if not file.is_file():
+                raise error(f"{path}: [{where}] {key} {str(file)!r} is not a file")
+            files[key] = file
+    if ("tls_cert" in files) != ("tls_key" in files):
+        raise error(f"{path}: [{where}] tls_cert and tls_key go together: give both, or neither")
+    if "tls_client_ca" in files and "tls_cert" not in files:
+        raise error(f"{path}: [{where}] tls_client_ca (client certificates) needs tls_cert and tls_key")
+    if "token_file" in files and not files["token_file"].read_text().strip():
+        raise error(f"{path}: [{where}] token_file {str(files['token_file'])!r} is empty")
+    return DoorSecurity(**files)

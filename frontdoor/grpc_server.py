@@ -1,0 +1,232 @@
+"""The Open Inference Protocol over gRPC: Triton's `inference.GRPCInferenceService`, on grpc.aio.
+
+Inputs come as `raw_input_contents` (every input, in order) or as typed `contents`; outputs always go back as
+`raw_output_contents`. ModelStreamInfer answers each request of the stream, a streamed model's partial
+replies first, each response saying `triton_final_response` (Triton's decoupled convention).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from batchmaker.common.frontdoor_config import GrpcConfig, bearer_matches
+from batchmaker.common.protocol import INTERNAL, INVALID_INPUT, echo
+
+from . import inference_pb2 as pb
+from . import inference_pb2_grpc
+from .errors import UNAUTHENTICATED, DoorError
+from .gateway import MODEL_VERSION, Gateway, InferRequest, InferResult
+from .metrics import DoorMetrics
+from .tensors import datatype_of, from_bytes, from_json, to_bytes
+
+log = logging.getLogger("batchmaker.frontdoor")
+
+# The typed contents field of each datatype (FP16 travels as raw contents only, as in Triton).
+CONTENTS_FIELDS = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+
+class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, gateway: Gateway, metrics: DoorMetrics, config: GrpcConfig):
+        self.gateway = gateway
+        self.metrics = metrics
+        self.config = config
+        self.token = config.security.token()
+
+    async def _enter(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Count the call and check its token."""
+        self.metrics.request("grpc", method)
+        if self.token is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        if not bearer_matches(str(metadata.get("authorization", "")), self.token):
+            await self._abort(
+                context, DoorError(UNAUTHENTICATED, "this server needs the metadata 'authorization: Bearer <token>'")
+            )
+
+    async def _abort(self, context: grpc.aio.ServicerContext, error: DoorError) -> None:
+        self.metrics.error("grpc", error.code)
+        await context.abort(getattr(grpc.StatusCode, error.grpc_code), error.text)
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        await self._enter(context, "ServerLive")
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        await self._enter(context, "ServerReady")
+        return pb.ServerReadyResponse(ready=await self.gateway.ready())
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        await self._enter(context, "ModelReady")
+        try:
+            await self.gateway.model(request.name, request.version)
+        except DoorError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=await self.gateway.ready())
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        await self._enter(context, "ServerMetadata")
+        return pb.ServerMetadataResponse(**self.gateway.server_metadata())
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        await self._enter(context, "ModelMetadata")
+        try:
+            model = await self.gateway.model(request.name, request.version)
+        except DoorError as error:
+            await self._abort(context, error)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=model.name,
+            versions=[MODEL_VERSION],
+            platform="batchmaker",
+            inputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in model.inputs],
+            outputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in model.outputs],
+        )
+
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        await self._enter(context, "ModelInfer")
+        started = time.perf_counter()
+        try:
+            return to_response(await self.gateway.infer(parse_infer(request)))
+        except DoorError as error:
+            await self._abort(context, error)
+        finally:
+            self.metrics.latency("grpc", time.perf_counter() - started)
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each request of the stream runs as it arrives, side by side with the others; their responses
+        go out as they come. The call ends once the client ends its side and every request is answered."""
+        await self._enter(context, "ModelStreamInfer")
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def read() -> None:
+            async for request in requests:
+                task = asyncio.create_task(self._stream_one(request, responses))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:
+                await asyncio.wait(set(running))
+            responses.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await responses.get()) is not None:
+                yield response
+        finally:
+            for task in [reader, *running]:
+                task.cancel()
+
+    async def _stream_one(self, request: pb.ModelInferRequest, responses: asyncio.Queue[Any]) -> None:
+        started = time.perf_counter()
+        try:
+            async for result in self.gateway.stream(parse_infer(request)):
+                responses.put_nowait(pb.ModelStreamInferResponse(infer_response=to_response(result)))
+        except Exception as exc:  # the stream goes on: this request's error is its response
+            error = exc if isinstance(exc, DoorError) else DoorError(INTERNAL, f"{type(exc).__name__}: {exc}")
+            if error is not exc:
+                log.exception("a streamed request failed")
+            self.metrics.error("grpc", error.code)
+            failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+            responses.put_nowait(pb.ModelStreamInferResponse(error_message=error.text, infer_response=failed))
+        finally:
+            self.metrics.latency("grpc", time.perf_counter() - started)
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "batchmaker has no Triton model configuration: see ModelMetadata"
+        )
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "per-model statistics are in the Prometheus metrics")
+
+
+def parse_infer(request: pb.ModelInferRequest) -> InferRequest:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise DoorError(
+            INVALID_INPUT, f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input"
+        )
+    inputs = {}
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise DoorError(INVALID_INPUT, f"input {echo(tensor.name)} is given twice")
+        shape = list(tensor.shape)
+        if raw:
+            inputs[tensor.name] = from_bytes(tensor.name, tensor.datatype, shape, raw[index])
+        else:
+            field = CONTENTS_FIELDS.get(tensor.datatype)
+            if field is None:
+                raise DoorError(
+                    INVALID_INPUT, f"input {echo(tensor.name)}: {echo(tensor.datatype)} needs raw_input_contents"
+                )
+            inputs[tensor.name] = from_json(tensor.name, tensor.datatype, shape, list(getattr(tensor.contents, field)))
+    return InferRequest(
+        model=request.model_name,
+        version=request.model_version,
+        inputs=inputs,
+        outputs=[output.name for output in request.outputs] or None,
+        parameters={key: _value(parameter) for key, parameter in request.parameters.items()},
+        id=request.id,
+    )
+
+
+def _value(parameter: pb.InferParameter) -> Any:
+    choice = parameter.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(parameter, choice)
+
+
+def to_response(result: InferResult) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=result.model, model_version=MODEL_VERSION, id=result.id)
+    for name, array in result.outputs.items():
+        response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
+        response.raw_output_contents.append(to_bytes(array))
+    response.parameters["triton_final_response"].bool_param = result.final
+    if result.restarted:
+        response.parameters["batchmaker_restarted"].bool_param = True
+    return response
+
+
+def server_credentials(config: GrpcConfig) -> grpc.ServerCredentials | None:
+    """TLS for the port, checking client certificates against `tls_client_ca` when given."""
+    security = config.security
+    if security.tls_cert is None:
+        return None
+    ca = security.tls_client_ca.read_bytes() if security.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(security.tls_key.read_bytes(), security.tls_cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )

@@ -1,0 +1,234 @@
+"""The front door's limits and lifetimes against a real server: bodies over max_body_bytes, a client that goes
+away (its request is cancelled on the server), refusals under load (429 / UNAVAILABLE), a request that kills
+its worker (500 / INTERNAL), and a stop that drains."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import faulty_lstm
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import SMALL_LSTM, stop_server, wait_idle, wait_until, with_faults
+from oip_server import Door, start_door
+from tritonclient.utils import InferenceServerException
+
+from batchmaker.clients.errors import ServerError
+from batchmaker.clients.messages import check
+from batchmaker.common.protocol import CANCELLED, OVERLOADED
+from batchmaker.frontdoor.errors import DoorError
+from batchmaker.frontdoor.http_server import error_response
+
+MAX_LENGTH = 20000  # a request of this many tokens runs for seconds: long enough to be cancelled or drained
+LONG = np.array([1 + i % 999 for i in range(MAX_LENGTH)], dtype=np.int64)
+LONG_LSTM = SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}")
+MAX_BODY = 400_000
+MAX_FRAME = 200_000  # the manager's server.max_message_bytes: LONG's frame fits, a body of MAX_BODY does not
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
+    door = start_door(
+        tmp_path_factory.mktemp("limits"),
+        LONG_LSTM,
+        server=f"max_sessions = 1\nmax_message_bytes = {MAX_FRAME}",
+        http_extra=f"max_body_bytes = {MAX_BODY}",
+    )
+    yield door
+    stop_server(door.server)
+
+
+def binary_body(tokens: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "tokens",
+                    "datatype": "INT64",
+                    "shape": [len(tokens)],
+                    "parameters": {"binary_data_size": tokens.nbytes},
+                }
+            ]
+        }
+    ).encode()
+    return header + tokens.tobytes(), {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream",
+    }
+
+
+def stats(door: Door) -> dict:
+    with door.server.client() as client:
+        return client.stats()
+
+
+def running_since(door: Door, before: dict) -> bool:
+    now = stats(door)
+    return now["requests_in_flight"] == 1 and now["tasks"] > before["tasks"]
+
+
+def cancelled_since(door: Door, before: dict) -> int:
+    with door.server.client() as client:
+        return wait_idle(client)["requests"].get(CANCELLED, 0) - before["requests"].get(CANCELLED, 0)
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_sent(limited: Door):
+    host, port = limited.http.split(":")
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(
+            f"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode()
+        )
+        answer = connection.recv(65536).decode()  # answered without a byte of the body sent
+    assert answer.startswith("HTTP/1.1 413") and "TOO_LARGE" in answer
+
+
+def test_a_chunked_body_that_grows_over_the_limit_gets_413(limited: Door):
+    connection = http.client.HTTPConnection(limited.http)
+    chunks = iter([b"{" + b" " * (MAX_BODY // 2), b" " * (MAX_BODY // 2), b"}"])  # no Content-Length: read, then cut
+    connection.request("POST", "/v2/models/lstm/infer", body=chunks, encode_chunked=True)
+    answer = connection.getresponse()
+    assert answer.status == 413 and "TOO_LARGE" in json.loads(answer.read())["error"]
+    connection.close()
+
+
+def test_a_request_over_the_servers_frame_limit_is_413_too(limited: Door):
+    body, headers = binary_body(np.zeros(MAX_FRAME // 8 + 1000, dtype=np.int64))
+    request = urllib.request.Request(
+        f"http://{limited.http}/v2/models/lstm/infer", data=body, headers=headers, method="POST"
+    )
+    assert len(body) < MAX_BODY
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request)
+    assert refused.value.code == 413 and "max_message_bytes" in json.loads(refused.value.read())["error"]
+
+
+def test_a_grpc_message_over_the_limit_is_resource_exhausted(limited: Door):
+    item = grpcclient.InferInput("tokens", [MAX_BODY // 8 + 1], "INT64")
+    item.set_data_from_numpy(np.zeros(MAX_BODY // 8 + 1, dtype=np.int64))
+    with pytest.raises(InferenceServerException) as refused:
+        grpcclient.InferenceServerClient(limited.grpc).infer("lstm", [item])
+    assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_an_http_client_that_disconnects_cancels_its_request(limited: Door):
+    before = wait_idle(limited.server.client())
+    body, headers = binary_body(LONG)
+    host, port = limited.http.split(":")
+    connection = socket.create_connection((host, int(port)))
+    lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
+    connection.sendall(
+        f"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\n{lines}Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    wait_until(lambda: running_since(limited, before), "the long request running")
+    connection.close()
+    assert cancelled_since(limited, before) == 1
+
+
+def test_a_grpc_call_cancelled_by_its_client_is_cancelled_on_the_server(limited: Door):
+    before = wait_idle(limited.server.client())
+    triton = grpcclient.InferenceServerClient(limited.grpc)
+    item = grpcclient.InferInput("tokens", [MAX_LENGTH], "INT64")
+    item.set_data_from_numpy(LONG)
+    outcome: list = []
+    call = triton.async_infer("lstm", [item], callback=lambda result, error: outcome.append(error))
+    wait_until(lambda: running_since(limited, before), "the long request running")
+    call.cancel()
+    assert cancelled_since(limited, before) == 1
+    wait_until(lambda: outcome, "the client's callback")
+    assert "CANCELLED" in str(outcome[0])
+
+
+def test_overloaded_is_429_over_http_and_unavailable_over_grpc(limited: Door):
+    """A second sequence past `max_sessions = 1` is refused at admission."""
+    short = np.array([1, 2], dtype=np.int64)
+    http = httpclient.InferenceServerClient(limited.http)
+    http_input = httpclient.InferInput("tokens", [2], "INT64")
+    http_input.set_data_from_numpy(short)
+    http.infer("lstm", [http_input], sequence_id=1, sequence_start=True)
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            http.infer("lstm", [http_input], sequence_id=2, sequence_start=True)
+        assert refused.value.status() == "429" and OVERLOADED in refused.value.message()
+        grpc_input = grpcclient.InferInput("tokens", [2], "INT64")
+        grpc_input.set_data_from_numpy(short)
+        with pytest.raises(InferenceServerException) as unavailable:
+            grpcclient.InferenceServerClient(limited.grpc).infer(
+                "lstm", [grpc_input], sequence_id=3, sequence_start=True
+            )
+        assert unavailable.value.status() == "StatusCode.UNAVAILABLE" and OVERLOADED in unavailable.value.message()
+    finally:
+        http.infer("lstm", [http_input], sequence_id=1, sequence_end=True)
+
+
+def test_the_servers_retry_estimate_becomes_retry_after():
+    response = error_response(DoorError(OVERLOADED, "the expected wait is 900 ms", retry_after_ms=1500))
+    assert response.status == 429 and response.headers["Retry-After"] == "2"
+    assert json.loads(response.body)["error"] == "OVERLOADED: the expected wait is 900 ms (retry after 1500 ms)"
+    assert "Retry-After" not in error_response(DoorError(OVERLOADED, "too many sessions")).headers
+    refusal = {"id": 1, "ok": False, "error": {"code": OVERLOADED, "message": "wait", "retry_after_ms": 120}}
+    with pytest.raises(ServerError) as refused:  # how the front door's client hands the estimate over
+        check(refusal)
+    assert refused.value.retry_after_ms == 120
+    with pytest.raises(ServerError) as refused:
+        check({**refusal, "error": {**refusal["error"], "retry_after_ms": True}})
+    assert refused.value.retry_after_ms is None
+
+
+def test_a_stopping_server_answers_what_its_front_door_accepted(tmp_path: Path):
+    """Two front door processes share the port; a stop drains both: the long request is failed with a code
+    (the drain timeout is shorter than the request), never dropped."""
+    door = start_door(tmp_path, LONG_LSTM, server="drain_timeout_ms = 300", http_extra="processes = 2")
+    assert len(door.server.supervisor.doors) == 2
+    before = wait_idle(door.server.client())
+    body, headers = binary_body(LONG)
+    answer: list = []
+
+    def send() -> None:
+        request = urllib.request.Request(
+            f"http://{door.http}/v2/models/lstm/infer", data=body, headers=headers, method="POST"
+        )
+        try:
+            urllib.request.urlopen(request)
+        except urllib.error.HTTPError as error:
+            answer.append((error.code, json.loads(error.read())))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        wait_until(lambda: running_since(door, before), "the long request running")
+    finally:
+        stop_server(door.server)
+        sender.join()
+    [(status, error)] = answer
+    assert status == 503 and error["error"].startswith("UNAVAILABLE")
+
+
+def test_a_request_that_kills_its_worker_is_500_over_http_and_internal_over_grpc(tmp_path: Path):
+    """The faulty LSTM's crash token kills the worker that runs it; with no replays left it fails with INTERNAL."""
+    door = start_door(tmp_path, with_faults(tmp_path, SMALL_LSTM), server="max_replays = 0")
+    crash = np.array([1, faulty_lstm.CRASH_TOKEN, 2], dtype=np.int64)
+    try:
+        http = httpclient.InferenceServerClient(door.http)
+        item = httpclient.InferInput("tokens", [3], "INT64")
+        item.set_data_from_numpy(crash)
+        with pytest.raises(InferenceServerException) as failed:
+            http.infer("lstm", [item])
+        assert failed.value.status() == "500" and "INTERNAL" in failed.value.message()
+        wait_until(http.is_server_ready, "the worker restarted", timeout=120)
+        triton = grpcclient.InferenceServerClient(door.grpc)
+        item = grpcclient.InferInput("tokens", [3], "INT64")
+        item.set_data_from_numpy(crash)
+        with pytest.raises(InferenceServerException) as failed:
+            triton.infer("lstm", [item])
+        assert failed.value.status() == "StatusCode.INTERNAL"
+    finally:
+        stop_server(door.server)
