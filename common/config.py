@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from batchmaker.common.addresses import is_loopback
+from batchmaker.common.config_values import ConfigError, boolean, check_keys, positive_int, string, subtable
 from batchmaker.common.frontdoor_config import GrpcConfig, HttpConfig, parse_door_tables
+from batchmaker.common.tracing_config import TracingConfig, parse_tracing
 
 DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
@@ -22,12 +24,7 @@ AFFINITIES = ("subgraph", "request")
 # Reads of another GPU's arenas: also staged through a CUDA context on the other GPU where the two have no
 # peer access; only where they have it; none at all.
 CROSS_GPU_READS = ("always", "peer-access", "never")
-TRACE_PROTOCOLS = ("http/protobuf", "grpc")  # OTLP transports, named as OTEL_EXPORTER_OTLP_PROTOCOL names them
 VERSION_MARK = "@"  # a model's later versions are served internally as models named "NAME@2", "NAME@3", ...
-
-
-class ConfigError(ValueError):
-    """The configuration file cannot be used as written."""
 
 
 @dataclass(frozen=True)
@@ -118,17 +115,6 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class TracingConfig:
-    """OpenTelemetry spans of requests, exported over OTLP (docs/deploy.md, "Tracing with a collector")."""
-
-    endpoint: str = "http://127.0.0.1:4318/v1/traces"
-    protocol: str = "http/protobuf"
-    sample_rate: float = 0.0  # of requests without a sampled caller; a caller's sampled flag is always honoured
-    service_name: str = "batchmaker"
-    max_queued_spans: int = 2048  # finished spans waiting for the exporter; beyond it new ones are dropped
-
-
-@dataclass(frozen=True)
 class Config:
     path: Path
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -157,57 +143,23 @@ def parse_config(raw: dict[str, Any], path: Path) -> Config:
         raise ConfigError(
             f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models, tracing, http, grpc"
         )
-    server = _parse_server(_table(raw, "server", path), path)
-    scheduler = _parse_scheduler(_table(raw, "scheduler", path), path)
-    models_raw = _table(raw, "models", path)
+    server = _parse_server(subtable(raw, "server", path), path)
+    scheduler = _parse_scheduler(subtable(raw, "scheduler", path), path)
+    models_raw = subtable(raw, "models", path)
     if not models_raw:
         raise ConfigError(f"{path}: no [models.NAME] table; at least one model must be served")
     for name in models_raw:
         if VERSION_MARK in name:
             raise ConfigError(f"{path}: [models.{name}] a model's name must not contain {VERSION_MARK!r}")
-    models = {name: _parse_model(name, _table(models_raw, name, path, f"models.{name}"), path) for name in models_raw}
-    tracing = _parse_tracing(_table(raw, "tracing", path), path) if "tracing" in raw else None
-    http, grpc = parse_door_tables(raw, path, ConfigError)
+    models = {name: _parse_model(name, subtable(models_raw, name, path, f"models.{name}"), path) for name in models_raw}
+    tracing = parse_tracing(subtable(raw, "tracing", path), path) if "tracing" in raw else None
+    http, grpc = parse_door_tables(raw, path)
     return Config(path=path, server=server, scheduler=scheduler, models=models, tracing=tracing, http=http, grpc=grpc)
-
-
-def _table(raw: dict[str, Any], key: str, path: Path, where: str | None = None) -> dict[str, Any]:
-    value = raw.get(key, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: [{where or key}] must be a table")
-    return value
-
-
-def _check_keys(table: dict[str, Any], allowed: set[str], where: str, path: Path) -> None:
-    unknown = set(table) - allowed
-    if unknown:
-        raise ConfigError(f"{path}: [{where}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-
-
-def _positive_int(table: dict[str, Any], key: str, default: int, where: str, path: Path, minimum: int = 1) -> int:
-    value = table.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{path}: [{where}] {key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _string(table: dict[str, Any], key: str, default: str | None, where: str, path: Path) -> str:
-    value = table.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{path}: [{where}] {key} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _bool(table: dict[str, Any], key: str, default: bool, where: str, path: Path) -> bool:
-    value = table.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}: [{where}] {key} must be true or false, got {value!r}")
-    return value
 
 
 def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     defaults = ServerConfig()
-    _check_keys(table, set(ServerConfig.__dataclass_fields__), "server", path)
+    check_keys(table, set(ServerConfig.__dataclass_fields__), "server", path)
     metrics_address = table.get("metrics_address", defaults.metrics_address)
     if not isinstance(metrics_address, str) or (metrics_address and ":" not in metrics_address):
         raise ConfigError(f'{path}: [server] metrics_address must look like "127.0.0.1:9100" (or "" for none)')
@@ -225,47 +177,47 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         devices = tuple(devices)
     elif devices not in ("auto", "cpu"):
         raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list of devices, got {devices!r}")
-    cuda_graphs = _bool(table, "cuda_graphs", defaults.cuda_graphs, "server", path)
+    cuda_graphs = boolean(table, "cuda_graphs", defaults.cuda_graphs, "server", path)
     if cuda_graphs and (devices == "cpu" or (isinstance(devices, tuple) and "cpu" in devices)):
         raise ConfigError(f"{path}: [server] cuda_graphs = true needs GPU workers, but devices is {devices!r}")
-    cross_gpu_reads = _string(table, "cross_gpu_reads", defaults.cross_gpu_reads, "server", path)
+    cross_gpu_reads = string(table, "cross_gpu_reads", defaults.cross_gpu_reads, "server", path)
     if cross_gpu_reads not in CROSS_GPU_READS:
         raise ConfigError(f"{path}: [server] cross_gpu_reads must be one of {', '.join(CROSS_GPU_READS)}, got {cross_gpu_reads!r}")
     server = ServerConfig(
-        address=_string(table, "address", defaults.address, "server", path),
-        worker_address=_string(table, "worker_address", defaults.worker_address, "server", path),
+        address=string(table, "address", defaults.address, "server", path),
+        worker_address=string(table, "worker_address", defaults.worker_address, "server", path),
         devices=devices,
-        cpu_workers=_positive_int(table, "cpu_workers", defaults.cpu_workers, "server", path),
-        threads_per_worker=_positive_int(table, "threads_per_worker", defaults.threads_per_worker, "server", path),
-        arena_rows=_positive_int(table, "arena_rows", defaults.arena_rows, "server", path, minimum=16),
-        io_rows=_positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
-        max_message_bytes=_positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
-        max_backlog_bytes=_positive_int(table, "max_backlog_bytes", defaults.max_backlog_bytes, "server", path, 1024),
-        max_clients=_positive_int(table, "max_clients", defaults.max_clients, "server", path),
-        default_deadline_ms=_positive_int(
+        cpu_workers=positive_int(table, "cpu_workers", defaults.cpu_workers, "server", path),
+        threads_per_worker=positive_int(table, "threads_per_worker", defaults.threads_per_worker, "server", path),
+        arena_rows=positive_int(table, "arena_rows", defaults.arena_rows, "server", path, minimum=16),
+        io_rows=positive_int(table, "io_rows", defaults.io_rows, "server", path, minimum=16),
+        max_message_bytes=positive_int(table, "max_message_bytes", defaults.max_message_bytes, "server", path, 1024),
+        max_backlog_bytes=positive_int(table, "max_backlog_bytes", defaults.max_backlog_bytes, "server", path, 1024),
+        max_clients=positive_int(table, "max_clients", defaults.max_clients, "server", path),
+        default_deadline_ms=positive_int(
             table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
         ),
-        heartbeat_timeout_ms=_positive_int(table, "heartbeat_timeout_ms", defaults.heartbeat_timeout_ms, "server", path, 500),
-        hang_timeout_ms=_positive_int(table, "hang_timeout_ms", defaults.hang_timeout_ms, "server", path, 100),
-        drain_timeout_ms=_positive_int(table, "drain_timeout_ms", defaults.drain_timeout_ms, "server", path, minimum=0),
-        restart_budget=_positive_int(table, "restart_budget", defaults.restart_budget, "server", path, minimum=0),
-        max_replays=_positive_int(table, "max_replays", defaults.max_replays, "server", path, minimum=0),
-        max_queued_requests=_positive_int(table, "max_queued_requests", defaults.max_queued_requests, "server", path),
-        max_queued_nodes=_positive_int(table, "max_queued_nodes", defaults.max_queued_nodes, "server", path),
-        max_queue_delay_ms=_positive_int(
+        heartbeat_timeout_ms=positive_int(table, "heartbeat_timeout_ms", defaults.heartbeat_timeout_ms, "server", path, 500),
+        hang_timeout_ms=positive_int(table, "hang_timeout_ms", defaults.hang_timeout_ms, "server", path, 100),
+        drain_timeout_ms=positive_int(table, "drain_timeout_ms", defaults.drain_timeout_ms, "server", path, minimum=0),
+        restart_budget=positive_int(table, "restart_budget", defaults.restart_budget, "server", path, minimum=0),
+        max_replays=positive_int(table, "max_replays", defaults.max_replays, "server", path, minimum=0),
+        max_queued_requests=positive_int(table, "max_queued_requests", defaults.max_queued_requests, "server", path),
+        max_queued_nodes=positive_int(table, "max_queued_nodes", defaults.max_queued_nodes, "server", path),
+        max_queue_delay_ms=positive_int(
             table, "max_queue_delay_ms", defaults.max_queue_delay_ms, "server", path, minimum=0
         ),
-        unreachable_client_ms=_positive_int(
+        unreachable_client_ms=positive_int(
             table, "unreachable_client_ms", defaults.unreachable_client_ms, "server", path, minimum=100
         ),
-        session_ttl_ms=_positive_int(table, "session_ttl_ms", defaults.session_ttl_ms, "server", path),
-        max_sessions=_positive_int(table, "max_sessions", defaults.max_sessions, "server", path),
+        session_ttl_ms=positive_int(table, "session_ttl_ms", defaults.session_ttl_ms, "server", path),
+        max_sessions=positive_int(table, "max_sessions", defaults.max_sessions, "server", path),
         metrics_address=metrics_address,
         cuda_graphs=cuda_graphs,
         cross_gpu_reads=cross_gpu_reads,
         curve=_key_files(table, "curve", CurveConfig, path),
         worker_curve=_key_files(table, "worker_curve", WorkerCurveConfig, path),
-        insecure_workers=_bool(table, "insecure_workers", defaults.insecure_workers, "server", path),
+        insecure_workers=boolean(table, "insecure_workers", defaults.insecure_workers, "server", path),
     )
     check_worker_address(server.worker_address, server, f"{path}: [server] worker_address")
     return server
@@ -276,12 +228,12 @@ def _key_files(server: dict[str, Any], key: str, kind: type, path: Path) -> Any:
     if key not in server:
         return None
     where = f"server.{key}"
-    table = _table(server, key, path, where)
+    table = subtable(server, key, path, where)
     fields = list(kind.__dataclass_fields__)
-    _check_keys(table, set(fields), where, path)
+    check_keys(table, set(fields), where, path)
     paths = []
     for field_name in fields:
-        value = Path(_string(table, field_name, None, where, path))
+        value = Path(string(table, field_name, None, where, path))
         paths.append(value if value.is_absolute() else (path.parent / value).resolve())
     return kind(*paths)
 
@@ -300,7 +252,7 @@ def check_worker_address(address: str, server: ServerConfig, where: str) -> None
 
 def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
     defaults = SchedulerConfig()
-    _check_keys(table, set(SchedulerConfig.__dataclass_fields__), "scheduler", path)
+    check_keys(table, set(SchedulerConfig.__dataclass_fields__), "scheduler", path)
     policy = table.get("policy", defaults.policy)
     if policy not in POLICIES:
         raise ConfigError(f"{path}: [scheduler] policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -310,35 +262,14 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
     return SchedulerConfig(
         policy=policy,
         affinity=affinity,
-        max_tasks_to_submit=_positive_int(table, "max_tasks_to_submit", defaults.max_tasks_to_submit, "scheduler", path),
-        idle_tasks=_positive_int(table, "idle_tasks", defaults.idle_tasks, "scheduler", path, minimum=0),
-        bucket_width=_positive_int(table, "bucket_width", defaults.bucket_width, "scheduler", path),
-        max_group_requests=_positive_int(
+        max_tasks_to_submit=positive_int(table, "max_tasks_to_submit", defaults.max_tasks_to_submit, "scheduler", path),
+        idle_tasks=positive_int(table, "idle_tasks", defaults.idle_tasks, "scheduler", path, minimum=0),
+        bucket_width=positive_int(table, "bucket_width", defaults.bucket_width, "scheduler", path),
+        max_group_requests=positive_int(
             table, "max_group_requests", defaults.max_group_requests, "scheduler", path, minimum=0
         ),
-        max_steps_per_task=_positive_int(table, "max_steps_per_task", defaults.max_steps_per_task, "scheduler", path),
-        max_join_delay_us=_positive_int(table, "max_join_delay_us", defaults.max_join_delay_us, "scheduler", path),
-    )
-
-
-def _parse_tracing(table: dict[str, Any], path: Path) -> TracingConfig:
-    defaults = TracingConfig()
-    _check_keys(table, set(TracingConfig.__dataclass_fields__), "tracing", path)
-    protocol = _string(table, "protocol", defaults.protocol, "tracing", path)
-    if protocol not in TRACE_PROTOCOLS:
-        raise ConfigError(f"{path}: [tracing] protocol must be one of {', '.join(TRACE_PROTOCOLS)}, got {protocol!r}")
-    endpoint = _string(table, "endpoint", defaults.endpoint, "tracing", path)
-    if not endpoint.startswith(("http://", "https://")):
-        raise ConfigError(f'{path}: [tracing] endpoint must be a URL like "http://127.0.0.1:4318/v1/traces", got {endpoint!r}')
-    rate = table.get("sample_rate", defaults.sample_rate)
-    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate <= 1.0:
-        raise ConfigError(f"{path}: [tracing] sample_rate must be a number from 0.0 to 1.0, got {rate!r}")
-    return TracingConfig(
-        endpoint=endpoint,
-        protocol=protocol,
-        sample_rate=float(rate),
-        service_name=_string(table, "service_name", defaults.service_name, "tracing", path),
-        max_queued_spans=_positive_int(table, "max_queued_spans", defaults.max_queued_spans, "tracing", path),
+        max_steps_per_task=positive_int(table, "max_steps_per_task", defaults.max_steps_per_task, "scheduler", path),
+        max_join_delay_us=positive_int(table, "max_join_delay_us", defaults.max_join_delay_us, "scheduler", path),
     )
 
 
@@ -365,20 +296,20 @@ def _parse_cell(table: dict[str, Any], where: str, path: Path, default: CellType
 
 def _parse_model(name: str, table: dict[str, Any], path: Path) -> ModelConfig:
     where = f"models.{name}"
-    builder = _string(table, "builder", None, where, path)
+    builder = string(table, "builder", None, where, path)
     if ":" not in builder:
         raise ConfigError(f"{path}: [{where}] builder must look like \"package.module:function\", got {builder!r}")
-    weights = Path(_string(table, "weights", None, where, path))
+    weights = Path(string(table, "weights", None, where, path))
     if not weights.is_absolute():
         weights = (path.parent / weights).resolve()
     default_cell = _parse_cell(table, where, path, None)
-    cells_raw = _table(table, "cells", path, f"{where}.cells")
+    cells_raw = subtable(table, "cells", path, f"{where}.cells")
     cells = {}
     for cell_name, cell_table in cells_raw.items():
         cell_where = f"{where}.cells.{cell_name}"
         if not isinstance(cell_table, dict):
             raise ConfigError(f"{path}: [{cell_where}] must be a table")
-        _check_keys(cell_table, {"batch_sizes", "priority"}, cell_where, path)
+        check_keys(cell_table, {"batch_sizes", "priority"}, cell_where, path)
         cells[cell_name] = _parse_cell(cell_table, cell_where, path, default_cell)
     params = {k: v for k, v in table.items() if k not in {"builder", "weights", "batch_sizes", "priority", "cells"}}
     return ModelConfig(
@@ -397,7 +328,7 @@ def with_policy(config: Config, policy: str) -> Config:
 def with_door_addresses(config: Config, http: str | None, grpc: str | None) -> Config:
     """The config with the front door's listeners set (`batchmaker serve --http ADDRESS --grpc ADDRESS`)."""
     given = {name: {"address": address} for name, address in (("http", http), ("grpc", grpc)) if address is not None}
-    parsed = parse_door_tables(given, config.path, ConfigError)
+    parsed = parse_door_tables(given, config.path)
     changes = {}
     for name, table in zip(("http", "grpc"), parsed):
         if table is not None:

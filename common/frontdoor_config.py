@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchmaker.common.config_values import ConfigError, check_keys, positive_int, subtable
+
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 DEFAULT_GRPC_ADDRESS = "127.0.0.1:8001"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -59,72 +61,53 @@ def split_host_port(address: str, where: str) -> tuple[str, int]:
 
 
 def parse_door_tables(
-    raw: dict[str, Any], path: Path, error: type[ValueError]
+    raw: dict[str, Any], path: Path
 ) -> tuple[HttpConfig | None, GrpcConfig | None]:
-    """The [http] and [grpc] tables of a config file (None where absent); a mistake raises `error`."""
+    """The [http] and [grpc] tables of a config file (None where absent); a mistake raises ConfigError."""
     http = grpc = None
     if "http" in raw:
-        table = _table(raw["http"], "http", path, error)
-        _check_keys(table, {"address", "processes", "max_body_bytes", *_FILES}, "http", path, error)
+        table = subtable(raw, "http", path)
+        check_keys(table, {"address", "processes", "max_body_bytes", *_FILES}, "http", path)
         http = HttpConfig(
-            address=_address(table, DEFAULT_HTTP_ADDRESS, "http", path, error),
-            processes=_int(table, "processes", 1, "http", path, error),
-            max_body_bytes=_int(table, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "http", path, error),
-            security=_security(table, "http", path, error),
+            address=_address(table, DEFAULT_HTTP_ADDRESS, "http", path),
+            processes=positive_int(table, "processes", 1, "http", path),
+            max_body_bytes=positive_int(table, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "http", path),
+            security=_security(table, "http", path),
         )
     if "grpc" in raw:
-        table = _table(raw["grpc"], "grpc", path, error)
-        _check_keys(table, {"address", *_FILES}, "grpc", path, error)
+        table = subtable(raw, "grpc", path)
+        check_keys(table, {"address", *_FILES}, "grpc", path)
         grpc = GrpcConfig(
-            address=_address(table, DEFAULT_GRPC_ADDRESS, "grpc", path, error),
-            security=_security(table, "grpc", path, error),
+            address=_address(table, DEFAULT_GRPC_ADDRESS, "grpc", path),
+            security=_security(table, "grpc", path),
         )
     return http, grpc
 
 
-def _table(value: Any, where: str, path: Path, error: type[ValueError]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise error(f"{path}: [{where}] must be a table")
-    return value
-
-
-def _check_keys(table: dict[str, Any], allowed: set[str], where: str, path: Path, error: type[ValueError]) -> None:
-    unknown = set(table) - allowed
-    if unknown:
-        raise error(f"{path}: [{where}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-
-
-def _address(table: dict[str, Any], default: str, where: str, path: Path, error: type[ValueError]) -> str:
+def _address(table: dict[str, Any], default: str, where: str, path: Path) -> str:
     value = table.get("address", default)
     try:
         split_host_port(value if isinstance(value, str) else "", f"{path}: [{where}] address")
     except ValueError as exc:
-        raise error(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     return value
 
 
-def _int(table: dict[str, Any], key: str, default: int, where: str, path: Path, error: type[ValueError]) -> int:
-    value = table.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise error(f"{path}: [{where}] {key} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _security(table: dict[str, Any], where: str, path: Path, error: type[ValueError]) -> DoorSecurity:
+def _security(table: dict[str, Any], where: str, path: Path) -> DoorSecurity:
     files: dict[str, Path] = {}
     for key in _FILES:
         if key in table:
             value = table[key]
             if not isinstance(value, str) or not value:
-                raise error(f"{path}: [{where}] {key} must be a non-empty path, got {value!r}")
+                raise ConfigError(f"{path}: [{where}] {key} must be a non-empty path, got {value!r}")
             file = Path(value) if Path(value).is_absolute() else (path.parent / value).resolve()
             if not file.is_file():
-                raise error(f"{path}: [{where}] {key} {str(file)!r} is not a file")
+                raise ConfigError(f"{path}: [{where}] {key} {str(file)!r} is not a file")
             files[key] = file
     if ("tls_cert" in files) != ("tls_key" in files):
-        raise error(f"{path}: [{where}] tls_cert and tls_key go together: give both, or neither")
+        raise ConfigError(f"{path}: [{where}] tls_cert and tls_key go together: give both, or neither")
     if "tls_client_ca" in files and "tls_cert" not in files:
-        raise error(f"{path}: [{where}] tls_client_ca (client certificates) needs tls_cert and tls_key")
+        raise ConfigError(f"{path}: [{where}] tls_client_ca (client certificates) needs tls_cert and tls_key")
     if "token_file" in files and not files["token_file"].read_text().strip():
-        raise error(f"{path}: [{where}] token_file {str(files['token_file'])!r} is empty")
+        raise ConfigError(f"{path}: [{where}] token_file {str(files['token_file'])!r} is empty")
     return DoorSecurity(**files)

@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from test_config import MODEL, config_error, write
 
 from batchmaker.clients.trace_context import trace_fields
-from batchmaker.common.config import TracingConfig, load_config
+from batchmaker.common.config import load_config
+from batchmaker.common.tracing_config import TracingConfig
 
 
 def test_tracing_is_off_without_the_table_and_takes_defaults_with_it(tmp_path: Path) -> None:

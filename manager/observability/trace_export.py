@@ -18,7 +18,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from batchmaker.common.config import Config, ConfigError, TracingConfig
+from batchmaker.common.config import Config, ConfigError
+from batchmaker.common.tracing_config import TracingConfig
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
