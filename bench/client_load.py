@@ -164,7 +164,7 @@ async def _saturate(
     return Saturated(len(latencies), before, after, percentiles(np.array(latencies) * 1e3), dict(errors))
 
 
-def _in_event_loop(function: Callable[..., Awaitable[Any]], *args: Any) -> None:
+def in_event_loop(function: Callable[..., Awaitable[Any]], *args: Any) -> None:
     """The load process's body: run `function(*args)` in an event loop; put its result on the queue that ends `args`."""
     *arguments, result = args
     result.put(asyncio.run(function(*arguments)))
@@ -176,7 +176,7 @@ def saturate(
 ) -> Saturated:
     """Keep `window` requests per server outstanding through one AsyncClient; count the replies of `seconds`
     after `warmup`. `pids` (pid -> role) are the servers' processes whose CPU is sampled."""
-    return spawned(_in_event_loop, _saturate, addresses, model, inputs, window, warmup, seconds, pids)
+    return spawned(in_event_loop, _saturate, addresses, model, inputs, window, warmup, seconds, pids)
 
 
 def _note_exit(process: int, start: float, noted: list[float]) -> None:
@@ -205,6 +205,20 @@ async def _inject(client: AsyncClient, fault: Fault, start: float, exits: list[f
     return at
 
 
+async def on_schedule(due: np.ndarray, start: float, send: Callable[[int], Awaitable[None]]) -> float:
+    """Start `send(i)` at `due[i]` seconds after `start` (on time.monotonic's clock), whatever the replies, and
+    wait for every one; return the CPU seconds this process used from the first send to the last answer."""
+    calls = []
+    cpu = time.process_time()
+    for index, at in enumerate(due):
+        delay = start + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        calls.append(asyncio.create_task(send(index)))
+    await asyncio.gather(*calls)
+    return time.process_time() - cpu
+
+
 async def _open_loop(
     addresses: list[str], model: str, inputs: list[dict[str, Any]], due: np.ndarray, fault: Fault | None,
     keep_outputs: bool,
@@ -230,15 +244,7 @@ async def _open_loop(
 
         exits: list[float] = []
         injected = asyncio.create_task(_inject(client, fault, start, exits)) if fault else None
-        calls = []
-        cpu = time.process_time()
-        for index, at in enumerate(due):
-            delay = start + at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            calls.append(asyncio.create_task(one(index)))
-        await asyncio.gather(*calls)
-        run.cpu_seconds = time.process_time() - cpu
+        run.cpu_seconds = await on_schedule(due, start, one)
         run.resent = client.resent
         if injected is not None and recording is not None:
             run.fault_at = await injected
@@ -255,4 +261,4 @@ def open_loop(
 ) -> OpenLoop:
     """Send request i (`inputs[i]`) at `due[i]` seconds through one AsyncClient (a RecordingClient when
     there is a fault to inject), and wait for every answer."""
-    return spawned(_in_event_loop, _open_loop, addresses, model, inputs, due, fault, keep_outputs)
+    return spawned(in_event_loop, _open_loop, addresses, model, inputs, due, fault, keep_outputs)
