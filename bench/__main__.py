@@ -12,6 +12,7 @@ from batchmaker.bench import (
     ceiling,
     chaos,
     dynet_baseline,
+    http,
     idle,
     overload,
     plots,
@@ -32,7 +33,8 @@ from batchmaker.bench.run import MODERATE, ROOT, run_preset
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
     parser.add_argument(
-        "preset", choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "all", "results"]
+        "preset",
+        choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "http", "all", "results"],
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
@@ -95,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset == "startup":
         startup.main(args.quick, args.out)
         return 0
+    if args.preset == "http":
+        result = http.run(args.quick)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "http.json").write_text(json.dumps(report.finite(result), indent=1))
+        print(http.table(result))
+        wrong = [way for way, check in http.checks(result).items() if not check["ok"]]
+        if wrong:
+            print(f"http: answers differ from the reference model: {', '.join(wrong)}", file=sys.stderr)
+        return 1 if wrong else 0
     names = presets_named(args.preset)
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
     progress = Progress(steps)

@@ -16,7 +16,12 @@ import psutil
 from batchmaker.clients import Client
 
 # The module each process runs with -m -> its role.
-ROLES = {"batchmaker.manager.commands.cli": "supervisor", "batchmaker.manager": "manager", "batchmaker.worker": "worker"}
+ROLES = {
+    "batchmaker.manager.commands.cli": "supervisor",
+    "batchmaker.manager": "manager",
+    "batchmaker.worker": "worker",
+    "batchmaker.frontdoor": "frontdoor",
+}
 
 
 def launch(config: Path, log: IO | int | None, *options: str) -> subprocess.Popen:

@@ -1,0 +1,228 @@
+"""`bench http`: what the Open Inference Protocol front door adds, and Triton on the same load.
+
+The `lstm` preset's model and WMT sentences, at the same Poisson rates, sent three ways:
+
+* through batchmaker's gRPC front door, by `tritonclient.grpc.aio` (bench/oip_load.py);
+* through its ZeroMQ door, by the project's client (bench/client_load.py), on the same server: the front door's
+  added p50/p99 latency is the difference, and its CPU per request comes from its process's CPU time;
+* to Triton serving the same nn.Embedding + nn.LSTM (bench/triton_lstm.py), by the same tritonclient generator:
+  its dynamic batcher (max batch 64, 2 ms queue delay), and its sequence batcher, which pytriton cannot
+  configure: that one, and Triton altogether when it is not installed or does not start, is recorded as skipped
+  with the reason.
+
+Every way's answers are checked against the unbatched reference model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchmaker.bench import client_load, oip_load
+from batchmaker.bench.client_load import OpenLoop
+from batchmaker.bench.datasets import wmt
+from batchmaker.bench.generator import poisson_schedule
+from batchmaker.bench.oip_load import Target
+from batchmaker.bench.presets import LSTM
+from batchmaker.bench.run import git, machine, write_config
+from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.bench.triton_lstm import MAX_BATCH, MAX_QUEUE_DELAY_US, TritonLSTM, TritonUnavailable
+from batchmaker.bench.verify import compare_replies
+from batchmaker.clients.loadgen import percentiles
+from batchmaker.common.config import load_config
+from batchmaker.common.models import build_model
+from batchmaker.manager.commands.launcher import cpu_seconds, free_port_on
+
+MODEL = "lstm"
+OUTPUTS = ("h", "c")
+TRITON_BATCHINGS = ("dynamic", "sequence")
+
+
+@dataclass(frozen=True)
+class Plan:
+    rates: tuple[float, ...]  # offered requests per second
+    seconds: float  # per rate
+    verify_requests: int  # sent at once to each way, every answer checked
+
+
+FULL = Plan((100.0, 250.0, 500.0, 1000.0), seconds=10.0, verify_requests=60)
+QUICK = Plan((50.0, 150.0), seconds=2.0, verify_requests=12)  # under a minute with Triton
+
+
+@dataclass(frozen=True)
+class Load:
+    """The requests of every rate, in order, the same for every way they are sent."""
+
+    rates: tuple[float, ...]
+    due: list[np.ndarray]
+    inputs: list[list[dict[str, Any]]]
+
+    @staticmethod
+    def of(plan: Plan, dataset: list[dict[str, Any]]) -> Load:
+        due, inputs = [], []
+        for seed, rate in enumerate(plan.rates):
+            rng = np.random.default_rng(seed)
+            due.append(poisson_schedule(rate, plan.seconds, rng))
+            order = rng.permutation(len(dataset))
+            inputs.append([dataset[order[i % len(order)]] for i in range(len(due[-1]))])
+        return Load(plan.rates, due, inputs)
+
+
+def summary(run: OpenLoop, cpu_s: float) -> dict[str, Any]:
+    """One way at one rate: latency from each request's scheduled send, refusals by code, and the CPU seconds
+    `cpu_s` its server side used (the front door's, or Triton's) per request sent."""
+    ok = np.array([error is None for error in run.errors], dtype=bool)
+    errors: dict[str, int] = {}
+    for error in run.errors:
+        if error is not None:
+            errors[error] = errors.get(error, 0) + 1
+    latency = (run.received - run.due)[ok]
+    span = float(np.nanmax(run.received[ok])) - float(latency.min()) if ok.any() else 0.0
+    count = max(1, len(run.due))
+    return {
+        "sent": len(run.due),
+        "ok": int(ok.sum()),
+        "errors": errors,
+        "achieved_rps": int(ok.sum()) / span if span > 0 else 0.0,
+        "latency_ms": percentiles(latency * 1e3),
+        "server_cpu_ms_per_request": cpu_s * 1e3 / count,
+        "client_cpu_ms_per_request": run.cpu_seconds * 1e3 / count,
+    }
+
+
+def tokens(inputs: list[dict[str, Any]]) -> list[list[int]]:
+    return [request["tokens"] for request in inputs]
+
+
+def _verify_oip(target: Target, requests: list[dict[str, Any]], expected: list[dict[str, Any]]) -> dict[str, Any]:
+    """All `requests` at once through gRPC (so that they batch), every answer against the reference's."""
+    run = oip_load.open_loop(target, tokens(requests), np.zeros(len(requests)), keep_outputs=True)
+    return _checked(run, expected)
+
+
+def _checked(run: OpenLoop, expected: list[dict[str, Any]]) -> dict[str, Any]:
+    refused = [f"request {i}: {error}" for i, error in enumerate(run.errors) if error is not None]
+    if refused:
+        return {"checked": 0, "max_abs_error": float("nan"), "wrong": refused[:3], "ok": False}
+    return compare_replies(expected, [outputs or {} for outputs in run.outputs])
+
+
+def run_doors(config: Path, load: Load, check: list[dict[str, Any]], expected: list[dict[str, Any]]) -> dict[str, Any]:
+    """One batchmaker server (cellular) with its gRPC front door: each rate through ZeroMQ, then through gRPC."""
+    address = load_config(config).server.address
+    grpc = f"127.0.0.1:{free_port_on('127.0.0.1')}"
+    door = Target(grpc, MODEL, OUTPUTS, batched=False)
+    rows = []
+    with ServedPolicy(config, address, "cellular", MODEL, "--grpc", grpc) as served:
+        for rate, due, inputs in zip(load.rates, load.due, load.inputs):
+            zmq = client_load.open_loop([address], MODEL, inputs, due)
+            served.wait_idle()
+            before = served.cpu_seconds().get("frontdoor", 0.0)
+            through_door = oip_load.open_loop(door, tokens(inputs), due)
+            served.wait_idle()
+            door_cpu = served.cpu_seconds().get("frontdoor", 0.0) - before
+            zmq_row, grpc_row = summary(zmq, 0.0), summary(through_door, door_cpu)
+            added = {p: grpc_row["latency_ms"][p] - zmq_row["latency_ms"][p] for p in ("p50", "p99")}
+            rows.append({"offered_rps": rate, "zmq": zmq_row, "grpc": grpc_row, "added_latency_ms": added})
+        zmq_check = client_load.open_loop([address], MODEL, check, np.zeros(len(check)), keep_outputs=True)
+        verify = {"zmq": _checked(zmq_check, expected), "grpc": _verify_oip(door, check, expected)}
+    return {"rows": rows, "verify": verify}
+
+
+def run_triton(
+    config: Path, batching: str, load: Load, check: list[dict[str, Any]], expected: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Triton with `batching`, driven by the gRPC door's generator at the same rates; or why it was skipped."""
+    try:
+        with TritonLSTM(config, batching) as triton:
+            target = Target(triton.address, MODEL, OUTPUTS, batched=True)
+            rows = []
+            for rate, due, inputs in zip(load.rates, load.due, load.inputs):
+                before = sum(cpu_seconds(triton.pids()).values())
+                run = oip_load.open_loop(target, tokens(inputs), due)
+                used = sum(cpu_seconds(triton.pids()).values()) - before
+                rows.append({"offered_rps": rate, **summary(run, used)})
+            return {"rows": rows, "verify": _verify_oip(target, check, expected)}
+    except TritonUnavailable as exc:
+        return {"skipped": str(exc)}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    plan = QUICK if quick else FULL
+    started = time.time()
+    dataset = wmt()
+    load = Load.of(plan, dataset)
+    with tempfile.TemporaryDirectory(prefix="batchmaker-bench-http-") as tmp:
+        config = write_config(LSTM, Path(tmp))
+        model = build_model(load_config(config).models[MODEL])
+        state = model.load_weights()
+        check = dataset[: plan.verify_requests]
+        expected = [model.reference(state, request) for request in check]
+        doors = run_doors(config, load, check, expected)
+        triton = {batching: run_triton(config, batching, load, check, expected) for batching in TRITON_BATCHINGS}
+    return {
+        "preset": "http",
+        "description": "LSTM on WMT sentences through the gRPC front door, the ZeroMQ door, and Triton",
+        "quick": quick,
+        "commit": git("describe", "--always", "--dirty"),
+        "machine": machine(),
+        "model": {"name": MODEL, "toml": LSTM.strip()},
+        "load": {"dataset": "wmt", "rates": list(plan.rates), "seconds_per_rate": plan.seconds},
+        "doors": doors,
+        "triton": {
+            "max_batch_size": MAX_BATCH,
+            "max_queue_delay_us": MAX_QUEUE_DELAY_US,
+            "threads": 1,
+            "batchings": triton,
+        },
+        "seconds": time.time() - started,
+    }
+
+
+def checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every answer check of a result, by the way it was sent."""
+    found = {f"batchmaker {way}": check for way, check in result["doors"]["verify"].items()}
+    for batching, section in result["triton"]["batchings"].items():
+        if "verify" in section:
+            found[f"triton {batching}"] = section["verify"]
+    return found
+
+
+def table(result: dict[str, Any]) -> str:
+    """The report: per rate, each way's p50/p99 and server-side CPU per request; the skips; the answer checks."""
+    lines = [
+        "| offered req/s | way | ok/sent | p50 ms | p99 ms | server CPU ms/req |",
+        "|---|---|---|---|---|---|",
+    ]
+    ways: list[tuple[str, list[dict[str, Any]]]] = [
+        ("zmq door", [row["zmq"] for row in result["doors"]["rows"]]),
+        ("gRPC door", [row["grpc"] for row in result["doors"]["rows"]]),
+    ]
+    ways += [(f"Triton {b}", s["rows"]) for b, s in result["triton"]["batchings"].items() if "rows" in s]
+    for index, rate in enumerate(result["load"]["rates"]):
+        for way, rows in ways:
+            row = rows[index]
+            cpu = "" if way == "zmq door" else f"{row['server_cpu_ms_per_request']:.3f}"
+            lines.append(
+                f"| {rate:.0f} | {way} | {row['ok']}/{row['sent']} | {row['latency_ms']['p50']:.2f} "
+                f"| {row['latency_ms']['p99']:.2f} | {cpu} |"
+            )
+    lines.append("")
+    for row in result["doors"]["rows"]:
+        added = row["added_latency_ms"]
+        lines.append(
+            f"gRPC door at {row['offered_rps']:.0f} req/s adds p50 {added['p50']:+.2f} ms, p99 {added['p99']:+.2f} ms; "
+            f"its process used {row['grpc']['server_cpu_ms_per_request']:.3f} ms CPU per request"
+        )
+    for batching, section in result["triton"]["batchings"].items():
+        if "skipped" in section:
+            lines.append(f"Triton {batching}: skipped: {section['skipped']}")
+    for way, check in checks(result).items():
+        state = "ok" if check["ok"] else "WRONG: " + "; ".join(check["wrong"])
+        lines.append(f"answers {way}: {check['checked']} checked, max abs error {check['max_abs_error']:.1e} {state}")
+    return "\n".join(lines)
