@@ -73,9 +73,16 @@ class Load:
         return Load(plan.rates, due, inputs)
 
 
-def summary(run: OpenLoop, cpu_s: float) -> dict[str, Any]:
-    """One way at one rate: latency from each request's scheduled send, refusals by code, and the CPU seconds
-    `cpu_s` its server side used (the front door's, or Triton's) per request sent."""
+def used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds between two samples by role: the whole server's ("server": batchmaker's processes, or
+    Triton's), and its front door process's where it has one."""
+    spent = {role: seconds - before.get(role, 0.0) for role, seconds in after.items()}
+    return {"server": sum(spent.values()), **{role: spent[role] for role in ("frontdoor",) if role in spent}}
+
+
+def summary(run: OpenLoop, cpu_s: dict[str, float]) -> dict[str, Any]:
+    """One way at one rate: latency from each request's scheduled send, refusals by code, and CPU milliseconds
+    per request sent, of the server side by role (`cpu_s`, from `used`) and of the load's client."""
     ok = np.array([error is None for error in run.errors], dtype=bool)
     errors: dict[str, int] = {}
     for error in run.errors:
@@ -90,8 +97,10 @@ def summary(run: OpenLoop, cpu_s: float) -> dict[str, Any]:
         "errors": errors,
         "achieved_rps": int(ok.sum()) / span if span > 0 else 0.0,
         "latency_ms": percentiles(latency * 1e3),
-        "server_cpu_ms_per_request": cpu_s * 1e3 / count,
-        "client_cpu_ms_per_request": run.cpu_seconds * 1e3 / count,
+        "cpu_ms_per_request": {
+            **{role: s * 1e3 / count for role, s in cpu_s.items()},
+            "client": run.cpu_seconds * 1e3 / count,
+        },
     }
 
 
@@ -102,10 +111,10 @@ def tokens(inputs: list[dict[str, Any]]) -> list[list[int]]:
 def _verify_oip(target: Target, requests: list[dict[str, Any]], expected: list[dict[str, Any]]) -> dict[str, Any]:
     """All `requests` at once through gRPC (so that they batch), every answer against the reference's."""
     run = oip_load.open_loop(target, tokens(requests), np.zeros(len(requests)), keep_outputs=True)
-    return _checked(run, expected)
+    return check_run(run, expected)
 
 
-def _checked(run: OpenLoop, expected: list[dict[str, Any]]) -> dict[str, Any]:
+def check_run(run: OpenLoop, expected: list[dict[str, Any]]) -> dict[str, Any]:
     refused = [f"request {i}: {error}" for i, error in enumerate(run.errors) if error is not None]
     if refused:
         return {"checked": 0, "max_abs_error": float("nan"), "wrong": refused[:3], "ok": False}
@@ -120,17 +129,18 @@ def run_doors(config: Path, load: Load, check: list[dict[str, Any]], expected: l
     rows = []
     with ServedPolicy(config, address, "cellular", MODEL, "--grpc", grpc) as served:
         for rate, due, inputs in zip(load.rates, load.due, load.inputs):
+            before = served.cpu_seconds()
             zmq = client_load.open_loop([address], MODEL, inputs, due)
             served.wait_idle()
-            before = served.cpu_seconds().get("frontdoor", 0.0)
+            between = served.cpu_seconds()
             through_door = oip_load.open_loop(door, tokens(inputs), due)
             served.wait_idle()
-            door_cpu = served.cpu_seconds().get("frontdoor", 0.0) - before
-            zmq_row, grpc_row = summary(zmq, 0.0), summary(through_door, door_cpu)
+            zmq_row = summary(zmq, used(before, between))
+            grpc_row = summary(through_door, used(between, served.cpu_seconds()))
             added = {p: grpc_row["latency_ms"][p] - zmq_row["latency_ms"][p] for p in ("p50", "p99")}
             rows.append({"offered_rps": rate, "zmq": zmq_row, "grpc": grpc_row, "added_latency_ms": added})
         zmq_check = client_load.open_loop([address], MODEL, check, np.zeros(len(check)), keep_outputs=True)
-        verify = {"zmq": _checked(zmq_check, expected), "grpc": _verify_oip(door, check, expected)}
+        verify = {"zmq": check_run(zmq_check, expected), "grpc": _verify_oip(door, check, expected)}
     return {"rows": rows, "verify": verify}
 
 
@@ -143,10 +153,9 @@ def run_triton(
             target = Target(triton.address, MODEL, OUTPUTS, batched=True)
             rows = []
             for rate, due, inputs in zip(load.rates, load.due, load.inputs):
-                before = sum(cpu_seconds(triton.pids()).values())
+                before = cpu_seconds(triton.pids())
                 run = oip_load.open_loop(target, tokens(inputs), due)
-                used = sum(cpu_seconds(triton.pids()).values()) - before
-                rows.append({"offered_rps": rate, **summary(run, used)})
+                rows.append({"offered_rps": rate, **summary(run, used(before, cpu_seconds(triton.pids())))})
             return {"rows": rows, "verify": _verify_oip(target, check, expected)}
     except TritonUnavailable as exc:
         return {"skipped": str(exc)}
@@ -196,8 +205,8 @@ def checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def table(result: dict[str, Any]) -> str:
     """The report: per rate, each way's p50/p99 and server-side CPU per request; the skips; the answer checks."""
     lines = [
-        "| offered req/s | way | ok/sent | p50 ms | p99 ms | server CPU ms/req |",
-        "|---|---|---|---|---|---|",
+        "| offered req/s | way | ok/sent | p50 ms | p99 ms | server CPU ms/req | of it, front door |",
+        "|---|---|---|---|---|---|---|",
     ]
     ways: list[tuple[str, list[dict[str, Any]]]] = [
         ("zmq door", [row["zmq"] for row in result["doors"]["rows"]]),
@@ -206,18 +215,18 @@ def table(result: dict[str, Any]) -> str:
     ways += [(f"Triton {b}", s["rows"]) for b, s in result["triton"]["batchings"].items() if "rows" in s]
     for index, rate in enumerate(result["load"]["rates"]):
         for way, rows in ways:
-            row = rows[index]
-            cpu = "" if way == "zmq door" else f"{row['server_cpu_ms_per_request']:.3f}"
+            row, cpu = rows[index], rows[index]["cpu_ms_per_request"]
+            door = f"{cpu['frontdoor']:.3f}" if "frontdoor" in cpu else ""
             lines.append(
                 f"| {rate:.0f} | {way} | {row['ok']}/{row['sent']} | {row['latency_ms']['p50']:.2f} "
-                f"| {row['latency_ms']['p99']:.2f} | {cpu} |"
+                f"| {row['latency_ms']['p99']:.2f} | {cpu['server']:.3f} | {door} |"
             )
     lines.append("")
     for row in result["doors"]["rows"]:
         added = row["added_latency_ms"]
         lines.append(
             f"gRPC door at {row['offered_rps']:.0f} req/s adds p50 {added['p50']:+.2f} ms, p99 {added['p99']:+.2f} ms; "
-            f"its process used {row['grpc']['server_cpu_ms_per_request']:.3f} ms CPU per request"
+            f"its process used {row['grpc']['cpu_ms_per_request']['frontdoor']:.3f} ms CPU per request"
         )
     for batching, section in result["triton"]["batchings"].items():
         if "skipped" in section:

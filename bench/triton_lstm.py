@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Self
 
@@ -34,6 +35,7 @@ MAX_QUEUE_DELAY_US = 2000
 START_TIMEOUT_S = 120.0
 # Batchings pytriton can configure (its ModelConfig holds a dynamic batcher only, no sequence batcher).
 BATCHINGS = ("dynamic",)
+PYTRITON_NUMPY_BELOW = 2  # nvidia-pytriton 0.7 requires numpy < 2
 
 
 class TritonUnavailable(RuntimeError):
@@ -49,6 +51,10 @@ def missing() -> str | None:
             found = False
         if not found:
             return f"{package} is not installed (pip install 'batchmaker[triton]')"
+    numpy = version("numpy")
+    if int(numpy.split(".")[0]) >= PYTRITON_NUMPY_BELOW:
+        # Its tensors then come back empty: the test extra's numpy 2 and pytriton do not share an environment.
+        return f"nvidia-pytriton {version('nvidia-pytriton')} needs numpy < {PYTRITON_NUMPY_BELOW}, not {numpy}"
     return None
 
 
