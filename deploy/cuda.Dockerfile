@@ -9,11 +9,11 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 
 WORKDIR /app
 COPY . /app
-RUN BATCHMAKER_TORCH="$BATCHMAKER_TORCH" BATCHMAKER_EXTRAS= bash -c 'source scripts/_env.sh' && rm -rf /root/.cache/pip \
+RUN BATCHMAKER_TORCH="$BATCHMAKER_TORCH" BATCHMAKER_EXTRAS=oip bash -c 'source scripts/_env.sh' && rm -rf /root/.cache/pip \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin batchmaker
 
 ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1
 USER 10001
-EXPOSE 5555 9100
+EXPOSE 5555 8000 8001 9100
 ENTRYPOINT ["batchmaker"]
 CMD ["serve", "/etc/batchmaker/config.toml", "--log-format", "json"]

@@ -10,7 +10,7 @@
 #   - otherwise the CPU build torch==2.13.0+cpu into .venv, from pip's configured indexes when they hold it,
 #     else from PyTorch's CPU wheel index.
 # An existing .venv is reused as it is: only deleting it makes the scripts look for an interpreter's torch again.
-# BATCHMAKER_EXTRAS picks the project's extras (default "test,bench"; empty: the server alone, as the images do).
+# BATCHMAKER_EXTRAS picks the project's extras (default "test,bench"; empty: the server alone; the images set "oip").
 # BATCHMAKER_WHEELS=DIR installs offline: every pip install reads DIR alone (--no-index --find-links DIR), and
 # the project is built without build isolation, with setuptools from the environment or from DIR.
 # The stamp file records the torch spec the scripts installed, or that they use the interpreter's: a changed spec
@@ -24,7 +24,7 @@ TORCH_MINIMUM="$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml
 # What the project builds with (pyproject.toml's [build-system] requires), installed by hand when offline.
 BUILD_REQUIRES="$(sed -n 's/^requires = \["\([^"]*\)"\]$/\1/p' "$ROOT/pyproject.toml")"
 FOUND_TORCH="the interpreter's own torch"  # the stamp's entry when the scripts install no torch
-EXTRAS="${BATCHMAKER_EXTRAS-test,bench}"  # the project's extras; the container images set none
+EXTRAS="${BATCHMAKER_EXTRAS-test,bench}"  # the project's extras; the container images set the front door's alone
 PIP_INSTALL=(-m pip install --quiet --disable-pip-version-check)
 if [ -n "${BATCHMAKER_WHEELS:-}" ]; then
     PIP_INSTALL+=(--no-index --find-links "$BATCHMAKER_WHEELS")

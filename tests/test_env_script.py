@@ -321,10 +321,10 @@ def test_an_active_virtualenvs_torch_is_never_uninstalled(checkout):
     assert checkout.pip_calls() == []
 
 
-def test_the_images_install_the_server_without_the_test_and_bench_extras(checkout):
-    result = checkout.source(BATCHMAKER_EXTRAS="")
+def test_the_images_install_the_server_with_the_front_door_and_without_the_test_and_bench_extras(checkout):
+    result = checkout.source(BATCHMAKER_EXTRAS="oip")
     assert result.returncode == 0, result.stderr
-    assert installs(checkout.pip_calls())[-1] == ["install", "-e", str(checkout.root)]
+    assert installs(checkout.pip_calls())[-1] == ["install", "-e", f"{checkout.root}[oip]"]
     for image in ("cpu", "cuda"):
-        assert "BATCHMAKER_EXTRAS= bash -c 'source scripts/_env.sh'" in (ROOT / "deploy" / f"{image}.Dockerfile").read_text()
+        assert "BATCHMAKER_EXTRAS=oip bash -c 'source scripts/_env.sh'" in (ROOT / "deploy" / f"{image}.Dockerfile").read_text()
 
