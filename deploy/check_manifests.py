@@ -38,6 +38,8 @@ DOOR_TABLES = ("http", "grpc")
 DOOR_FILES = ("tls_cert", "tls_key", "tls_client_ca", "token_file")
 # The front door's health endpoints, which need no token: what each probe must GET.
 PROBES = {"startupProbe": "/v2/health/live", "livenessProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready"}
+# With client certificates on the HTTP port the kubelet cannot probe it: the metrics port's probes instead.
+METRICS_PROBES = {"startupProbe": "/healthz", "livenessProbe": "/healthz", "readinessProbe": "/readyz"}
 KSERVE_PROBES = {"readinessProbe": "/v2/health/ready"}  # queue-proxy runs it on loopback; the kubelet could not
 
 
@@ -78,22 +80,24 @@ def port_of(address: str) -> int:
 def check_probes(
     name: str, container: dict[str, Any], config: Config, files: DoorFiles, probes: dict[str, str], problems: list[str]
 ) -> None:
-    """Every probe GETs the front door's health on the [http] port, with TLS where the port has it; the kubelet
-    presents no client certificate, so the port must not ask for one."""
+    """Every probe GETs the front door's health on the [http] port, with TLS where the port has it; where that
+    port asks for client certificates, which the kubelet cannot present, the metrics port's /healthz and /readyz."""
     if config.http is None:
         problems.append(f"{name}: the config needs an [http] table: the probes read the front door's health")
         return
+    expected = {
+        probe: (path, port_of(config.http.address), "HTTPS" if "tls_cert" in files["http"] else "HTTP")
+        for probe, path in probes.items()
+    }
+    if "tls_client_ca" in files["http"]:
+        metrics = port_of(config.server.metrics_address)
+        expected = {probe: (METRICS_PROBES[probe], metrics, "HTTP") for probe in probes}
     ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
-    scheme = "HTTPS" if "tls_cert" in files.get("http", {}) else "HTTP"
-    for probe, path in probes.items():
+    for probe, (path, port, scheme) in expected.items():
         get = container.get(probe, {}).get("httpGet", {})
-        port = ports.get(get.get("port")) if isinstance(get.get("port"), str) else get.get("port")
-        if get.get("path") != path or port != port_of(config.http.address) or get.get("scheme", "HTTP") != scheme:
-            problems.append(
-                f"{name}: {probe} must GET {path} with {scheme} on the [http] port {port_of(config.http.address)}"
-            )
-    if "tls_client_ca" in files.get("http", {}):
-        problems.append(f"{name}: the kubelet's probes present no client certificate: [http] cannot set tls_client_ca")
+        got = ports.get(get.get("port")) if isinstance(get.get("port"), str) else get.get("port")
+        if (get.get("path"), got, get.get("scheme", "HTTP")) != (path, port, scheme):
+            problems.append(f"{name}: {probe} must GET {path} with {scheme} on port {port}")
 
 
 def check_door_files(name: str, pod: dict[str, Any], files: DoorFiles, problems: list[str]) -> None:
