@@ -14,6 +14,7 @@ and port are its [http] listener's, and it speaks the v2 protocol.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 import types
@@ -235,8 +236,12 @@ def check_kserve(objects: list[dict[str, Any]], problems: list[str]) -> None:
             )
 
 
-def main() -> int:
-    objects = load_objects(MANIFESTS)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k8s", type=Path, default=MANIFESTS, help="the Kubernetes manifests (default: deploy/k8s)")
+    parser.add_argument("--kserve", type=Path, default=KSERVE, help="the KServe example (default: deploy/kserve)")
+    args = parser.parse_args(argv)
+    objects = load_objects(args.k8s)
     config, files = server_config(objects, "batchmaker-config")
     problems: list[str] = []
     if not config.server.metrics_address:
@@ -246,7 +251,7 @@ def main() -> int:
         check_deployment(deployment, config, files, problems)
     check_exposure(objects, config, files, problems)
     check_ignored_keys(problems)
-    check_kserve(load_objects(KSERVE), problems)
+    check_kserve(load_objects(args.kserve), problems)
     for problem in problems:
         print(f"deploy: {problem}", file=sys.stderr)
     if not problems:
