@@ -1,9 +1,10 @@
-"""The Kubernetes ConfigMap's config served as a pod would serve it, its Secrets' files made here and its
-addresses moved to free loopback ports: the kubelet's probes answer over HTTPS without a token, the front door
-reaches its CURVE-protected manager with the server's key pair, and inference needs the token."""
+"""The Kubernetes and KServe ConfigMaps' configs served as their pods would serve them, their Secrets' files made
+here and their addresses moved to free loopback ports: the probes answer without a token, the front door
+reaches its manager (CURVE-protected, with the server's key pair, on Kubernetes), and inference needs the token."""
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 import subprocess
@@ -107,3 +108,38 @@ def test_grpc_over_tls_serves_with_the_token_and_refuses_without(pod):
         assert np.abs(result.as_numpy("h") - expected["h"]).max() <= TOLERANCE
         with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
             triton.infer("lstm", [tokens])
+
+
+def test_the_kserve_config_serves_v2_over_http_on_loopback_with_the_token(tmp_path: Path):
+    text = yaml.safe_load((ROOT / "deploy" / "kserve" / "configmap.yaml").read_text())["data"]["config.toml"]
+    port = free_port()
+    for old, new in (
+        ("tcp://127.0.0.1:5555", f"tcp://127.0.0.1:{free_port()}"),
+        ("127.0.0.1:9100", f"127.0.0.1:{free_port()}"),
+        ("127.0.0.1:8080", f"127.0.0.1:{port}"),
+        ('"/door/', f'"{tmp_path}/'),
+        ('"/weights/', f'"{tmp_path}/'),
+    ):
+        assert old in text, old
+        text = text.replace(old, new)
+    (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "config.toml").write_text(text)
+    config = load_config(tmp_path / "config.toml")
+    init_missing_weights(config)
+    model = build_model(config.models["lstm"])
+    expected = model.reference(model.load_weights(), {"tokens": [5, 17, 342, 9]})
+    body = json.dumps({"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [4], "data": [5, 17, 342, 9]}]})
+    server = start_server(config)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=10) as reply:
+            assert reply.status == 200  # the ServingRuntime's readiness probe, as queue-proxy runs it
+        infer = f"http://127.0.0.1:{port}/v2/models/lstm/infer"
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+        with urllib.request.urlopen(urllib.request.Request(infer, body.encode(), headers), timeout=30) as reply:
+            outputs = {output["name"]: output["data"] for output in json.load(reply)["outputs"]}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(infer, body.encode(), {"Content-Type": "application/json"}))
+    finally:
+        stop_server(server)
+    assert np.abs(np.array(outputs["h"], dtype=np.float32) - expected["h"]).max() <= TOLERANCE
+    assert refused.value.code == 401
