@@ -8,7 +8,9 @@ The `lstm` preset's model and WMT sentences, at the same Poisson rates, sent thr
 * to Triton serving the same nn.Embedding + nn.LSTM (bench/triton_lstm.py), by the same tritonclient generator:
   its dynamic batcher (max batch 64, 2 ms queue delay), and its sequence batcher, which pytriton cannot
   configure: that one, and Triton altogether when it is not installed or does not start, is recorded as skipped
-  with the reason.
+  with the reason. Triton's dynamic batcher joins only requests of one shape (pytriton offers no ragged
+  batching), so on WMT's lengths it batches sentences of equal length only; its CPU is its whole process tree's
+  (tritonserver, its Python backend stub, and the process running the model).
 
 Every way's answers are checked against the unbatched reference model.
 """
