@@ -127,8 +127,10 @@ class TritonLSTM:
             return {}
 
     def close(self, keep_log: bool = False) -> None:
-        stop_server(self._process)
+        leftovers = stop_server(self._process)
         self._log.close()
+        if leftovers:
+            raise SystemExit(f"Triton processes left after stopping: {leftovers}; its log is {self._log.name}")
         if not keep_log:
             Path(self._log.name).unlink(missing_ok=True)
 
