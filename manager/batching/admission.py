@@ -18,6 +18,7 @@ See docs/protocol.md (errors) for what clients are told.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
@@ -164,6 +165,14 @@ class Admission:
             "estimated_wait_ms": None if rate is None else queued_cells / rate * 1e3,
             "max_queue_delay_ms": self.max_queue_delay_s * 1e3,
         }
+
+    def retry_after_ms(self, queued_cells: int) -> int | None:
+        """When a request refused with OVERLOADED now would be admitted: once the expected wait, at the measured
+        capacity, is back under max_queue_delay_ms. None while that bound is not what refuses."""
+        wait_ms, limit_ms = self.snapshot(queued_cells)["estimated_wait_ms"], self.max_queue_delay_s * 1e3
+        if wait_ms is None or not limit_ms or wait_ms <= limit_ms:
+            return None
+        return math.ceil(wait_ms - limit_ms)
 
 
 def warm_up_capacity(timings: Iterable[Any], max_batch: Mapping[str, int]) -> float | None:

@@ -183,6 +183,18 @@ class WorkerHandle:
     def slots_in_use(self) -> int:
         return sum(a.in_use for a in self.slots.values()) + sum(a.in_use for a in self.io_slots.values())
 
+    def health(self) -> dict[str, Any]:
+        """This worker's part of the `health` reply."""
+        return {
+            "id": self.worker_id,
+            "index": self.index,
+            "device": self.device,
+            "pid": self.pid,
+            "host": self.host,
+            "local": self.local,
+            "tasks_in_flight": self.in_flight,
+        }
+
     def stats(self) -> dict[str, Any]:
         """This worker's part of the `stats` reply."""
         return {

@@ -13,7 +13,6 @@ docs/architecture.md.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -165,6 +164,7 @@ class Manager:
                 self._reload_if_asked()
                 self._schedule_idle_workers()
                 if self.draining and (not self.core.requests or time.monotonic() > self._draining_until):
+                    self._clients()  # refuse what came during the last turn rather than leave it unanswered
                     break
         finally:
             self._shutdown()
@@ -362,18 +362,9 @@ class Manager:
         if self.tracing is not None:
             self.tracing.received(burst, admitted)
         refusals = [(incoming, result) for incoming, result in zip(burst, admitted) if isinstance(result, RequestError)]
-        retry_after_ms = self._retry_after_ms() if any(e.code == OVERLOADED for _, e in refusals) else None
+        retry_after_ms = self.core.admission.retry_after_ms(self.core.unfinished_nodes) if any(e.code == OVERLOADED for _, e in refusals) else None
         for incoming, error in refusals:
             self._refuse(incoming, error, retry_after_ms if error.code == OVERLOADED else None)
-
-    def _retry_after_ms(self) -> int | None:
-        """When a request refused with OVERLOADED now would be admitted: once the expected wait, at the measured
-        capacity, is back under max_queue_delay_ms. None while that bound is not what refuses."""
-        admission = self.core.admission.snapshot(self.core.unfinished_nodes)
-        wait_ms, limit_ms = admission["estimated_wait_ms"], admission["max_queue_delay_ms"]
-        if wait_ms is None or not limit_ms or wait_ms <= limit_ms:
-            return None
-        return math.ceil(wait_ms - limit_ms)
 
     # -- introspection ---------------------------------------------------------------------------
     def _health(self) -> dict[str, Any]:
@@ -384,18 +375,7 @@ class Manager:
             status = "ready" if up >= self.expected_workers and up > 0 else "degraded"
         return {
             "status": status,
-            "workers": [
-                {
-                    "id": w.worker_id,
-                    "index": w.index,
-                    "device": w.device,
-                    "pid": w.pid,
-                    "host": w.host,
-                    "local": w.local,
-                    "tasks_in_flight": w.in_flight,
-                }
-                for w in self.workers.values()
-            ],
+            "workers": [w.health() for w in self.workers.values()],
             "expected_workers": self.expected_workers,
             "max_message_bytes": self.config.server.max_message_bytes,
         }
