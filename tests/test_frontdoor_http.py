@@ -154,7 +154,7 @@ def test_starting_a_sequence_still_open_is_refused(door: Door):
     ("path", "body", "status", "words"),
     [
         ("/v2/models/missing/infer", {"inputs": []}, 404, "UNKNOWN_MODEL"),
-        ("/v2/models/lstm/versions/3/infer", {"inputs": []}, 404, "no version"),
+        ("/v2/models/lstm/versions/3/infer", {"inputs": []}, 404, "no ready version 3; ready: 1"),
         (
             "/v2/models/lstm/infer",
             {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [2], "data": [1, 2, 3]}]},
