@@ -119,9 +119,9 @@ class Gateway:
         await self._read_models()
         model = self._known(name)
         if version and version not in model.versions:
+            shown = version if version.isascii() and version.isdigit() else echo(version)  # as the server says it
             raise DoorError(
-                UNKNOWN_MODEL,
-                f"model {name!r} has no ready version {echo(version)}; ready: {', '.join(model.versions)}",
+                UNKNOWN_MODEL, f"model {name!r} has no ready version {shown}; ready: {', '.join(model.versions)}"
             )
         return model
 
