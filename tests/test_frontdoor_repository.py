@@ -6,6 +6,8 @@ that served it."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any, Self
@@ -14,9 +16,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import SMALL_LSTM, stop_server, wait_until
+from conftest import ROOT, SMALL_LSTM, stop_server, wait_until
 from oip_server import Door, start_door
+from test_frontdoor_docs import on_door
 from test_frontdoor_http import post
+from test_frontdoor_tracing import TAGGER
 from test_model_control import assert_matches, reference, weights_file
 from tritonclient.utils import InferenceServerException
 
@@ -125,6 +129,9 @@ def test_a_reload_through_the_repository_under_load_fails_nothing_and_a_sequence
             http.infer("lstm", [tokens_input(httpclient, rest)], model_version="1", headers=AUTH)
         assert named.value.status() == "404" and "no ready version 1; ready: 2" in named.value.message()
         pinned = answer(http.infer("lstm", [tokens_input(httpclient, rest)], model_version="2", headers=AUTH))
+        with pytest.raises(InferenceServerException) as elsewhere:
+            sequence_step(rest, model_version="2")
+        assert elsewhere.value.status() == "StatusCode.INVALID_ARGUMENT"
         ended = answer(sequence_step(rest, sequence_end=True))
     assert not load.failures and load.seen("1") and load.seen("2")
     for tokens, version, outputs in load.answers:
@@ -235,3 +242,30 @@ def test_repository_calls_with_a_bad_body_or_a_model_not_served_are_refused(door
     assert status == 404 and "model 'lstm' has no version 'first': versions are 1, 2, ..." in refusal["error"]
     entries = httpclient.InferenceServerClient(door.http).get_model_repository_index()
     assert {entry["state"] for entry in entries} == {"READY"}  # nothing was loaded or unloaded
+
+
+def test_the_deploy_guides_curl_example_loads_lists_and_unloads(tmp_path: Path):
+    """The curl block of docs/deploy.md, "Rolling out new weights", run as written (its ports and weights path
+    put in): lstm's version 2 serves the new weights' answers, and tagger is no longer served."""
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not on PATH")
+    section = (ROOT / "docs" / "deploy.md").read_text().split("\n## Rolling out new weights\n", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    door = start_door(tmp_path, SMALL_LSTM + TAGGER)
+    try:
+        new = weights_file(door.config, "lstm-2026-11-26.pt", seed=3)
+        script = on_door(block, door).replace("/models/lstm-2026-11-26.pt", str(new))
+        done = subprocess.run(["bash", "-e", "-c", script], capture_output=True, text=True, check=True)
+        loaded, listed, unloaded = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        assert loaded == {"name": "lstm", "version": "2"} and unloaded == {}
+        states = {(entry["name"], entry["version"]): entry["state"] for entry in listed}
+        assert states[("lstm", "2")] == states[("tagger", "1")] == "READY"
+        assert states[("lstm", "1")] in ("UNLOADING", "UNAVAILABLE")  # drained as soon as nothing uses it
+        http = httpclient.InferenceServerClient(door.http)
+        tokens = np.array([7, 7, 9], dtype=np.int64)
+        version, outputs = answer(http.infer("lstm", [tokens_input(httpclient, tokens)]))
+        assert version == "2"
+        assert_matches(outputs, reference(door.config, new)({"tokens": tokens.tolist()}))
+        assert not http.is_model_ready("tagger")
+    finally:
+        stop_server(door.server)
