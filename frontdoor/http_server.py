@@ -144,7 +144,9 @@ class HttpDoor:
 
     async def repository_index(self, request: web.Request) -> web.Response:
         """Triton's index: every version of every model, with its state (and why, when it does not serve)."""
-        ready_only = (await _control_body(request)).get("ready") is True
+        ready_only = (await _control_body(request)).get("ready", False)
+        if not isinstance(ready_only, bool):
+            raise DoorError(BAD_REQUEST, f"'ready' must be true or false, got {echo(ready_only)}")
         return web.json_response(await self.gateway.repository_index(ready_only))
 
     async def load(self, request: web.Request) -> web.Response:
@@ -154,7 +156,7 @@ class HttpDoor:
         return web.json_response({"name": request.match_info["model"], "version": version})
 
     async def unload(self, request: web.Request) -> web.Response:
-        await _control_body(request)
+        await _control_body(request)  # its parameters (Triton's unload_dependents) change nothing here
         await self.gateway.unload(request.match_info["model"])
         return web.json_response({})
 

@@ -33,7 +33,7 @@ def index(models: dict[str, Any], ready_only: bool) -> list[dict[str, str]]:
     entries = []
     for name in sorted(listings):
         for version in listings[name]:
-            state, reason = STATES.get(version["state"], ("UNKNOWN", version["state"]))
+            state, reason = STATES[version["state"]]
             if ready_only and state != "READY":
                 continue
             entries.append(

@@ -226,6 +226,8 @@ def test_repository_calls_with_a_bad_body_or_a_model_not_served_are_refused(door
         assert status == 400 and refusal["error"].startswith("BAD_REQUEST: the request is not JSON")
         status, refusal, _ = post(door, path, b"[]")
         assert status == 400 and refusal["error"] == "BAD_REQUEST: the request must be a JSON object"
+    status, refusal, _ = post(door, "/v2/repository/index", b'{"ready": "yes"}')
+    assert status == 400 and refusal["error"] == "BAD_REQUEST: 'ready' must be true or false, got 'yes'"
     status, refusal, _ = post(door, "/v2/repository/models/missing/unload", b"")
     assert status == 404 and refusal["error"].startswith("UNKNOWN_MODEL: no model named 'missing'")
     status, refusal, _ = post(door, "/v2/repository/models/missing/load", b"")
