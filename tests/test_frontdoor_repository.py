@@ -26,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 TOKEN = "repository-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GRPC_AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 def tokens_input(module: Any, tokens: np.ndarray) -> Any:
@@ -100,35 +101,39 @@ def test_a_reload_through_the_repository_under_load_fails_nothing_and_a_sequence
     http = httpclient.InferenceServerClient(door.http)
     grpc = grpcclient.InferenceServerClient(door.grpc)
     first, rest = np.array([5, 6, 7], dtype=np.int64), np.array([8, 9], dtype=np.int64)
-    grpc_auth = {"authorization": AUTH["Authorization"]}
 
     def sequence_step(chunk: np.ndarray, **parameters: Any) -> Any:
         inputs = [tokens_input(grpcclient, chunk)]
-        return grpc.infer("lstm", inputs, sequence_id=7, headers=grpc_auth, **parameters)
+        return grpc.infer("lstm", inputs, sequence_id=7, headers=GRPC_AUTH, **parameters)
 
     with SteadyLoad(door) as load:
         assert answer(sequence_step(first, sequence_start=True))[0] == "1"
         wait_until(lambda: load.seen("1") >= 10, "answers of version 1")
-        grpc.load_model("lstm", config=weights_config(new), headers=grpc_auth)
+        grpc.load_model("lstm", config=weights_config(new), headers=GRPC_AUTH)
         wait_until(lambda: load.seen("2") >= 10, "answers of version 2")
         # The sequence still holds version 1: it drains, and serves no request that names it.
         assert index(http) == {"1": ("UNLOADING", "draining: it finishes the requests it started, then unloads"),
                                "2": ("READY", "")}  # fmt: skip
-        grpc_index = grpc.get_model_repository_index(headers=grpc_auth, as_json=True)["models"]
+        grpc_index = grpc.get_model_repository_index(headers=GRPC_AUTH, as_json=True)["models"]
         assert {(e["version"], e["state"]) for e in grpc_index} == {("1", "UNLOADING"), ("2", "READY")}
         assert http.get_model_metadata("lstm", headers=AUTH)["versions"] == ["2"]
         assert http.get_model_metadata("lstm", "2", headers=AUTH)["versions"] == ["2"]
-        assert grpc.get_model_metadata("lstm", "2", headers=grpc_auth).versions == ["2"]
+        assert grpc.get_model_metadata("lstm", "2", headers=GRPC_AUTH).versions == ["2"]
         assert http.is_model_ready("lstm", "2", headers=AUTH) and not http.is_model_ready("lstm", "1", headers=AUTH)
-        assert grpc.is_model_ready("lstm", "2", headers=grpc_auth)
-        assert not grpc.is_model_ready("lstm", "1", headers=grpc_auth)
+        assert grpc.is_model_ready("lstm", "2", headers=GRPC_AUTH)
+        assert not grpc.is_model_ready("lstm", "1", headers=GRPC_AUTH)
         with pytest.raises(InferenceServerException) as gone:
             http.get_model_metadata("lstm", "1", headers=AUTH)
         assert gone.value.status() == "404" and "no ready version 1; ready: 2" in gone.value.message()
         with pytest.raises(InferenceServerException) as named:
             http.infer("lstm", [tokens_input(httpclient, rest)], model_version="1", headers=AUTH)
         assert named.value.status() == "404" and "no ready version 1; ready: 2" in named.value.message()
+        with pytest.raises(InferenceServerException) as named_over_grpc:
+            grpc.infer("lstm", [tokens_input(grpcclient, rest)], model_version="1", headers=GRPC_AUTH)
+        assert named_over_grpc.value.status() == "StatusCode.NOT_FOUND"
+        assert "no ready version 1; ready: 2" in named_over_grpc.value.message()
         pinned = answer(http.infer("lstm", [tokens_input(httpclient, rest)], model_version="2", headers=AUTH))
+        over_grpc = answer(grpc.infer("lstm", [tokens_input(grpcclient, rest)], model_version="2", headers=GRPC_AUTH))
         with pytest.raises(InferenceServerException) as elsewhere:
             sequence_step(rest, model_version="2")
         assert elsewhere.value.status() == "StatusCode.INVALID_ARGUMENT"
@@ -136,8 +141,9 @@ def test_a_reload_through_the_repository_under_load_fails_nothing_and_a_sequence
     assert not load.failures and load.seen("1") and load.seen("2")
     for tokens, version, outputs in load.answers:
         assert_matches(outputs, references[version]({"tokens": tokens}))
-    assert pinned[0] == "2"
+    assert pinned[0] == over_grpc[0] == "2"
     assert_matches(pinned[1], references["2"]({"tokens": rest.tolist()}))
+    assert_matches(over_grpc[1], references["2"]({"tokens": rest.tolist()}))
     assert ended[0] == "1"  # started before the reload: it ends on the weights it started with
     assert_matches(ended[1], references["1"]({"tokens": [*first.tolist(), *rest.tolist()]}))
     wait_until(lambda: index(http)["1"] == ("UNAVAILABLE", "unloaded"), "version 1 unloaded once its sequence ended")
@@ -152,7 +158,7 @@ def test_a_reload_through_the_repository_under_load_fails_nothing_and_a_sequence
             call()
         assert unloaded.value.status() == "404" and "no model named 'lstm'" in unloaded.value.message()
     with pytest.raises(InferenceServerException) as unloaded:
-        grpc.infer("lstm", [tokens_input(grpcclient, rest)], headers=grpc_auth)
+        grpc.infer("lstm", [tokens_input(grpcclient, rest)], headers=GRPC_AUTH)
     assert unloaded.value.status() == "StatusCode.NOT_FOUND"
     assert not http.is_model_ready("lstm", headers=AUTH)
 
@@ -167,11 +173,14 @@ def test_a_load_with_a_bad_weights_path_is_refused_and_the_old_version_serves_on
     assert status == 400 and refusal["error"].startswith("BAD_REQUEST: version 2 of model 'lstm'")
     assert str(missing) in refusal["error"]
     with pytest.raises(InferenceServerException) as refused:
-        grpc.load_model("lstm", config=weights_config(missing), headers={"authorization": AUTH["Authorization"]})
+        grpc.load_model("lstm", config=weights_config(missing), headers=GRPC_AUTH)
     assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and str(missing) in refused.value.message()
+    with pytest.raises(InferenceServerException) as refused_over_http:
+        http.load_model("lstm", headers=AUTH, config=weights_config(missing))
+    assert refused_over_http.value.status() == "400" and str(missing) in refused_over_http.value.message()
     entries = index(http)
     assert entries["1"] == ("READY", "")
-    assert entries["2"][0] == entries["3"][0] == "UNAVAILABLE" and str(missing) in entries["2"][1]
+    assert {entries[v][0] for v in ("2", "3", "4")} == {"UNAVAILABLE"} and str(missing) in entries["2"][1]
     status, ready, _ = post(door, "/v2/repository/index", b'{"ready": true}', AUTH)
     assert status == 200 and ready == [{"name": "lstm", "version": "1", "state": "READY", "reason": ""}]
     tokens = np.array([3, 1, 4, 1, 5], dtype=np.int64)
@@ -179,6 +188,10 @@ def test_a_load_with_a_bad_weights_path_is_refused_and_the_old_version_serves_on
     assert version == "1"
     assert_matches(outputs, reference(door.config, door.config.models["lstm"].weights)({"tokens": tokens.tolist()}))
     assert http.get_model_metadata("lstm", headers=AUTH)["versions"] == ["1"]
+    grpc.unload_model("lstm", headers=GRPC_AUTH)
+    with pytest.raises(InferenceServerException) as unloaded:
+        grpc.infer("lstm", [tokens_input(grpcclient, tokens)], headers=GRPC_AUTH)
+    assert unloaded.value.status() == "StatusCode.NOT_FOUND" and "no model named 'lstm'" in unloaded.value.message()
 
 
 def test_the_repository_calls_need_the_token(served: Door):
