@@ -183,9 +183,9 @@ class Gateway:
         wanted = _wanted_outputs(model, request.outputs)
         fields = _admission_fields(request.parameters)
         inputs = _server_inputs(model, request.inputs)
-        version = _routing_fields(request).get("version")
+        asked = _routing_fields(request).get("version")
         items = self.client.stream(
-            model.name, inputs, fields.get("deadline_ms"), fields.get("priority"), version, request.trace
+            model.name, inputs, fields.get("deadline_ms"), fields.get("priority"), asked, request.trace
         )
         async with contextlib.aclosing(items):
             try:
@@ -193,8 +193,8 @@ class Gateway:
                     partial = isinstance(item, Partial)
                     outputs = _selected(item.outputs, wanted)
                     restarted = partial and item.restarted
-                    served = request.version if partial else str(item.version)
-                    yield InferResult(model.name, request.id, outputs, not partial, restarted, served)
+                    version = request.version if partial else str(item.version)
+                    yield InferResult(model.name, request.id, outputs, not partial, restarted, version=version)
             except Exception as exc:
                 raise _door_error(exc) from None
 
