@@ -114,13 +114,18 @@ class AsyncClient(ClientBase):
         inputs: dict[str, Any],
         deadline_ms: int | None = None,
         priority: int | None = None,
+        version: int | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[Partial | Reply]:
         """Run one inference with `stream: true`: yield each Partial as it arrives, then the final Reply.
 
         A Partial with `restarted` set voids those before it (the request started over on another
         server or worker). Closing the iterator early cancels the request (`contextlib.aclosing` closes
-        it when its block ends); `timeout` bounds the whole stream."""
-        message, _ = self._infer_request(model, inputs, deadline_ms, priority, None, False, stream=True)
+        it when its block ends); `timeout` bounds the whole stream. `version` as for `infer`;
+        `trace_context` (`traceparent`, `tracestate`) is sent instead of the current span's: a proxy's caller's."""
+        message, _ = self._infer_request(
+            model, inputs, deadline_ms, priority, None, False, stream=True, version=version, trace=trace_context
+        )
         request_id, call = await self._start(message, None, stream=True)
         assert call.partials is not None
         try:

@@ -109,10 +109,12 @@ class ClientBase:
         session_end: bool,
         stream: bool = False,
         version: int | None = None,
+        trace: dict[str, str] | None = None,
     ) -> tuple[dict[str, Any], Server | None]:
-        """An infer message, and the server it must go to: its session's, else None (any). It carries the
-        current span's trace context, if any, so that the server's span joins the caller's trace."""
-        message = infer_message(model, inputs, deadline_ms, priority, stream, version) | trace_fields()
+        """An infer message, and the server it must go to: its session's, else None (any). It carries `trace`,
+        else the current span's trace context, if any, so that the server's span joins the caller's trace."""
+        message = infer_message(model, inputs, deadline_ms, priority, stream, version)
+        message |= trace_fields() if trace is None else trace
         if session is None:
             return message, None
         server = self.sessions.server(session, self._servers.pick)

@@ -1,9 +1,10 @@
 """The front door's one path to the server: OIP requests, as both transports parse them, become ZeroMQ
 requests on one AsyncClient (docs/protocol.md), and their replies or errors come back in OIP terms.
 
-The manager's `models` reply is read once and kept: it says which inputs and outputs each model has, which
-gives the model metadata and the mapping of OIP tensors onto a model's inputs (a tree's arrays are the
-tensors `tree.tokens` and `tree.parents`).
+The manager's `models` reply says which inputs and outputs each model has, which gives the model metadata and
+the mapping of OIP tensors onto a model's inputs (a tree's arrays are the tensors `tree.tokens` and
+`tree.parents`). Inference uses the reply as last read, read again for a model it does not name (one loaded
+since); the metadata, readiness and repository calls read it afresh, since versions come and go.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import importlib.metadata
 import itertools
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +26,14 @@ from batchmaker.clients.messages import wire_value
 from batchmaker.clients.streams import Partial
 from batchmaker.common.protocol import INVALID_INPUT, UNAVAILABLE, UNKNOWN_MODEL, decode_outputs, echo
 
+from . import repository
 from .errors import TOO_LARGE, DoorError
 from .sequences import Sequences
 from .tensors import datatype_of
 
 SERVER_NAME = "batchmaker"
-MODEL_VERSION = "1"  # each model is served in one version
-EXTENSIONS = ("binary_tensor_data", "sequence")
+EXTENSIONS = ("binary_tensor_data", "sequence", "model_repository")
+TRACE_CONTEXT = ("traceparent", "tracestate")  # W3C Trace Context: HTTP headers, gRPC metadata, ZeroMQ fields
 READY_TIMEOUT_S = 2.0  # a manager that does not answer health this soon is not ready (a probe must not hang)
 
 
@@ -45,6 +47,7 @@ class InferRequest:
     outputs: list[str] | None = None  # the outputs asked for; None: all
     parameters: dict[str, Any] = field(default_factory=dict)
     id: str = ""
+    trace: dict[str, str] = field(default_factory=dict)  # the caller's trace context (`trace_context`)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class InferResult:
     outputs: dict[str, np.ndarray]
     final: bool = True
     restarted: bool = False  # a streamed request started over (its worker was lost): earlier partials are void
+    version: str = ""  # the version that served it; a partial's: the version asked for, if any
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class ModelMetadata:
     outputs: list[Tensor]
     described_inputs: dict[str, Any]
     streams: bool
+    versions: list[str]  # the ready ones, oldest first
 
 
 class Gateway:
@@ -103,29 +108,60 @@ class Gateway:
             "extensions": list(EXTENSIONS),
         }
 
-    async def model(self, name: str, version: str = "") -> ModelMetadata:
-        """A served model's metadata; UNKNOWN_MODEL for another name or version."""
-        if self._models is None:
-            models = (await self._ask(self.client.models()))["models"]
-            self._models = {model: _metadata(model, entry) for model, entry in models.items()}
+    async def model(self, name: str) -> ModelMetadata:
+        """A served model's metadata as last read (read again for a name not known); UNKNOWN_MODEL for another."""
+        if self._models is None or name not in self._models:
+            await self._read_models()
+        return self._known(name)
+
+    async def model_version(self, name: str, version: str) -> ModelMetadata:
+        """A served model's metadata read now; UNKNOWN_MODEL unless `version`, when given, is ready."""
+        await self._read_models()
+        model = self._known(name)
+        if version and version not in model.versions:
+            shown = version if version.isascii() and version.isdigit() else echo(version)  # as the server says it
+            raise DoorError(
+                UNKNOWN_MODEL, f"model {name!r} has no ready version {shown}; ready: {', '.join(model.versions)}"
+            )
+        return model
+
+    async def _read_models(self) -> dict[str, Any]:
+        reply = await self._ask(self.client.models())
+        self._models = {model: _metadata(model, entry) for model, entry in reply["models"].items()}
+        return reply
+
+    def _known(self, name: str) -> ModelMetadata:
+        assert self._models is not None
         model = self._models.get(name)
         if model is None:
             served = ", ".join(sorted(self._models))
             raise DoorError(UNKNOWN_MODEL, f"no model named {echo(name)} is served; the models are: {served}")
-        if version not in ("", MODEL_VERSION):
-            raise DoorError(
-                UNKNOWN_MODEL, f"model {name!r} has no version {echo(version)}; it serves version {MODEL_VERSION}"
-            )
         return model
+
+    # -- the model repository extension -------------------------------------------------------
+    async def repository_index(self, ready_only: bool) -> list[dict[str, str]]:
+        return repository.index(await self._read_models(), ready_only)
+
+    async def load(self, name: str, parameters: dict[str, Any]) -> str:
+        """Load a new version of `name` (docs/protocol.md, "Versions"); its number once it serves."""
+        message = {"op": "load", "model": name, **repository.load_fields(name, parameters)}
+        reply = await self._ask(self.client.call(message))
+        self._models = None  # the new version's description is read on the next request
+        return str(reply["version"])
+
+    async def unload(self, name: str) -> None:
+        """Stop serving `name`: its versions finish what they started, then leave the workers."""
+        await self._ask(self.client.call({"op": "unload", "model": name}))
+        self._models = None
 
     # -- inference ----------------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResult:
         """Run one request; a caller cancelled meanwhile (its client went away) cancels it on the server."""
-        model = await self.model(request.model, request.version)
+        model = await self.model(request.model)
         wanted = _wanted_outputs(model, request.outputs)
         session = self.sequences.fields(request.parameters)
         message = {"op": "infer", "model": model.name, "inputs": _server_inputs(model, request.inputs)}
-        message |= _admission_fields(request.parameters) | session
+        message |= _admission_fields(request.parameters) | session | _routing_fields(request)
         request_id = f"oip-{next(self._ids)}"
         try:
             reply = await self._ask(self.client.call({**message, "id": request_id}))
@@ -134,26 +170,31 @@ class Gateway:
             cancel.add_done_callback(_ignore_outcome)
             raise
         self.sequences.answered(session, reply)
-        return InferResult(model.name, request.id, _selected(decode_outputs(reply.get("outputs") or {}), wanted))
+        outputs = _selected(decode_outputs(reply.get("outputs") or {}), wanted)
+        return InferResult(model.name, request.id, outputs, version=str(reply.get("version", "")))
 
     async def stream(self, request: InferRequest) -> AsyncIterator[InferResult]:
         """Each partial reply of a model that streams as it is decoded, then the final one; other models and
         sequences' requests give their one final reply. Closing the iterator early cancels the request."""
-        model = await self.model(request.model, request.version)
+        model = await self.model(request.model)
         if not model.streams or self.sequences.fields(request.parameters):
             yield await self.infer(request)
             return
         wanted = _wanted_outputs(model, request.outputs)
         fields = _admission_fields(request.parameters)
         inputs = _server_inputs(model, request.inputs)
-        items = self.client.stream(model.name, inputs, fields.get("deadline_ms"), fields.get("priority"))
+        asked = _routing_fields(request).get("version")
+        items = self.client.stream(
+            model.name, inputs, fields.get("deadline_ms"), fields.get("priority"), asked, request.trace
+        )
         async with contextlib.aclosing(items):
             try:
                 async for item in items:
                     partial = isinstance(item, Partial)
                     outputs = _selected(item.outputs, wanted)
                     restarted = partial and item.restarted
-                    yield InferResult(model.name, request.id, outputs, final=not partial, restarted=restarted)
+                    version = request.version if partial else str(item.version)
+                    yield InferResult(model.name, request.id, outputs, not partial, restarted, version=version)
             except Exception as exc:
                 raise _door_error(exc) from None
 
@@ -183,6 +224,7 @@ def _metadata(name: str, entry: dict[str, Any]) -> ModelMetadata:
         outputs=_tensors(entry.get("outputs", {})),
         described_inputs=entry.get("inputs", {}),
         streams=entry.get("stream") is True,
+        versions=repository.ready_versions(entry),
     )
 
 
@@ -253,6 +295,24 @@ def _admission_fields(parameters: dict[str, Any]) -> dict[str, Any]:
             fields["deadline_ms"] = math.ceil(value / 1000)
         elif value:
             fields["priority"] = value
+    return fields
+
+
+def trace_context(carrier: Mapping[str, str]) -> dict[str, str]:
+    """The caller's `traceparent` and `tracestate`, from HTTP headers or gRPC metadata, for the server's span to
+    join the caller's trace (the front door makes no span of its own)."""
+    return {key: str(carrier[key]) for key in TRACE_CONTEXT if key in carrier}
+
+
+def _routing_fields(request: InferRequest) -> dict[str, Any]:
+    """The infer message's `version` (the one the request names, if any) and the caller's trace context."""
+    fields: dict[str, Any] = dict(request.trace)
+    if request.version:
+        if not (request.version.isascii() and request.version.isdigit()) or int(request.version) < 1:
+            raise DoorError(
+                UNKNOWN_MODEL, f"model {request.model!r} has no version {echo(request.version)}: versions are 1, 2, ..."
+            )
+        fields["version"] = int(request.version)
     return fields
 
 

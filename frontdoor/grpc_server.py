@@ -21,7 +21,7 @@ from batchmaker.common.protocol import INTERNAL, INVALID_INPUT, echo
 from . import inference_pb2 as pb
 from . import inference_pb2_grpc
 from .errors import UNAUTHENTICATED, DoorError
-from .gateway import MODEL_VERSION, Gateway, InferRequest, InferResult
+from .gateway import Gateway, InferRequest, InferResult, trace_context
 from .metrics import DoorMetrics
 from .tensors import datatype_of, from_bytes, from_json, to_bytes
 
@@ -79,7 +79,7 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelReadyResponse:
         await self._enter(context, "ModelReady")
         try:
-            await self.gateway.model(request.name, request.version)
+            await self.gateway.model_version(request.name, request.version)
         except DoorError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=await self.gateway.ready())
@@ -95,13 +95,13 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelMetadataResponse:
         await self._enter(context, "ModelMetadata")
         try:
-            model = await self.gateway.model(request.name, request.version)
+            model = await self.gateway.model_version(request.name, request.version)
         except DoorError as error:
             await self._abort(context, error)
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=model.name,
-            versions=[MODEL_VERSION],
+            versions=model.versions,
             platform="batchmaker",
             inputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in model.inputs],
             outputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in model.outputs],
@@ -113,7 +113,7 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
         await self._enter(context, "ModelInfer")
         started = time.perf_counter()
         try:
-            return to_response(await self.gateway.infer(parse_infer(request)))
+            return to_response(await self.gateway.infer(_traced(parse_infer(request), context)))
         except DoorError as error:
             await self._abort(context, error)
         finally:
@@ -130,7 +130,7 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def read() -> None:
             async for request in requests:
-                task = asyncio.create_task(self._stream_one(request, responses))
+                task = asyncio.create_task(self._stream_one(request, context, responses))
                 running.add(task)
                 task.add_done_callback(running.discard)
             while running:
@@ -145,10 +145,12 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
             for task in [reader, *running]:
                 task.cancel()
 
-    async def _stream_one(self, request: pb.ModelInferRequest, responses: asyncio.Queue[Any]) -> None:
+    async def _stream_one(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext, responses: asyncio.Queue[Any]
+    ) -> None:
         started = time.perf_counter()
         try:
-            async for result in self.gateway.stream(parse_infer(request)):
+            async for result in self.gateway.stream(_traced(parse_infer(request), context)):
                 responses.put_nowait(pb.ModelStreamInferResponse(infer_response=to_response(result)))
         except Exception as exc:  # the stream goes on: this request's error is its response
             error = exc if isinstance(exc, DoorError) else DoorError(INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -171,6 +173,38 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "per-model statistics are in the Prometheus metrics")
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        await self._enter(context, "RepositoryIndex")
+        try:
+            entries = await self.gateway.repository_index(request.ready)
+        except DoorError as error:
+            await self._abort(context, error)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**entry) for entry in entries])
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelLoadResponse:
+        """A new version of the model, answered once it serves (docs/protocol.md, "Model repository")."""
+        await self._enter(context, "RepositoryModelLoad")
+        try:
+            parameters = {key: _value(parameter) for key, parameter in request.parameters.items()}
+            await self.gateway.load(request.model_name, parameters)
+        except DoorError as error:
+            await self._abort(context, error)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelUnloadResponse:
+        await self._enter(context, "RepositoryModelUnload")
+        try:
+            await self.gateway.unload(request.model_name)
+        except DoorError as error:
+            await self._abort(context, error)
+        return pb.RepositoryModelUnloadResponse()
 
 
 def parse_infer(request: pb.ModelInferRequest) -> InferRequest:
@@ -203,13 +237,19 @@ def parse_infer(request: pb.ModelInferRequest) -> InferRequest:
     )
 
 
-def _value(parameter: pb.InferParameter) -> Any:
+def _traced(request: InferRequest, context: grpc.aio.ServicerContext) -> InferRequest:
+    """The request with its caller's trace context, from the call's metadata."""
+    request.trace = trace_context(dict(context.invocation_metadata() or ()))
+    return request
+
+
+def _value(parameter: pb.InferParameter | pb.ModelRepositoryParameter) -> Any:
     choice = parameter.WhichOneof("parameter_choice")
     return None if choice is None else getattr(parameter, choice)
 
 
 def to_response(result: InferResult) -> pb.ModelInferResponse:
-    response = pb.ModelInferResponse(model_name=result.model, model_version=MODEL_VERSION, id=result.id)
+    response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=result.id)
     for name, array in result.outputs.items():
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=list(array.shape))
         response.raw_output_contents.append(to_bytes(array))

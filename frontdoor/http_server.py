@@ -21,7 +21,7 @@ from batchmaker.common.frontdoor_config import HttpConfig, bearer_matches, split
 from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, INVALID_INPUT, echo
 
 from .errors import TOO_LARGE, UNAUTHENTICATED, DoorError
-from .gateway import MODEL_VERSION, Gateway, InferRequest, InferResult
+from .gateway import Gateway, InferRequest, InferResult, trace_context
 from .metrics import DoorMetrics
 from .tensors import datatype_of, from_bytes, from_json, to_bytes, to_json
 
@@ -61,6 +61,9 @@ class HttpDoor:
                 *[web.get(base, self.model_metadata) for base in (model, versioned)],
                 *[web.get(base + "/ready", self.model_ready) for base in (model, versioned)],
                 *[web.post(base + "/infer", self.infer) for base in (model, versioned)],
+                web.post("/v2/repository/index", self.repository_index),
+                web.post("/v2/repository/models/{model}/load", self.load),
+                web.post("/v2/repository/models/{model}/unload", self.unload),
             ]
         )
         return app
@@ -123,11 +126,11 @@ class HttpDoor:
         return web.Response(body=self.metrics.text(), content_type="text/plain", charset="utf-8")
 
     async def model_metadata(self, request: web.Request) -> web.Response:
-        model = await self.gateway.model(request.match_info["model"], request.match_info.get("version", ""))
+        model = await self.gateway.model_version(request.match_info["model"], request.match_info.get("version", ""))
         return web.json_response(
             {
                 "name": model.name,
-                "versions": [MODEL_VERSION],
+                "versions": model.versions,
                 "platform": "batchmaker",
                 "inputs": [vars(tensor) for tensor in model.inputs],
                 "outputs": [vars(tensor) for tensor in model.outputs],
@@ -135,15 +138,34 @@ class HttpDoor:
         )
 
     async def model_ready(self, request: web.Request) -> web.Response:
-        model = await self.gateway.model(request.match_info["model"], request.match_info.get("version", ""))
+        model = await self.gateway.model_version(request.match_info["model"], request.match_info.get("version", ""))
         ready = await self.gateway.ready()
         return web.json_response({"name": model.name, "ready": ready}, status=200 if ready else 503)
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        """Triton's index: every version of every model, with its state (and why, when it does not serve)."""
+        ready_only = (await _control_body(request)).get("ready", False)
+        if not isinstance(ready_only, bool):
+            raise DoorError(BAD_REQUEST, f"'ready' must be true or false, got {echo(ready_only)}")
+        return web.json_response(await self.gateway.repository_index(ready_only))
+
+    async def load(self, request: web.Request) -> web.Response:
+        """A new version of the model, answered once it serves (docs/protocol.md, "Model repository")."""
+        parameters = _parameters((await _control_body(request)).get("parameters"), "the load")
+        version = await self.gateway.load(request.match_info["model"], parameters)
+        return web.json_response({"name": request.match_info["model"], "version": version})
+
+    async def unload(self, request: web.Request) -> web.Response:
+        await _control_body(request)  # its parameters (Triton's unload_dependents) change nothing here
+        await self.gateway.unload(request.match_info["model"])
+        return web.json_response({})
 
     async def infer(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         try:
             body = await request.read()
             parsed, binary_outputs = parse_infer(request, body)
+            parsed.trace = trace_context(request.headers)
             return infer_response(await self.gateway.infer(parsed), binary_outputs)
         finally:
             self.metrics.latency("http", time.perf_counter() - started)
@@ -199,6 +221,20 @@ def parse_infer(request: web.Request, body: bytes) -> tuple[InferRequest, set[st
     return parsed, binary_outputs
 
 
+async def _control_body(request: web.Request) -> dict[str, Any]:
+    """A repository call's JSON body; an empty body is an empty object, as tritonclient sends for the index."""
+    body = await request.read()
+    if not body.strip():
+        return {}
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DoorError(BAD_REQUEST, f"the request is not JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise DoorError(BAD_REQUEST, "the request must be a JSON object")
+    return document
+
+
 def _parameters(value: Any, where: str) -> dict[str, Any]:
     if value is None:
         return {}
@@ -233,7 +269,7 @@ def infer_response(result: InferResult, binary_outputs: set[str] | bool) -> web.
         else:
             entry["data"] = to_json(array)
         outputs.append(entry)
-    document: dict[str, Any] = {"model_name": result.model, "model_version": MODEL_VERSION, "outputs": outputs}
+    document: dict[str, Any] = {"model_name": result.model, "model_version": result.version, "outputs": outputs}
     if result.id:
         document["id"] = result.id
     header = json.dumps(document, separators=(",", ":")).encode()

@@ -38,7 +38,7 @@ def test_health_and_metadata(door: Door):
         and not triton.is_model_ready("lstm", "9")
     )
     server = triton.get_server_metadata(as_json=True)
-    assert server["name"] == "batchmaker" and "sequence" in server["extensions"]
+    assert server["name"] == "batchmaker" and {"sequence", "model_repository"} <= set(server["extensions"])
     tree = triton.get_model_metadata("tree", as_json=True)
     assert [(i["name"], i["datatype"]) for i in tree["inputs"]] == [("tree.tokens", "INT64"), ("tree.parents", "INT64")]
     with pytest.raises(InferenceServerException) as unknown:
