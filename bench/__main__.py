@@ -11,6 +11,7 @@ from pathlib import Path
 from batchmaker.bench import (
     ceiling,
     chaos,
+    door,
     dynet_baseline,
     http,
     idle,
@@ -34,7 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
     parser.add_argument(
         "preset",
-        choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "http", "all", "results"],
+        choices=[
+            *PRESETS,
+            "ceiling",
+            "stages",
+            "idle",
+            "servers",
+            "overload",
+            "chaos",
+            "startup",
+            "http",
+            "door",
+            "all",
+            "results",
+        ],
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
@@ -106,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         if wrong:
             print(f"http: answers differ from the reference model: {', '.join(wrong)}", file=sys.stderr)
         return 1 if wrong else 0
+    if args.preset == "door":
+        result = door.run(args.quick)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "door.json").write_text(json.dumps(report.finite(result), indent=1))
+        print(door.table(result))
+        refused = door.wrong(result)
+        if refused:
+            print(f"door: refused or answers differ from the reference model: {', '.join(refused)}", file=sys.stderr)
+        return 1 if refused else 0
     names = presets_named(args.preset)
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
     progress = Progress(steps)
@@ -137,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         for policy, runs in result["policies"].items():
             check = runs["verify"]
-            print(f"answers {policy}: {check['checked']} checked, max abs error {check['max_abs_error']:.1e}"
-                  f"{'' if check['ok'] else ' WRONG: ' + '; '.join(check['wrong'])}")
+            print(
+                f"answers {policy}: {check['checked']} checked, max abs error {check['max_abs_error']:.1e}"
+                f"{'' if check['ok'] else ' WRONG: ' + '; '.join(check['wrong'])}"
+            )
         print(f"wrote {path}" + "".join(f", {figure}" for figure in figures))
     if wrong:
         print(f"answers differ from the reference model: {', '.join(wrong)}", file=sys.stderr)
