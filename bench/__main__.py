@@ -35,20 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
     parser.add_argument(
         "preset",
-        choices=[
-            *PRESETS,
-            "ceiling",
-            "stages",
-            "idle",
-            "servers",
-            "overload",
-            "chaos",
-            "startup",
-            "http",
-            "door",
-            "all",
-            "results",
-        ],
+        choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "http", "door", "all", "results"],
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
@@ -113,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.preset == "http":
         result = http.run(args.quick)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "http.json").write_text(json.dumps(report.finite(result), indent=1))
+        _write_json(args.out, "http", result)
         print(http.table(result))
         wrong = [way for way, check in http.checks(result).items() if not check["ok"]]
         if wrong:
@@ -122,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if wrong else 0
     if args.preset == "door":
         result = door.run(args.quick)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "door.json").write_text(json.dumps(report.finite(result), indent=1))
+        _write_json(args.out, "door", result)
         print(door.table(result))
         refused = door.wrong(result)
         if refused:
@@ -160,10 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         for policy, runs in result["policies"].items():
             check = runs["verify"]
-            print(
-                f"answers {policy}: {check['checked']} checked, max abs error {check['max_abs_error']:.1e}"
-                f"{'' if check['ok'] else ' WRONG: ' + '; '.join(check['wrong'])}"
-            )
+            print(f"answers {policy}: {check['checked']} checked, max abs error {check['max_abs_error']:.1e}"
+                  f"{'' if check['ok'] else ' WRONG: ' + '; '.join(check['wrong'])}")
         print(f"wrote {path}" + "".join(f", {figure}" for figure in figures))
     if wrong:
         print(f"answers differ from the reference model: {', '.join(wrong)}", file=sys.stderr)
@@ -175,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         results_page.write(args.out, args.out / "results.md")
         print(f"wrote {args.out / 'results.md'}")
     return 1 if wrong else 0
+
+
+def _write_json(out: Path, preset: str, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{preset}.json").write_text(json.dumps(report.finite(result), indent=1))
 
 
 if __name__ == "__main__":

@@ -5,26 +5,20 @@ its CPU counted, every run's first answers checked against the reference model; 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
 
 from batchmaker.bench import door
+from batchmaker.bench.__main__ import main as bench_main
 from batchmaker.common.models import build_model
 
 TOLERANCE = 1e-5
 
 
-def test_quick_run_measures_each_door_and_checks_the_answers(tmp_path: Path):
-    done = subprocess.run(
-        [sys.executable, "-m", "batchmaker.bench", "door", "--quick", "--out", str(tmp_path)],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_quick_run_measures_each_door_and_checks_the_answers(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert bench_main(["door", "--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "door.json").read_text())
     assert result["quick"] and [row["concurrency"] for row in result["rows"]] == list(door.QUICK.concurrency)
     for row in result["rows"]:
@@ -38,7 +32,7 @@ def test_quick_run_measures_each_door_and_checks_the_answers(tmp_path: Path):
             assert 0 < cpu["frontdoor"] < cpu["server"]  # the front door's own process was found and measured
             assert "added_p50_ms" in row[way]
     assert door.wrong(result) == []
-    assert "| 16 | grpc |" in done.stdout
+    assert "| 16 | grpc |" in capsys.readouterr().out
 
 
 def test_refused_requests_are_counted_and_fail_the_check(tmp_path: Path):
