@@ -11,6 +11,7 @@ from pathlib import Path
 from batchmaker.bench import (
     ceiling,
     chaos,
+    door,
     dynet_baseline,
     http,
     idle,
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
     parser.add_argument(
         "preset",
-        choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "http", "all", "results"],
+        choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "http", "door", "all", "results"],
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
@@ -99,13 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.preset == "http":
         result = http.run(args.quick)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "http.json").write_text(json.dumps(report.finite(result), indent=1))
+        _write_json(args.out, "http", result)
         print(http.table(result))
         wrong = [way for way, check in http.checks(result).items() if not check["ok"]]
         if wrong:
             print(f"http: answers differ from the reference model: {', '.join(wrong)}", file=sys.stderr)
         return 1 if wrong else 0
+    if args.preset == "door":
+        result = door.run(args.quick)
+        _write_json(args.out, "door", result)
+        print(door.table(result))
+        refused = door.wrong(result)
+        if refused:
+            print(f"door: refused or answers differ from the reference model: {', '.join(refused)}", file=sys.stderr)
+        return 1 if refused else 0
     names = presets_named(args.preset)
     steps = sum(len(PRESETS[n].policies) * (len(sweep.fractions) + len(MODERATE) + 1) for n in names)
     progress = Progress(steps)
@@ -150,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         results_page.write(args.out, args.out / "results.md")
         print(f"wrote {args.out / 'results.md'}")
     return 1 if wrong else 0
+
+
+def _write_json(out: Path, preset: str, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{preset}.json").write_text(json.dumps(report.finite(result), indent=1))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ class ServedPolicy:
         """CPU seconds used so far by the server's supervisor, manager and workers (all workers together)."""
         return cpu_seconds(roles(self._server))
 
+    def pids(self) -> dict[int, str]:
+        """The server's processes by pid, with their role ("manager", "worker", "frontdoor", ...)."""
+        return roles(self._server)
+
     def wait_idle(self) -> None:
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -5,14 +5,16 @@ Run by the supervisor as `python -m batchmaker.frontdoor --config FILE` when the
 [grpc] table (docs/protocol.md, "Open Inference Protocol"); needs `pip install 'batchmaker[oip]'`.
 """
 
-OIP_EXTRA_HINT = "the [http] and [grpc] front door needs aiohttp, grpcio and protobuf: pip install 'batchmaker[oip]'"
+OIP_EXTRA_HINT = (
+    "the [http] and [grpc] front door needs aiohttp, orjson, grpcio and protobuf: pip install 'batchmaker[oip]'"
+)
 
 
 def missing_oip_packages() -> list[str]:
     """The front door's libraries that are not installed (without importing them)."""
     import importlib.util
 
-    modules = {"aiohttp": "aiohttp", "grpcio": "grpc", "protobuf": "google.protobuf"}
+    modules = {"aiohttp": "aiohttp", "orjson": "orjson", "grpcio": "grpc", "protobuf": "google.protobuf"}
     missing = []
     for package, module in modules.items():
         try:

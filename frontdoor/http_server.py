@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from batchmaker.common.frontdoor_config import HttpConfig, bearer_matches, split_host_port
@@ -272,7 +273,7 @@ def infer_response(result: InferResult, binary_outputs: set[str] | bool) -> web.
     document: dict[str, Any] = {"model_name": result.model, "model_version": result.version, "outputs": outputs}
     if result.id:
         document["id"] = result.id
-    header = json.dumps(document, separators=(",", ":")).encode()
+    header = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return web.Response(body=header, content_type="application/json")
     return web.Response(

@@ -11,6 +11,8 @@ request_latency_seconds{protocol}   histogram  arrival to answer of inference re
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -37,15 +39,24 @@ class DoorMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # Each series' child, bound once: `labels()` validates and locks on every call, a dict lookup does not.
+        self._bound: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._bound.get(key)
+        if child is None:
+            child = self._bound[key] = metric.labels(*labels)
+        return child
 
     def request(self, protocol: str, endpoint: str) -> None:
-        self._requests.labels(protocol, endpoint).inc()
+        self._child(self._requests, protocol, endpoint).inc()
 
     def error(self, protocol: str, code: str) -> None:
-        self._errors.labels(protocol, code).inc()
+        self._child(self._errors, protocol, code).inc()
 
     def latency(self, protocol: str, seconds: float) -> None:
-        self._latency.labels(protocol).observe(seconds)
+        self._child(self._latency, protocol).observe(seconds)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

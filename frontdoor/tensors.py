@@ -92,6 +92,7 @@ def to_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
-def to_json(array: np.ndarray) -> list[Any]:
-    """An output's JSON `data`: flat, in row-major order, as the OIP recommends."""
-    return array.reshape(-1).tolist()
+def to_json(array: np.ndarray) -> np.ndarray:
+    """An output's JSON `data`: flat, in row-major order, as the OIP recommends. It stays an array, which
+    orjson writes without a Python object per value (float32 as the shortest text that reads back exactly)."""
+    return np.ascontiguousarray(array.reshape(-1))

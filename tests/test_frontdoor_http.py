@@ -72,6 +72,21 @@ def test_chain_lstm_equals_the_reference_in_binary_and_json(door: Door, binary: 
     assert [output["name"] for output in reply.get_response()["outputs"]] == ["h", "c_n"]
 
 
+def test_json_outputs_read_back_as_the_binary_outputs_bit_for_bit(door: Door):
+    tokens = np.array([5, 17, 242, 8, 9, 3, 77], dtype=np.int64)
+    replies = {
+        binary: client(door).infer(
+            "tagger",
+            [tensor("tokens", tokens)],
+            outputs=[httpclient.InferRequestedOutput(name, binary_data=binary) for name in ("y", "logits")],
+        )
+        for binary in (True, False)
+    }
+    for name in ("y", "logits"):
+        as_binary, as_json = replies[True].as_numpy(name), replies[False].as_numpy(name)
+        assert as_json.dtype == as_binary.dtype and np.array_equal(as_json, as_binary)
+
+
 def test_every_model_kind_equals_its_reference(door: Door):
     triton = client(door)
     rng = np.random.default_rng(2)
