@@ -2,10 +2,11 @@
 with the same load as batchmaker's gRPC front door.
 
 Triton comes from the optional `nvidia-pytriton` package (`pip install 'batchmaker[triton]'`), whose wheel ships
-a `tritonserver` binary that runs on CPU. It runs here in a process of its own (`python -m
-batchmaker.bench.triton_lstm`), so that its CPU time is counted apart from the load's. When the package is
-missing or Triton does not start, `TritonLSTM` raises `TritonUnavailable` with the reason, which the benchmark
-records as a skip.
+a `tritonserver` binary that runs on CPU. Its dynamic batcher is bound through pytriton in a process of its own
+(`python -m batchmaker.bench.triton_lstm`), so that its CPU time is counted apart from the load's; its sequence
+batcher, which pytriton cannot configure, is that binary serving a model repository (bench/triton_sequence.py).
+When the package is missing or Triton does not start, `TritonLSTM` raises `TritonUnavailable` with the reason,
+which the benchmark records as a skip.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Self
 import numpy as np
 import psutil
 
+from batchmaker.bench import triton_sequence
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
 from batchmaker.manager.commands.launcher import free_port_on, stop_server
@@ -33,8 +35,8 @@ from batchmaker.manager.commands.launcher import free_port_on, stop_server
 MAX_BATCH = 64
 MAX_QUEUE_DELAY_US = 2000
 START_TIMEOUT_S = 120.0
-# Batchings pytriton can configure (its ModelConfig holds a dynamic batcher only, no sequence batcher).
-BATCHINGS = ("dynamic",)
+# The dynamic batcher joins whole sentences of one length; the sequence batcher, one token of each sentence.
+BATCHINGS = ("dynamic", "sequence")
 PYTRITON_NUMPY_BELOW = 2  # nvidia-pytriton 0.7 requires numpy < 2
 
 
@@ -58,33 +60,40 @@ def missing() -> str | None:
     return None
 
 
-def _environment() -> dict[str, str]:
-    """Our environment, with this interpreter's libpython first on the library path: pytriton's Python backend
-    stub links libpython3.X by name and would otherwise load the system's, which may be another patch release
-    than the standard library it then imports (a pyenv or venv interpreter beside a distribution's Python)."""
-    library = sysconfig.get_config_var("LIBDIR") or ""
-    paths = [library, os.environ.get("LD_LIBRARY_PATH", "")]
+def _environment(*libraries: str) -> dict[str, str]:
+    """Our environment, with this interpreter's libpython first on the library path, then `libraries`:
+    pytriton's Python backend stub links libpython3.X by name and would otherwise load the system's, which may be
+    another patch release than the standard library it then imports (a pyenv or venv interpreter beside a
+    distribution's Python)."""
+    paths = [sysconfig.get_config_var("LIBDIR") or "", *libraries, os.environ.get("LD_LIBRARY_PATH", "")]
     return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(p for p in paths if p)}
 
 
 class TritonLSTM:
     """Triton serving model `lstm` of the batchmaker config at `config` (its weights file), with `batching`.
 
-    `address` is its gRPC endpoint; `pids()` its processes (the pytriton host and the tritonserver with its
-    Python backend stub) for CPU accounting."""
+    `address` is its gRPC endpoint; `pids()` its processes (tritonserver, its Python backend stub, and with the
+    dynamic batcher the pytriton host that started them) for CPU accounting."""
 
     def __init__(self, config: Path, batching: str = "dynamic"):
+        if batching not in BATCHINGS:
+            raise ValueError(f"Triton has no {batching} batcher here (only {', '.join(BATCHINGS)})")
         reason = missing()
         if reason:
             raise TritonUnavailable(reason)
-        if batching not in BATCHINGS:
-            raise TritonUnavailable(f"pytriton configures no {batching} batcher (only {', '.join(BATCHINGS)})")
         self.address = f"127.0.0.1:{free_port_on('127.0.0.1')}"
+        self.version = ""  # Triton's, once it is ready
         ports = [self.address.rpartition(":")[2], str(free_port_on("127.0.0.1")), str(free_port_on("127.0.0.1"))]
         # The output, open for Triton's lifetime; close() deletes it unless Triton failed to start.
         self._log = tempfile.NamedTemporaryFile(prefix="batchmaker-bench-triton-", suffix=".log", delete=False)  # noqa: SIM115
-        command = [sys.executable, "-m", "batchmaker.bench.triton_lstm", str(config), *ports]
-        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=_environment())
+        self._workspace = tempfile.TemporaryDirectory(prefix="batchmaker-bench-triton-")  # the sequence batcher's
+        if batching == "sequence":
+            command = triton_sequence.command(config, Path(self._workspace.name), ports, MAX_BATCH, MAX_QUEUE_DELAY_US)
+            environment = {**_environment(triton_sequence.library_path()), "PATH": triton_sequence.search_path()}
+        else:
+            command = [sys.executable, "-m", "batchmaker.bench.triton_lstm", str(config), *ports]
+            environment = _environment()
+        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment)
 
     def __enter__(self) -> Self:
         try:
@@ -108,6 +117,7 @@ class TritonLSTM:
                     raise TritonUnavailable(f"Triton exited with status {self._process.returncode}: {self._tail()}")
                 with contextlib.suppress(InferenceServerException):  # not listening yet
                     if client.is_model_ready("lstm"):
+                        self.version = client.get_server_metadata().version
                         return
                 time.sleep(0.3)
         raise TritonUnavailable(f"Triton's lstm was not ready within {START_TIMEOUT_S:.0f} s: {self._tail()}")
@@ -129,6 +139,7 @@ class TritonLSTM:
     def close(self, keep_log: bool = False) -> None:
         leftovers = stop_server(self._process)
         self._log.close()
+        self._workspace.cleanup()
         if leftovers:
             raise SystemExit(f"Triton processes left after stopping: {leftovers}; its log is {self._log.name}")
         if not keep_log:
