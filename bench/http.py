@@ -8,10 +8,10 @@ The `lstm` preset's model and WMT sentences, at the same Poisson rates, sent thr
 * to Triton serving the same nn.Embedding + nn.LSTM (bench/triton_lstm.py), by the same tritonclient generator:
   its dynamic batcher (max batch 64, 2 ms queue delay), which joins only requests of one shape (pytriton offers
   no ragged batching), so on WMT's lengths it batches sentences of equal length only; and its sequence batcher
-  (the same batch and delay, "oldest" strategy), to which each sentence is a sequence of one-token requests and
-  whose latency is the whole sentence's. Triton, when it is not installed or does not start, is recorded as
-  skipped with the reason; its CPU is its whole process tree's (tritonserver, its Python backend stub, and the
-  process running the model).
+  (the same batch, "oldest" strategy, no queue delay: it would be paid at every token), to which each sentence
+  is a sequence of one-token requests and whose latency is the whole sentence's. Triton, when it is not
+  installed or does not start, is recorded as skipped with the reason; its CPU is its whole process tree's
+  (tritonserver, its Python backend stub, and the process running the model).
 
 The rates rise until a way fails: each way is sent every rate up to the first at which it answers with p90 over
 P90_LIMIT_MS or refuses anything, and its peak is the highest rate it sustained. The peaks' ratios say what the
@@ -268,7 +268,7 @@ def run(quick: bool) -> dict[str, Any]:
         "doors": doors,
         "triton": {
             "max_batch_size": MAX_BATCH,
-            "max_queue_delay_us": MAX_QUEUE_DELAY_US,
+            "max_queue_delay_us": MAX_QUEUE_DELAY_US,  # by batching
             "threads": 1,
             "batchings": triton,
         },

@@ -33,7 +33,10 @@ from batchmaker.common.models import build_model
 from batchmaker.manager.commands.launcher import free_port_on, stop_server
 
 MAX_BATCH = 64
-MAX_QUEUE_DELAY_US = 2000
+# How long each batcher holds a request for others to join it. The sequence batcher's delay would be paid at every
+# token of a sentence (2 ms made WMT sentences' p90 several times longer); its steps batch without one while a
+# batch runs.
+MAX_QUEUE_DELAY_US = {"dynamic": 2000, "sequence": 0}
 START_TIMEOUT_S = 120.0
 # The dynamic batcher joins whole sentences of one length; the sequence batcher, one token of each sentence.
 BATCHINGS = ("dynamic", "sequence")
@@ -84,15 +87,20 @@ class TritonLSTM:
         self.address = f"127.0.0.1:{free_port_on('127.0.0.1')}"
         self.version = ""  # Triton's, once it is ready
         ports = [self.address.rpartition(":")[2], str(free_port_on("127.0.0.1")), str(free_port_on("127.0.0.1"))]
-        # The output, open for Triton's lifetime; close() deletes it unless Triton failed to start.
-        self._log = tempfile.NamedTemporaryFile(prefix="batchmaker-bench-triton-", suffix=".log", delete=False)  # noqa: SIM115
         self._workspace = tempfile.TemporaryDirectory(prefix="batchmaker-bench-triton-")  # the sequence batcher's
         if batching == "sequence":
-            command = triton_sequence.command(config, Path(self._workspace.name), ports, MAX_BATCH, MAX_QUEUE_DELAY_US)
+            try:
+                workspace = Path(self._workspace.name)
+                command = triton_sequence.command(config, workspace, ports, MAX_BATCH, MAX_QUEUE_DELAY_US[batching])
+            except OSError as exc:  # the wheel lacks what the model repository needs (a stub for this Python)
+                self._workspace.cleanup()
+                raise TritonUnavailable(f"Triton's sequence batcher cannot be set up: {exc}") from None
             environment = {**_environment(triton_sequence.library_path()), "PATH": triton_sequence.search_path()}
         else:
             command = [sys.executable, "-m", "batchmaker.bench.triton_lstm", str(config), *ports]
             environment = _environment()
+        # The output, open for Triton's lifetime; close() deletes it unless Triton failed to start.
+        self._log = tempfile.NamedTemporaryFile(prefix="batchmaker-bench-triton-", suffix=".log", delete=False)  # noqa: SIM115
         self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment)
 
     def __enter__(self) -> Self:
@@ -123,11 +131,13 @@ class TritonLSTM:
         raise TritonUnavailable(f"Triton's lstm was not ready within {START_TIMEOUT_S:.0f} s: {self._tail()}")
 
     def _tail(self) -> str:
-        """The last error Triton logged, or its last line, and where its whole log is."""
+        """Why a model failed to load, else the last error Triton logged, or its last line; and where its whole
+        log is. (Triton serving a model repository logs errors after the load's as it exits.)"""
         lines = [line for line in Path(self._log.name).read_text(errors="replace").splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("E") or "Error" in line]
-        last = (errors or lines or ["(no output)"])[-1]
-        return f"{last[:300]} (log: {self._log.name})"
+        load = [line for line in lines if "failed to load '" in line]  # Triton's line naming the model
+        reason = (load[:1] or errors or lines or ["(no output)"])[-1]
+        return f"{reason[:400]} (log: {self._log.name})"
 
     def pids(self) -> dict[int, str]:
         try:
@@ -168,7 +178,7 @@ def _serve(config_path: Path, grpc_port: int, http_port: int, metrics_port: int)
         return {"h": h[-1].numpy(), "c": c[-1].numpy()}
 
     hidden = model.hidden_size
-    batcher = DynamicBatcher(max_queue_delay_microseconds=MAX_QUEUE_DELAY_US)
+    batcher = DynamicBatcher(max_queue_delay_microseconds=MAX_QUEUE_DELAY_US["dynamic"])
     with Triton(config=TritonConfig(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port)) as triton:
         triton.bind(
             model_name="lstm",

@@ -2,9 +2,8 @@
 configure: a model repository written at run time (config.pbtxt and bench/triton_lstm_step.py as its Python
 backend `model.py`), served by the `tritonserver` binary that the nvidia-pytriton wheel ships.
 
-The sequence batcher's "oldest" strategy batches the next step of up to MAX_BATCH sequences at once, with the
-same queue delay as the dynamic batcher's; START, END and CORRID tell the model where each sequence begins and
-ends and which state is whose.
+The sequence batcher's "oldest" strategy batches the next step of up to max_batch sequences at once; START, END
+and CORRID tell the model where each sequence begins and ends and which state is whose.
 """
 
 from __future__ import annotations

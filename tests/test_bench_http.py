@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
 
-from batchmaker.bench import http, oip_load, results, triton_lstm
+from batchmaker.bench import http, oip_load, results, triton_lstm, triton_sequence
 from batchmaker.bench.datasets import wmt
 from batchmaker.bench.http import Load, Plan
 from batchmaker.bench.verify import compare_replies
@@ -164,9 +164,19 @@ def test_the_sequence_batcher_answers_every_sentence_as_the_reference_and_refuse
 
 
 @pytest.mark.skipif(triton_lstm.missing() is not None, reason=f"Triton cannot run here: {triton_lstm.missing()}")
-def test_triton_that_fails_to_start_is_a_skip_naming_its_log(tmp_path: Path):
+@pytest.mark.parametrize("batching", triton_lstm.BATCHINGS)
+def test_triton_that_fails_to_start_is_a_skip_naming_its_log(tmp_path: Path, batching: str):
     config = write_config(tmp_path, SMALL_LSTM).path
     (tmp_path / "lstm.pt").unlink()  # Triton's model cannot load its weights
     load = Load.of(Plan((10.0,), seconds=0.5, verify_requests=1), [{"tokens": [5, 17]}])
-    skipped = http.run_triton(config, "dynamic", load, [], [])["skipped"]
+    skipped = http.run_triton(config, batching, load, [], [])["skipped"]
     assert skipped.startswith("Triton exited with status") and "lstm.pt" in skipped and "(log: " in skipped
+
+
+@pytest.mark.skipif(triton_lstm.missing() is not None, reason=f"Triton cannot run here: {triton_lstm.missing()}")
+def test_a_model_repository_that_cannot_be_written_is_a_skip_saying_why(tmp_path: Path, monkeypatch):
+    config = write_config(tmp_path, SMALL_LSTM).path
+    monkeypatch.setattr(triton_sequence, "MODEL_PY", tmp_path / "absent.py")
+    load = Load.of(Plan((10.0,), seconds=0.5, verify_requests=1), [{"tokens": [5, 17]}])
+    skipped = http.run_triton(config, "sequence", load, [], [])["skipped"]
+    assert skipped.startswith("Triton's sequence batcher cannot be set up: ") and "absent.py" in skipped
