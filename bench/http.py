@@ -59,7 +59,7 @@ class Plan:
     verify_requests: int  # sent at once to each way, every answer checked
 
 
-FULL = Plan(tuple(float(round(10 * 1.25**step)) for step in range(26)), seconds=6.0, verify_requests=60)  # to 2,647
+FULL = Plan(tuple(float(round(10 * 1.25**step)) for step in range(31)), seconds=6.0, verify_requests=60)  # to 8,078
 QUICK = Plan((50.0, 150.0), seconds=2.0, verify_requests=12)  # under a minute with Triton
 P90_LIMIT_MS = 100.0  # the latency a way must keep to sustain a rate
 
@@ -314,6 +314,8 @@ def table(result: dict[str, Any]) -> str:
     found = result["peaks"]
     for way, rate in found["requests_per_s"].items():
         sustained_rate = f"{rate:.0f} req/s" if rate is not None else "none of the rates"
+        if rate == result["load"]["rates"][-1]:
+            sustained_rate += " or more: every rate sent"
         lines.append(f"peak {way}: {sustained_rate} (p90 <= {found['p90_limit_ms']:.0f} ms, nothing refused)")
     lines += [f"{ratio}: {value:.2f}x" for ratio, value in found["ratios"].items()]
     for batching, section in result["triton"]["batchings"].items():

@@ -40,6 +40,8 @@ def test_quick_run_serves_every_way_and_checks_the_answers(tmp_path: Path):
         assert all(http.sustained(row) for row in rows[:-1])
         assert len(rows) == len(http.QUICK.rates) or not http.sustained(rows[-1])
         assert result["peaks"]["requests_per_s"][way] == http.peak(rows)
+        if http.peak(rows) == http.QUICK.rates[-1]:  # its peak is at least the plan's highest rate
+            assert f"peak {way}: {http.QUICK.rates[-1]:.0f} req/s or more: every rate sent" in done.stdout
     for row in result["doors"]["rows"]:
         if "grpc" in row:  # the front door's own process was found and measured
             cpu = row["grpc"]["cpu_ms_per_request"]
