@@ -6,11 +6,17 @@ The `lstm` preset's model and WMT sentences, at the same Poisson rates, sent thr
 * through its ZeroMQ door, by the project's client (bench/client_load.py), on the same server: the front door's
   added p50/p99 latency is the difference, and its CPU per request comes from its process's CPU time;
 * to Triton serving the same nn.Embedding + nn.LSTM (bench/triton_lstm.py), by the same tritonclient generator:
-  its dynamic batcher (max batch 64, 2 ms queue delay), and its sequence batcher, which pytriton cannot
-  configure: that one, and Triton altogether when it is not installed or does not start, is recorded as skipped
-  with the reason. Triton's dynamic batcher joins only requests of one shape (pytriton offers no ragged
-  batching), so on WMT's lengths it batches sentences of equal length only; its CPU is its whole process tree's
+  its dynamic batcher (max batch 64, 2 ms queue delay), which joins only requests of one shape (pytriton offers
+  no ragged batching), so on WMT's lengths it batches sentences of equal length only; and its sequence batcher
+  (the same batch, "oldest" strategy, no queue delay: it would be paid at every token), to which each sentence
+  is a sequence of one-token requests and whose latency is the whole sentence's. Triton, when it is not
+  installed or does not start, is recorded as skipped with the reason; its CPU is its whole process tree's
   (tritonserver, its Python backend stub, and the process running the model).
+
+The rates rise until a way fails: each way is sent every rate up to the first at which it answers with p90 over
+P90_LIMIT_MS or refuses anything, and its peak is the highest rate it sustained. The peaks' ratios say what the
+front door sustains against Triton and against the ZeroMQ door; the Triton ones are the JSON's `peers`
+(bench/results.py), which the results page lists among other systems.
 
 Every way's answers are checked against the unbatched reference model.
 """
@@ -43,6 +49,7 @@ from batchmaker.manager.commands.launcher import cpu_seconds, free_port_on
 MODEL = "lstm"
 OUTPUTS = ("h", "c")
 TRITON_BATCHINGS = ("dynamic", "sequence")
+SENT_AS = {"dynamic": "one request a sentence", "sequence": "one request a token, a sentence answered by its last"}
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,9 @@ class Plan:
     verify_requests: int  # sent at once to each way, every answer checked
 
 
-FULL = Plan((100.0, 250.0, 500.0, 1000.0), seconds=10.0, verify_requests=60)
+FULL = Plan(tuple(float(round(10 * 1.25**step)) for step in range(31)), seconds=6.0, verify_requests=60)  # to 8,078
 QUICK = Plan((50.0, 150.0), seconds=2.0, verify_requests=12)  # under a minute with Triton
+P90_LIMIT_MS = 100.0  # the latency a way must keep to sustain a rate
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,11 @@ def summary(run: OpenLoop, cpu_s: dict[str, float]) -> dict[str, Any]:
     }
 
 
+def sustained(row: dict[str, Any]) -> bool:
+    """The way kept up at this rate: nothing refused or lost, p90 within P90_LIMIT_MS."""
+    return row["ok"] == row["sent"] and row["latency_ms"]["p90"] <= P90_LIMIT_MS
+
+
 def tokens(inputs: list[dict[str, Any]]) -> list[list[int]]:
     return [request["tokens"] for request in inputs]
 
@@ -124,23 +137,32 @@ def check_run(run: OpenLoop, expected: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_doors(config: Path, load: Load, check: list[dict[str, Any]], expected: list[dict[str, Any]]) -> dict[str, Any]:
-    """One batchmaker server (cellular) with its gRPC front door: each rate through ZeroMQ, then through gRPC."""
+    """One batchmaker server (cellular) with its gRPC front door: each rate through ZeroMQ, then through gRPC,
+    each door until it fails a rate."""
     address = load_config(config).server.address
     grpc = f"127.0.0.1:{free_port_on('127.0.0.1')}"
     door = Target(grpc, MODEL, OUTPUTS, batched=False)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    going = ["zmq", "grpc"]  # the doors that sustained every rate so far
     with ServedPolicy(config, address, "cellular", MODEL, "--grpc", grpc) as served:
         for rate, due, inputs in zip(load.rates, load.due, load.inputs):
-            before = served.cpu_seconds()
-            zmq = client_load.open_loop([address], MODEL, inputs, due)
-            served.wait_idle()
-            between = served.cpu_seconds()
-            through_door = oip_load.open_loop(door, tokens(inputs), due)
-            served.wait_idle()
-            zmq_row = summary(zmq, used(before, between))
-            grpc_row = summary(through_door, used(between, served.cpu_seconds()))
-            added = {p: grpc_row["latency_ms"][p] - zmq_row["latency_ms"][p] for p in ("p50", "p99")}
-            rows.append({"offered_rps": rate, "zmq": zmq_row, "grpc": grpc_row, "added_latency_ms": added})
+            if not going:
+                break
+            row: dict[str, Any] = {"offered_rps": rate}
+            for way in list(going):
+                before = served.cpu_seconds()
+                if way == "zmq":
+                    run = client_load.open_loop([address], MODEL, inputs, due)
+                else:
+                    run = oip_load.open_loop(door, tokens(inputs), due)
+                served.wait_idle()
+                row[way] = summary(run, used(before, served.cpu_seconds()))
+                if not sustained(row[way]):
+                    going.remove(way)
+            if "zmq" in row and "grpc" in row:
+                added = {p: row["grpc"]["latency_ms"][p] - row["zmq"]["latency_ms"][p] for p in ("p50", "p99")}
+                row["added_latency_ms"] = added
+            rows.append(row)
         zmq_check = client_load.open_loop([address], MODEL, check, np.zeros(len(check)), keep_outputs=True)
         verify = {"zmq": check_run(zmq_check, expected), "grpc": _verify_oip(door, check, expected)}
     return {"rows": rows, "verify": verify}
@@ -149,18 +171,77 @@ def run_doors(config: Path, load: Load, check: list[dict[str, Any]], expected: l
 def run_triton(
     config: Path, batching: str, load: Load, check: list[dict[str, Any]], expected: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Triton with `batching`, driven by the gRPC door's generator at the same rates; or why it was skipped."""
+    """Triton with `batching`, driven by the gRPC door's generator at each rate until it fails one; or why it was
+    skipped."""
     try:
         with TritonLSTM(config, batching) as triton:
-            target = Target(triton.address, MODEL, OUTPUTS, batched=True)
+            target = Target(triton.address, MODEL, OUTPUTS, batched=True, steps=batching == "sequence")
             rows = []
             for rate, due, inputs in zip(load.rates, load.due, load.inputs):
                 before = cpu_seconds(triton.pids())
                 run = oip_load.open_loop(target, tokens(inputs), due)
                 rows.append({"offered_rps": rate, **summary(run, used(before, cpu_seconds(triton.pids())))})
-            return {"rows": rows, "verify": _verify_oip(target, check, expected)}
+                if not sustained(rows[-1]):
+                    break
+            return {"version": triton.version, "rows": rows, "verify": _verify_oip(target, check, expected)}
     except TritonUnavailable as exc:
         return {"skipped": str(exc)}
+
+
+def way_rows(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each way's rows, in rising rate order, by its name in the report."""
+    ways = {
+        f"{name} door": [
+            row[way] | {"offered_rps": row["offered_rps"]} for row in result["doors"]["rows"] if way in row
+        ]
+        for way, name in (("zmq", "zmq"), ("grpc", "gRPC"))
+    }
+    batchings = result["triton"]["batchings"]
+    return ways | {f"Triton {b}": section["rows"] for b, section in batchings.items() if "rows" in section}
+
+
+def peak(rows: list[dict[str, Any]]) -> float | None:
+    """The highest rate sustained (the rates rise), or None when not even the first was."""
+    rates = [row["offered_rps"] for row in rows if sustained(row)]
+    return max(rates) if rates else None
+
+
+def p90_at(rows: list[dict[str, Any]], rate: float) -> float | None:
+    return next((row["latency_ms"]["p90"] for row in rows if row["offered_rps"] == rate), None)
+
+
+def peaks(result: dict[str, Any]) -> dict[str, Any]:
+    """Each way's peak, and the gRPC door's over each other way's (where both sustained a rate)."""
+    rows = way_rows(result)
+    found = {way: peak(sent) for way, sent in rows.items()}
+    door = found["gRPC door"]
+    ratios = {f"gRPC door / {way}": door / rate for way, rate in found.items() if way != "gRPC door" and door and rate}
+    return {"p90_limit_ms": P90_LIMIT_MS, "requests_per_s": found, "ratios": ratios}
+
+
+def peers(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Triton's batchers against the gRPC door, each at its peak, in bench/results.py's `peers` format; the p90s
+    are both's at the lower of the two peaks."""
+    rows, found = way_rows(result), result["peaks"]["requests_per_s"]
+    door = found["gRPC door"]
+    entries = []
+    for batching, section in result["triton"]["batchings"].items():
+        theirs = found.get(f"Triton {batching}")
+        if theirs is None or door is None:
+            continue
+        entries.append(
+            {
+                "name": f"Triton {section['version']} {batching} batcher",
+                "setting": f"gRPC by tritonclient, {SENT_AS[batching]}; Poisson arrivals of WMT sentences, each "
+                f"at its highest rate with p90 <= {P90_LIMIT_MS:.0f} ms and nothing refused; cellular batching "
+                "through its gRPC front door",
+                "requests_per_s": theirs,
+                "cellular_requests_per_s": door,
+                "p90_ms": p90_at(rows[f"Triton {batching}"], min(theirs, door)),
+                "cellular_p90_ms": p90_at(rows["gRPC door"], min(theirs, door)),
+            }
+        )
+    return entries
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -176,7 +257,7 @@ def run(quick: bool) -> dict[str, Any]:
         expected = [model.reference(state, request) for request in check]
         doors = run_doors(config, load, check, expected)
         triton = {batching: run_triton(config, batching, load, check, expected) for batching in TRITON_BATCHINGS}
-    return {
+    result = {
         "preset": "http",
         "description": "LSTM on WMT sentences through the gRPC front door, the ZeroMQ door, and Triton",
         "quick": quick,
@@ -187,12 +268,14 @@ def run(quick: bool) -> dict[str, Any]:
         "doors": doors,
         "triton": {
             "max_batch_size": MAX_BATCH,
-            "max_queue_delay_us": MAX_QUEUE_DELAY_US,
+            "max_queue_delay_us": MAX_QUEUE_DELAY_US,  # by batching
             "threads": 1,
             "batchings": triton,
         },
-        "seconds": time.time() - started,
     }
+    result["peaks"] = peaks(result)
+    result["peers"] = peers(result)
+    return result | {"seconds": time.time() - started}
 
 
 def checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -205,31 +288,36 @@ def checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The report: per rate, each way's p50/p99 and server-side CPU per request; the skips; the answer checks."""
+    """The report: per rate, each way's p50/p90/p99 and server-side CPU per request while it kept up; the peaks
+    and their ratios; the skips; the answer checks."""
     lines = [
-        "| offered req/s | way | ok/sent | p50 ms | p99 ms | server CPU ms/req | of it, front door |",
-        "|---|---|---|---|---|---|---|",
+        "| offered req/s | way | ok/sent | p50 ms | p90 ms | p99 ms | server CPU ms/req | of it, front door |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    ways: list[tuple[str, list[dict[str, Any]]]] = [
-        ("zmq door", [row["zmq"] for row in result["doors"]["rows"]]),
-        ("gRPC door", [row["grpc"] for row in result["doors"]["rows"]]),
-    ]
-    ways += [(f"Triton {b}", s["rows"]) for b, s in result["triton"]["batchings"].items() if "rows" in s]
-    for index, rate in enumerate(result["load"]["rates"]):
-        for way, rows in ways:
-            row, cpu = rows[index], rows[index]["cpu_ms_per_request"]
-            door = f"{cpu['frontdoor']:.3f}" if "frontdoor" in cpu else ""
-            lines.append(
-                f"| {rate:.0f} | {way} | {row['ok']}/{row['sent']} | {row['latency_ms']['p50']:.2f} "
-                f"| {row['latency_ms']['p99']:.2f} | {cpu['server']:.3f} | {door} |"
-            )
+    ways = [(way, row) for way, rows in way_rows(result).items() for row in rows]
+    for way, row in sorted(ways, key=lambda item: item[1]["offered_rps"]):  # by rate, then way
+        cpu, latency = row["cpu_ms_per_request"], row["latency_ms"]
+        door = f"{cpu['frontdoor']:.3f}" if "frontdoor" in cpu else ""
+        lines.append(
+            f"| {row['offered_rps']:.0f} | {way} | {row['ok']}/{row['sent']} | {latency['p50']:.2f} "
+            f"| {latency['p90']:.2f} | {latency['p99']:.2f} | {cpu['server']:.3f} | {door} |"
+        )
     lines.append("")
     for row in result["doors"]["rows"]:
-        added = row["added_latency_ms"]
-        lines.append(
-            f"gRPC door at {row['offered_rps']:.0f} req/s adds p50 {added['p50']:+.2f} ms, p99 {added['p99']:+.2f} ms; "
-            f"its process used {row['grpc']['cpu_ms_per_request']['frontdoor']:.3f} ms CPU per request"
-        )
+        if "added_latency_ms" in row:
+            added = row["added_latency_ms"]
+            lines.append(
+                f"gRPC door at {row['offered_rps']:.0f} req/s adds p50 {added['p50']:+.2f} ms, "
+                f"p99 {added['p99']:+.2f} ms; its process used "
+                f"{row['grpc']['cpu_ms_per_request']['frontdoor']:.3f} ms CPU per request"
+            )
+    found = result["peaks"]
+    for way, rate in found["requests_per_s"].items():
+        sustained_rate = f"{rate:.0f} req/s" if rate is not None else "none of the rates"
+        if rate == result["load"]["rates"][-1]:
+            sustained_rate += " or more: every rate sent"
+        lines.append(f"peak {way}: {sustained_rate} (p90 <= {found['p90_limit_ms']:.0f} ms, nothing refused)")
+    lines += [f"{ratio}: {value:.2f}x" for ratio, value in found["ratios"].items()]
     for batching, section in result["triton"]["batchings"].items():
         if "skipped" in section:
             lines.append(f"Triton {batching}: skipped: {section['skipped']}")

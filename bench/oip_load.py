@@ -4,6 +4,8 @@ and Triton, so that the two are compared under one client.
 
 Request i is sent at `due[i]` seconds whatever the replies; its tensors are built before the run, so the run
 costs the client only the calls. The result is the ZeroMQ load generator's `OpenLoop` (bench/client_load.py).
+To a target taking `steps`, a request is a sequence of one-token calls, each sent when the one before it is
+answered, and is answered by its last.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Target:
-    """A model behind a gRPC endpoint ("host:port"), the outputs asked of it, and whether it takes a batch
-    dimension (Triton with max_batch_size > 0: tokens shaped [1, n], outputs [1, ...])."""
+    """A model behind a gRPC endpoint ("host:port"), the outputs asked of it, whether it takes a batch
+    dimension (Triton with max_batch_size > 0: tokens shaped [1, n], outputs [1, ...]), and whether it takes
+    each token as one step of a sequence (Triton's sequence batcher)."""
 
     url: str
     model: str
     outputs: tuple[str, ...]
     batched: bool
+    steps: bool = False
 
     def tensor(self, tokens: list[int]) -> Any:
         """The request's `tokens` as the model's INT64 input."""
@@ -51,15 +55,38 @@ async def _open_loop(target: Target, requests: list[list[int]], due: np.ndarray,
 
     count = len(due)
     run = OpenLoop(due, np.full(count, np.nan), np.full(count, np.nan), [None] * count, [None] * count)
-    tensors = [target.tensor(requests[i]) for i in range(count)]
     wanted = [grpcclient.InferRequestedOutput(name) for name in target.outputs]
+    if target.steps:  # one tensor per token id, shared by every step sending it
+        by_token = {token: target.tensor([token]) for token in {t for request in requests for t in request}}
+        tensors = [[by_token[t] for t in request] for request in requests[:count]]
+    else:
+        tensors = [[target.tensor(requests[i])] for i in range(count)]
+    first_sequence = int(np.random.default_rng().integers(1, 2**62))  # ids apart from any earlier run's
     async with grpcaio.InferenceServerClient(target.url) as client:
         start = time.monotonic()
+
+        async def infer(index: int) -> Any:
+            if not target.steps:
+                return await client.infer(target.model, tensors[index], outputs=wanted, client_timeout=TIMEOUT_S)
+            last, result = len(tensors[index]) - 1, None
+            for step, tensor in enumerate(tensors[index]):
+                result = await client.infer(
+                    target.model,
+                    [tensor],
+                    outputs=wanted,
+                    client_timeout=TIMEOUT_S,
+                    sequence_id=first_sequence + index,
+                    sequence_start=step == 0,
+                    sequence_end=step == last,
+                )
+            if result is None:
+                raise InferenceServerException("a sequence needs at least one token", status="EMPTY_SEQUENCE")
+            return result
 
         async def one(index: int) -> None:
             run.sent[index] = time.monotonic() - start
             try:
-                result = await client.infer(target.model, [tensors[index]], outputs=wanted, client_timeout=TIMEOUT_S)
+                result = await infer(index)
                 if keep_outputs:
                     run.outputs[index] = target.unbatched(result)
             except InferenceServerException as exc:

@@ -2,10 +2,11 @@
 with the same load as batchmaker's gRPC front door.
 
 Triton comes from the optional `nvidia-pytriton` package (`pip install 'batchmaker[triton]'`), whose wheel ships
-a `tritonserver` binary that runs on CPU. It runs here in a process of its own (`python -m
-batchmaker.bench.triton_lstm`), so that its CPU time is counted apart from the load's. When the package is
-missing or Triton does not start, `TritonLSTM` raises `TritonUnavailable` with the reason, which the benchmark
-records as a skip.
+a `tritonserver` binary that runs on CPU. Its dynamic batcher is bound through pytriton in a process of its own
+(`python -m batchmaker.bench.triton_lstm`), so that its CPU time is counted apart from the load's; its sequence
+batcher, which pytriton cannot configure, is that binary serving a model repository (bench/triton_sequence.py).
+When the package is missing or Triton does not start, `TritonLSTM` raises `TritonUnavailable` with the reason,
+which the benchmark records as a skip.
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ from typing import Self
 import numpy as np
 import psutil
 
+from batchmaker.bench import triton_sequence
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
 from batchmaker.manager.commands.launcher import free_port_on, stop_server
 
 MAX_BATCH = 64
-MAX_QUEUE_DELAY_US = 2000
+# How long each batcher holds a request for others to join it. The sequence batcher's delay would be paid at every
+# token of a sentence (2 ms made WMT sentences' p90 several times longer); its steps batch without one while a
+# batch runs.
+MAX_QUEUE_DELAY_US = {"dynamic": 2000, "sequence": 0}
 START_TIMEOUT_S = 120.0
-# Batchings pytriton can configure (its ModelConfig holds a dynamic batcher only, no sequence batcher).
-BATCHINGS = ("dynamic",)
+# The dynamic batcher joins whole sentences of one length; the sequence batcher, one token of each sentence.
+BATCHINGS = ("dynamic", "sequence")
 PYTRITON_NUMPY_BELOW = 2  # nvidia-pytriton 0.7 requires numpy < 2
 
 
@@ -58,33 +63,45 @@ def missing() -> str | None:
     return None
 
 
-def _environment() -> dict[str, str]:
-    """Our environment, with this interpreter's libpython first on the library path: pytriton's Python backend
-    stub links libpython3.X by name and would otherwise load the system's, which may be another patch release
-    than the standard library it then imports (a pyenv or venv interpreter beside a distribution's Python)."""
-    library = sysconfig.get_config_var("LIBDIR") or ""
-    paths = [library, os.environ.get("LD_LIBRARY_PATH", "")]
+def _environment(*libraries: str) -> dict[str, str]:
+    """Our environment, with this interpreter's libpython first on the library path, then `libraries`:
+    pytriton's Python backend stub links libpython3.X by name and would otherwise load the system's, which may be
+    another patch release than the standard library it then imports (a pyenv or venv interpreter beside a
+    distribution's Python)."""
+    paths = [sysconfig.get_config_var("LIBDIR") or "", *libraries, os.environ.get("LD_LIBRARY_PATH", "")]
     return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(p for p in paths if p)}
 
 
 class TritonLSTM:
     """Triton serving model `lstm` of the batchmaker config at `config` (its weights file), with `batching`.
 
-    `address` is its gRPC endpoint; `pids()` its processes (the pytriton host and the tritonserver with its
-    Python backend stub) for CPU accounting."""
+    `address` is its gRPC endpoint; `pids()` its processes (tritonserver, its Python backend stub, and with the
+    dynamic batcher the pytriton host that started them) for CPU accounting."""
 
     def __init__(self, config: Path, batching: str = "dynamic"):
+        if batching not in BATCHINGS:
+            raise ValueError(f"Triton has no {batching} batcher here (only {', '.join(BATCHINGS)})")
         reason = missing()
         if reason:
             raise TritonUnavailable(reason)
-        if batching not in BATCHINGS:
-            raise TritonUnavailable(f"pytriton configures no {batching} batcher (only {', '.join(BATCHINGS)})")
         self.address = f"127.0.0.1:{free_port_on('127.0.0.1')}"
+        self.version = ""  # Triton's, once it is ready
         ports = [self.address.rpartition(":")[2], str(free_port_on("127.0.0.1")), str(free_port_on("127.0.0.1"))]
+        self._workspace = tempfile.TemporaryDirectory(prefix="batchmaker-bench-triton-")  # the sequence batcher's
+        if batching == "sequence":
+            try:
+                workspace = Path(self._workspace.name)
+                command = triton_sequence.command(config, workspace, ports, MAX_BATCH, MAX_QUEUE_DELAY_US[batching])
+            except OSError as exc:  # the wheel lacks what the model repository needs (a stub for this Python)
+                self._workspace.cleanup()
+                raise TritonUnavailable(f"Triton's sequence batcher cannot be set up: {exc}") from None
+            environment = {**_environment(triton_sequence.library_path()), "PATH": triton_sequence.search_path()}
+        else:
+            command = [sys.executable, "-m", "batchmaker.bench.triton_lstm", str(config), *ports]
+            environment = _environment()
         # The output, open for Triton's lifetime; close() deletes it unless Triton failed to start.
         self._log = tempfile.NamedTemporaryFile(prefix="batchmaker-bench-triton-", suffix=".log", delete=False)  # noqa: SIM115
-        command = [sys.executable, "-m", "batchmaker.bench.triton_lstm", str(config), *ports]
-        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=_environment())
+        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment)
 
     def __enter__(self) -> Self:
         try:
@@ -108,16 +125,19 @@ class TritonLSTM:
                     raise TritonUnavailable(f"Triton exited with status {self._process.returncode}: {self._tail()}")
                 with contextlib.suppress(InferenceServerException):  # not listening yet
                     if client.is_model_ready("lstm"):
+                        self.version = client.get_server_metadata().version
                         return
                 time.sleep(0.3)
         raise TritonUnavailable(f"Triton's lstm was not ready within {START_TIMEOUT_S:.0f} s: {self._tail()}")
 
     def _tail(self) -> str:
-        """The last error Triton logged, or its last line, and where its whole log is."""
+        """Why a model failed to load, else the last error Triton logged, or its last line; and where its whole
+        log is. (Triton serving a model repository logs errors after the load's as it exits.)"""
         lines = [line for line in Path(self._log.name).read_text(errors="replace").splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("E") or "Error" in line]
-        last = (errors or lines or ["(no output)"])[-1]
-        return f"{last[:300]} (log: {self._log.name})"
+        load = [line for line in lines if "failed to load '" in line]  # Triton's line naming the model
+        reason = (load[:1] or errors or lines or ["(no output)"])[-1]
+        return f"{reason[:400]} (log: {self._log.name})"
 
     def pids(self) -> dict[int, str]:
         try:
@@ -129,6 +149,7 @@ class TritonLSTM:
     def close(self, keep_log: bool = False) -> None:
         leftovers = stop_server(self._process)
         self._log.close()
+        self._workspace.cleanup()
         if leftovers:
             raise SystemExit(f"Triton processes left after stopping: {leftovers}; its log is {self._log.name}")
         if not keep_log:
@@ -157,7 +178,7 @@ def _serve(config_path: Path, grpc_port: int, http_port: int, metrics_port: int)
         return {"h": h[-1].numpy(), "c": c[-1].numpy()}
 
     hidden = model.hidden_size
-    batcher = DynamicBatcher(max_queue_delay_microseconds=MAX_QUEUE_DELAY_US)
+    batcher = DynamicBatcher(max_queue_delay_microseconds=MAX_QUEUE_DELAY_US["dynamic"])
     with Triton(config=TritonConfig(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port)) as triton:
         triton.bind(
             model_name="lstm",
