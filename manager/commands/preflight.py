@@ -99,23 +99,28 @@ def check_client_address(address: str, config_path: str) -> None:
 
 
 def check_metrics_address(address: str, config_path: str) -> None:
-    host, port = _tcp_host_port(address) if address else (None, 0)
-    if host is not None and port and _in_use(host, port):
-        raise ConfigError(
-            f"metrics address {address}: port {port} is in use; stop the process holding it, or choose another "
-            f"port with --metrics-address {host}:{_suggested_port(host)} (or metrics_address in [server] of {config_path})"
-        )
+    _check_listener_free(
+        "metrics address", address, "--metrics-address", f"metrics_address in [server] of {config_path}"
+    )
 
 
 def check_door_addresses(config: Config) -> None:
     """The front door's listeners must be free; with several front door processes they share them later."""
     for flag, table in (("http", config.http), ("grpc", config.grpc)):
-        host, port = _tcp_host_port(table.address) if table is not None else (None, 0)
-        if host is not None and port and _in_use(host, port):
-            raise ConfigError(
-                f"[{flag}] address {table.address}: port {port} is in use; stop the process holding it, or choose "
-                f"another port with --{flag} {host}:{_suggested_port(host)} (or address in [{flag}] of {config.path})"
+        if table is not None:
+            _check_listener_free(
+                f"[{flag}] address", table.address, f"--{flag}", f"address in [{flag}] of {config.path}"
             )
+
+
+def _check_listener_free(what: str, address: str, option: str, key: str) -> None:
+    """A HOST:PORT listener of the server's (`what`, set by `option` or the config's `key`) must be free."""
+    host, port = _tcp_host_port(address) if address else (None, 0)
+    if host is not None and port and _in_use(host, port):
+        raise ConfigError(
+            f"{what} {address}: port {port} is in use; stop the process holding it, or choose another "
+            f"port with {option} {host}:{_suggested_port(host)} (or {key})"
+        )
 
 
 def _tcp_host_port(address: str) -> tuple[str | None, int]:
