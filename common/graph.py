@@ -66,6 +66,10 @@ class CellTypeSpec:
                 return size
         raise ValueError(f"{n} nodes exceed the largest batch size {self.max_batch} of {self.key}")
 
+    def padded_sizes(self, counts: np.ndarray) -> list[int]:
+        """`padded_size` of each count (every count at most `max_batch`), in one search."""
+        return np.asarray(self.batch_sizes)[np.searchsorted(self.batch_sizes, counts)].tolist()
+
 
 # References and node specs are named tuples: requests unfold into thousands of them a second.
 

@@ -93,7 +93,7 @@ class Dispatcher:
     ) -> TaskInput:
         """Input `port` of these nodes (rows of the node matrix, of the requests at `node_rows`) as one step
         of as many rows, resolved on `worker` as a single-step task resolves it."""
-        layout = Layout([len(node_rows)], [len(node_rows)])
+        layout = Layout.one_step(len(node_rows), len(node_rows))
         reads = Reads(self._store.registers.arrays, [], layout, worker.worker_id)
         kind = spec.inputs[port]
         if port in spec.ragged_inputs:
@@ -121,7 +121,7 @@ class Dispatcher:
         table, store, spec = self._table, self._store, task.spec
         step_nodes = waves.step_nodes()
         step_sizes = [spec.padded_size(count) for count in step_nodes]
-        layout = Layout(step_nodes, step_sizes)
+        layout = Layout.one_step(step_nodes[0], step_sizes[0]) if len(step_sizes) == 1 else Layout(step_nodes, step_sizes)
         rows, counts, first, _ = waves
         nodes = consecutive(first, counts)
         node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows

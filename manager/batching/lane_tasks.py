@@ -74,16 +74,17 @@ class LaneTasks:
         table, store, dispatcher = self._table, self._store, self._dispatcher
         task = dispatcher.open_task(spec, rows, steps, worker)
         data_of = store.nodes.arrays["data"]
-        grid = np.arange(int(steps[0]))[:, None] < steps[None, :]  # step by lane: whether the lane runs then
-        nodes = (first[None, :] + np.arange(len(grid))[:, None])[grid]  # every step's nodes, packed step after step
-        node_rows = np.broadcast_to(rows, grid.shape)[grid]
+        # Every step's nodes, packed step after step: the lanes still going at each step are its first ones.
+        step_of, lane_of = np.nonzero(np.arange(int(steps[0]))[:, None] < steps[None, :])
+        nodes, node_rows = first[lane_of] + step_of, rows[lane_of]
+        node_data = data_of[nodes]
         lanes = len(rows)  # the first step's nodes are the first `lanes`
         inputs = []
         for port, (kind, rule) in enumerate(zip(spec.inputs, layout.rules(len(spec.inputs)))):
-            first_step = dispatcher.one_step_input(spec, port, data_of[first], rows, worker)
+            first_step = dispatcher.one_step_input(spec, port, node_data[:lanes], rows, worker)
             later: TaskInput | bytes | None = None
             if rule.mode == SEQUENCE and len(nodes) > lanes:
-                later_data, later_rows = data_of[nodes[lanes:]], node_rows[lanes:]
+                later_data, later_rows = node_data[lanes:], node_rows[lanes:]
                 refs = later_data[:, NodeColumns.INPUTS + port]
                 if (refs <= -2).all():  # the request's own inputs: their values, raw
                     positions = table.ext_base[later_rows, table.kinds[kind]] + (-2 - refs)
@@ -93,11 +94,10 @@ class LaneTasks:
             inputs.append(LaneInput(rule.mode, rule.source, worker.arena_id[kind], first_step, later))
         registers = store.registers.arrays
         last = first + steps - 1
-        step_of = np.repeat(np.arange(len(grid)), grid.sum(axis=1))  # of every step's nodes, packed
         outputs, written_at = [], []
         for port, kind in enumerate(spec.outputs):  # each lane's last value, or every step's
-            written_by, writer_rows = (nodes, node_rows) if port in layout.every_step else (last, rows)
-            where = table.reg_base[writer_rows] + data_of[written_by, NodeColumns.INPUTS + store.ports + port]
+            writers, writer_rows = (node_data, node_rows) if port in layout.every_step else (data_of[last], rows)
+            where = table.reg_base[writer_rows] + writers[:, NodeColumns.INPUTS + store.ports + port]
             written = registers["write"][where]
             registers["slot"][where] = written
             registers["worker"][where] = worker.worker_id
@@ -109,32 +109,27 @@ class LaneTasks:
             output._replace(slots=output.slots[every_step[port]]) if port in every_step else output
             for port, output in enumerate(outputs)
         ]
-        batch = grid.sum(axis=1)
-        downloads = self._downloads(task, spec, rows, steps, first, batch, worker)
+        batch = np.bincount(step_of)
+        downloads = self._downloads(task, spec, rows, nodes, node_data, lane_of, worker)
         task.message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, list(every_step.items()), downloads)
         task.step_nodes = batch.tolist()
-        task.step_sizes = [spec.padded_size(int(size)) for size in batch]
+        task.step_sizes = spec.padded_sizes(batch)
         task.batch_size = int(steps.sum())
         return task
 
     def _downloads(
-        self, task: Task, spec: CellTypeSpec, rows: np.ndarray, steps: np.ndarray, first: np.ndarray,
-        batch: np.ndarray, worker: WorkerHandle,
+        self, task: Task, spec: CellTypeSpec, rows: np.ndarray, nodes: np.ndarray, node_data: np.ndarray,
+        lane_of: np.ndarray, worker: WorkerHandle,
     ) -> list[StepDownload]:
         """An io row for each value the host reads (results, watched values), copied from the step that
-        computes it: its entry among the output's rows of every step, packed step after step."""
+        computes it: its entry among the output's rows of every step, packed step after step (`nodes`, their
+        matrix rows `node_data` and lanes `lane_of` are packed so: an entry is a position among them)."""
         table = self._table
-        nodes = consecutive(first, steps)
-        copied = np.flatnonzero(self._store.nodes.arrays["data"][nodes, NodeColumns.HAS_COPIES])
+        copied = np.flatnonzero(node_data[:, NodeColumns.HAS_COPIES])  # in the order the steps compute them
         if not len(copied):
             return []
-        starts = np.cumsum(steps) - steps
-        lane_of = np.searchsorted(starts, copied, side="right") - 1
-        step_of = copied - starts[lane_of]
-        entries = (np.cumsum(batch) - batch)[step_of] + lane_of
-        order = np.argsort(entries, kind="stable")  # in the order the steps compute them
         found: dict[int, tuple[list[int], list[int]]] = {}
-        for lane, node, entry in zip(lane_of[order].tolist(), nodes[copied[order]].tolist(), entries[order].tolist()):
+        for lane, node, entry in zip(lane_of[copied].tolist(), nodes[copied].tolist(), copied.tolist()):
             request = table.requests[rows[lane]]
             for key, port in request.unfolded.plan.copies[node - int(table.node_base[request.row])]:
                 kind = spec.outputs[port]

@@ -165,6 +165,8 @@ class RequestProcessor:
 
     def _stop(self, requests: list[Request]) -> None:
         """Their lanes leave the scheduler's queues; nodes not yet issued never will be."""
+        if not requests:  # most tasks stop none: a task's answers stop their requests in `_end`
+            return
         table = self._table
         rows = np.array([request.row for request in requests], np.int64)
         queued = table.runnable[rows] | np.array([request.state is Lifecycle.WAITING for request in requests], bool)

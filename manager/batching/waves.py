@@ -3,6 +3,7 @@ among the steps' batches (manager.batching.dispatch resolves them to slots)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -64,6 +65,16 @@ class Layout:
             self.step_of = np.repeat(np.arange(self.steps), step_nodes)
             self.position = self.node_rows = np.arange(len(self.step_of)) + padding_before[self.step_of]
         self._bounds = list(zip(self.offset.tolist(), np.cumsum(step_sizes).tolist()))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1024)
+    def one_step(nodes: int, size: int) -> Layout:
+        """The layout of one step of `nodes` nodes padded to `size` rows, made once per pair: its arrays
+        are shared, read-only."""
+        layout = Layout([nodes], [size])
+        for array in (layout.offset, layout.step_of, layout.position):
+            array.flags.writeable = False
+        return layout
 
     def split(self, rows: np.ndarray) -> list[np.ndarray]:
         """A view of `rows` (a value per row of every step) per step."""
