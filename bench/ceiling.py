@@ -104,14 +104,15 @@ def _lstm(length: int):
     return make
 
 
-ROWS = (
-    Row("LSTM, length 100", "lstm", 2000, _lstm(100)),
-    Row("LSTM, WMT lengths", "lstm", 4000, DATASETS["wmt"]),
-    Row("LSTM, length 1", "lstm", 4000, _lstm(1)),
-    Row("GRU 2 layers, WMT lengths", "gru", 4000, DATASETS["wmt"]),
-    Row("Seq2Seq to EOS, WMT lengths", "seq2seq", 2000, DATASETS["wmt"]),
-    Row("TreeLSTM, SST trees", "treelstm", 2000, DATASETS["sst"]),
+ROWS = (  # five to ten windows a row: the rate of the steady state, not of the first window's ramp and the last's tail
+    Row("LSTM, length 100", "lstm", 10_000, _lstm(100)),
+    Row("LSTM, WMT lengths", "lstm", 20_000, DATASETS["wmt"]),
+    Row("LSTM, length 1", "lstm", 20_000, _lstm(1)),
+    Row("GRU 2 layers, WMT lengths", "gru", 20_000, DATASETS["wmt"]),
+    Row("Seq2Seq to EOS, WMT lengths", "seq2seq", 10_000, DATASETS["wmt"]),
+    Row("TreeLSTM, SST trees", "treelstm", 10_000, DATASETS["sst"]),
 )
+QUICK_SCALE = 25  # --quick runs a 25th of each row: a smoke test, mostly ramp and tail
 
 
 def _echo(address: str, reply: dict[str, Any], ready: Any) -> None:
@@ -226,7 +227,7 @@ def _forward_seconds(cell: torch.nn.Module, spec: CellTypeSpec, batch: int) -> f
 def run(quick: bool, out: Path, trace_to: str | None = None) -> dict[str, Any]:
     """`trace_to`: an OTLP/HTTP endpoint; every request is traced and its spans exported there (the manager's
     cost of tracing shows in its CPU µs per request)."""
-    scale = 5 if quick else 1
+    scale = QUICK_SCALE if quick else 1
     tracing = f'[tracing]\nendpoint = "{trace_to}"\nsample_rate = 1.0\n' if trace_to else ""
     with tempfile.TemporaryDirectory(prefix="batchmaker-ceiling-") as tmp:
         address = f"tcp://127.0.0.1:{free_port_on('127.0.0.1')}"
@@ -277,7 +278,7 @@ max_queue_delay_ms = 0
                     }
                     | manager
                 )
-            lengths = [{"tokens": list(range(22))}] * (2000 // scale)
+            lengths = [{"tokens": list(range(22))}] * (10_000 // scale)
             generator = generator_alone(request_frames("lstm", lengths))
     result = {
         "preset": "ceiling",
