@@ -193,6 +193,16 @@ def idle_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return results.get("idle", {}).get("rows", [])
 
 
+def _path_cost(low: float, high: float) -> str:
+    """The milliseconds the served path adds over the run in process, from `low` to `high`: negative where
+    serving beat it (a decoder whose steps the server batches with nothing yet runs its own kernels)."""
+    if low >= 0:
+        return f"the server's own path adding {low:.1f}-{high:.1f} ms"
+    if high < 0:
+        return f"the server's own path taking {-high:.1f}-{-low:.1f} ms off"
+    return f"the server's own path from taking {-low:.1f} ms off to adding {high:.1f} ms"
+
+
 def idle_line(rows: list[dict[str, Any]]) -> str:
     """A lone request on an idle server, served against the same model run in process, from the idle preset."""
     if not rows:
@@ -205,7 +215,7 @@ def idle_line(rows: list[dict[str, Any]]) -> str:
         f"{best['ratio']['p50']:.1f}x-{worst['ratio']['p50']:.1f}x the same model run in process "
         f"({best['row']}: {best['served_ms']['p50']:.1f} against {best['in_process_ms']['p50']:.1f} ms; "
         f"{worst['row']}: {worst['served_ms']['p50']:.1f} against {worst['in_process_ms']['p50']:.1f} ms), "
-        f"the server's own path adding {min(extra):.1f}-{max(extra):.1f} ms."
+        f"{_path_cost(min(extra), max(extra))}."
     )
 
 

@@ -13,7 +13,7 @@ from conftest import ROOT
 from batchmaker.bench import results_page, results_readme
 from batchmaker.bench.__main__ import main
 from batchmaker.bench.presets import PRESETS
-from batchmaker.bench.results import load
+from batchmaker.bench.results import idle_line, load
 
 MACHINE = {"cpu": "x86_64", "cores": 2, "memory_gib": 8.0, "platform": "Linux-test", "python": "3.11", "torch": "2.x"}
 TRITON = {"name": "Triton 2.50", "setting": "HTTP, 64 requests outstanding", "requests_per_s": 400.0,
@@ -120,6 +120,19 @@ def test_the_five_lines_follow_from_the_ratios(bench_dir: Path):
     assert "seq2seq 1.03x padded" in ties and "seq2seq 0.95x padded" in ties and "lstm" not in ties
     idle = verdict_line(page, "Idle")
     assert "1.3x-5.0x" in idle and "the server's own path adding 6.0-8.0 ms" in idle
+
+
+@pytest.mark.parametrize(
+    ("served", "expected"),
+    [
+        ((10.0, 26.0), "the server's own path adding 6.0-8.0 ms"),
+        ((10.0, 17.0), "the server's own path from taking 3.0 ms off to adding 8.0 ms"),
+        ((1.0, 17.0), "the server's own path taking 1.0-3.0 ms off"),
+    ],
+)
+def test_the_idle_line_says_when_serving_beat_the_run_in_process(served: tuple[float, float], expected: str):
+    rows = [idle_row("LSTM, WMT sentences", served[0], 2.0), idle_row("Seq2Seq", served[1], 20.0)]
+    assert expected in idle_line(rows)
 
 
 def test_a_peer_in_a_workloads_json_joins_its_table(tmp_path: Path):
