@@ -203,6 +203,10 @@ def reproduce_section(
         else:
             runs += [f"./scripts/bench {name} --out {out}" for name in names if name in WRITTEN_BY_ALL]
         lines.append(" && ".join([f"git checkout {commit}", *runs]))
+    shown_names = shown_results(results)
+    for name, result in results.items():  # presets that only measure other systems (`http`)
+        if name not in shown_names and peers(result):
+            lines.append(f"git checkout {commit_of(result)} && ./scripts/bench {name} --out {out}")
     lines += [
         "```",
         "",
@@ -213,6 +217,13 @@ def reproduce_section(
         "```",
         "",
     ]
+    measuring = [f"`{name}` ({', '.join(row.system for row in peers(result))})" for name, result in results.items() if peers(result)]
+    if measuring:
+        note = (
+            "Other systems are measured only where they are installed, each in an environment of its own "
+            f"(BENCHMARKS.md says how), and a run without one records it as skipped: {'; '.join(measuring)}."
+        )
+        lines += [note, ""]
     return lines
 
 

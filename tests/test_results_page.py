@@ -145,6 +145,18 @@ def test_a_peer_in_a_workloads_json_joins_its_table(tmp_path: Path):
     assert "lstm 1.50x Triton 2.50 (600 against 400 req/s)" in verdict_line(page, "Wins on peak throughput")
 
 
+def test_the_reproduce_section_names_the_runs_of_other_systems_and_where_they_come_from(bench_dir: Path):
+    results_page.write(bench_dir, bench_dir / "results.md")
+    reproduce = (bench_dir / "results.md").read_text().split("## Reproduce")[1]
+    assert "git checkout abc1234 && ./scripts/bench http --out " in reproduce
+    assert "records it as skipped: `http` (Triton 2.50); `treelstm` (DyNet 2.1.2)." in reproduce
+    for name in ("http", "treelstm"):
+        (bench_dir / f"{name}.json").unlink()
+    results_page.write(bench_dir, bench_dir / "results.md")
+    reproduce = (bench_dir / "results.md").read_text().split("## Reproduce")[1]
+    assert "bench http" not in reproduce and "Other systems" not in reproduce
+
+
 def test_a_directory_without_idle_overload_or_chaos_says_they_were_not_measured(bench_dir: Path):
     for name in ("idle", "overload", "chaos", "http"):
         (bench_dir / f"{name}.json").unlink()
