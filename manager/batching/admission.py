@@ -158,21 +158,22 @@ class Admission:
 
     def snapshot(self, queued_cells: int) -> dict[str, float | None]:
         """For the `stats` op: the measured capacity and the wait a new request would be quoted."""
-        rate = self.estimator.cells_per_second()
+        wait = self.estimator.wait_s(queued_cells)
         return {
-            "cells_per_s": rate,
+            "cells_per_s": self.estimator.cells_per_second(),
             "warm_up_cells_per_s": self.estimator.assumed_cells_per_second(),
-            "estimated_wait_ms": None if rate is None else queued_cells / rate * 1e3,
+            "estimated_wait_ms": None if wait is None else wait * 1e3,
             "max_queue_delay_ms": self.max_queue_delay_s * 1e3,
         }
 
     def retry_after_ms(self, queued_cells: int) -> int | None:
         """When a request refused with OVERLOADED now would be admitted: once the expected wait, at the measured
         capacity, is back under max_queue_delay_ms. None while that bound is not what refuses."""
-        wait_ms, limit_ms = self.snapshot(queued_cells)["estimated_wait_ms"], self.max_queue_delay_s * 1e3
-        if wait_ms is None or not limit_ms or wait_ms <= limit_ms:
+        wait = self.estimator.wait_s(queued_cells)  # the wait `check` refuses on
+        limit_ms = self.max_queue_delay_s * 1e3
+        if wait is None or not limit_ms or wait * 1e3 <= limit_ms:
             return None
-        return math.ceil(wait_ms - limit_ms)
+        return math.ceil(wait * 1e3 - limit_ms)
 
 
 def warm_up_capacity(timings: Iterable[Any], max_batch: Mapping[str, int]) -> float | None:
