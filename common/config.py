@@ -87,6 +87,7 @@ class ServerConfig:
     hang_timeout_ms: int = 10000  # a worker whose stream does not advance this long, with tasks in flight, is hung
     drain_timeout_ms: int = 30000  # on SIGTERM, how long in-flight requests may take to finish
     restart_budget: int = 10  # worker restarts allowed per 10 minutes before the supervisor gives up
+    load_wait_ms: int = 60000  # a model load with no worker registered waits this long for one (docs/deploy.md)
     max_replays: int = 2  # a request replayed this often after losing its worker fails with INTERNAL when it loses another
     max_queued_requests: int = 10000  # admission bound: requests in flight; beyond it new ones get OVERLOADED
     max_queued_nodes: int = 1_000_000  # admission bound: cells admitted and not yet submitted to a worker
@@ -201,6 +202,7 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         hang_timeout_ms=positive_int(table, "hang_timeout_ms", defaults.hang_timeout_ms, "server", path, 100),
         drain_timeout_ms=positive_int(table, "drain_timeout_ms", defaults.drain_timeout_ms, "server", path, minimum=0),
         restart_budget=positive_int(table, "restart_budget", defaults.restart_budget, "server", path, minimum=0),
+        load_wait_ms=positive_int(table, "load_wait_ms", defaults.load_wait_ms, "server", path, minimum=0),
         max_replays=positive_int(table, "max_replays", defaults.max_replays, "server", path, minimum=0),
         max_queued_requests=positive_int(table, "max_queued_requests", defaults.max_queued_requests, "server", path),
         max_queued_nodes=positive_int(table, "max_queued_nodes", defaults.max_queued_nodes, "server", path),

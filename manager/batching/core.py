@@ -248,11 +248,17 @@ class BatchingCore:
                 "had at start; restart the server with the model in its config",
             )  # fmt: skip
 
-    def add_cell_types(self, specs: list[CellTypeSpec]) -> None:
+    def add_cell_types(self, specs: list[CellTypeSpec]) -> int:
         """A version being loaded brings its cell types (`check_cell_types` passed), numbered after every
-        earlier one."""
-        self.scheduler.add_cell_types(specs)
+        earlier one; returns the index of the first."""
         self._max_batches.update({spec.key: spec.max_batch for spec in specs})
+        return self.scheduler.add_cell_types(specs)
+
+    def remove_cell_types(self, specs: list[CellTypeSpec]) -> None:
+        """A version whose load failed takes its cell types away again."""
+        for spec in specs:
+            del self._max_batches[spec.key]
+        self.scheduler.remove_cell_types(specs)
 
     def in_use(self, planner: Planner, by_sessions: bool) -> bool:
         """Whether a request in flight runs on `planner` (or, `by_sessions`, a live session may send one)."""

@@ -80,6 +80,7 @@ class Scheduler:
     ):
         self.queues = {spec.key: CellTypeQueue(spec, i) for i, spec in enumerate(specs)}
         self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
+        self._numbered = len(specs)  # cell type indices given so far: one is never given twice
         self.max_tasks_to_submit = max_tasks_to_submit
         self._table = table
         self._store = store
@@ -94,10 +95,21 @@ class Scheduler:
         self._layout_list: list[LaneLayout] = [ONE_STEP]  # the same, by number
         self._lane_tasks = LaneTasks(table, store, dispatcher)
 
-    def add_cell_types(self, specs: list[CellTypeSpec]) -> None:
-        """Queues for a loaded version's cell types, which the workers number after every earlier one."""
+    def add_cell_types(self, specs: list[CellTypeSpec]) -> int:
+        """Queues for a loaded version's cell types, which the workers number after every earlier one, those of
+        failed loads included (a worker that loaded one holds its indices until told to drop it). Returns the
+        index of the first."""
+        first = self._numbered
+        for index, spec in enumerate(specs, first):
+            self.queues[spec.key] = CellTypeQueue(spec, index)
+        self._numbered += len(specs)
+        self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
+        return first
+
+    def remove_cell_types(self, specs: list[CellTypeSpec]) -> None:
+        """A failed load's cell types leave: no request was ever admitted to them, so their queues are empty."""
         for spec in specs:
-            self.queues[spec.key] = CellTypeQueue(spec, len(self.queues))
+            del self.queues[spec.key]
         self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
 
     # -- readiness ---------------------------------------------------------------------------

@@ -44,11 +44,48 @@ class Version:
     state: str = LOADING
     reason: str | None = None  # why it failed
     first_cell: int = 0  # the index of its first cell type in the manager's and the workers' order
-    waiting_on: set[int] = field(default_factory=set)  # workers yet to load it
+    # While it loads: the workers asked to load it that have not answered, the registered ones that loaded it,
+    # those lost meanwhile (with why), when it began, and how long it waits for a worker while it has none to ask.
+    waiting_on: set[int] = field(default_factory=set)
+    built: set[int] = field(default_factory=set)
+    lost: dict[int, str] = field(default_factory=dict)
+    started: float = 0.0
+    wait_s: float = 0.0
 
     @property
     def internal(self) -> str:
         return self.config.name
+
+    def ask(self, worker_id: int) -> None:
+        """A worker was sent the load: the version waits for its answer."""
+        self.waiting_on.add(worker_id)
+
+    def built_on(self, worker_id: int) -> None:
+        self.waiting_on.discard(worker_id)
+        self.built.add(worker_id)
+
+    def worker_lost(self, worker_id: int, why: str) -> None:
+        """A worker was lost: one that was loading it, or had, no longer counts as having it."""
+        if worker_id in self.waiting_on or worker_id in self.built:
+            self.lost[worker_id] = why
+        self.waiting_on.discard(worker_id)
+        self.built.discard(worker_id)
+
+    def outcome(self, now: float) -> tuple[str, str] | None:
+        """How the load ended, (READY, "") or (FAILED, why), once it has; None while it waits. It serves only once
+        every worker asked has answered and one that loaded it is still registered, so that it never serves with
+        no worker able to run it; with every such worker lost, it fails. A load with no worker to ask waits
+        `wait_s` for one to register."""
+        if self.waiting_on:
+            return None
+        if self.built:
+            return READY, ""
+        if self.lost:
+            lost = [f"worker {worker} was lost before the load ended ({why})" for worker, why in self.lost.items()]
+            return FAILED, f"{'; '.join(lost)}; no worker left has it"
+        if now - self.started >= self.wait_s:
+            return FAILED, f"no worker registered to load it within {self.wait_s:g} s ([server] load_wait_ms)"
+        return None
 
     def retire(self, state: str, reason: str | None = None) -> None:
         """It serves no more (unloaded, or its load failed): the plans it cached go with it, since nothing will
@@ -123,9 +160,11 @@ class Versions:
         renamed = dataclasses.replace(config, name=internal_name(model, number))
         return Version(model, number, renamed, planner_of(renamed))
 
-    def begin(self, version: Version, first_cell: int, workers: set[int]) -> None:
-        """Start loading `version` on `workers`: its cell types take the indices from `first_cell` on."""
+    def begin(self, version: Version, first_cell: int, workers: set[int], now: float, wait_s: float) -> None:
+        """Start loading `version` on `workers`: its cell types take the indices from `first_cell` on. With no
+        worker, it waits `wait_s` from `now` for one to register."""
         version.first_cell, version.waiting_on = first_cell, set(workers)
+        version.started, version.wait_s = now, wait_s
         self._add(version)
 
     def loading(self) -> list[Version]:

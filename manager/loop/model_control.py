@@ -2,10 +2,14 @@
 
 A load makes a new version of a model (manager.batching.versions): its planner is built and its cell types
 added here first, so that a model that cannot be served is refused before anything changes; then every live
-worker is told to build it and load its weights, which checks them as the start-up preflight does. The version
-serves once every worker has it; a worker that cannot load it fails the load with its reason, and the versions
-before it serve on. A version replaced or unloaded drains: once no request in flight (nor, after a reload, a live
-session) uses it, the workers drop its weights. Every reply to a load waits for the load's outcome.
+worker, and every worker that registers while it loads, is told to build it and load its weights, which checks
+them as the start-up preflight does. The version serves once every worker asked has answered and one that loaded
+it is still registered: a version never serves with no worker able to run it, which would leave the old version
+draining and every worker that joins failing the load. A worker that cannot load it fails the load with its
+reason; a worker lost meanwhile only leaves it (with none left that has it, the load fails); with no worker
+registered, the load waits `[server] load_wait_ms` for one. A load that fails takes its cell types away again,
+and the versions before it serve on. A version replaced or unloaded drains: once no request in flight (nor, after
+a reload, a live session) uses it, the workers drop its weights. Every reply to a load waits for the load's outcome.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,16 +137,17 @@ class ModelControl:
         return version
 
     def _start(self, version: Version) -> Version:
-        """Load a prepared version on every worker; it serves once they all have."""
-        first = len(self._core.scheduler.queues)
-        self._core.add_cell_types(cell_layout([version.planner])[0])
-        self._versions.begin(version, first, set(self._core.workers))
+        """Load a prepared version on every worker; it serves once they have answered (`Version.outcome`)."""
+        first = self._core.add_cell_types(cell_layout([version.planner])[0])
+        wait_s = self._config.server.load_wait_ms / 1e3
+        self._versions.begin(version, first, set(self._core.workers), time.monotonic(), wait_s)
         self._stamps[version.internal] = _stamp(version.config.weights)
         for worker in self._core.workers.values():
             self._send(worker, version)
         log.info("loading version %d of model %s from %s", version.number, version.model, version.config.weights)
-        if not version.waiting_on:
-            self._ready(version)
+        if not self._core.workers:
+            log.warning("no worker is registered to load version %d of model %s: it waits up to %g s for one",
+                        version.number, version.model, wait_s)  # fmt: skip
         return version
 
     def _send(self, worker: WorkerHandle, version: Version) -> None:
@@ -153,33 +159,45 @@ class ModelControl:
         version = self._versions.by_internal.get(internal)
         if version is None or version.state not in LIVE:
             return
-        if error is not None and version.state != LOADING:  # a worker that joined could not load a serving version
-            log.error("worker %d cannot load %s (%s); stopping it", worker.worker_id, internal, error)
-            self._pool.stop(worker)
+        if version.state != LOADING:
+            if error is not None:  # a worker that joined could not load a serving version
+                log.error("worker %d cannot load %s (%s); stopping it", worker.worker_id, internal, error)
+                self._pool.stop(worker)
             return
         if error is not None:
             self._fail(version, f"worker {worker.worker_id} could not load it: {error}")
             return
-        version.waiting_on.discard(worker.worker_id)
-        if version.state == LOADING and not version.waiting_on:
-            self._ready(version)
+        version.built_on(worker.worker_id)
+        self._settle(version)
 
     def worker_joined(self, worker: WorkerHandle) -> None:
-        """A worker registered with the models the manager started with: it loads every later version, and
-        drops what no longer serves, before it runs any task."""
+        """A worker registered with the models the manager started with: it loads every later version, those
+        still loading included (their loads wait for it), and drops what no longer serves, before it runs any
+        task."""
         for version in self._versions.by_internal.values():
             if version.first_cell >= len(self._pool.start_cells) and version.state in LIVE:
                 self._send(worker, version)
                 if version.state == LOADING:
-                    version.waiting_on.add(worker.worker_id)
+                    version.ask(worker.worker_id)
             elif version.first_cell < len(self._pool.start_cells) and version.state not in LIVE:
                 self._pool.unload(worker, version.cell_indices)
 
-    def worker_gone(self, worker: WorkerHandle) -> None:
+    def worker_gone(self, worker: WorkerHandle, why: str) -> None:
+        """A worker was lost: the loads it took part in go on without it."""
         for version in self._versions.loading():
-            version.waiting_on.discard(worker.worker_id)
-            if not version.waiting_on:
-                self._ready(version)
+            version.worker_lost(worker.worker_id, why)
+            self._settle(version)
+
+    def _settle(self, version: Version) -> None:
+        """End a load whose outcome is known."""
+        outcome = version.outcome(time.monotonic())
+        if outcome is None:
+            return
+        state, reason = outcome
+        if state == READY:
+            self._ready(version)
+        else:
+            self._fail(version, reason)
 
     def _ready(self, version: Version) -> None:
         for older in self._versions.ready(version):
@@ -189,9 +207,13 @@ class ModelControl:
         self._ended(version, None)
 
     def _fail(self, version: Version, reason: str) -> None:
+        """The load failed: the workers that loaded it drop it and its cell types leave; its entry stays, failed,
+        with why."""
         version.retire(FAILED, reason)
         log.error("version %d of model %s failed to load: %s", version.number, version.model, reason)
         self._drop(version)
+        self._core.remove_cell_types(cell_layout([version.planner])[0])
+        del self._stamps[version.internal]
         self._ended(version, reason)
 
     def _ended(self, version: Version, failure: str | None) -> None:
@@ -207,9 +229,7 @@ class ModelControl:
                 self._answer(waiter)
 
     def _wait(self, incoming: Incoming | None, versions: list[Version], answer: dict[str, Any]) -> None:
-        waiter = _Waiter(incoming, {v.internal for v in versions if v.state == LOADING}, answer)
-        failures = [f"version {v.number} of model {v.model!r}: {v.reason}" for v in versions if v.state == FAILED]
-        waiter.failures += failures
+        waiter = _Waiter(incoming, {v.internal for v in versions}, answer)
         if waiter.loading:
             self._waiters.append(waiter)
         else:
@@ -223,9 +243,12 @@ class ModelControl:
         else:
             self._reply(waiter.incoming, waiter.answer)
 
-    # -- draining ------------------------------------------------------------------------------
-    def drain(self) -> None:
-        """Every watch interval: a draining version that nothing uses any more leaves the workers."""
+    # -- every watch interval --------------------------------------------------------------------
+    def watch(self) -> None:
+        """A load that waited too long for a worker fails; a draining version that nothing uses any more leaves
+        the workers."""
+        for version in self._versions.loading():
+            self._settle(version)
         for version, by_sessions in self._versions.draining():
             if not self._core.in_use(version.planner, by_sessions):
                 version.retire(UNLOADED)

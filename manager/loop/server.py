@@ -272,14 +272,14 @@ class Manager:
         self._read_notices()
         for worker, reason in self.pool.watch():
             self._worker_lost(worker, reason)
-        self.control.drain()  # here, not every turn: it looks through the requests in flight
+        self.control.watch()  # here, not every turn: it looks through the requests in flight
         self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)
 
     def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
         """Forget a dead worker; the core replays (or fails) the requests that had values there."""
         log.warning("worker %d (pid %s) lost: %s", worker.worker_id, worker.pid, reason)
         self.pool.remove(worker)
-        self.control.worker_gone(worker)
+        self.control.worker_gone(worker, reason)
         self.stats.worker_lost(worker.worker_id)
         if self.tracing is not None:
             self.tracing.worker_lost(worker.worker_id, reason)
