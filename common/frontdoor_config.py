@@ -15,29 +15,35 @@ from batchmaker.common.config_values import ConfigError, check_keys, positive_in
 
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 DEFAULT_GRPC_ADDRESS = "127.0.0.1:8001"
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-_FILES = ("tls_cert", "tls_key", "tls_client_ca", "token_file")
+# The keys naming files (relative to the config file), which must exist when the config loads.
+DOOR_FILES = ("tls_cert", "tls_key", "tls_client_ca", "token_file", "control_token_file")
 
 
 @dataclass(frozen=True)
 class DoorSecurity:
-    """TLS (with client certificates checked against `tls_client_ca` when given) and a bearer token file."""
+    """TLS (with client certificates checked against `tls_client_ca` when given), the bearer token file of
+    every call but the probes, and the one of model control (the repository's load and unload)."""
 
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     token_file: Path | None = None
+    control_token_file: Path | None = None
 
     def token(self) -> str | None:
         """The bearer token requests must carry, read from its file (surrounding whitespace dropped)."""
-        return None if self.token_file is None else self.token_file.read_text().strip()
+        return _read_token(self.token_file)
+
+    def control_token(self) -> str | None:
+        """The bearer token of load and unload calls, read as `token` is."""
+        return _read_token(self.control_token_file)
 
 
 @dataclass(frozen=True)
 class HttpConfig:
     address: str = DEFAULT_HTTP_ADDRESS
     processes: int = 1  # front door processes sharing the ports (SO_REUSEPORT)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger body gets 413 unread
+    max_body_bytes: int | None = None  # a larger body gets 413 unread; None: the manager's [server] max_message_bytes
     security: DoorSecurity = DoorSecurity()
 
 
@@ -52,6 +58,14 @@ def bearer_matches(authorization: str, token: str) -> bool:
     return hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
 
 
+def body_limit(http: HttpConfig | None, max_message_bytes: int) -> int:
+    """The largest HTTP body and gRPC message the front door reads: [http] max_body_bytes, else the largest
+    request the manager reads, [server] max_message_bytes, so that the door holds no more than the manager
+    would. Tensors as JSON text take more bytes than as the manager's request: for those, raise the former."""
+    given = http.max_body_bytes if http is not None else None
+    return max_message_bytes if given is None else given
+
+
 def split_host_port(address: str, where: str) -> tuple[str, int]:
     """ "host:port" as the listeners take it; ValueError naming `where` when it is not one."""
     host, _, port = address.rpartition(":")
@@ -60,23 +74,22 @@ def split_host_port(address: str, where: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def parse_door_tables(
-    raw: dict[str, Any], path: Path
-) -> tuple[HttpConfig | None, GrpcConfig | None]:
+def parse_door_tables(raw: dict[str, Any], path: Path) -> tuple[HttpConfig | None, GrpcConfig | None]:
     """The [http] and [grpc] tables of a config file (None where absent); a mistake raises ConfigError."""
     http = grpc = None
     if "http" in raw:
         table = subtable(raw, "http", path)
-        check_keys(table, {"address", "processes", "max_body_bytes", *_FILES}, "http", path)
+        check_keys(table, {"address", "processes", "max_body_bytes", *DOOR_FILES}, "http", path)
+        limited = "max_body_bytes" in table
         http = HttpConfig(
             address=_address(table, DEFAULT_HTTP_ADDRESS, "http", path),
             processes=positive_int(table, "processes", 1, "http", path),
-            max_body_bytes=positive_int(table, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "http", path),
+            max_body_bytes=positive_int(table, "max_body_bytes", 1, "http", path) if limited else None,
             security=_security(table, "http", path),
         )
     if "grpc" in raw:
         table = subtable(raw, "grpc", path)
-        check_keys(table, {"address", *_FILES}, "grpc", path)
+        check_keys(table, {"address", *DOOR_FILES}, "grpc", path)
         grpc = GrpcConfig(
             address=_address(table, DEFAULT_GRPC_ADDRESS, "grpc", path),
             security=_security(table, "grpc", path),
@@ -95,7 +108,7 @@ def _address(table: dict[str, Any], default: str, where: str, path: Path) -> str
 
 def _security(table: dict[str, Any], where: str, path: Path) -> DoorSecurity:
     files: dict[str, Path] = {}
-    for key in _FILES:
+    for key in DOOR_FILES:
         if key in table:
             value = table[key]
             if not isinstance(value, str) or not value:
@@ -108,6 +121,17 @@ def _security(table: dict[str, Any], where: str, path: Path) -> DoorSecurity:
         raise ConfigError(f"{path}: [{where}] tls_cert and tls_key go together: give both, or neither")
     if "tls_client_ca" in files and "tls_cert" not in files:
         raise ConfigError(f"{path}: [{where}] tls_client_ca (client certificates) needs tls_cert and tls_key")
-    if "token_file" in files and not files["token_file"].read_text().strip():
-        raise ConfigError(f"{path}: [{where}] token_file {str(files['token_file'])!r} is empty")
+    token, control_token = (_read_token(files.get(key)) for key in ("token_file", "control_token_file"))
+    for key, text in (("token_file", token), ("control_token_file", control_token)):
+        if key in files and not text:
+            raise ConfigError(f"{path}: [{where}] {key} {str(files[key])!r} is empty")
+    if token is not None and token == control_token:
+        raise ConfigError(
+            f"{path}: [{where}] control_token_file holds the same token as token_file: every caller that may "
+            "infer could load and unload models; give model control a token of its own"
+        )
     return DoorSecurity(**files)
+
+
+def _read_token(file: Path | None) -> str | None:
+    return None if file is None else file.read_text().strip()

@@ -31,12 +31,12 @@ for name, path in (("batchmaker", []), ("batchmaker.common", [str(ROOT / "common
     sys.modules[name].__path__ = path
 
 from batchmaker.common.config import Config, parse_config
+from batchmaker.common.frontdoor_config import DOOR_FILES
 
 MANIFESTS = ROOT / "deploy" / "k8s"
 KSERVE = ROOT / "deploy" / "kserve"
 CONFIG_PATH = Path("/etc/batchmaker/config.toml")
 DOOR_TABLES = ("http", "grpc")
-DOOR_FILES = ("tls_cert", "tls_key", "tls_client_ca", "token_file")
 # The front door's health endpoints, which need no token: what each probe must GET.
 PROBES = {"startupProbe": "/v2/health/live", "livenessProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready"}
 # With client certificates on the HTTP port the kubelet cannot probe it: the metrics port's probes instead.

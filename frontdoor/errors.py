@@ -20,8 +20,10 @@ STATUSES: dict[str, tuple[int, str]] = {
     protocol.INTERNAL: (500, "INTERNAL"),
 }
 UNAUTHENTICATED = "UNAUTHENTICATED"  # the front door's own: a missing or wrong bearer token (401)
+FORBIDDEN = "FORBIDDEN"  # the front door's own: model control, off on this listener (403)
 TOO_LARGE = "TOO_LARGE"  # the front door's own: a body over [http] max_body_bytes (413)
 STATUSES[UNAUTHENTICATED] = (401, "UNAUTHENTICATED")
+STATUSES[FORBIDDEN] = (403, "PERMISSION_DENIED")
 STATUSES[TOO_LARGE] = (413, "RESOURCE_EXHAUSTED")
 
 

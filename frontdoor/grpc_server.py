@@ -15,13 +15,14 @@ from typing import Any
 
 import grpc
 
-from batchmaker.common.frontdoor_config import GrpcConfig, bearer_matches
+from batchmaker.common.frontdoor_config import GrpcConfig
 from batchmaker.common.protocol import INTERNAL, INVALID_INPUT, echo
 
 from . import inference_pb2 as pb
 from . import inference_pb2_grpc
-from .errors import UNAUTHENTICATED, DoorError
+from .errors import DoorError
 from .gateway import Gateway, InferRequest, InferResult, trace_context
+from .guards import Call, Credentials
 from .metrics import DoorMetrics
 from .tensors import datatype_of, from_bytes, from_json, to_bytes
 
@@ -45,18 +46,18 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self.gateway = gateway
         self.metrics = metrics
         self.config = config
-        self.token = config.security.token()
+        self.credentials = Credentials.of(
+            "grpc", config.address, config.security, "the metadata 'authorization: Bearer {}'"
+        )
 
-    async def _enter(self, context: grpc.aio.ServicerContext, method: str) -> None:
-        """Count the call and check its token."""
+    async def _enter(self, context: grpc.aio.ServicerContext, method: str, call: Call = Call.SERVICE) -> None:
+        """Count the call and check its credential (frontdoor/guards.py)."""
         self.metrics.request("grpc", method)
-        if self.token is None:
-            return
-        metadata = dict(context.invocation_metadata() or ())
-        if not bearer_matches(str(metadata.get("authorization", "")), self.token):
-            await self._abort(
-                context, DoorError(UNAUTHENTICATED, "this server needs the metadata 'authorization: Bearer <token>'")
-            )
+        authorization = str(dict(context.invocation_metadata() or ()).get("authorization", ""))
+        try:
+            self.credentials.check(call, authorization)
+        except DoorError as error:
+            await self._abort(context, error)
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: DoorError) -> None:
         self.metrics.error("grpc", error.code)
@@ -65,19 +66,19 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerLiveResponse:
-        await self._enter(context, "ServerLive")
+        await self._enter(context, "ServerLive", Call.HEALTH)
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerReadyResponse:
-        await self._enter(context, "ServerReady")
+        await self._enter(context, "ServerReady", Call.HEALTH)
         return pb.ServerReadyResponse(ready=await self.gateway.ready())
 
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
-        await self._enter(context, "ModelReady")
+        await self._enter(context, "ModelReady", Call.HEALTH)
         try:
             await self.gateway.model_version(request.name, request.version)
         except DoorError:
@@ -188,7 +189,7 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
         """A new version of the model, answered once it serves (docs/protocol.md, "Model repository")."""
-        await self._enter(context, "RepositoryModelLoad")
+        await self._enter(context, "RepositoryModelLoad", Call.CONTROL)
         try:
             parameters = {key: _value(parameter) for key, parameter in request.parameters.items()}
             await self.gateway.load(request.model_name, parameters)
@@ -199,7 +200,7 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryModelUnloadResponse:
-        await self._enter(context, "RepositoryModelUnload")
+        await self._enter(context, "RepositoryModelUnload", Call.CONTROL)
         try:
             await self.gateway.unload(request.model_name)
         except DoorError as error:

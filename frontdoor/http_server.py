@@ -18,17 +18,22 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from batchmaker.common.frontdoor_config import HttpConfig, bearer_matches, split_host_port
-from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, INVALID_INPUT, echo
+from batchmaker.common.frontdoor_config import HttpConfig, split_host_port
+from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, INVALID_INPUT, UNKNOWN_MODEL, echo
 
-from .errors import TOO_LARGE, UNAUTHENTICATED, DoorError
+from .errors import TOO_LARGE, DoorError
 from .gateway import Gateway, InferRequest, InferResult, trace_context
+from .guards import Call, Credentials
 from .metrics import DoorMetrics
 from .tensors import datatype_of, from_bytes, from_json, to_bytes, to_json
 
 log = logging.getLogger("batchmaker.frontdoor")
 HEADER_LENGTH = "Inference-Header-Content-Length"
-OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/metrics")  # probes and scrapes need no token
+MODEL, VERSIONED = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+LOAD, UNLOAD = "/v2/repository/models/{model}/load", "/v2/repository/models/{model}/unload"
+HEALTH_ROUTES = ("/v2/health/live", "/v2/health/ready", "/metrics", MODEL + "/ready", VERSIONED + "/ready")
+# Each route's kind of call (frontdoor/guards.py); a route not named here is a SERVICE call.
+CALLS = {**dict.fromkeys(HEALTH_ROUTES, Call.HEALTH), LOAD: Call.CONTROL, UNLOAD: Call.CONTROL}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -41,30 +46,34 @@ def error_response(error: DoorError) -> web.Response:
 
 
 class HttpDoor:
-    """The routes, and the checks every request passes first: its token, then its size."""
+    """The routes, and the checks every request passes first: its credential, then its size.
 
-    def __init__(self, gateway: Gateway, metrics: DoorMetrics, config: HttpConfig):
+    `max_body_bytes` is [http] max_body_bytes, else the manager's [server] max_message_bytes: a body over it
+    is refused by its Content-Length before it is read, or once the bytes read pass it (chunked), never parsed."""
+
+    def __init__(self, gateway: Gateway, metrics: DoorMetrics, config: HttpConfig, max_body_bytes: int):
         self.gateway = gateway
         self.metrics = metrics
         self.config = config
-        self.token = config.security.token()
+        self.max_body_bytes = max_body_bytes
+        self.credentials = Credentials.of(
+            "http", config.address, config.security, "the header 'Authorization: Bearer {}'"
+        )
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._guard], client_max_size=self.config.max_body_bytes)
-        model = "/v2/models/{model}"
-        versioned = "/v2/models/{model}/versions/{version}"
+        app = web.Application(middlewares=[self._guard], client_max_size=self.max_body_bytes)
         app.add_routes(
             [
                 web.get("/v2/health/live", self.live),
                 web.get("/v2/health/ready", self.ready),
                 web.get("/v2", self.server_metadata),
                 web.get("/metrics", self.scrape),
-                *[web.get(base, self.model_metadata) for base in (model, versioned)],
-                *[web.get(base + "/ready", self.model_ready) for base in (model, versioned)],
-                *[web.post(base + "/infer", self.infer) for base in (model, versioned)],
+                *[web.get(base, self.model_metadata) for base in (MODEL, VERSIONED)],
+                *[web.get(base + "/ready", self.model_ready) for base in (MODEL, VERSIONED)],
+                *[web.post(base + "/infer", self.infer) for base in (MODEL, VERSIONED)],
                 web.post("/v2/repository/index", self.repository_index),
-                web.post("/v2/repository/models/{model}/load", self.load),
-                web.post("/v2/repository/models/{model}/unload", self.unload),
+                web.post(LOAD, self.load),
+                web.post(UNLOAD, self.unload),
             ]
         )
         return app
@@ -88,23 +97,17 @@ class HttpDoor:
         endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
         self.metrics.request("http", endpoint)
         try:
-            needs_token = self.token is not None and request.path not in OPEN_PATHS
-            if needs_token and not bearer_matches(request.headers.get("Authorization", ""), self.token):
-                raise DoorError(UNAUTHENTICATED, "this server needs the header 'Authorization: Bearer <token>'")
+            self.credentials.check(CALLS.get(endpoint, Call.SERVICE), request.headers.get("Authorization", ""))
             length = request.content_length
-            if length is not None and length > self.config.max_body_bytes:
-                raise DoorError(
-                    TOO_LARGE, f"the body is {length} bytes, over the limit of {self.config.max_body_bytes}"
-                )
+            if length is not None and length > self.max_body_bytes:
+                raise self._too_large(f"{length} bytes")
             return await handler(request)
         except DoorError as error:
             self.metrics.error("http", error.code)
             return error_response(error)
         except web.HTTPRequestEntityTooLarge:
             self.metrics.error("http", TOO_LARGE)
-            return error_response(
-                DoorError(TOO_LARGE, f"the body is over the limit of {self.config.max_body_bytes} bytes")
-            )
+            return error_response(self._too_large(f"over {self.max_body_bytes} bytes"))
         except web.HTTPException as exc:  # aiohttp's own: no route, wrong method
             self.metrics.error("http", str(exc.status))
             return web.json_response({"error": exc.reason}, status=exc.status, headers=exc.headers)
@@ -112,6 +115,13 @@ class HttpDoor:
             log.exception("request %s %s failed", request.method, request.path)
             self.metrics.error("http", INTERNAL)
             return error_response(DoorError(INTERNAL, f"the front door failed: {type(exc).__name__}: {exc}"))
+
+    def _too_large(self, size: str) -> DoorError:
+        return DoorError(
+            TOO_LARGE,
+            f"the body is {size}, over the front door's limit of {self.max_body_bytes} bytes "
+            "([http] max_body_bytes, by default the server's [server] max_message_bytes); it was not read",
+        )
 
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True})
@@ -139,7 +149,15 @@ class HttpDoor:
         )
 
     async def model_ready(self, request: web.Request) -> web.Response:
-        model = await self.gateway.model_version(request.match_info["model"], request.match_info.get("version", ""))
+        """A health call, open to anyone: a model or version that is not ready is 404 naming no other."""
+        name, version = request.match_info["model"], request.match_info.get("version", "")
+        try:
+            model = await self.gateway.model_version(name, version)
+        except DoorError as error:
+            if error.code != UNKNOWN_MODEL:
+                raise
+            shown = f"version {echo(version)} of model {echo(name)}" if version else f"model {echo(name)}"
+            raise DoorError(UNKNOWN_MODEL, f"{shown} is not ready") from None
         ready = await self.gateway.ready()
         return web.json_response({"name": model.name, "ready": ready}, status=200 if ready else 503)
 

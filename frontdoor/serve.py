@@ -11,7 +11,7 @@ import grpc
 from aiohttp import web
 
 from batchmaker.common.config import Config
-from batchmaker.common.frontdoor_config import DEFAULT_MAX_BODY_BYTES
+from batchmaker.common.frontdoor_config import body_limit
 
 from . import inference_pb2_grpc
 from .gateway import Gateway
@@ -33,8 +33,9 @@ async def serve(config: Config, manager: str, parent_gone: Callable[[], bool]) -
     gateway = Gateway(manager, keys, CLIENT_TIMEOUT_S)
     metrics = DoorMetrics()
     drain_s = config.server.drain_timeout_ms / 1e3 + GRACE_S
-    runner = await _start_http(config, gateway, metrics, drain_s) if config.http is not None else None
-    grpc_server = await _start_grpc(config, gateway, metrics) if config.grpc is not None else None
+    limit = body_limit(config.http, config.server.max_message_bytes)
+    runner = await _start_http(config, gateway, metrics, drain_s, limit) if config.http is not None else None
+    grpc_server = await _start_grpc(config, gateway, metrics, limit) if config.grpc is not None else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -52,9 +53,11 @@ async def serve(config: Config, manager: str, parent_gone: Callable[[], bool]) -
     return 0
 
 
-async def _start_http(config: Config, gateway: Gateway, metrics: DoorMetrics, drain_s: float) -> web.AppRunner:
+async def _start_http(
+    config: Config, gateway: Gateway, metrics: DoorMetrics, drain_s: float, max_body_bytes: int
+) -> web.AppRunner:
     assert config.http is not None
-    door = HttpDoor(gateway, metrics, config.http)
+    door = HttpDoor(gateway, metrics, config.http, max_body_bytes)
     # handler_cancellation: a client that disconnects cancels its handler, and so its request on the server.
     runner = web.AppRunner(door.app(), handler_cancellation=True, shutdown_timeout=drain_s, access_log=None)
     await runner.setup()
@@ -64,14 +67,13 @@ async def _start_http(config: Config, gateway: Gateway, metrics: DoorMetrics, dr
     return runner
 
 
-async def _start_grpc(config: Config, gateway: Gateway, metrics: DoorMetrics) -> grpc.aio.Server:
+async def _start_grpc(
+    config: Config, gateway: Gateway, metrics: DoorMetrics, max_message_bytes: int
+) -> grpc.aio.Server:
+    """A message over `max_message_bytes` is refused by gRPC itself, RESOURCE_EXHAUSTED, before it is parsed.
+    Replies have no limit: the server's outputs are as large as the model makes them."""
     assert config.grpc is not None
-    limit = config.http.max_body_bytes if config.http is not None else DEFAULT_MAX_BODY_BYTES
-    options = [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        ("grpc.so_reuseport", 1),
-    ]
+    options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 1)]
     server = grpc.aio.server(options=options)
     inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GrpcDoor(gateway, metrics, config.grpc), server)
     credentials = server_credentials(config.grpc)

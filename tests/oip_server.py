@@ -57,8 +57,8 @@ batch_sizes = [1, 2, 4, 8]
 TREE = {"tokens": [5, 17, -1, 40, -1], "parents": [2, 2, 4, 4, -1]}
 
 
-def door_tables(http: int, grpc: int, http_extra: str = "", grpc_extra: str = "") -> str:
-    return f'\n[http]\naddress = "127.0.0.1:{http}"\n{http_extra}\n[grpc]\naddress = "127.0.0.1:{grpc}"\n{grpc_extra}\n'
+def door_tables(http: int, grpc: int, http_extra: str = "", grpc_extra: str = "", host: str = "127.0.0.1") -> str:
+    return f'\n[http]\naddress = "{host}:{http}"\n{http_extra}\n[grpc]\naddress = "{host}:{grpc}"\n{grpc_extra}\n'
 
 
 @dataclass
@@ -82,6 +82,7 @@ class Door:
 
 
 def start_door(directory: Path, models: str = MODELS, server: str = "", **tables: str) -> Door:
+    """A server with its front door; `tables` go to door_tables (`host`: where both listen; clients call loopback)."""
     http, grpc = free_port(), free_port()
     config = write_config(directory, models + door_tables(http, grpc, **tables), server=server)
     return Door(start_server(config, workers=1), config, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}")

@@ -1,12 +1,15 @@
-"""The front door's limits and lifetimes against a real server: bodies over max_body_bytes, a client that goes
-away (its request is cancelled on the server), refusals under load (429 / UNAVAILABLE), a request that kills
+"""The front door's limits and lifetimes against a real server: bodies over max_body_bytes (by default the
+manager's max_message_bytes) and requests over the manager's frame limit, a client that goes away (its request
+is cancelled on the server), refusals under load (429 / UNAVAILABLE), a request that kills
 its worker (500 / INTERNAL), and a stop that drains."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import socket
+import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -14,12 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import faulty_lstm
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import SMALL_LSTM, stop_server, wait_idle, wait_until, with_faults
-from oip_server import Door, start_door
+from oip_server import Door, close, start_door
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from batchmaker.clients.errors import ServerError
@@ -45,6 +51,24 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
     )
     yield door
     stop_server(door.server)
+
+
+@pytest.fixture(scope="module")
+def defaulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
+    """No max_body_bytes: the front door's limit is the manager's max_message_bytes."""
+    door = start_door(tmp_path_factory.mktemp("defaulted"), SMALL_LSTM, server=f"max_message_bytes = {MAX_FRAME}")
+    yield door
+    stop_server(door.server)
+
+
+def still_serves(door: Door) -> None:
+    """A request within the limits is answered, over both transports: a refusal disturbed nothing."""
+    tokens = np.array([5, 17, 342], dtype=np.int64)
+    expected = door.reference("lstm", {"tokens": tokens.tolist()})["h"]
+    for module, address in ((httpclient, door.http), (grpcclient, door.grpc)):
+        item = module.InferInput("tokens", [3], "INT64")
+        item.set_data_from_numpy(tokens)
+        assert close(module.InferenceServerClient(address).infer("lstm", [item]).as_numpy("h"), expected)
 
 
 def binary_body(tokens: np.ndarray) -> tuple[bytes, dict[str, str]]:
@@ -111,12 +135,53 @@ def test_a_request_over_the_servers_frame_limit_is_413_too(limited: Door):
     assert refused.value.code == 413 and "max_message_bytes" in json.loads(refused.value.read())["error"]
 
 
-def test_a_grpc_message_over_the_limit_is_resource_exhausted(limited: Door):
-    item = grpcclient.InferInput("tokens", [MAX_BODY // 8 + 1], "INT64")
-    item.set_data_from_numpy(np.zeros(MAX_BODY // 8 + 1, dtype=np.int64))
+def test_by_default_a_body_over_the_servers_frame_limit_gets_413_naming_both_settings(defaulted: Door):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not on PATH")
+    body = b'{"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1], "data": [' + b" " * MAX_FRAME + b"5]}]}"
+    done = subprocess.run(
+        ["curl", "-s", "-w", "\n%{http_code}", "--data-binary", "@-", f"http://{defaulted.http}/v2/models/lstm/infer"],
+        input=body, capture_output=True, check=True,
+    )  # fmt: skip
+    answer, _, status = done.stdout.rpartition(b"\n")
+    assert status == b"413" and json.loads(answer)["error"] == (
+        f"TOO_LARGE: the body is {len(body)} bytes, over the front door's limit of {MAX_FRAME} bytes "
+        "([http] max_body_bytes, by default the server's [server] max_message_bytes); it was not read"
+    )
+    still_serves(defaulted)
+
+
+@pytest.mark.parametrize(("fixture", "limit"), [("limited", MAX_BODY), ("defaulted", MAX_FRAME)])
+def test_a_grpc_message_over_the_limit_is_resource_exhausted(request: pytest.FixtureRequest, fixture: str, limit: int):
+    """The limit is max_body_bytes when given, else the server's max_message_bytes."""
+    door = request.getfixturevalue(fixture)
+    item = grpcclient.InferInput("tokens", [limit // 8 + 1], "INT64")
+    item.set_data_from_numpy(np.ones(limit // 8 + 1, dtype=np.int64))
     with pytest.raises(InferenceServerException) as refused:
-        grpcclient.InferenceServerClient(limited.grpc).infer("lstm", [item])
+        grpcclient.InferenceServerClient(door.grpc).infer("lstm", [item])
     assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "Received message larger than max (" in refused.value.message()  # gRPC's own, before it is parsed
+    assert f"vs. {limit})" in refused.value.message()
+    still_serves(door)
+
+
+def test_a_body_within_the_limit_whose_tensors_are_over_the_frame_limit_gets_a_clear_error(defaulted: Door):
+    """JSON `0` takes 2 bytes a value, the server's int64 8: the door parses it, and refuses it unsent."""
+    count = MAX_FRAME // 6
+    json_input = httpclient.InferInput("tokens", [count], "INT64")
+    json_input.set_data_from_numpy(np.zeros(count, dtype=np.int64), binary_data=False)
+    with pytest.raises(InferenceServerException) as refused:
+        httpclient.InferenceServerClient(defaulted.http).infer("lstm", [json_input])
+    assert refused.value.status() == "413"
+    assert f"over the server's limit of {MAX_FRAME} bytes (server.max_message_bytes)" in refused.value.message()
+    typed = pb.ModelInferRequest(model_name="lstm")  # typed contents, which tritonclient never sends
+    typed.inputs.add(name="tokens", datatype="INT64", shape=[count]).contents.int64_contents.extend([0] * count)
+    assert typed.ByteSize() < MAX_FRAME  # a zero takes a byte
+    with grpc.insecure_channel(defaulted.grpc) as channel, pytest.raises(grpc.RpcError) as exhausted:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(typed)
+    assert exhausted.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"over the server's limit of {MAX_FRAME} bytes" in exhausted.value.details()
+    still_serves(defaulted)
 
 
 def test_an_http_client_that_disconnects_cancels_its_request(limited: Door):
