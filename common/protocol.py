@@ -44,7 +44,7 @@ ERROR_CODES = (
 REQUEST_FIELDS = {
     "infer": (
         *("id", "op", "model", "version", "inputs", "deadline_ms", "priority", "stream"),
-        *("session", "session_end", "session_step", "traceparent", "tracestate"),
+        *("session", "session_start", "session_end", "session_step", "traceparent", "tracestate"),
     ),
     "models": ("id", "op"),
     "health": ("id", "op"),

@@ -132,8 +132,8 @@ def test_misspelt_optional_inputs_are_refused_instead_of_ignored(served, connect
 
 def test_an_unknown_request_field_is_refused_naming_it_and_the_ops_fields(served, connection):
     infer_fields = (
-        "id, op, model, version, inputs, deadline_ms, priority, stream, session, session_end, session_step, "
-        "traceparent, tracestate"
+        "id, op, model, version, inputs, deadline_ms, priority, stream, session, session_start, session_end, "
+        "session_step, traceparent, tracestate"
     )
     refused = call(connection, {"id": 1, "model": "lstm", "inputs": {"tokens": [5]}, "deadline": 100})
     assert_refused(refused, BAD_REQUEST, f"unknown field 'deadline' for op 'infer'; its fields are: {infer_fields}")
@@ -141,8 +141,8 @@ def test_an_unknown_request_field_is_refused_naming_it_and_the_ops_fields(served
     assert_refused(refused, BAD_REQUEST, "unknown fields 'targets', 'why' for op 'cancel'; its fields are: id, op, target")
     refused = call(connection, {"id": 3, "op": "models", "verbose": True})
     assert_refused(refused, BAD_REQUEST, "unknown field 'verbose' for op 'models'; its fields are: id, op")
-    every_field = {"version": 1, "deadline_ms": 60_000, "priority": 1, "stream": False, "session": "s", "session_end": True, "session_step": 0,
-                   "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "a=1"}  # fmt: skip
+    every_field = {"version": 1, "deadline_ms": 60_000, "priority": 1, "stream": False, "session": "s", "session_start": True,
+                   "session_end": True, "session_step": 0, "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "a=1"}  # fmt: skip
     inputs = {"tokens": [5, 6, 7]}
     assert_reference(served, "lstm", inputs, call(connection, {"id": 4, "op": "infer", "model": "lstm", "inputs": inputs, **every_field}))
     assert call(connection, {"id": 5, "op": "health"})["ok"] is True

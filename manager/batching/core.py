@@ -43,7 +43,7 @@ from batchmaker.manager.batching.plan_store import make_tables
 from batchmaker.manager.batching.policies import make_policy, make_scheduler
 from batchmaker.manager.batching.records import Request, Task
 from batchmaker.manager.batching.request_processor import RequestProcessor
-from batchmaker.manager.batching.sessions import Session, SessionStore, Waiting, session_fields
+from batchmaker.manager.batching.sessions import SessionStore, Waiting, session_fields
 from batchmaker.manager.batching.versions import Versions, served_name
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 
@@ -109,7 +109,7 @@ class BatchingCore:
 
     def _take(self, burst: _Burst, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> Request | None:
         fields = session_fields(message)
-        pinned = None if fields is None else self.sessions.model_of(fields.name)
+        pinned = None if fields is None or fields.start else self.sessions.model_of(fields.name)
         model = self.versions.resolve(message.get("model"), message.get("version"), pinned)
         name = served_name(model.name)
         if "inputs" not in message:
@@ -136,14 +136,16 @@ class BatchingCore:
             return self._plan(burst, client, request_id, model, message["inputs"], arrival, deadline_ms, priority, stream)
         self._record(burst)  # a session's request follows the burst's requests before it
         waiting = Waiting(client, request_id, model, message["inputs"], fields, arrival, deadline_ms, priority, stream)
-        session = self.sessions.find(model, fields, waiting.inputs)
+        self.sessions.check(model, waiting.inputs)
         if self.sessions.busy(fields.name):
             self.sessions.wait(waiting)
             return None
-        return self._admit_in_session(waiting, session)
+        return self._admit_in_session(waiting)
 
-    def _admit_in_session(self, waiting: Waiting, session: Session | None) -> Request:
-        """Admit a session's request with the session's state as its initial state; it runs now."""
+    def _admit_in_session(self, waiting: Waiting) -> Request:
+        """Admit a session's request whose turn came, with the session's state as its initial state; it runs
+        now. What it asks of the session (the step it continues, a start) is checked here, at its turn."""
+        session = self.sessions.turn(waiting.model, waiting.fields)
         inputs = self.sessions.inputs(session, waiting.inputs)
         burst = _Burst()
         request = self._plan(
@@ -183,7 +185,7 @@ class BatchingCore:
         refused: list[Outcome] = []
         while (waiting := self.sessions.next_waiting(name)) is not None:
             try:
-                self._admit_in_session(waiting, self.sessions.find(waiting.model, waiting.fields, waiting.inputs))
+                self._admit_in_session(waiting)
                 break
             except RequestError as error:
                 refused.append(Refused(waiting.client, waiting.request_id, error))

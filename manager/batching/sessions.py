@@ -5,12 +5,17 @@ that session's previous request: the manager keeps host copies of them from the 
 them to the next request as its `h0` (`c0`). The state lives in the manager, never only on a
 worker, so a worker lost mid-request costs nothing: the request replays from the same initial
 state. Requests of one session run one at a time, in arrival order; the later ones wait here,
-not yet admitted, until their turn (manager.batching.core admits them then).
+not yet admitted, until their turn (manager.batching.core admits them then). What a request asks
+of its session's state (the step it continues, a start from zeros) is checked when its turn comes,
+once the requests before it have been answered: a pipelined continuation is judged by the state
+its predecessors leave, not by the state at its arrival.
 
 A session idle for `session_ttl_ms` is dropped and leaves a tombstone (the last `max_sessions`
 are remembered) so that its next request gets SESSION_LOST rather than a silent start from zero;
 so does a request that says it continues from step n > 0 of a session this server does not know
-(it restarted, or the session lives on another server). See docs/protocol.md, "Sessions".
+(it restarted, or the session lives on another server). A request with `session_start` starts
+the session from zeros when its turn comes, whatever the name held: a live session of that name,
+or its tombstone, is forgotten at that moment. See docs/protocol.md, "Sessions".
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class SessionFields:
     """A request's session fields, checked."""
 
     name: str
+    start: bool  # start from zeros, replacing whatever the name holds
     end: bool
     step: int | None
 
@@ -68,22 +74,27 @@ class Session:
 
 
 def session_fields(message: dict[str, Any]) -> SessionFields | None:
-    """The request's `session`, `session_end` and `session_step`, or None if it names no session."""
+    """The request's `session`, `session_start`, `session_end` and `session_step`, or None if it names no session."""
     name = message.get("session")
     if name is None:
-        for extra in ("session_end", "session_step"):
+        for extra in ("session_start", "session_end", "session_step"):
             if extra in message:
                 raise RequestError(BAD_REQUEST, f"'{extra}' needs 'session' (the session's name)")
         return None
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_SESSION_CHARS:
         raise RequestError(BAD_REQUEST, f"'session' must be a string of 1 to {MAX_SESSION_CHARS} characters, got {echo(name)}")
-    end = message.get("session_end", False)
-    if not isinstance(end, bool):
-        raise RequestError(BAD_REQUEST, f"'session_end' must be true or false, got {echo(end)}")
+    start, end = message.get("session_start", False), message.get("session_end", False)
+    for key, value in (("session_start", start), ("session_end", end)):
+        if not isinstance(value, bool):
+            raise RequestError(BAD_REQUEST, f"'{key}' must be true or false, got {echo(value)}")
     step = message.get("session_step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise RequestError(BAD_REQUEST, f"'session_step' must be an integer >= 0, got {echo(step)}")
-    return SessionFields(name, end, step)
+    if start and step:
+        raise RequestError(
+            BAD_REQUEST, f"'session_start' starts the session from zeros: it continues no step ('session_step' {step})"
+        )
+    return SessionFields(name, start, end, step)
 
 
 def carries_state(model: Any) -> bool:
@@ -123,8 +134,8 @@ class SessionStore:
         return (client, request_id) in self._waiting
 
     # -- admission -----------------------------------------------------------------------------
-    def find(self, model: Any, fields: SessionFields, inputs: Any) -> Session | None:
-        """The live session the request continues, or None for a new one; raises RequestError to refuse it."""
+    def check(self, model: Any, inputs: Any) -> None:
+        """Refuse, on arrival, a session request that no state of its session could make valid."""
         capable = self._capable.get(model.name)
         if capable is None:
             capable = self._capable[model.name] = carries_state(model)
@@ -139,7 +150,13 @@ class SessionStore:
                 INVALID_INPUT,
                 "a session request starts from its session's state: send h0/c0 without 'session', or not at all",
             )
+
+    def turn(self, model: Any, fields: SessionFields) -> Session | None:
+        """The live session a request continues now that its turn came, or None for a new one; raises
+        RequestError to refuse it. A start first forgets the session of its name, live or lost."""
         name = fields.name
+        if fields.start:
+            self._forget(name)
         session = self._live.get(name)
         if session is not None:
             if session.model != model.name:
@@ -154,14 +171,25 @@ class SessionStore:
             raise lost(
                 name,
                 f"this server holds no state for it (asked to continue from step {fields.step}): "
-                "the server restarted, or the session lives on another server",
+                "the server restarted, the session ended, or it lives on another server",
             )
         if len(self._live) >= self.max_sessions:
             raise RequestError(OVERLOADED, f"{len(self._live)} sessions live (limit {self.max_sessions}); retry later")
         return None
 
+    def _forget(self, name: str) -> None:
+        """Drop the session of this name (it runs no request) and its tombstone: a start replaces both."""
+        session = self._live.pop(name, None)
+        if session is not None:
+            self._idle.pop(name, None)
+        self._tombstones.pop(name, None)
+
     def model_of(self, name: Any) -> str | None:
-        """The model a live session runs on (a version's internal name): its requests stay on that version."""
+        """The model (a version's internal name) a request of the session arriving now will run on: the latest
+        waiting start's, else the live session's. A session's requests stay on the version it started on."""
+        for waiting in reversed(self._queues.get(name, ())):
+            if waiting.fields.start and not waiting.done:
+                return waiting.model.name
         session = self._live.get(name)
         return None if session is None else session.model
 
@@ -278,4 +306,6 @@ class SessionStore:
 
 
 def lost(name: str, why: str) -> RequestError:
-    return RequestError(SESSION_LOST, f"session {echo(name)} is lost: {why}; start a new session under another name")
+    return RequestError(
+        SESSION_LOST, f"session {echo(name)} is lost: {why}; start it again from zeros with session_start"
+    )
