@@ -15,6 +15,8 @@ from batchmaker.common.config_values import ConfigError, check_keys, positive_in
 
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 DEFAULT_GRPC_ADDRESS = "127.0.0.1:8001"
+DEFAULT_MAX_STREAM_REQUESTS = 1024
+DEFAULT_MAX_STREAM_REPLIES = 1024
 # The keys naming files (relative to the config file), which must exist when the config loads.
 DOOR_FILES = ("tls_cert", "tls_key", "tls_client_ca", "token_file", "control_token_file")
 
@@ -51,6 +53,8 @@ class HttpConfig:
 class GrpcConfig:
     address: str = DEFAULT_GRPC_ADDRESS
     security: DoorSecurity = DoorSecurity()
+    max_stream_requests: int = DEFAULT_MAX_STREAM_REQUESTS  # in flight on one ModelStreamInfer stream
+    max_stream_replies: int = DEFAULT_MAX_STREAM_REPLIES  # made for one stream and not yet read by its client
 
 
 def bearer_matches(authorization: str, token: str) -> bool:
@@ -89,10 +93,12 @@ def parse_door_tables(raw: dict[str, Any], path: Path) -> tuple[HttpConfig | Non
         )
     if "grpc" in raw:
         table = subtable(raw, "grpc", path)
-        check_keys(table, {"address", *DOOR_FILES}, "grpc", path)
+        check_keys(table, {"address", "max_stream_requests", "max_stream_replies", *DOOR_FILES}, "grpc", path)
         grpc = GrpcConfig(
             address=_address(table, DEFAULT_GRPC_ADDRESS, "grpc", path),
             security=_security(table, "grpc", path),
+            max_stream_requests=positive_int(table, "max_stream_requests", DEFAULT_MAX_STREAM_REQUESTS, "grpc", path),
+            max_stream_replies=positive_int(table, "max_stream_replies", DEFAULT_MAX_STREAM_REPLIES, "grpc", path),
         )
     return http, grpc
 

@@ -22,9 +22,11 @@ STATUSES: dict[str, tuple[int, str]] = {
 UNAUTHENTICATED = "UNAUTHENTICATED"  # the front door's own: a missing or wrong bearer token (401)
 FORBIDDEN = "FORBIDDEN"  # the front door's own: model control, off on this listener (403)
 TOO_LARGE = "TOO_LARGE"  # the front door's own: a body over [http] max_body_bytes (413)
+EXHAUSTED = "RESOURCE_EXHAUSTED"  # the front door's own: a ModelStreamInfer stream past its bounds
 STATUSES[UNAUTHENTICATED] = (401, "UNAUTHENTICATED")
 STATUSES[FORBIDDEN] = (403, "PERMISSION_DENIED")
 STATUSES[TOO_LARGE] = (413, "RESOURCE_EXHAUSTED")
+STATUSES[EXHAUSTED] = (429, "RESOURCE_EXHAUSTED")
 
 
 class DoorError(Exception):

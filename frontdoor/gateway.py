@@ -28,7 +28,7 @@ from batchmaker.common.protocol import INVALID_INPUT, UNAVAILABLE, UNKNOWN_MODEL
 
 from . import repository
 from .errors import TOO_LARGE, DoorError
-from .sequences import Sequences
+from .sequences import session_fields
 from .tensors import datatype_of
 
 SERVER_NAME = "batchmaker"
@@ -85,7 +85,6 @@ class Gateway:
     def __init__(self, address: str, curve: tuple[str, str] | None, timeout_s: float):
         # No retries: an OVERLOADED refusal is the HTTP client's to retry (429, Retry-After), not ours.
         self.client = AsyncClient(address, timeout=timeout_s, curve=curve, max_retries=0)
-        self.sequences = Sequences()
         self._models: dict[str, ModelMetadata] | None = None
         self._ids = itertools.count(1)
 
@@ -159,9 +158,8 @@ class Gateway:
         """Run one request; a caller cancelled meanwhile (its client went away) cancels it on the server."""
         model = await self.model(request.model)
         wanted = _wanted_outputs(model, request.outputs)
-        session = self.sequences.fields(request.parameters)
         message = {"op": "infer", "model": model.name, "inputs": _server_inputs(model, request.inputs)}
-        message |= _admission_fields(request.parameters) | session | _routing_fields(request)
+        message |= _admission_fields(request.parameters) | session_fields(request.parameters) | _routing_fields(request)
         request_id = f"oip-{next(self._ids)}"
         try:
             reply = await self._ask(self.client.call({**message, "id": request_id}))
@@ -169,7 +167,6 @@ class Gateway:
             cancel = asyncio.ensure_future(self.client.cancel(request_id))
             cancel.add_done_callback(_ignore_outcome)
             raise
-        self.sequences.answered(session, reply)
         outputs = _selected(decode_outputs(reply.get("outputs") or {}), wanted)
         return InferResult(model.name, request.id, outputs, version=str(reply.get("version", "")))
 
@@ -177,7 +174,7 @@ class Gateway:
         """Each partial reply of a model that streams as it is decoded, then the final one; other models and
         sequences' requests give their one final reply. Closing the iterator early cancels the request."""
         model = await self.model(request.model)
-        if not model.streams or self.sequences.fields(request.parameters):
+        if not model.streams or session_fields(request.parameters):
             yield await self.infer(request)
             return
         wanted = _wanted_outputs(model, request.outputs)

@@ -2,12 +2,12 @@
 
 Inputs come as `raw_input_contents` (every input, in order) or as typed `contents`; outputs always go back as
 `raw_output_contents`. ModelStreamInfer answers each request of the stream, a streamed model's partial
-replies first, each response saying `triton_final_response` (Triton's decoupled convention).
+replies first, each response saying `triton_final_response` (Triton's decoupled convention); a sequence's
+requests on a stream run in the order sent (frontdoor.grpc_stream).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,8 +22,10 @@ from . import inference_pb2 as pb
 from . import inference_pb2_grpc
 from .errors import DoorError
 from .gateway import Gateway, InferRequest, InferResult, trace_context
+from .grpc_stream import StreamCall
 from .guards import Call, Credentials
 from .metrics import DoorMetrics
+from .sequences import sequence_session
 from .tensors import datatype_of, from_bytes, from_json, to_bytes
 
 log = logging.getLogger("batchmaker.frontdoor")
@@ -123,43 +125,38 @@ class GrpcDoor(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request of the stream runs as it arrives, side by side with the others; their responses
-        go out as they come. The call ends once the client ends its side and every request is answered."""
+        """Each request of the stream runs as it arrives, a sequence's after the sequence's previous one; the
+        responses go out as they come (frontdoor.grpc_stream). The call ends once the client ends its side and
+        every request is answered, or with RESOURCE_EXHAUSTED once it passes its bounds."""
         await self._enter(context, "ModelStreamInfer")
-        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-
-        async def read() -> None:
-            async for request in requests:
-                task = asyncio.create_task(self._stream_one(request, context, responses))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            while running:
-                await asyncio.wait(set(running))
-            responses.put_nowait(None)
-
-        reader = asyncio.create_task(read())
+        call: StreamCall[pb.ModelInferRequest, pb.ModelStreamInferResponse] = StreamCall(
+            lambda request: self._stream_one(request, context),
+            _sequence_of,
+            self.config.max_stream_requests,
+            self.config.max_stream_replies,
+            lambda error: self.metrics.error("grpc", error.code),
+        )
         try:
-            while (response := await responses.get()) is not None:
+            async for response in call.replies(requests):
                 yield response
-        finally:
-            for task in [reader, *running]:
-                task.cancel()
+        except DoorError as error:  # counted when it happened
+            await context.abort(getattr(grpc.StatusCode, error.grpc_code), error.text)
 
     async def _stream_one(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext, responses: asyncio.Queue[Any]
-    ) -> None:
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """The responses to one request of a stream: its partial ones, its final one, or its error."""
         started = time.perf_counter()
         try:
             async for result in self.gateway.stream(_traced(parse_infer(request), context)):
-                responses.put_nowait(pb.ModelStreamInferResponse(infer_response=to_response(result)))
+                yield pb.ModelStreamInferResponse(infer_response=to_response(result))
         except Exception as exc:  # the stream goes on: this request's error is its response
             error = exc if isinstance(exc, DoorError) else DoorError(INTERNAL, f"{type(exc).__name__}: {exc}")
             if error is not exc:
                 log.exception("a streamed request failed")
             self.metrics.error("grpc", error.code)
             failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-            responses.put_nowait(pb.ModelStreamInferResponse(error_message=error.text, infer_response=failed))
+            yield pb.ModelStreamInferResponse(error_message=error.text, infer_response=failed)
         finally:
             self.metrics.latency("grpc", time.perf_counter() - started)
 
@@ -236,6 +233,17 @@ def parse_infer(request: pb.ModelInferRequest) -> InferRequest:
         parameters={key: _value(parameter) for key, parameter in request.parameters.items()},
         id=request.id,
     )
+
+
+def _sequence_of(request: pb.ModelInferRequest) -> str | None:
+    """The sequence a stream's request belongs to (its server session), which orders it after the stream's
+    earlier requests of that sequence; None outside a sequence, or for a sequence_id its own answer refuses."""
+    if "sequence_id" not in request.parameters:
+        return None
+    try:
+        return sequence_session({"sequence_id": _value(request.parameters["sequence_id"])})
+    except DoorError:
+        return None
 
 
 def _traced(request: InferRequest, context: grpc.aio.ServicerContext) -> InferRequest:

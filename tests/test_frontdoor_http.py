@@ -156,14 +156,16 @@ def test_a_sequence_the_server_does_not_hold_is_lost_not_restarted(door: Door):
     assert lost.value.status() == "404" and "SESSION_LOST" in lost.value.message()
 
 
-def test_starting_a_sequence_still_open_is_refused(door: Door):
+def test_starting_a_sequence_still_open_starts_it_again_from_zeros(door: Door):
+    """As in Triton: the start replaces the sequence of its id, and what follows continues the new one."""
     triton = client(door)
     tokens = [tensor("tokens", np.array([1, 2], dtype=np.int64))]
-    triton.infer("lstm", tokens, sequence_id="open-one", sequence_start=True)
-    with pytest.raises(InferenceServerException) as refused:
-        triton.infer("lstm", tokens, sequence_id="open-one", sequence_start=True)
-    assert refused.value.status() == "400" and "still open" in refused.value.message()
-    triton.infer("lstm", tokens, sequence_id="open-one", sequence_end=True)
+    first = triton.infer("lstm", tokens, sequence_id="open-one", sequence_start=True).as_numpy("h_n")
+    triton.infer("lstm", tokens, sequence_id="open-one")
+    again = triton.infer("lstm", tokens, sequence_id="open-one", sequence_start=True).as_numpy("h_n")
+    assert close(again, first) and close(first, door.reference("lstm", {"tokens": [1, 2]})["h_n"])
+    last = triton.infer("lstm", tokens, sequence_id="open-one", sequence_end=True).as_numpy("h_n")
+    assert close(last, door.reference("lstm", {"tokens": [1, 2, 1, 2]})["h_n"])
 
 
 @pytest.mark.parametrize(
