@@ -25,6 +25,7 @@ from batchmaker.bench import (
     servers_report,
     stages,
     startup,
+    triton_setups,
 )
 from batchmaker.bench.presets import FULL, PRESETS, QUICK, presets_named
 from batchmaker.bench.progress import Progress
@@ -50,6 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, help="results: a README whose results block to rewrite")
     parser.add_argument(
         "--trace-to", metavar="URL", help="ceiling: trace every request, exporting the spans over OTLP/HTTP to URL"
+    )
+    parser.add_argument(
+        "--triton-instances",
+        type=int,
+        metavar="N",
+        help="http: model instances of Triton's dynamic batcher and direct sequence setup (default: one a core)",
+    )
+    parser.add_argument(
+        "--triton-tokens",
+        type=int,
+        metavar="N",
+        default=triton_setups.TOKENS_PER_REQUEST,
+        help=f"http: tokens a request in Triton's direct sequence setup (default: {triton_setups.TOKENS_PER_REQUEST})",
     )
     args = parser.parse_args(argv)
     if args.preset == "results":
@@ -99,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         startup.main(args.quick, args.out)
         return 0
     if args.preset == "http":
-        result = http.run(args.quick)
+        try:
+            setups = triton_setups.setups(args.triton_instances, args.triton_tokens)
+        except ValueError as exc:  # a Triton setup that cannot be: no instance, no token a request
+            print(f"http: {exc}", file=sys.stderr)
+            return 2
+        result = http.run(args.quick, setups)
         _write_json(args.out, "http", result)
         print(http.table(result))
         wrong = [way for way, check in http.checks(result).items() if not check["ok"]]

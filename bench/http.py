@@ -5,18 +5,20 @@ The `lstm` preset's model and WMT sentences, at the same Poisson rates, sent thr
 * through batchmaker's gRPC front door, by `tritonclient.grpc.aio` (bench/oip_load.py);
 * through its ZeroMQ door, by the project's client (bench/client_load.py), on the same server: the front door's
   added p50/p99 latency is the difference, and its CPU per request comes from its process's CPU time;
-* to Triton serving the same nn.Embedding + nn.LSTM (bench/triton_lstm.py), by the same tritonclient generator:
-  its dynamic batcher (max batch 64, 2 ms queue delay), which joins only requests of one shape (pytriton offers
-  no ragged batching), so on WMT's lengths it batches sentences of equal length only; and its sequence batcher
-  (the same batch, "oldest" strategy, no queue delay: it would be paid at every token), to which each sentence
-  is a sequence of one-token requests and whose latency is the whole sentence's. Triton, when it is not
-  installed or does not start, is recorded as skipped with the reason; its CPU is its whole process tree's
-  (tritonserver, its Python backend stub, and the process running the model).
+* to Triton serving the same nn.Embedding + nn.LSTM (bench/triton_lstm.py), by the same tritonclient generator,
+  in each setup of bench/triton_setups.py: its sequence batcher's `direct` strategy with one model instance a
+  core and several tokens a request (the setup a capable Triton user would choose for this model on a CPU
+  machine), its dynamic batcher (max batch 64, 2 ms queue delay), which joins only requests of one shape
+  (pytriton offers no ragged batching), so on WMT's lengths it batches sentences of equal length only, and its
+  sequence batcher's `oldest` strategy with one instance and one token a request. To the sequence batcher each
+  sentence is a sequence of requests, and its latency is the whole sentence's. Each setup is recorded beside
+  its numbers; Triton, when it is not installed or does not start, is recorded as skipped with the reason; its
+  CPU is its whole process tree's (tritonserver, its Python backend stubs, and the process running the model).
 
 The rates rise until a way fails: each way is sent every rate up to the first at which it answers with p90 over
 P90_LIMIT_MS or refuses anything, and its peak is the highest rate it sustained. The peaks' ratios say what the
 front door sustains against Triton and against the ZeroMQ door; the Triton ones are the JSON's `peers`
-(bench/results.py), which the results page lists among other systems.
+(bench/results.py), each with its setup, which the results page lists among other systems (quoting the strongest).
 
 Every way's answers are checked against the unbatched reference model.
 """
@@ -39,7 +41,8 @@ from batchmaker.bench.oip_load import Target
 from batchmaker.bench.presets import LSTM
 from batchmaker.bench.run import git, machine, write_config
 from batchmaker.bench.sweep import ServedPolicy
-from batchmaker.bench.triton_lstm import MAX_BATCH, MAX_QUEUE_DELAY_US, TritonLSTM, TritonUnavailable
+from batchmaker.bench.triton_lstm import TritonLSTM, TritonUnavailable
+from batchmaker.bench.triton_setups import Setup, setups
 from batchmaker.bench.verify import compare_replies
 from batchmaker.clients.loadgen import percentiles
 from batchmaker.common.config import load_config
@@ -48,8 +51,6 @@ from batchmaker.manager.commands.launcher import cpu_seconds, free_port_on
 
 MODEL = "lstm"
 OUTPUTS = ("h", "c")
-TRITON_BATCHINGS = ("dynamic", "sequence")
-SENT_AS = {"dynamic": "one request a sentence", "sequence": "one request a token, a sentence answered by its last"}
 
 
 @dataclass(frozen=True)
@@ -169,13 +170,14 @@ def run_doors(config: Path, load: Load, check: list[dict[str, Any]], expected: l
 
 
 def run_triton(
-    config: Path, batching: str, load: Load, check: list[dict[str, Any]], expected: list[dict[str, Any]]
+    config: Path, setup: Setup, load: Load, check: list[dict[str, Any]], expected: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Triton with `batching`, driven by the gRPC door's generator at each rate until it fails one; or why it was
-    skipped."""
+    """Triton in `setup`, driven by the gRPC door's generator at each rate until it fails one; or why it was
+    skipped. Either way with the setup."""
+    record = {"setup": setup.record()}
     try:
-        with TritonLSTM(config, batching) as triton:
-            target = Target(triton.address, MODEL, OUTPUTS, batched=True, steps=batching == "sequence")
+        with TritonLSTM(config, setup) as triton:
+            target = Target(triton.address, MODEL, OUTPUTS, batched=True, tokens_per_call=setup.tokens_per_request)
             rows = []
             for rate, due, inputs in zip(load.rates, load.due, load.inputs):
                 before = cpu_seconds(triton.pids())
@@ -183,9 +185,9 @@ def run_triton(
                 rows.append({"offered_rps": rate, **summary(run, used(before, cpu_seconds(triton.pids())))})
                 if not sustained(rows[-1]):
                     break
-            return {"version": triton.version, "rows": rows, "verify": _verify_oip(target, check, expected)}
+            return record | {"version": triton.version, "rows": rows, "verify": _verify_oip(target, check, expected)}
     except TritonUnavailable as exc:
-        return {"skipped": str(exc)}
+        return record | {"skipped": str(exc)}
 
 
 def way_rows(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -196,8 +198,8 @@ def way_rows(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         ]
         for way, name in (("zmq", "zmq"), ("grpc", "gRPC"))
     }
-    batchings = result["triton"]["batchings"]
-    return ways | {f"Triton {b}": section["rows"] for b, section in batchings.items() if "rows" in section}
+    found = result["triton"]["setups"]
+    return ways | {f"Triton {name}": section["rows"] for name, section in found.items() if "rows" in section}
 
 
 def peak(rows: list[dict[str, Any]]) -> float | None:
@@ -220,32 +222,35 @@ def peaks(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def peers(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Triton's batchers against the gRPC door, each at its peak, in bench/results.py's `peers` format; the p90s
-    are both's at the lower of the two peaks."""
+    """Triton's setups against the gRPC door, each at its peak, in bench/results.py's `peers` format with its
+    setup; the p90s are both's at the lower of the two peaks."""
     rows, found = way_rows(result), result["peaks"]["requests_per_s"]
     door = found["gRPC door"]
     entries = []
-    for batching, section in result["triton"]["batchings"].items():
-        theirs = found.get(f"Triton {batching}")
+    for name, section in result["triton"]["setups"].items():
+        theirs = found.get(f"Triton {name}")
         if theirs is None or door is None:
             continue
         entries.append(
             {
-                "name": f"Triton {section['version']} {batching} batcher",
-                "setting": f"gRPC by tritonclient, {SENT_AS[batching]}; Poisson arrivals of WMT sentences, each "
-                f"at its highest rate with p90 <= {P90_LIMIT_MS:.0f} ms and nothing refused; cellular batching "
-                "through its gRPC front door",
+                "name": f"Triton {section['version']}",
+                "setup": section["setup"]["text"],
+                "setting": "gRPC by tritonclient, a sentence's latency to the answer of its last request; Poisson "
+                f"arrivals of WMT sentences, each at its highest rate with p90 <= {P90_LIMIT_MS:.0f} ms and nothing "
+                "refused; cellular batching through its gRPC front door",
                 "requests_per_s": theirs,
                 "cellular_requests_per_s": door,
-                "p90_ms": p90_at(rows[f"Triton {batching}"], min(theirs, door)),
+                "p90_ms": p90_at(rows[f"Triton {name}"], min(theirs, door)),
                 "cellular_p90_ms": p90_at(rows["gRPC door"], min(theirs, door)),
             }
         )
     return entries
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, triton_setups: tuple[Setup, ...] | None = None) -> dict[str, Any]:
+    """The whole benchmark, Triton in `triton_setups` (default: bench/triton_setups.py's, one instance a core)."""
     plan = QUICK if quick else FULL
+    triton_setups = setups() if triton_setups is None else triton_setups
     started = time.time()
     dataset = wmt()
     load = Load.of(plan, dataset)
@@ -256,7 +261,7 @@ def run(quick: bool) -> dict[str, Any]:
         check = dataset[: plan.verify_requests]
         expected = [model.reference(state, request) for request in check]
         doors = run_doors(config, load, check, expected)
-        triton = {batching: run_triton(config, batching, load, check, expected) for batching in TRITON_BATCHINGS}
+        triton = {setup.name: run_triton(config, setup, load, check, expected) for setup in triton_setups}
     result = {
         "preset": "http",
         "description": "LSTM on WMT sentences through the gRPC front door, the ZeroMQ door, and Triton",
@@ -266,12 +271,7 @@ def run(quick: bool) -> dict[str, Any]:
         "model": {"name": MODEL, "toml": LSTM.strip()},
         "load": {"dataset": "wmt", "rates": list(plan.rates), "seconds_per_rate": plan.seconds},
         "doors": doors,
-        "triton": {
-            "max_batch_size": MAX_BATCH,
-            "max_queue_delay_us": MAX_QUEUE_DELAY_US,  # by batching
-            "threads": 1,
-            "batchings": triton,
-        },
+        "triton": {"torch_threads_per_instance": 1, "setups": triton},
     }
     result["peaks"] = peaks(result)
     result["peers"] = peers(result)
@@ -281,9 +281,9 @@ def run(quick: bool) -> dict[str, Any]:
 def checks(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every answer check of a result, by the way it was sent."""
     found = {f"batchmaker {way}": check for way, check in result["doors"]["verify"].items()}
-    for batching, section in result["triton"]["batchings"].items():
+    for name, section in result["triton"]["setups"].items():
         if "verify" in section:
-            found[f"triton {batching}"] = section["verify"]
+            found[f"triton {name}"] = section["verify"]
     return found
 
 
@@ -318,9 +318,10 @@ def table(result: dict[str, Any]) -> str:
             sustained_rate += " or more: every rate sent"
         lines.append(f"peak {way}: {sustained_rate} (p90 <= {found['p90_limit_ms']:.0f} ms, nothing refused)")
     lines += [f"{ratio}: {value:.2f}x" for ratio, value in found["ratios"].items()]
-    for batching, section in result["triton"]["batchings"].items():
+    for name, section in result["triton"]["setups"].items():
+        lines.append(f"Triton {name}: {section['setup']['text']}")
         if "skipped" in section:
-            lines.append(f"Triton {batching}: skipped: {section['skipped']}")
+            lines.append(f"Triton {name}: skipped: {section['skipped']}")
     for way, check in checks(result).items():
         state = "ok" if check["ok"] else "WRONG: " + "; ".join(check["wrong"])
         lines.append(f"answers {way}: {check['checked']} checked, max abs error {check['max_abs_error']:.1e} {state}")

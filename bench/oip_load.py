@@ -4,8 +4,8 @@ and Triton, so that the two are compared under one client.
 
 Request i is sent at `due[i]` seconds whatever the replies; its tensors are built before the run, so the run
 costs the client only the calls. The result is the ZeroMQ load generator's `OpenLoop` (bench/client_load.py).
-To a target taking `steps`, a request is a sequence of one-token calls, each sent when the one before it is
-answered, and is answered by its last.
+To a target taking sequences (Triton's sequence batcher), a request is a sequence of calls of a few tokens
+each, each sent when the one before it is answered, and is answered by its last.
 """
 
 from __future__ import annotations
@@ -25,14 +25,20 @@ TIMEOUT_S = 60.0
 @dataclass(frozen=True)
 class Target:
     """A model behind a gRPC endpoint ("host:port"), the outputs asked of it, whether it takes a batch
-    dimension (Triton with max_batch_size > 0: tokens shaped [1, n], outputs [1, ...]), and whether it takes
-    each token as one step of a sequence (Triton's sequence batcher)."""
+    dimension (Triton with max_batch_size > 0: tokens shaped [1, n], outputs [1, ...]), and, where it takes a
+    request as a sequence of calls (Triton's sequence batcher), how many tokens each call carries."""
 
     url: str
     model: str
     outputs: tuple[str, ...]
     batched: bool
-    steps: bool = False
+    tokens_per_call: int | None = None  # None: a request is one call
+
+    def calls(self, tokens: list[int]) -> list[tuple[int, ...]]:
+        """The tokens of each call a request of `tokens` is sent as."""
+        if self.tokens_per_call is None:
+            return [tuple(tokens)]
+        return [tuple(tokens[i : i + self.tokens_per_call]) for i in range(0, len(tokens), self.tokens_per_call)]
 
     def tensor(self, tokens: list[int]) -> Any:
         """The request's `tokens` as the model's INT64 input."""
@@ -56,17 +62,16 @@ async def _open_loop(target: Target, requests: list[list[int]], due: np.ndarray,
     count = len(due)
     run = OpenLoop(due, np.full(count, np.nan), np.full(count, np.nan), [None] * count, [None] * count)
     wanted = [grpcclient.InferRequestedOutput(name) for name in target.outputs]
-    if target.steps:  # one tensor per token id, shared by every step sending it
-        by_token = {token: target.tensor([token]) for token in {t for request in requests for t in request}}
-        tensors = [[by_token[t] for t in request] for request in requests[:count]]
-    else:
-        tensors = [[target.tensor(requests[i])] for i in range(count)]
+    calls = [target.calls(request) for request in requests[:count]]
+    # One tensor per distinct call, shared by every request sending it (the load repeats the dataset's sentences).
+    by_tokens = {tokens: target.tensor(list(tokens)) for tokens in {c for request in calls for c in request}}
+    tensors = [[by_tokens[c] for c in request] for request in calls]
     first_sequence = int(np.random.default_rng().integers(1, 2**62))  # ids apart from any earlier run's
     async with grpcaio.InferenceServerClient(target.url) as client:
         start = time.monotonic()
 
         async def infer(index: int) -> Any:
-            if not target.steps:
+            if target.tokens_per_call is None:
                 return await client.infer(target.model, tensors[index], outputs=wanted, client_timeout=TIMEOUT_S)
             last, result = len(tensors[index]) - 1, None
             for step, tensor in enumerate(tensors[index]):

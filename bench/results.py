@@ -8,9 +8,12 @@ Any preset's JSON may report other systems measured beside cellular batching as 
     setting                  how both were driven, e.g. "HTTP, 64 requests outstanding"
     requests_per_s           its throughput
     cellular_requests_per_s  cellular batching's throughput, measured the same way in the same run
+    setup                    (optional) how the system was set up, e.g. "dynamic batcher, 2 model instances"
     p90_ms, cellular_p90_ms  (optional) p90 latency of each at the same offered load
 
-The treelstm preset's `dynet` section is read as one such entry.
+A JSON may list one system in several setups; the verdict and the README quote each system's strongest (the
+highest throughput), and the page's table of other systems lists them all. The treelstm preset's `dynet`
+section is read as one such entry.
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ class Row:
     cellular_throughput: float
     cellular_p90_ms: float | None
     setting: str = ""  # how a peer was driven; empty for the server's own policies
+    setup: str = ""  # how a peer was set up, where its JSON says
+
+    @property
+    def described(self) -> str:
+        """A peer with its setup, or saying that its JSON recorded none (a run from before setups were); a policy
+        by its name."""
+        if not self.setting:
+            return self.system
+        return f"{self.system} ({self.setup or 'setup not recorded'})"
 
     @property
     def throughput_ratio(self) -> float:
@@ -114,7 +126,9 @@ def peers(result: dict[str, Any]) -> list[Row]:
         entries.append(
             {
                 "name": f"DyNet {offline['dynet']}",
-                "setting": f"offline, {offline['batch']} trees a graph, agenda autobatching, one thread; "
+                "setup": (f"{offline['gates']} gates, " if "gates" in offline else "")
+                + f"{offline['batch']} trees a graph",
+                "setting": "offline, agenda autobatching, one thread; "
                 f"cellular batching served closed loop, {closed['window']} trees outstanding",
                 "requests_per_s": offline["trees_per_s"],
                 "cellular_requests_per_s": closed["trees_per_s"],
@@ -132,9 +146,19 @@ def peers(result: dict[str, Any]) -> list[Row]:
             entry["cellular_requests_per_s"],
             entry.get("cellular_p90_ms"),
             entry["setting"],
+            entry.get("setup", ""),
         )
         for entry in entries
     ]
+
+
+def strongest(rows: list[Row]) -> list[Row]:
+    """Each system's row with the highest throughput, in the order the systems first appear: the setup quoted."""
+    best: dict[str, Row] = {}
+    for row in rows:
+        if row.system not in best or row.throughput > best[row.system].throughput:
+            best[row.system] = row
+    return list(best.values())
 
 
 def workloads(results: dict[str, dict[str, Any]]) -> list[Workload]:
@@ -164,7 +188,7 @@ def workloads(results: dict[str, dict[str, Any]]) -> list[Workload]:
                 commit_of(result),
                 ours["peak_throughput"],
                 ours["p90_ms_at_50pct_padded_peak"],
-                rows + peers(result),
+                rows + strongest(peers(result)),
             )
         )
     return found

@@ -21,6 +21,7 @@ from batchmaker.bench.results import (
     idle_rows,
     load,
     peers,
+    strongest,
     verdict,
     workloads,
 )
@@ -100,7 +101,7 @@ def workload_section(workload: Workload, directory: Path, page: Path) -> list[st
         for row in workload.rows
     ]
     notes = [
-        f"- {row.system}: {row.setting}: {row.throughput:,.0f} against cellular batching's "
+        f"- {row.described}: {row.setting}: {row.throughput:,.0f} against cellular batching's "
         f"{row.cellular_throughput:,.0f} req/s."
         for row in workload.rows
         if row.setting
@@ -120,14 +121,20 @@ def workload_section(workload: Workload, directory: Path, page: Path) -> list[st
 
 
 def peers_section(results: dict[str, dict[str, Any]], directory: Path, page: Path) -> list[str]:
+    """Every other system in every setup measured, each JSON's strongest setup of a system in bold."""
     found = [(name, row) for name, result in results.items() for row in peers(result)]
     if not found:
         return ["No JSON here reports another system measured beside cellular batching.", ""]
-    header = ["JSON", "system", "how", "its req/s", "cellular req/s", "cellular ÷ it", "p90 ms, it / cellular"]
+    quoted = {(name, row) for name, result in results.items() for row in strongest(peers(result))}
+    setups = collections.Counter((name, row.system) for name, row in found)
+    several = {(name, row) for name, row in quoted if setups[name, row.system] > 1}  # the strongest of several
+    header = ["JSON", "system", "setup", "how", "its req/s", "cellular req/s", "cellular ÷ it"]
+    header.append("p90 ms, it / cellular")
     rows = [
         [
             f"[{name}.json]({link(directory / f'{name}.json', page)})",
-            row.system,
+            f"**{row.system}**" if (name, row) in several else row.system,
+            row.setup or "not recorded",
             row.setting,
             f"{row.throughput:,.0f}",
             f"{row.cellular_throughput:,.0f}",
@@ -136,7 +143,14 @@ def peers_section(results: dict[str, dict[str, Any]], directory: Path, page: Pat
         ]
         for name, row in found
     ]
-    return table(header, rows, text_columns=3)
+    lines = table(header, rows, text_columns=4)
+    if several:
+        note = (
+            "Where a JSON measured a system in several setups, its strongest (in bold: the highest req/s) is the one "
+            "the verdict and the README quote."
+        )
+        lines += [note, ""]
+    return lines
 
 
 def idle_section(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -217,7 +231,11 @@ def reproduce_section(
         "```",
         "",
     ]
-    measuring = [f"`{name}` ({', '.join(row.system for row in peers(result))})" for name, result in results.items() if peers(result)]
+    measuring = [
+        f"`{name}` ({', '.join(row.system for row in strongest(peers(result)))})"
+        for name, result in results.items()
+        if peers(result)
+    ]
     if measuring:
         note = (
             "Other systems are measured only where they are installed, each in an environment of its own "

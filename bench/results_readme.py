@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from batchmaker.bench.results import Comparison, comparisons, fault_rows, idle_rows, peers, workloads
+from batchmaker.bench.results import Comparison, comparisons, fault_rows, idle_rows, peers, strongest, workloads
 
 BEGIN = "<!-- begin results: ./scripts/bench results --readme README.md writes this block -->"
 END = "<!-- end results -->"
@@ -26,8 +26,8 @@ def _headline(c: Comparison, descriptions: dict[str, str], what: str) -> str:
 
 
 def headlines(results: dict[str, dict[str, Any]]) -> list[str]:
-    """The largest throughput win, the largest latency win, the largest loss, the other systems, a lone request
-    on an idle server, and overload and faults: whichever of these the JSON has."""
+    """The largest throughput win, the largest latency win, the largest loss, the other systems (each in its
+    strongest setup), a lone request on an idle server, and overload and faults: whichever of these the JSON has."""
     found = workloads(results)
     descriptions = {w.preset: w.description.split(" (")[0] for w in found}
     own = [c for c in comparisons(found) if not c.peer]
@@ -44,13 +44,17 @@ def headlines(results: dict[str, dict[str, Any]]) -> list[str]:
         what = "p90 latency at 50% load" if worst.lower_wins else "peak throughput"
         lines.append("Where it loses: " + _headline(worst, descriptions, what))
     others = [
-        f"{row.cellular_throughput / row.throughput:.2f}x {row.system} on {name} "
+        f"{row.cellular_throughput / row.throughput:.2f}x {row.described} on {name} "
         f"({row.cellular_throughput:,.0f} against {row.throughput:,.0f} req/s)"
         for name, result in results.items()
-        for row in peers(result)
+        for row in strongest(peers(result))
     ]
     if others:
-        lines.append("Against other systems, throughput measured the same way: " + "; ".join(others) + ".")
+        lines.append(
+            "Against other systems, each in its strongest setup measured, throughput measured the same way: "
+            + "; ".join(others)
+            + "."
+        )
     idle = idle_rows(results)
     if idle:
         ratios = [r["ratio"]["p50"] for r in idle]

@@ -2,9 +2,10 @@
 with the same load as batchmaker's gRPC front door.
 
 Triton comes from the optional `nvidia-pytriton` package (`pip install 'batchmaker[triton]'`), whose wheel ships
-a `tritonserver` binary that runs on CPU. Its dynamic batcher is bound through pytriton in a process of its own
-(`python -m batchmaker.bench.triton_lstm`), so that its CPU time is counted apart from the load's; its sequence
-batcher, which pytriton cannot configure, is that binary serving a model repository (bench/triton_sequence.py).
+a `tritonserver` binary that runs on CPU. It serves the model in one of the setups of bench/triton_setups.py. The
+dynamic batcher is bound through pytriton in a process of its own (`python -m batchmaker.bench.triton_lstm`), so
+that its CPU time is counted apart from the load's; the sequence batcher, which pytriton cannot configure, is that
+binary serving a model repository (bench/triton_sequence.py).
 When the package is missing or Triton does not start, `TritonLSTM` raises `TritonUnavailable` with the reason,
 which the benchmark records as a skip.
 """
@@ -28,18 +29,12 @@ import numpy as np
 import psutil
 
 from batchmaker.bench import triton_sequence
+from batchmaker.bench.triton_setups import Setup
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
 from batchmaker.manager.commands.launcher import free_port_on, stop_server
 
-MAX_BATCH = 64
-# How long each batcher holds a request for others to join it. The sequence batcher's delay would be paid at every
-# token of a sentence (2 ms made WMT sentences' p90 several times longer); its steps batch without one while a
-# batch runs.
-MAX_QUEUE_DELAY_US = {"dynamic": 2000, "sequence": 0}
 START_TIMEOUT_S = 120.0
-# The dynamic batcher joins whole sentences of one length; the sequence batcher, one token of each sentence.
-BATCHINGS = ("dynamic", "sequence")
 PYTRITON_NUMPY_BELOW = 2  # nvidia-pytriton 0.7 requires numpy < 2
 
 
@@ -73,14 +68,12 @@ def _environment(*libraries: str) -> dict[str, str]:
 
 
 class TritonLSTM:
-    """Triton serving model `lstm` of the batchmaker config at `config` (its weights file), with `batching`.
+    """Triton serving model `lstm` of the batchmaker config at `config` (its weights file) as `setup` says.
 
-    `address` is its gRPC endpoint; `pids()` its processes (tritonserver, its Python backend stub, and with the
+    `address` is its gRPC endpoint; `pids()` its processes (tritonserver, its Python backend stubs, and with the
     dynamic batcher the pytriton host that started them) for CPU accounting."""
 
-    def __init__(self, config: Path, batching: str = "dynamic"):
-        if batching not in BATCHINGS:
-            raise ValueError(f"Triton has no {batching} batcher here (only {', '.join(BATCHINGS)})")
+    def __init__(self, config: Path, setup: Setup):
         reason = missing()
         if reason:
             raise TritonUnavailable(reason)
@@ -88,16 +81,16 @@ class TritonLSTM:
         self.version = ""  # Triton's, once it is ready
         ports = [self.address.rpartition(":")[2], str(free_port_on("127.0.0.1")), str(free_port_on("127.0.0.1"))]
         self._workspace = tempfile.TemporaryDirectory(prefix="batchmaker-bench-triton-")  # the sequence batcher's
-        if batching == "sequence":
+        if setup.batcher == "sequence":
             try:
-                workspace = Path(self._workspace.name)
-                command = triton_sequence.command(config, workspace, ports, MAX_BATCH, MAX_QUEUE_DELAY_US[batching])
+                command = triton_sequence.command(config, Path(self._workspace.name), ports, setup)
             except OSError as exc:  # the wheel lacks what the model repository needs (a stub for this Python)
                 self._workspace.cleanup()
                 raise TritonUnavailable(f"Triton's sequence batcher cannot be set up: {exc}") from None
             environment = {**_environment(triton_sequence.library_path()), "PATH": triton_sequence.search_path()}
         else:
             command = [sys.executable, "-m", "batchmaker.bench.triton_lstm", str(config), *ports]
+            command += [f"--{option}={value}" for option, value in _dynamic_options(setup).items()]
             environment = _environment()
         # The output, open for Triton's lifetime; close() deletes it unless Triton failed to start.
         self._log = tempfile.NamedTemporaryFile(prefix="batchmaker-bench-triton-", suffix=".log", delete=False)  # noqa: SIM115
@@ -156,8 +149,15 @@ class TritonLSTM:
             Path(self._log.name).unlink(missing_ok=True)
 
 
-def _serve(config_path: Path, grpc_port: int, http_port: int, metrics_port: int) -> None:
-    """Bind nn.Embedding + nn.LSTM with the config's weights to Triton's dynamic batcher and serve until SIGINT."""
+def _dynamic_options(setup: Setup) -> dict[str, int]:
+    """The options of `python -m batchmaker.bench.triton_lstm` that carry a dynamic batcher's setup."""
+    return {"instances": setup.instances, "max-batch": setup.max_batch, "max-queue-delay-us": setup.max_queue_delay_us}
+
+
+def _serve(config_path: Path, ports: tuple[int, int, int], instances: int, max_batch: int, delay_us: int) -> None:
+    """Bind nn.Embedding + nn.LSTM with the config's weights to Triton's dynamic batcher, `instances` model
+    instances (pytriton runs each in a thread of this process, which torch leaves while it computes), and serve
+    until SIGINT."""
     import torch
     from pytriton.decorators import batch
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
@@ -178,17 +178,19 @@ def _serve(config_path: Path, grpc_port: int, http_port: int, metrics_port: int)
         return {"h": h[-1].numpy(), "c": c[-1].numpy()}
 
     hidden = model.hidden_size
-    batcher = DynamicBatcher(max_queue_delay_microseconds=MAX_QUEUE_DELAY_US["dynamic"])
+    grpc_port, http_port, metrics_port = ports
     with Triton(config=TritonConfig(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port)) as triton:
         triton.bind(
             model_name="lstm",
-            infer_func=infer,
+            infer_func=[infer] * instances,
             inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,))],
             outputs=[
                 Tensor(name="h", dtype=np.float32, shape=(hidden,)),
                 Tensor(name="c", dtype=np.float32, shape=(hidden,)),
             ],
-            config=ModelConfig(max_batch_size=MAX_BATCH, batcher=batcher),
+            config=ModelConfig(
+                max_batch_size=max_batch, batcher=DynamicBatcher(max_queue_delay_microseconds=delay_us)
+            ),
         )
         triton.serve()
 
@@ -199,8 +201,11 @@ def main() -> None:
     parser.add_argument("grpc_port", type=int)
     parser.add_argument("http_port", type=int)
     parser.add_argument("metrics_port", type=int)
+    for option in _dynamic_options(Setup("dynamic", "dynamic", None, 1, None)):  # the setup's, every one needed
+        parser.add_argument(f"--{option}", type=int, required=True)
     args = parser.parse_args()
-    _serve(args.config, args.grpc_port, args.http_port, args.metrics_port)
+    ports = (args.grpc_port, args.http_port, args.metrics_port)
+    _serve(args.config, ports, args.instances, args.max_batch, args.max_queue_delay_us)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 (bench/triton_sequence.py copies this file into the model repository it writes; Triton's backend stub imports
 it there, never batchmaker).
 
-Each request is one token of a sequence; the sequence batcher ("oldest" strategy) gathers one step of up to
-max_batch_size sequences into one `execute`. The model keeps each sequence's (h, c) by its correlation id from
-its start to its end, and runs one step of torch's nn.Embedding + nn.LSTM for the whole batch; every step
-answers the state after that token, so the last step's answer is the sentence's. The sequence batcher sends at
-most one step of a sequence in a batch.
+Each request carries the next few tokens of a sequence; the sequence batcher gathers the next request of up to
+max_batch_size sequences into one `execute`, and sends every request of a sequence to the same model instance.
+The instance keeps each sequence's (h, c) by its correlation id from its start to its end, and runs torch's
+nn.Embedding + nn.LSTM over the batch's tokens from those states (packed, where requests carry different numbers
+of tokens); every request answers the state after its last token, so a sentence's last request answers the
+sentence. The sequence batcher sends at most one request of a sequence in a batch; the `direct` strategy's null
+requests (READY false, standing in for a batch slot without a request) are answered without running.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
+from torch.nn.utils.rnn import pack_padded_sequence
 
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
@@ -36,14 +40,18 @@ class TritonPythonModel:
         self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by correlation id, while it runs
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        """One step of every sequence in the batch: a fresh state at its start, forgotten at its end. A step the
-        model cannot run is refused alone, and ends its sequence's state."""
-        steps = [_step(request) for request in requests]
-        refusals = [self._refusal(*step) for step in steps]
-        valid = [step for step, refusal in zip(steps, refusals) if refusal is None]
+        """The next tokens of every sequence in the batch: a fresh state at its start, forgotten at its end. A
+        request the model cannot run is refused alone, and ends its sequence's state."""
+        steps = [_step(request) if _ready(request) else None for request in requests]
+        refusals = [None if step is None else self._refusal(*step) for step in steps]
+        valid = [step for step, refusal in zip(steps, refusals) if step is not None and refusal is None]
         answers = self._run(valid) if valid else {}
         responses = []
-        for (sequence, _, _, _), refusal in zip(steps, refusals):
+        for step, refusal in zip(steps, refusals):
+            if step is None:  # a null request: its answer goes nowhere
+                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+                continue
+            sequence = step[0]
             if refusal is None:
                 responses.append(pb_utils.InferenceResponse(output_tensors=answers[sequence]))
             else:
@@ -51,21 +59,30 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)))
         return responses
 
-    def _refusal(self, sequence: int, token: int, start: bool, _: bool) -> str | None:
+    def _refusal(self, sequence: int, tokens: np.ndarray, start: bool, _: bool) -> str | None:
         vocabulary = self.embedding.num_embeddings
-        if not 0 <= token < vocabulary:
-            return f"token {token} is outside the vocabulary (0 to {vocabulary - 1})"
+        if not len(tokens):
+            return "a request of a sequence needs at least one token"
+        outside = tokens[(tokens < 0) | (tokens >= vocabulary)]
+        if len(outside):
+            return f"token {outside[0]} is outside the vocabulary (0 to {vocabulary - 1})"
         if not start and sequence not in self.states:
-            return f"sequence {sequence} has no state: a step of it was refused"
+            return f"sequence {sequence} has no state: a request of it was refused"
         return None
 
-    def _run(self, steps: list[tuple[int, int, bool, bool]]) -> dict[int, list[Any]]:
-        """One LSTM step of these sequences; each one's outputs by its correlation id."""
+    def _run(self, steps: list[tuple[int, np.ndarray, bool, bool]]) -> dict[int, list[Any]]:
+        """These sequences' next tokens, from their states; each one's outputs by its correlation id."""
         before = [(self.zero, self.zero) if start else self.states[sequence] for sequence, _, start, _ in steps]
         h0 = torch.stack([h for h, _ in before])[None]
         c0 = torch.stack([c for _, c in before])[None]
+        lengths = [len(tokens) for _, tokens, _, _ in steps]
+        padded = np.zeros((len(steps), max(lengths)), dtype=np.int64)
+        for row, (_, tokens, _, _) in enumerate(steps):
+            padded[row, : len(tokens)] = tokens
         with torch.inference_mode():
-            embedded = self.embedding(torch.tensor([token for _, token, _, _ in steps]))[:, None]
+            embedded = self.embedding(torch.from_numpy(padded))
+            if min(lengths) < max(lengths):  # the LSTM stops each row at its own last token
+                embedded = pack_padded_sequence(embedded, torch.tensor(lengths), batch_first=True, enforce_sorted=False)
             _, (h, c) = self.lstm(embedded, (h0, c0))
         answers = {}
         for row, (sequence, _, _, end) in enumerate(steps):
@@ -79,10 +96,16 @@ class TritonPythonModel:
         return answers
 
 
-def _step(request: Any) -> tuple[int, int, bool, bool]:
-    """The request's correlation id, its token, whether it starts its sequence and whether it ends it."""
-    sequence, token, start, end = (
+def _ready(request: Any) -> bool:
+    """False for the direct strategy's null requests."""
+    return bool(pb_utils.get_input_tensor_by_name(request, "READY").as_numpy().reshape(-1)[0])
+
+
+def _step(request: Any) -> tuple[int, np.ndarray, bool, bool]:
+    """The request's correlation id, its tokens, whether it starts its sequence and whether it ends it."""
+    sequence, start, end = (
         int(pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0])
-        for name in ("CORRID", "tokens", "START", "END")
+        for name in ("CORRID", "START", "END")
     )
-    return sequence, token, bool(start), bool(end)
+    tokens = pb_utils.get_input_tensor_by_name(request, "tokens").as_numpy().reshape(-1)
+    return sequence, tokens, bool(start), bool(end)

@@ -1,7 +1,9 @@
 """`./scripts/bench http --quick` end to end on real processes: a batchmaker server with its gRPC front door,
-driven through gRPC (tritonclient) and ZeroMQ, every answer checked against the reference model; Triton's dynamic
-and sequence batchers compared where Triton runs here (an environment with the `triton` extra, numpy < 2), and
-recorded as skipped with the reason where it does not."""
+driven through gRPC (tritonclient) and ZeroMQ, every answer checked against the reference model; Triton in each
+setup (its dynamic batcher, its sequence batcher's oldest and direct strategies) compared where Triton runs here
+(an environment with the `triton` extra, numpy < 2), and recorded as skipped with the reason where it does not;
+the peaks and peers, and the results page and README quoting each system's strongest setup, from hand-made JSON.
+(tests/test_bench_triton.py tests the setups themselves.)"""
 
 from __future__ import annotations
 
@@ -11,16 +13,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
 
-from batchmaker.bench import http, oip_load, results, triton_lstm, triton_sequence
+from batchmaker.bench import http, oip_load, results, results_page, results_readme, triton_lstm, triton_setups
 from batchmaker.bench.datasets import wmt
-from batchmaker.bench.http import Load, Plan
-from batchmaker.bench.verify import compare_replies
+from batchmaker.bench.http import Load
 from batchmaker.common.models import build_model
 
 TOLERANCE = 1e-5
+LSTM_RESULT = {  # a workload's JSON, with only what the results page reads
+    "preset": "lstm", "description": "LSTM", "commit": "abc1234", "machine": {"cores": 2},
+    "summary": {"cellular": {"peak_throughput": 1000.0, "p90_ms_at_50pct_padded_peak": 50.0}},
+}  # fmt: skip
 
 
 def test_quick_run_serves_every_way_and_checks_the_answers(tmp_path: Path):
@@ -51,18 +55,22 @@ def test_quick_run_serves_every_way_and_checks_the_answers(tmp_path: Path):
         assert check["ok"] and check["checked"] == http.QUICK.verify_requests
         assert check["max_abs_error"] <= TOLERANCE
     reason = triton_lstm.missing()
-    for batching, section in result["triton"]["batchings"].items():
+    setups = triton_setups.setups()  # one model instance a core, 4 tokens a request
+    assert list(result["triton"]["setups"]) == [setup.name for setup in setups]
+    for setup, section in zip(setups, result["triton"]["setups"].values()):
+        assert section["setup"] == setup.record()  # each setup written beside its numbers
+        assert f"Triton {setup.name}: {setup.text()}" in done.stdout
         if reason is not None:
-            assert section == {"skipped": reason}
-            assert f"Triton {batching}: skipped: {reason}" in done.stdout
+            assert section == {"setup": setup.record(), "skipped": reason}
+            assert f"Triton {setup.name}: skipped: {reason}" in done.stdout
         else:  # Triton ran: its answers are the reference's too
             assert section["version"] and section["verify"]["checked"] == http.QUICK.verify_requests
             assert section["verify"]["ok"] and section["verify"]["max_abs_error"] <= TOLERANCE
     assert f"answers batchmaker grpc: {http.QUICK.verify_requests} checked" in done.stdout
     found = result["peaks"]["requests_per_s"]
-    compared = [b for b in triton_lstm.BATCHINGS if found.get(f"Triton {b}") and found["gRPC door"]]
-    assert [peer["name"] for peer in result["peers"]] == [
-        f"Triton {result['triton']['batchings'][b]['version']} {b} batcher" for b in compared
+    compared = [s for s in setups if found.get(f"Triton {s.name}") and found["gRPC door"]]
+    assert [(peer["name"], peer["setup"]) for peer in result["peers"]] == [
+        (f"Triton {result['triton']['setups'][s.name]['version']}", s.text()) for s in compared
     ]
 
 
@@ -87,98 +95,90 @@ def test_refusals_through_the_door_are_counted_and_fail_the_answer_check(tmp_pat
     assert http.summary(bad, {})["errors"] == {bad.errors[0]: 1}
 
 
-def test_an_unknown_batching_is_refused_before_anything_starts(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM).path
-    with pytest.raises(ValueError, match="Triton has no ragged batcher here \\(only dynamic, sequence\\)"):
-        triton_lstm.TritonLSTM(config, "ragged")
-
-
-@pytest.mark.skipif(triton_lstm.missing() is None, reason="Triton runs here")
-def test_each_batcher_is_a_skip_naming_what_is_missing(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM).path
-    load = Load.of(Plan((10.0,), seconds=0.5, verify_requests=1), [{"tokens": [5, 17]}])
-    for batching in triton_lstm.BATCHINGS:
-        assert http.run_triton(config, batching, load, [], []) == {"skipped": triton_lstm.missing()}
+def test_a_sentence_is_sent_in_calls_of_the_setups_tokens():
+    target = oip_load.Target("127.0.0.1:1", "lstm", http.OUTPUTS, batched=True, tokens_per_call=4)
+    assert target.calls(list(range(10))) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
+    assert target.calls([7]) == [(7,)] and target.calls([]) == []
+    whole = oip_load.Target("127.0.0.1:1", "lstm", http.OUTPUTS, batched=True)
+    assert whole.calls(list(range(10))) == [tuple(range(10))]
 
 
 def test_an_empty_sentence_as_a_sequence_is_refused_before_it_is_sent():
-    target = oip_load.Target(f"127.0.0.1:{free_port()}", "lstm", http.OUTPUTS, batched=True, steps=True)
+    target = oip_load.Target(f"127.0.0.1:{free_port()}", "lstm", http.OUTPUTS, batched=True, tokens_per_call=4)
     run = oip_load.open_loop(target, [[]], np.zeros(1))
     assert run.errors == ["EMPTY_SEQUENCE"]
 
 
-def test_a_way_peaks_at_the_last_rate_it_sustained_and_the_peers_compare_it_with_the_door():
-    def row(rate: float, p90: float, refused: int = 0) -> dict:
-        return {
-            "offered_rps": rate,
-            "sent": 100,
-            "ok": 100 - refused,
-            "latency_ms": {"p50": 1.0, "p90": p90, "p99": p90},
-        }
+def row(rate: float, p90: float, refused: int = 0) -> dict:
+    """One way's row at one rate, with only what the peaks and peers read."""
+    return {"offered_rps": rate, "sent": 100, "ok": 100 - refused, "latency_ms": {"p50": 1.0, "p90": p90, "p99": p90}}
 
+
+def test_a_way_peaks_at_the_last_rate_it_sustained_and_the_peers_compare_it_with_the_door():
+    dynamic, oldest, direct = (setup.record() for setup in triton_setups.setups(instances=2))
     result = {
-        "doors": {"rows": [{"offered_rps": r, "zmq": row(r, 5.0), "grpc": row(r, p90)} for r, p90 in ((100, 9.0), (200, 90.0))]},
-        "triton": {"batchings": {
-            "dynamic": {"version": "2.59.0", "rows": [row(100, 30.0), row(200, 60.0, refused=1)]},
-            "sequence": {"version": "2.59.0", "rows": [row(100, 101.0)]},
+        "doors": {"rows": [
+            {"offered_rps": r, "zmq": row(r, 5.0), "grpc": row(r, p90)} for r, p90 in ((100, 9.0), (200, 90.0))
+        ]},
+        "triton": {"setups": {
+            "dynamic": {"setup": dynamic, "version": "2.59.0", "rows": [row(100, 30.0), row(200, 60.0, refused=1)]},
+            "sequence oldest": {"setup": oldest, "version": "2.59.0", "rows": [row(100, 101.0)]},
+            "sequence direct": {"setup": direct, "skipped": "Triton exited with status 1"},
         }},
     }  # fmt: skip
     result["peaks"] = http.peaks(result)
     found = result["peaks"]["requests_per_s"]
-    assert found == {"zmq door": 200, "gRPC door": 200, "Triton dynamic": 100, "Triton sequence": None}
+    assert found == {"zmq door": 200, "gRPC door": 200, "Triton dynamic": 100, "Triton sequence oldest": None}
     assert result["peaks"]["ratios"] == {"gRPC door / zmq door": 1.0, "gRPC door / Triton dynamic": 2.0}
-    (peer,) = http.peers(result)  # the sequence batcher sustained no rate: nothing to compare
-    assert peer["name"] == "Triton 2.59.0 dynamic batcher" and "p90 <= 100 ms" in peer["setting"]
+    (peer,) = http.peers(result)  # the oldest strategy sustained no rate, the direct one did not start
+    assert (peer["name"], peer["setup"]) == ("Triton 2.59.0", dynamic["text"]) and "p90 <= 100 ms" in peer["setting"]
     assert (peer["requests_per_s"], peer["cellular_requests_per_s"]) == (100, 200)
     assert (peer["p90_ms"], peer["cellular_p90_ms"]) == (30.0, 9.0)  # both at 100 req/s, the lower peak
-    assert results.peers({"peers": [peer]})[0].throughput_ratio == 2.0  # the results page reads it
+    (read,) = results.peers({"peers": [peer]})  # the results page reads it, setup and all
+    assert read.throughput_ratio == 2.0 and read.described == f"Triton 2.59.0 ({dynamic['text']})"
 
 
-@pytest.mark.skipif(triton_lstm.missing() is not None, reason=f"Triton cannot run here: {triton_lstm.missing()}")
-def test_the_sequence_batcher_answers_every_sentence_as_the_reference_and_refuses_a_bad_token_alone(tmp_path: Path):
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    config = write_config(tmp_path, SMALL_LSTM)
-    model = build_model(config.models["lstm"])
-    state = model.load_weights()
-    sentences = [[5, 17, 342, 9], [3] * 30, [999], [7, 10**6, 8], *([[1, 2, 3]] * 8)]  # one token beyond 999
-    with triton_lstm.TritonLSTM(config.path, "sequence") as triton:
-        target = oip_load.Target(triton.address, "lstm", http.OUTPUTS, batched=True, steps=True)
-        run = oip_load.open_loop(target, sentences, np.zeros(len(sentences)), keep_outputs=True)
-        with grpcclient.InferenceServerClient(triton.address) as client:
-
-            def step(token: int, start: bool) -> dict:
-                tensor = target.tensor([token])
-                return client.infer("lstm", [tensor], sequence_id=77, sequence_start=start, sequence_end=False)
-
-            step(5, start=True)
-            with pytest.raises(InferenceServerException, match="token 1000 is outside the vocabulary \\(0 to 999\\)"):
-                step(1000, start=False)
-            with pytest.raises(InferenceServerException, match="sequence 77 has no state: a step of it was refused"):
-                step(5, start=False)
-            step(5, start=True)  # the id starts afresh
-    assert run.errors[3] is not None and run.errors.count(None) == len(sentences) - 1
-    good = [i for i in range(len(sentences)) if i != 3]
-    expected = [model.reference(state, {"tokens": sentences[i]}) for i in good]
-    check = compare_replies(expected, [run.outputs[i] for i in good])
-    assert check["ok"] and check["checked"] == len(good) and check["max_abs_error"] <= TOLERANCE
-
-
-@pytest.mark.skipif(triton_lstm.missing() is not None, reason=f"Triton cannot run here: {triton_lstm.missing()}")
-@pytest.mark.parametrize("batching", triton_lstm.BATCHINGS)
-def test_triton_that_fails_to_start_is_a_skip_naming_its_log(tmp_path: Path, batching: str):
-    config = write_config(tmp_path, SMALL_LSTM).path
-    (tmp_path / "lstm.pt").unlink()  # Triton's model cannot load its weights
-    load = Load.of(Plan((10.0,), seconds=0.5, verify_requests=1), [{"tokens": [5, 17]}])
-    skipped = http.run_triton(config, batching, load, [], [])["skipped"]
-    assert skipped.startswith("Triton exited with status") and "lstm.pt" in skipped and "(log: " in skipped
+def test_the_results_page_and_readme_quote_each_systems_strongest_setup_and_list_every_one(tmp_path: Path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    dynamic, oldest, direct = (setup.record() for setup in triton_setups.setups(instances=2))
+    result = {
+        "preset": "http", "commit": "abc1234", "machine": {"cores": 2},
+        "doors": {"rows": [{"offered_rps": r, "grpc": row(r, 9.0)} for r in (100, 200, 400, 800)]},
+        "triton": {"setups": {
+            "dynamic": {"setup": dynamic, "version": "2.51.0", "rows": [row(100, 30.0), row(200, 130.0)]},
+            "sequence oldest": {"setup": oldest, "version": "2.51.0", "rows": [row(100, 70.0), row(200, 140.0)]},
+            "sequence direct": {"setup": direct, "version": "2.51.0", "rows": [row(r, 40.0) for r in (100, 200, 400)]},
+        }},
+    }  # fmt: skip
+    result["peaks"] = http.peaks(result)
+    result["peers"] = http.peers(result)
+    (bench / "http.json").write_text(json.dumps(result))
+    (bench / "lstm.json").write_text(json.dumps(LSTM_RESULT))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{results_readme.BEGIN}\n{results_readme.END}\n")
+    results_page.write(bench, bench / "results.md", readme)
+    page = (bench / "results.md").read_text()
+    how = result["peers"][0]["setting"]
+    assert (  # every setup in the table, the strongest in bold, each with its setup
+        f"| [http.json](http.json) | Triton 2.51.0 | {dynamic['text']} | {how} | 100 | 800 | 8.00x | 30.0 / 9.0 |\n"
+        f"| [http.json](http.json) | Triton 2.51.0 | {oldest['text']} | {how} | 100 | 800 | 8.00x | 70.0 / 9.0 |\n"
+        f"| [http.json](http.json) | **Triton 2.51.0** | {direct['text']} | {how} | 400 | 800 | 2.00x | 40.0 / 9.0 |"
+    ) in page
+    assert "its strongest (in bold: the highest req/s) is the one the verdict and the README quote" in page
+    assert "records it as skipped: `http` (Triton 2.51.0)." in page  # the system once, not once a setup
+    quoted = f"2.00x Triton 2.51.0 ({direct['text']}) on http (800 against 400 req/s)"
+    text = readme.read_text()
+    assert f"each in its strongest setup measured, throughput measured the same way: {quoted}." in text
+    assert "8.00x" not in text  # the weaker setups stay in the page's table
 
 
-@pytest.mark.skipif(triton_lstm.missing() is not None, reason=f"Triton cannot run here: {triton_lstm.missing()}")
-def test_a_model_repository_that_cannot_be_written_is_a_skip_saying_why(tmp_path: Path, monkeypatch):
-    config = write_config(tmp_path, SMALL_LSTM).path
-    monkeypatch.setattr(triton_sequence, "MODEL_PY", tmp_path / "absent.py")
-    load = Load.of(Plan((10.0,), seconds=0.5, verify_requests=1), [{"tokens": [5, 17]}])
-    skipped = http.run_triton(config, "sequence", load, [], [])["skipped"]
-    assert skipped.startswith("Triton's sequence batcher cannot be set up: ") and "absent.py" in skipped
+def test_a_peer_of_one_setup_is_quoted_as_it_is_with_no_setup_recorded(tmp_path: Path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    peer = {"name": "Triton 2.50", "setting": "HTTP", "requests_per_s": 400.0, "cellular_requests_per_s": 600.0}
+    (bench / "http.json").write_text(json.dumps({"preset": "http", "commit": "abc1234", "peers": [peer]}))
+    (bench / "lstm.json").write_text(json.dumps(LSTM_RESULT))
+    page = results_page.render(results.load(bench), bench, bench / "results.md")
+    assert "| [http.json](http.json) | Triton 2.50 | not recorded | HTTP | 400 | 600 | 1.50x | - |" in page
+    assert "in bold" not in page
