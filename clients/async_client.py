@@ -23,7 +23,7 @@ import zmq.asyncio
 from batchmaker.common.protocol import encode, is_partial
 
 from .base import ClientBase, Outgoing
-from .errors import ServerLost
+from .errors import SESSION_ON_SERVER, SET_ASIDE, ServerLost
 from .messages import CurveKeys, Reply, check, connect_dealer, read_reply, timeout_error, to_stream_item
 from .servers import ASIDE, RequestId, Server, connection_closed, is_probe
 from .streams import Partial, cancel_message, restart_notice
@@ -69,7 +69,7 @@ class AsyncClient(ClientBase):
     of a lost server with ServerLost instead of sending them to another server, and
     `health_interval` / `health_timeout` (seconds) set how soon a silent server is
     probed and set aside. A request refused with OVERLOADED is sent again after a
-    backoff, up to `max_retries` times (docs/protocol.md, "Retries"); one larger than
+    growing backoff while its deadline and timeout allow (docs/protocol.md, "Retries"); one larger than
     the server accepts raises RequestTooLarge unsent. Use it from a single event loop
     (the one that first calls it) and close it there.
     """
@@ -212,6 +212,9 @@ class AsyncClient(ClientBase):
 
     def _dispatch(self, request_id: RequestId, call: _Call, server: Server | None = None) -> None:
         """Send a request to `server`, else to the least loaded up server, else park it until one is up."""
+        if server is not None and server.state == ASIDE and self._stays_home(call.request):
+            call.future.set_exception(ServerLost(server.address, request_id, SET_ASIDE, SESSION_ON_SERVER))
+            return
         if server is None or server.state == ASIDE:
             server = self._servers.pick()
         call.server = server
@@ -350,7 +353,9 @@ class AsyncClient(ClientBase):
             call = self._pending.get(request_id)
             if call is None or call.future.done():
                 continue
-            if self.resend:
+            if self._stays_home(call.request):
+                call.future.set_exception(ServerLost(server.address, request_id, reason, SESSION_ON_SERVER))
+            elif self.resend:
                 self.resent += 1
                 self._dispatch(request_id, call)
             else:

@@ -73,7 +73,8 @@ class ClientBase:
         max_message_bytes: int | None = None,
     ):
         """`curve`: (this client's secret key file, the server's public key file) for a server with CurveZMQ on.
-        `max_retries`: how often a request refused with OVERLOADED is sent again after a `backoff` (0: never).
+        `max_retries`: how often at most a request refused with OVERLOADED is sent again after a `backoff`
+        (0: never); the request's deadline and the call's timeout end its resends first by default.
         `max_message_bytes`: the largest request to send; None asks each server its own, once, the first
         time a request is over 1 KiB."""
         if max_retries < 0:
@@ -164,14 +165,21 @@ class ClientBase:
             raise RequestTooLarge(len(request.frame), limit, request.request_id)
 
     # -- answers -----------------------------------------------------------------------------
+    @staticmethod
+    def _stays_home(request: Outgoing) -> bool:
+        """Whether the request must go to its own server or nowhere: it continues a session, saying the step the
+        session reached, whose state is on that server alone. Sent elsewhere it could only be SESSION_LOST."""
+        return request.home is not None and "session_step" in request.message
+
     def _resend(self, request: Outgoing, server: Server, reply: dict[str, Any], now: float) -> Resend | None:
         """Where and when to send a request again after `server` answered it with `reply`; None: hand the reply over.
 
-        First another server that has not refused it (docs/protocol.md, "Several servers"); once every
-        one has, or with one server, an OVERLOADED refusal is sent again after a backoff, while that
-        ends before the request's deadline or timeout and its retries last, unless another request of its
-        session is in flight (docs/protocol.md, "Retries")."""
-        target = self._servers.retry_target(server, reply, request.refused_by)
+        First another server that has not refused it (docs/protocol.md, "Several servers"), unless it is a
+        session's, which stays where its session's state is; once every one has, or with one server, or for
+        a session, an OVERLOADED refusal is sent again after a backoff, while that ends before the
+        request's deadline or timeout and its retries last, unless another request of its session is in
+        flight (docs/protocol.md, "Retries")."""
+        target = self._servers.retry_target(server, reply, request.refused_by, elsewhere=request.home is None)
         if target is not None:
             self.resent += 1
             return Resend(target, now)

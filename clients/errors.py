@@ -22,16 +22,21 @@ class ServerError(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+SESSION_ON_SERVER = "it continues a session whose state is on that server alone"  # why a request stays
+SET_ASIDE = "it was found lost earlier and has not answered since"  # why a server is aside when a request comes
+
+
 class ServerLost(ConnectionError):
-    """The server holding a request stopped answering and the client was told not to resend (`resend=False`).
+    """The server holding a request stopped answering, and the request could not go elsewhere: the client was
+    told not to resend (`resend=False`), or the request continues a session whose state is on that server.
 
     The request may or may not have run there; nothing was sent elsewhere.
     """
 
-    def __init__(self, address: str, request_id: Any, reason: str):
+    def __init__(self, address: str, request_id: Any, reason: str, why_kept: str = "resending is off"):
         super().__init__(
             f"server {address} was set aside ({reason}) before answering request {request_id!r}; "
-            "it was not sent elsewhere because resending is off"
+            f"it was not sent elsewhere because {why_kept}"
         )
         self.address = address
         self.request_id = request_id

@@ -2,9 +2,10 @@
 
 An `OVERLOADED` refusal from a server that is not stopping means the request was not run: the
 server's admission turned it away before it touched any state, a session's included. So resending
-it later is safe, and the clients do so after a backoff: the server's own estimate when its
-refusal carries `retry_after_ms`, else a doubling wait. Either is jittered, so that a burst refused
-together does not come back together and get refused together again.
+it later is safe, and the clients do so after a backoff: a doubling wait, jittered, so that a burst
+refused together does not come back together and get refused together again, and never less than the
+server's own estimate when its refusal carries `retry_after_ms`. A request is resent while its deadline
+and its call's timeout allow the wait; the count of resends is only a safety net.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from batchmaker.common.protocol import OVERLOADED
 
 from .servers import is_stopping
 
-DEFAULT_MAX_RETRIES = 10  # resends after a backoff, per request; 0 hands every refusal to the caller
+DEFAULT_MAX_RETRIES = 100  # resends per request: a safety net, past what the default timeout lets a request wait
 MAX_DOUBLINGS = 30  # keeps 2**retry a float well below any cap
 
 
@@ -26,9 +27,11 @@ MAX_DOUBLINGS = 30  # keeps 2**retry a float well below any cap
 class Backoff:
     """How long a refused request waits before it is sent again.
 
-    Without an estimate from the server, the n-th wait (n from 0) is drawn between half and all of
-    `first_s * 2**n`, capped at `max_s`. A server's estimate replaces that: the wait is drawn
-    between the estimate and twice it, uncapped, as coming back sooner would only be refused."""
+    The n-th wait (n from 0) is drawn between half and all of `first_s * 2**n`, capped at `max_s`: the
+    waits grow, so a request refused again and again comes back ever more rarely, and the random part
+    spreads a burst refused together. A server's estimate of when it would admit the request is a floor:
+    coming back sooner would only be refused again (the server spreads its estimates over a refused
+    burst, so following them does not bring the burst back together)."""
 
     first_s: float = 0.01
     max_s: float = 1.0
@@ -39,10 +42,9 @@ class Backoff:
 
     def delay(self, retry: int, estimate_s: float | None, draw: Callable[[], float] = random.random) -> float:
         """Seconds to wait before resend number `retry` (0 for the first); `draw` is uniform in [0, 1)."""
-        if estimate_s is not None:
-            return estimate_s * (1 + draw())
         ceiling = min(self.max_s, self.first_s * 2 ** min(retry, MAX_DOUBLINGS))
-        return ceiling * (0.5 + 0.5 * draw())
+        backoff = ceiling * (0.5 + 0.5 * draw())
+        return backoff if estimate_s is None else max(backoff, estimate_s)
 
 
 DEFAULT_BACKOFF = Backoff()

@@ -116,17 +116,22 @@ class ServerSet:
                 best = server
         return best
 
-    def retry_target(self, server: Server, reply: dict[str, Any], refused: set[Server]) -> Server | None:
-        """Where to resend a request `server` answered with `reply`, or None to give the caller that reply.
+    def retry_target(
+        self, server: Server, reply: dict[str, Any], refused: set[Server], elsewhere: bool = True
+    ) -> Server | None:
+        """Where to resend a request `server` answered with `reply`, or None to give the caller that reply
+        (or to send it again to `server` after a backoff).
 
-        Only a retryable error is resent, and never to a server that already refused the
-        request: each server gets it once, then the caller gets the last error. `refused`
-        (the request's own set) records `server`; a server that says it is stopping gets
-        nothing new."""
+        Only a retryable error is resent, never to a server that already refused the request
+        (each server gets it once, then the caller gets the last error), and only where the
+        request may go `elsewhere` (a session's request stays with its state). `refused` (the
+        request's own set) records `server`; a server that says it is stopping gets nothing new."""
         if not (self.failover and is_retryable(reply)):
             return None
         if is_stopping(reply):
             self.draining(server)
+        if not elsewhere:
+            return None
         refused.add(server)
         return self.pick(refused)
 

@@ -18,7 +18,7 @@ import zmq
 from batchmaker.common.protocol import encode, is_partial
 
 from .base import ClientBase, Outgoing, Resend
-from .errors import ServerLost
+from .errors import SESSION_ON_SERVER, SET_ASIDE, ServerLost
 from .messages import (
     CurveKeys,
     Reply,
@@ -41,8 +41,8 @@ class Client(ClientBase):
     server in turn (all have nothing outstanding between calls), and a server that is
     lost or draining has the request sent to another (docs/protocol.md, "Several
     servers"). `resend=False` raises ServerLost instead of resending an unanswered
-    request. A request refused with OVERLOADED is sent again after a backoff, up to
-    `max_retries` times (docs/protocol.md, "Retries"); one larger than the server
+    request. A request refused with OVERLOADED is sent again after a growing backoff while
+    its deadline and timeout allow (docs/protocol.md, "Retries"); one larger than the server
     accepts raises RequestTooLarge unsent. Not thread-safe, like the zmq sockets under
     it: use one Client per thread, or AsyncClient to keep many requests in flight.
     """
@@ -209,6 +209,8 @@ class Client(ClientBase):
 
     def _send(self, request: Outgoing, server: Server | None) -> Server | None:
         """Send to `server`, else the least loaded up server; None when no server is up (the caller waits)."""
+        if server is not None and server.state == ASIDE and self._stays_home(request):
+            raise ServerLost(server.address, request.request_id, SET_ASIDE, SESSION_ON_SERVER)
         if server is None or server.state == ASIDE:
             server = self._servers.pick()
         if server is None:
@@ -224,6 +226,8 @@ class Client(ClientBase):
         """Set a server aside; if it held this call's request, send the request elsewhere (or raise ServerLost)."""
         if server.state == ASIDE or request.request_id not in self._servers.set_aside(server):
             return holder
+        if self._stays_home(request):
+            raise ServerLost(server.address, request.request_id, reason, SESSION_ON_SERVER)
         if not self.resend:
             raise ServerLost(server.address, request.request_id, reason)
         self.resent += 1

@@ -8,7 +8,14 @@ import pytest
 
 from batchmaker.common.config import ConfigError, load_config
 from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
-from batchmaker.manager.batching.admission import MIN_BUSY_S, WINDOW_S, Admission, ExpectedWait, warm_up_capacity
+from batchmaker.manager.batching.admission import (
+    MAX_SPREAD_S,
+    MIN_BUSY_S,
+    WINDOW_S,
+    Admission,
+    ExpectedWait,
+    warm_up_capacity,
+)
 
 FULL = 64  # the largest batch size of the cell type in these tests
 
@@ -206,3 +213,43 @@ def test_a_run_of_refusals_quoting_the_same_wait_shares_one_error_raised_afresh_
     assert refusal(admission, 4_000, deadline_ms=50).message.endswith("deadline_ms 50; raise the deadline or retry later")
     assert refusal(admission, 4_000) is not other  # only the last refusal is kept
     assert "estimated wait 400 ms" in refusal(admission, 4_000).message
+
+
+def test_a_refused_burst_is_told_to_return_spread_at_the_rate_the_server_admits_it():
+    clock = Clock()
+    admission = Admission(250, ExpectedWait(clock))
+    saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # 25,000 cells/s
+    assert admission.retry_after_ms(6_000, 3) == []  # 240 ms: under the bound, nothing is refused for the wait
+    admission.admitted(4, 200)  # 50 cells a request: 2 ms each at capacity
+    # 300 ms queued: the first may come back once 50 ms have run, the next 2 ms after it, and so on.
+    assert admission.retry_after_ms(7_500, 4) == [50, 52, 54, 56]
+    # A burst refused 1 ms later queues behind the four quoted before it.
+    clock.now += 0.001
+    assert admission.retry_after_ms(7_500, 2) == [57, 59]
+    # Once those return times have passed, a new refusal is quoted from the queue alone.
+    clock.now += 1.0
+    assert admission.retry_after_ms(7_500, 1) == [50]
+
+
+def test_earlier_quotes_delay_a_new_refusal_by_at_most_the_spread_bound():
+    clock = Clock()
+    admission = Admission(250, ExpectedWait(clock))
+    saturated(admission.estimator, clock, cells_per_task=50, task_s=0.002, tasks=100)  # 25,000 cells/s
+    admission.admitted(1, 50)
+    quotes = admission.retry_after_ms(7_500, 2_000)  # 4 s of refused requests, quoted in turn
+    assert quotes[0] == 50 and quotes[-1] == 50 + 2 * 1_999
+    assert admission.retry_after_ms(7_500, 1) == [50 + MAX_SPREAD_S * 1e3]
+
+
+def test_cells_per_request_is_a_running_mean_of_admitted_bursts():
+    clock = Clock()
+    admission = Admission(250, ExpectedWait(clock))
+    admission.estimator.assume(10_000)
+    admission.admitted(0, 0)  # an empty burst says nothing
+    assert admission.retry_after_ms(3_000, 2) == [50, 50]  # sizes unknown yet: the same quote
+    admission.admitted(1, 100)  # 10 ms at 10,000 cells/s
+    clock.now += 1
+    assert admission.retry_after_ms(3_000, 2) == [50, 60]
+    admission.admitted(1, 200)  # the mean moves a tenth of the way: 110 cells
+    clock.now += 1
+    assert admission.retry_after_ms(3_000, 2) == [50, 61]

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from test_clients_failover import DRAINING_MESSAGE, FAST, FakeServer, answered_by, infer_many, servers
 
-from batchmaker.clients import AsyncClient, Backoff, Client, RequestTooLarge, ServerError
-from batchmaker.clients.retry import is_refusal, retry_after_s
+from batchmaker.clients import AsyncClient, Backoff, Client, RequestTooLarge, ServerError, ServerLost
+from batchmaker.clients.messages import DEFAULT_TIMEOUT
+from batchmaker.clients.retry import DEFAULT_MAX_RETRIES, is_refusal, retry_after_s
 from batchmaker.common.protocol import INVALID_INPUT, OVERLOADED, error_reply
 
 __all__ = ["servers"]  # the fixture, shared with the failover tests
@@ -67,12 +68,32 @@ def test_the_backoff_doubles_within_its_jitter_up_to_its_cap() -> None:
     assert len({backoff.delay(3, None) for _ in range(50)}) > 1  # jittered
 
 
-def test_the_backoff_honours_the_servers_estimate_and_spreads_it() -> None:
+def test_the_servers_estimate_is_a_floor_under_the_growing_backoff() -> None:
     backoff = Backoff(first_s=0.01, max_s=1.0)
     assert backoff.delay(0, 0.25, lambda: 0.0) == 0.25
-    assert 0.25 < backoff.delay(5, 0.25, lambda: NEARLY_ONE) < 0.5
+    assert backoff.delay(0, 0.25, lambda: NEARLY_ONE) == 0.25
+    assert backoff.delay(6, 0.25, lambda: NEARLY_ONE) == pytest.approx(0.64)  # the backoff has grown past it
     assert backoff.delay(0, 5.0, lambda: 0.0) == 5.0  # not capped: sooner would only be refused again
-    assert len({backoff.delay(0, 0.25) for _ in range(50)}) > 1
+
+
+def test_a_quote_of_1_ms_still_gets_waits_that_grow_and_spread() -> None:
+    """A burst refused with `retry_after_ms: 1` every time: the waits grow from the backoff's first step
+    to its cap, jittered, rather than coming back every millisecond."""
+    backoff = Backoff()
+    lowest = [backoff.delay(retry, 0.001, lambda: 0.0) for retry in range(10)]
+    highest = [backoff.delay(retry, 0.001, lambda: NEARLY_ONE) for retry in range(10)]
+    assert lowest == pytest.approx([0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5, 0.5])
+    assert highest == pytest.approx([0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0, 1.0, 1.0])
+    assert sum(lowest) > 1.5  # ten resends span seconds, not ~20 ms
+    assert len({backoff.delay(3, 0.001) for _ in range(50)}) > 1  # jittered
+
+
+def test_the_default_count_of_resends_outlasts_the_default_timeout() -> None:
+    """The time budget ends a refused request's resends, not their count: even with every wait at its shortest,
+    the default number of resends spans more than the default timeout."""
+    backoff = Backoff()
+    shortest = sum(backoff.delay(retry, None, lambda: 0.0) for retry in range(DEFAULT_MAX_RETRIES))
+    assert shortest > DEFAULT_TIMEOUT
 
 
 @pytest.mark.parametrize("first_s, max_s", [(0, 1), (-1, 1), (2, 1)])
@@ -219,3 +240,68 @@ def test_the_limit_is_asked_of_the_server_once_a_request_is_over_1_kib(servers: 
     too_large, answered = asyncio.run(run())
     assert isinstance(too_large, RequestTooLarge) and too_large.limit == MiB
     assert answered.outputs["echo"] == 2 and len(silent_on_it.infer_ids) == 1  # the large one was not sent
+
+
+class SessionKeeping(Refusing):
+    """A Refusing server that keeps sessions as the real one counts them: each answer says its session's step."""
+
+    def __init__(self, name: str, refusals: int):
+        self.steps: Counter[str] = Counter()
+        super().__init__(name, refusals)
+
+    def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
+        reply = super()._answer(message)
+        if reply.get("ok") and "session" in message:
+            self.steps[message["session"]] += 1
+            reply["session_step"] = self.steps[message["session"]]
+        return reply
+
+
+def session_messages(servers: list[FakeServer], session: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(s.name, m) for s in servers for m in s.messages if m.get("session") == session]
+
+
+def test_a_sessions_refused_request_backs_off_on_its_own_server_never_another(servers: list[FakeServer]) -> None:
+    """Both servers refuse each request once: a session's request waits and goes back to its session's server,
+    where its state is, instead of to the other one, which would answer SESSION_LOST (or start it from zeros)."""
+    for _ in range(2):
+        servers.append(SessionKeeping(f"s{len(servers)}", refusals=1))
+    addresses = [s.address for s in servers]
+    with Client(addresses, timeout=10, **FAST) as client:
+        steps = [client.infer("m", {"n": n}, session="sync").session_step for n in range(4)]
+        assert steps == [1, 2, 3, 4] and client.retries == 4 and client.resent == 0
+
+    async def run() -> list[int | None]:
+        async with AsyncClient(addresses, timeout=10, **FAST) as client:
+            return [(await client.infer("m", {"n": n}, session="async")).session_step for n in range(10, 14)]
+
+    assert asyncio.run(run()) == [1, 2, 3, 4]
+    for session in ("sync", "async"):
+        sent = session_messages(servers, session)
+        assert len({name for name, _ in sent}) == 1 and len(sent) == 8  # each of 4 refused once, all on one server
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_session_whose_server_is_lost_is_not_continued_on_another(servers: list[FakeServer], kind: str) -> None:
+    for _ in range(2):
+        servers.append(SessionKeeping(f"s{len(servers)}", refusals=0))
+    addresses = [s.address for s in servers]
+
+    async def session_steps() -> None:
+        async with AsyncClient(addresses, timeout=10, **FAST) as client:
+            await client.infer("m", {"n": 0}, session="kept")
+            home = next(s for s in servers if s.messages and s.infer_ids)
+            home.close()
+            with pytest.raises(ServerLost, match="continues a session whose state is on that server"):
+                await client.infer("m", {"n": 1}, session="kept")
+
+    if kind == "async":
+        asyncio.run(session_steps())
+    else:
+        with Client(addresses, timeout=10, **FAST) as client:
+            client.infer("m", {"n": 0}, session="kept")
+            home = next(s for s in servers if s.infer_ids)
+            home.close()
+            with pytest.raises(ServerLost, match="continues a session whose state is on that server"):
+                client.infer("m", {"n": 1}, session="kept")
+    assert len({name for name, _ in session_messages(servers, "kept")}) == 1  # nothing sent elsewhere

@@ -42,3 +42,14 @@ def test_a_refusal_saying_when_to_retry_has_its_own_template():
     assert decode(frame)["error"] == {"code": OVERLOADED, "message": error.message, "retry_after_ms": 250}
     assert "retry_after_ms" not in decode(frames.frame(6, error))["error"]
     assert len(frames) == 2
+
+
+@pytest.mark.parametrize("retry_after_ms", [0, 1, 127, 128, 65_535, 2**31])
+def test_refusals_quoting_different_waits_share_one_template(retry_after_ms: int):
+    frames = ErrorFrames()
+    error = RequestError(OVERLOADED, "estimated wait 300 ms; retry later")
+    for request_id in ("r1", 7):
+        frame = frames.frame(request_id, error, retry_after_ms)
+        assert frame == encode(error_reply(request_id, error.code, error.message, retry_after_ms))
+    frames.frame(8, error, retry_after_ms + 1)
+    assert len(frames) == 1

@@ -26,6 +26,8 @@ from typing import Any
 from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
 
 WINDOW_S = 1.0  # completions older than this no longer count towards the measured throughput
+MAX_SPREAD_S = 1.0  # how far past the queue's own excess the refused requests' return times are spread
+CELLS_SMOOTHING = 0.1  # weight of each admitted burst in the running mean of cells per request
 MIN_BUSY_S = 0.02  # a throughput measured over less busy time than this is noise, not an estimate
 FULL_FILL = 0.75  # a task this full shows what the server can do, not just what it was offered
 
@@ -51,7 +53,7 @@ class ExpectedWait:
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, window_s: float = WINDOW_S):
-        self._clock = clock
+        self.clock = clock
         self._window_s = window_s
         self._window: collections.deque[tuple[float, int, float, Hashable]] = collections.deque()
         self._cells = 0  # of the window's full tasks
@@ -65,7 +67,7 @@ class ExpectedWait:
         """Record a task of `cells` cells in `steps` steps (of a cell type batching up to `largest_batch`),
         submitted at `submitted` (on this clock), that `worker` finished; returns the seconds it kept the
         worker busy. A multi-step task counts as full when its steps are, on average."""
-        now = self._clock()
+        now = self.clock()
         busy = max(0.0, now - max(submitted, self._last_finish.get(worker, submitted)))
         self._last_finish[worker] = now
         if cells >= FULL_FILL * largest_batch * steps:
@@ -116,6 +118,8 @@ class Admission:
         self.max_queue_delay_s = max_queue_delay_ms / 1e3  # 0: no refusal by expected wait
         self.estimator = estimator or ExpectedWait()
         self.shedding = False  # whether the latest check refused for the expected wait
+        self._returns_at = 0.0  # on the estimator's clock: when the refused requests quoted so far would be admitted
+        self._cells_per_request: float | None = None  # a running mean over the admitted bursts
         self._last_key: tuple[Any, ...] | None = None
         self._last_refusal = RequestError(OVERLOADED, "")
 
@@ -166,14 +170,36 @@ class Admission:
             "max_queue_delay_ms": self.max_queue_delay_s * 1e3,
         }
 
-    def retry_after_ms(self, queued_cells: int) -> int | None:
-        """When a request refused with OVERLOADED now would be admitted: once the expected wait, at the measured
-        capacity, is back under max_queue_delay_ms. None while that bound is not what refuses."""
+    def admitted(self, requests: int, cells: int) -> None:
+        """A burst of `requests` requests holding `cells` cells was admitted: refused requests are taken to be
+        of the running mean's size when their return times are spread (refusing plans nothing, so their own
+        size is never known)."""
+        if not requests:
+            return
+        mean = cells / requests
+        known = self._cells_per_request
+        self._cells_per_request = mean if known is None else known + CELLS_SMOOTHING * (mean - known)
+
+    def retry_after_ms(self, queued_cells: int, refused: int = 1) -> list[int]:
+        """When each of `refused` requests refused with OVERLOADED now would be admitted, in order; empty while
+        max_queue_delay_ms is not what refuses.
+
+        The first comes back once the expected wait, at the measured capacity, is back under the bound, and each
+        one after it later by the time a request's cells take at that capacity, behind every refused request
+        quoted before it: a burst refused together is told to return spread out, at the rate the server can
+        admit it, rather than together to be refused together again. What earlier refusals were quoted delays
+        a new burst by at most MAX_SPREAD_S past the queue's own excess, so that quotes to requests that never
+        came back do not pile up."""
         wait = self.estimator.wait_s(queued_cells)  # the wait `check` refuses on
-        limit_ms = self.max_queue_delay_s * 1e3
-        if wait is None or not limit_ms or wait * 1e3 <= limit_ms:
-            return None
-        return math.ceil(wait * 1e3 - limit_ms)
+        rate = self.estimator.cells_per_second()
+        if wait is None or rate is None or not self.max_queue_delay_s or wait <= self.max_queue_delay_s:
+            return []
+        now = self.estimator.clock()
+        admissible = now + wait - self.max_queue_delay_s
+        first = min(max(admissible, self._returns_at), admissible + MAX_SPREAD_S)
+        spacing = (self._cells_per_request or 0.0) / rate
+        self._returns_at = first + refused * spacing
+        return [math.ceil(round((first - now + i * spacing) * 1e3, 3)) for i in range(refused)]  # whole µs, then up
 
 
 def warm_up_capacity(timings: Iterable[Any], max_batch: Mapping[str, int]) -> float | None:

@@ -177,6 +177,7 @@ class BatchingCore:
         """The burst's requests so far get their records (table rows, plans, queued lanes)."""
         if burst.requests:
             self.processor.admit(burst.requests)
+            self.admission.admitted(len(burst.requests), burst.nodes)
             burst.clear()
 
     def _resume(self, name: str) -> list[Outcome]:

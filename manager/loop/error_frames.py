@@ -4,7 +4,8 @@ Under a flood nearly every reply is a refusal, and refusals come in runs that sh
 same code, and the same message while the quoted wait stays the same), so building each reply's map
 and packing it whole would cost the manager more than deciding the refusal did. A frame holds the
 same bytes as `encode(error_reply(...))`; the encoded rest of the reply is kept per error, for a
-bounded number of distinct errors.
+bounded number of distinct errors. A refusal's `retry_after_ms`, which differs from one refused request
+to the next, is the reply's last value: it is packed per reply, after the template, like the id.
 """
 
 from __future__ import annotations
@@ -22,21 +23,24 @@ MAX_TEMPLATES = 64  # distinct errors kept encoded; all are dropped when one mor
 class ErrorFrames:
     def __init__(self, max_templates: int = MAX_TEMPLATES):
         self._max_templates = max_templates
-        # the bytes around the id, per (code, message, retry_after_ms)
-        self._templates: dict[tuple[str, str, int | None], tuple[bytes, bytes]] = {}
-        self._pack_id = msgpack.Packer(use_bin_type=True).pack
+        # the bytes around the id, per (code, message, whether a retry_after_ms ends the reply)
+        self._templates: dict[tuple[str, str, bool], tuple[bytes, bytes]] = {}
+        self._pack = msgpack.Packer(use_bin_type=True).pack
 
     def frame(self, request_id: Any, error: RequestError, retry_after_ms: int | None = None) -> bytes:
         """The encoded error reply to `request_id` (an int, a str or None, as the frontend echoes ids)."""
-        key = (error.code, error.message, retry_after_ms)
+        quoted = retry_after_ms is not None
+        key = (error.code, error.message, quoted)
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= self._max_templates:
                 self._templates.clear()
-            packed = encode(error_reply(None, *key))  # its id, None, packs as one byte
-            template = self._templates[key] = (packed[:ID_AT], packed[ID_AT + 1 :])
+            # Its id, None, packs as one byte, and so does a retry_after_ms of 0, the reply's last value.
+            packed = encode(error_reply(None, error.code, error.message, 0 if quoted else None))
+            template = self._templates[key] = (packed[:ID_AT], packed[ID_AT + 1 : len(packed) - quoted])
         head, tail = template
-        return head + self._pack_id(request_id) + tail
+        frame = head + self._pack(request_id) + tail
+        return frame + self._pack(retry_after_ms) if quoted else frame
 
     def __len__(self) -> int:
         return len(self._templates)

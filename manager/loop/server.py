@@ -362,9 +362,10 @@ class Manager:
         if self.tracing is not None:
             self.tracing.received(burst, admitted)
         refusals = [(incoming, result) for incoming, result in zip(burst, admitted) if isinstance(result, RequestError)]
-        retry_after_ms = self.core.admission.retry_after_ms(self.core.unfinished_nodes) if any(e.code == OVERLOADED for _, e in refusals) else None
+        overloaded = sum(error.code == OVERLOADED for _, error in refusals)
+        quotes = iter(self.core.admission.retry_after_ms(self.core.unfinished_nodes, overloaded) if overloaded else ())
         for incoming, error in refusals:
-            self._refuse(incoming, error, retry_after_ms if error.code == OVERLOADED else None)
+            self._refuse(incoming, error, next(quotes, None) if error.code == OVERLOADED else None)
 
     # -- introspection ---------------------------------------------------------------------------
     def _health(self) -> dict[str, Any]:
