@@ -90,6 +90,25 @@ class RequestError(Exception):
         self.message = message
 
 
+def optional_int(
+    message: dict[str, Any], field: str, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
+    """The message's integer `field` within the bounds given, or None when absent; BAD_REQUEST if it is not one."""
+    value = message.get(field)
+    if value is None:
+        return None
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        bound += f" and <= {maximum}" if maximum is not None else ""
+        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {echo(value)}")
+    return value
+
+
 def unknown_names(given: dict[Any, Any], allowed: KeysView[str], noun: str) -> str | None:
     """The keys of `given` outside `allowed` as a refusal names them ("input 'x'", "inputs 'x', 'y'"),
     the first few each cut short; None when there are none, which costs one set comparison."""

@@ -34,6 +34,7 @@ from batchmaker.common.protocol import (
     WORKER_LOST,
     RequestError,
     echo,
+    optional_int,
 )
 from batchmaker.common.task import CompletionNotice, LaneTaskMessage
 from batchmaker.manager.batching.admission import Admission, warm_up_capacity
@@ -125,8 +126,8 @@ class BatchingCore:
         key = (client, request_id)
         if key in self.requests or key in burst.keys or self.sessions.holds(client, request_id):
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
-        deadline_ms = _optional_int(message, "deadline_ms", minimum=0)
-        priority = _optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
+        deadline_ms = optional_int(message, "deadline_ms", minimum=0)
+        priority = optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
         limit = self._server.max_queued_requests
         in_flight = len(self.requests) + self.sessions.waiting + len(burst.requests)
         if in_flight >= limit:
@@ -383,20 +384,3 @@ class _Burst:
         self.requests = []
         self.keys.clear()
         self.nodes = 0
-
-
-def _optional_int(message: dict[str, Any], field: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
-    value = message.get(field)
-    if value is None:
-        return None
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or (minimum is not None and value < minimum)
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        bound += f" and <= {maximum}" if maximum is not None else ""
-        raise RequestError(BAD_REQUEST, f"'{field}' must be an integer{bound}, got {echo(value)}")
-    return value
-

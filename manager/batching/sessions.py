@@ -26,7 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, OVERLOADED, SESSION_LOST, RequestError, echo
+from batchmaker.common.protocol import (
+    BAD_REQUEST,
+    INVALID_INPUT,
+    OVERLOADED,
+    SESSION_LOST,
+    RequestError,
+    echo,
+    optional_int,
+)
 from batchmaker.manager.batching.deadlines import Deadlines
 
 MAX_SESSION_CHARS = 256  # a longer session name is refused: errors and logs echo it
@@ -87,9 +95,7 @@ def session_fields(message: dict[str, Any]) -> SessionFields | None:
     for key, value in (("session_start", start), ("session_end", end)):
         if not isinstance(value, bool):
             raise RequestError(BAD_REQUEST, f"'{key}' must be true or false, got {echo(value)}")
-    step = message.get("session_step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise RequestError(BAD_REQUEST, f"'session_step' must be an integer >= 0, got {echo(step)}")
+    step = optional_int(message, "session_step", minimum=0)
     if start and step:
         raise RequestError(
             BAD_REQUEST, f"'session_start' starts the session from zeros: it continues no step ('session_step' {step})"
