@@ -2,8 +2,10 @@
 
 DyNet is an optional dependency kept out of the project's environment: `BATCHMAKER_DYNET_PYTHON`
 names a Python that can `import dynet` (docs/benchmarks/log.md says how to build one). That interpreter runs
-bench/dynet_treelstm.py on the preset's weights and SST trees (agenda-based autobatching, `BATCH`
-trees per graph, one thread) and reports trees/s; its roots are checked against our reference.
+bench/dynet_treelstm.py on the preset's weights and SST trees (agenda-based autobatching, one thread)
+in each of `VARIANTS` (a gate layout and a number of trees a graph) and reports each one's trees/s;
+every variant's roots are checked against our reference, and DyNet is quoted at its fastest, its
+setup recorded beside its number (the others stay in the section's `runs`).
 In the same run, the cellular server is driven by a closed loop, and our sustained (from the
 preset's sweep) and closed-loop throughput are divided by DyNet's. Without the variable the
 section says it was skipped; a variable naming an interpreter that cannot run DyNet is an error.
@@ -34,7 +36,10 @@ from batchmaker.common.models.base import Model
 
 PYTHON_ENV = "BATCHMAKER_DYNET_PYTHON"
 SCRIPT = ROOT / "bench" / "dynet_treelstm.py"
-BATCH = 64  # trees per DyNet graph
+# Gate layouts (a parameter a gate, or one for all of a node's gates) by trees a graph. Which is fastest depends
+# on the machine and DyNet's build, so every pair runs and DyNet is quoted at the fastest.
+VARIANTS = tuple((gates, batch) for gates in ("split", "fused") for batch in (32, 64, 128, 256))
+CHECKED = 64  # trees whose roots are checked: of each variant's first graph, and of the served closed loop
 WINDOW = 256  # trees the closed loop keeps outstanding: four full batches
 QUICK_TREES = 640
 TIMEOUT_S = 1800
@@ -60,12 +65,22 @@ def tree_rows(model: Model, inputs: dict[str, Any]) -> list[list[int]]:
     return rows
 
 
-def offline(python: str, model: Model, state: dict, trees: list[dict[str, Any]]) -> dict[str, Any]:
-    """DyNet's trees/s on `trees`, `BATCH` to a graph, and its first graph's roots checked against the reference."""
+def offline(
+    python: str,
+    model: Model,
+    state: dict,
+    trees: list[dict[str, Any]],
+    variants: tuple[tuple[str, int], ...] = VARIANTS,
+) -> dict[str, Any]:
+    """DyNet's trees/s on `trees` in each of `variants` (gates, trees a graph), each one's first roots checked
+    against the reference: every run under `runs`, the fastest's gates, batch and trees/s at the top, and
+    `verify` over every run's roots."""
     with tempfile.TemporaryDirectory(prefix="batchmaker-dynet-") as tmp:
         weights, spec, out = Path(tmp) / "weights.npz", Path(tmp) / "trees.json", Path(tmp) / "out.json"
         np.savez(weights, **{key: value.numpy() for key, value in state.items()})
-        spec.write_text(json.dumps({"batch": BATCH, "trees": [tree_rows(model, tree) for tree in trees]}))
+        asked = [{"gates": gates, "batch": batch} for gates, batch in variants]
+        rows = [tree_rows(model, tree) for tree in trees]
+        spec.write_text(json.dumps({"variants": asked, "check": CHECKED, "trees": rows}))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
             command = [python, str(SCRIPT), str(weights), str(spec), str(out)]
@@ -76,11 +91,20 @@ def offline(python: str, model: Model, state: dict, trees: list[dict[str, Any]])
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise DyNetError(f"{PYTHON_ENV}={python} failed to run the DyNet TreeLSTM: {last}")
         result = json.loads(out.read_text())
-    expected = [model.reference(state, tree) for tree in trees[: len(result["roots"])]]
-    served = [{"h": np.array(root, dtype=np.float32)} for root in result["roots"]]
-    result["verify"] = compare_replies(expected, served)
-    result.pop("roots")
-    return result
+    expected = [model.reference(state, tree) for tree in trees[:CHECKED]]
+    for run in result["runs"]:
+        roots = run.pop("roots")
+        run["verify"] = compare_replies(expected[: len(roots)], [{"h": np.array(h, dtype=np.float32)} for h in roots])
+    fastest = max(result["runs"], key=lambda run: run["trees_per_s"])
+    checks = {f"{run['gates']} gates, batch {run['batch']}": run["verify"] for run in result["runs"]}
+    verify_all = {
+        "checked": sum(check["checked"] for check in checks.values()),
+        "max_abs_error": max(check["max_abs_error"] for check in checks.values()),
+        "wrong": [f"{variant}: {wrong}" for variant, check in checks.items() for wrong in check["wrong"]],
+        "ok": all(check["ok"] for check in checks.values()),
+    }
+    best = {key: fastest[key] for key in ("gates", "batch", "seconds", "trees_per_s")}
+    return {"dynet": result["dynet"], "trees": result["trees"], **best, "verify": verify_all, "runs": result["runs"]}
 
 
 def section(preset: Preset, summary: dict[str, Any], quick: bool) -> dict[str, Any]:
@@ -100,7 +124,7 @@ def section(preset: Preset, summary: dict[str, Any], quick: bool) -> dict[str, A
             frames = request_frames(preset.model, trees)
             closed_loop(served.address, frames[:WINDOW], WINDOW)  # warm up
             run = closed_loop(served.address, frames, WINDOW)
-            check = verify(served.address, model, state, trees[:BATCH])
+            check = verify(served.address, model, state, trees[:CHECKED])
     answered = sum(1 for reply in run.replies if reply and reply["ok"])
     closed = answered / float(np.nanmax(run.received))
     sustained = summary["cellular"]["sustained_throughput"]
@@ -127,14 +151,19 @@ def lines(result: dict[str, Any]) -> list[str]:
     if "error" in result:
         return [f"dynet: FAILED: {result['error']}"]
     dynet, closed = result["dynet"], result["closed_loop"]
+    runs = [
+        f"dynet {dynet['dynet']} offline, {run['gates']} gates, {run['batch']} trees a graph: "
+        f"{run['trees_per_s']:,.0f} trees/s"
+        for run in dynet["runs"]
+    ]
     offline_line = (
-        f"dynet {dynet['dynet']} offline ({dynet['batch']} trees a graph, agenda autobatching, one thread): "
-        f"{dynet['trees_per_s']:,.0f} trees/s on {dynet['trees']} trees; roots {dynet['verify']['checked']} checked, "
-        f"max abs error {dynet['verify']['max_abs_error']:.1e}"
+        f"dynet {dynet['dynet']} offline at its fastest ({dynet['gates']} gates, {dynet['batch']} trees a graph, "
+        f"agenda autobatching, one thread): {dynet['trees_per_s']:,.0f} trees/s on {dynet['trees']} trees; roots "
+        f"{dynet['verify']['checked']} checked over every run, max abs error {dynet['verify']['max_abs_error']:.1e}"
     )
     ratio_line = (
         f"cellular closed loop ({closed['window']} outstanding): {closed['trees_per_s']:,.0f} trees/s = "
         f"{result['closed_loop_over_dynet']:.2f}x DyNet; sustained (p90 <= 100 ms) "
         f"{result['sustained_trees_per_s']:,.0f} trees/s = {result['sustained_over_dynet']:.2f}x DyNet"
     )
-    return [offline_line, ratio_line]
+    return [*runs, offline_line, ratio_line]

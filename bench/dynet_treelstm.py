@@ -3,11 +3,14 @@
     python bench/dynet_treelstm.py WEIGHTS.npz TREES.json OUT.json
 
 Imports only numpy and dynet (the interpreter need not have torch or this project). The weights
-are the model's weights file as arrays, split by gate (`leaf.weight` rows i, o, u; `internal.weight`
-rows i, f_l, f_r, o, u), so every gate is its own parameter. The trees come in evaluation order
-(children before parents, the root last) as [token, left, right] rows, -1 for a leaf's children.
-Trees run `batch` to a graph with agenda-based autobatching, one thread. OUT gets the trees per
-second over every tree after one untimed graph, and the roots' h of that first graph, for a check.
+are the model's weights file as arrays (`leaf.weight` rows i, o, u; `internal.weight` rows i, f_l,
+f_r, o, u), laid out in one of two gate variants: `split`, every gate its own parameter and affine
+transform, or `fused`, one parameter and one affine transform for all of a node's gates, the gates
+then picked as row ranges of it. The trees come in evaluation order (children before parents, the
+root last) as [token, left, right] rows, -1 for a leaf's children. TREES.json names the variants
+to run, each a gate variant and a batch size: trees run `batch` to a graph with agenda-based
+autobatching, one thread. OUT gets, per variant, the trees per second over every tree after one
+untimed graph, and the roots' h of the first `check` trees of that graph, for a check.
 """
 
 from __future__ import annotations
@@ -25,45 +28,61 @@ import dynet as dy  # after dynet_config: dynet reads its configuration at impor
 
 LEAF_GATES = ("i", "o", "u")
 INTERNAL_GATES = ("i", "f_l", "f_r", "o", "u")
+GATE_VARIANTS = ("split", "fused")
 
 
 class TreeLSTM:
-    def __init__(self, weights: dict[str, np.ndarray]):
+    """The model in one gate variant: `split` (a parameter and an affine transform a gate) or `fused` (one of
+    each for all of a node's gates, whose sigmoid gates come first and `u` last, as in the weights file)."""
+
+    def __init__(self, weights: dict[str, np.ndarray], gates: str):
+        if gates not in GATE_VARIANTS:
+            raise ValueError(f"no gate variant {gates!r} (only {', '.join(GATE_VARIANTS)})")
+        self.fused = gates == "fused"
+        self.hidden = len(weights["leaf.bias"]) // len(LEAF_GATES)
         self.params = dy.ParameterCollection()
         self.embedding = self.params.lookup_parameters_from_numpy(weights["embedding.weight"])
         self.leaf = self._gates(weights["leaf.weight"], weights["leaf.bias"], LEAF_GATES)
         self.internal = self._gates(weights["internal.weight"], weights["internal.bias"], INTERNAL_GATES)
 
-    def _gates(self, weight: np.ndarray, bias: np.ndarray, names: tuple[str, ...]) -> dict:
-        rows = len(bias) // len(names)
-        return {
-            name: (self.params.parameters_from_numpy(weight[k * rows : (k + 1) * rows]),
-                   self.params.parameters_from_numpy(bias[k * rows : (k + 1) * rows]))
-            for k, name in enumerate(names)
-        }  # fmt: skip
+    def _gates(self, weight: np.ndarray, bias: np.ndarray, names: tuple[str, ...]) -> list:
+        """(weight, bias) parameters: one pair for all gates when fused, else one a gate in `names`' order."""
+        parts = 1 if self.fused else len(names)
+        rows = len(bias) // parts
+        return [
+            (self.params.parameters_from_numpy(weight[k * rows : (k + 1) * rows]),
+             self.params.parameters_from_numpy(bias[k * rows : (k + 1) * rows]))
+            for k in range(parts)
+        ]  # fmt: skip
 
-    def graph_parameters(self) -> tuple[dict, dict]:
+    def graph_parameters(self) -> tuple[list, list]:
         """The gates' weights as expressions of the current graph (once per graph, shared by its trees)."""
-        return tuple(
-            {name: (dy.parameter(w), dy.parameter(b)) for name, (w, b) in gates.items()}
-            for gates in (self.leaf, self.internal)
-        )
+        return tuple([(dy.parameter(w), dy.parameter(b)) for w, b in gates] for gates in (self.leaf, self.internal))
 
-    def tree(self, rows: list[list[int]], leaf: dict, internal: dict) -> dy.Expression:
+    def _gate_values(self, gates: list, x: dy.Expression, count: int) -> list[dy.Expression]:
+        """A node's `count` gates, each after its nonlinearity: the sigmoid gates, then `u` after tanh."""
+        if not self.fused:
+            pre = [dy.affine_transform([b, w, x]) for w, b in gates]
+            return [dy.logistic(p) for p in pre[:-1]] + [dy.tanh(pre[-1])]
+        ((w, b),) = gates
+        pre = dy.affine_transform([b, w, x])
+        sigmoids = dy.logistic(dy.pick_range(pre, 0, (count - 1) * self.hidden))
+        picked = [dy.pick_range(sigmoids, k * self.hidden, (k + 1) * self.hidden) for k in range(count - 1)]
+        return picked + [dy.tanh(dy.pick_range(pre, (count - 1) * self.hidden, count * self.hidden))]
+
+    def tree(self, rows: list[list[int]], leaf: list, internal: list) -> dy.Expression:
         """The root's h of one tree, built node by node (DyNet batches the nodes of every tree at forward)."""
         h: list[dy.Expression] = []
         c: list[dy.Expression] = []
         for token, left, right in rows:
             if left < 0:
-                x = dy.lookup(self.embedding, token)
-                i, o, u = (dy.affine_transform([leaf[g][1], leaf[g][0], x]) for g in LEAF_GATES)
-                cell = dy.cmult(dy.logistic(i), dy.tanh(u))
+                i, o, u = self._gate_values(leaf, dy.lookup(self.embedding, token), len(LEAF_GATES))
+                cell = dy.cmult(i, u)
             else:
                 x = dy.concatenate([h[left], h[right]])
-                i, f_l, f_r, o, u = (dy.affine_transform([internal[g][1], internal[g][0], x]) for g in INTERNAL_GATES)
-                cell = (dy.cmult(dy.logistic(i), dy.tanh(u)) + dy.cmult(dy.logistic(f_l), c[left])
-                        + dy.cmult(dy.logistic(f_r), c[right]))  # fmt: skip
-            h.append(dy.cmult(dy.logistic(o), dy.tanh(cell)))
+                i, f_l, f_r, o, u = self._gate_values(internal, x, len(INTERNAL_GATES))
+                cell = dy.cmult(i, u) + dy.cmult(f_l, c[left]) + dy.cmult(f_r, c[right])
+            h.append(dy.cmult(o, dy.tanh(cell)))
             c.append(cell)
         return h[-1]
 
@@ -77,22 +96,32 @@ def run_graph(model: TreeLSTM, trees: list[list[list[int]]]) -> list[dy.Expressi
     return roots
 
 
-def main(weights_path: str, trees_path: str, out_path: str) -> None:
-    weights = dict(np.load(weights_path))
-    with open(trees_path) as file:
-        spec = json.load(file)
-    trees, batch = spec["trees"], spec["batch"]
-    model = TreeLSTM(weights)
-    first = run_graph(model, trees[:batch])  # untimed: memory pools grown, the check's roots
-    roots = [root.npvalue().tolist() for root in first]
+def timed(model: TreeLSTM, trees: list[list[list[int]]], batch: int, check: int) -> dict:
+    """Trees per second `batch` to a graph after one untimed graph (its memory pools grown), and the roots of the
+    first `check` trees of that graph."""
+    first = run_graph(model, trees[:batch])
+    roots = [root.npvalue().tolist() for root in first[:check]]
     start = time.perf_counter()
     for begin in range(0, len(trees), batch):
         run_graph(model, trees[begin : begin + batch])
     seconds = time.perf_counter() - start
-    result = {"trees": len(trees), "batch": batch, "seconds": seconds, "trees_per_s": len(trees) / seconds,
-              "roots": roots, "dynet": version("dynet")}  # fmt: skip
+    return {"batch": batch, "seconds": seconds, "trees_per_s": len(trees) / seconds, "roots": roots}
+
+
+def main(weights_path: str, trees_path: str, out_path: str) -> None:
+    weights = dict(np.load(weights_path))
+    with open(trees_path) as file:
+        spec = json.load(file)
+    trees, models = spec["trees"], {}
+    runs = []
+    for variant in spec["variants"]:
+        gates = variant["gates"]
+        if gates not in models:  # one model a gate variant, whatever its batch sizes
+            models[gates] = TreeLSTM(weights, gates)
+        model = models[gates]
+        runs.append({"gates": gates, **timed(model, trees, variant["batch"], spec["check"])})
     with open(out_path, "w") as out:
-        json.dump(result, out)
+        json.dump({"trees": len(trees), "runs": runs, "dynet": version("dynet")}, out)
 
 
 if __name__ == "__main__":

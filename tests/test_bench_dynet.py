@@ -1,5 +1,6 @@
 """The treelstm preset's DyNet baseline: skipped cleanly without DyNet, a clear error when the named
-interpreter cannot run it, and (where DyNet is installed) the same model's answers at DyNet's speed."""
+interpreter cannot run it, quoted at its fastest variant with that setup beside its number, and (where DyNet is
+installed) the same model's answers in every gate variant and graph size, at DyNet's speed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import SST_TREELSTM, write_config
 
-from batchmaker.bench import dynet_baseline
+from batchmaker.bench import dynet_baseline, results
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.presets import PRESETS
 from batchmaker.common.models import build_model
@@ -52,9 +53,46 @@ def test_trees_go_to_dynet_children_first_with_the_left_child_first(tree_model):
         assert (left, right) == (-1, -1) if token >= 0 else (0 <= min(left, right) and left != right and max(left, right) < k)
 
 
+def test_dynet_is_quoted_at_its_fastest_variant_with_its_setup_and_every_run_listed():
+    run = {"seconds": 1.0, "verify": {"checked": 64, "max_abs_error": 1e-7, "wrong": [], "ok": True}}
+    measured = (("split", 64, 900.0), ("fused", 128, 2900.0))
+    runs = [run | {"gates": gates, "batch": batch, "trees_per_s": rate} for gates, batch, rate in measured]
+    offline = {"dynet": "2.1.2", "trees": 640, "gates": "fused", "batch": 128, "seconds": 0.2, "trees_per_s": 2900.0,
+               "verify": {"checked": 128, "max_abs_error": 1e-7, "wrong": [], "ok": True}, "runs": runs}  # fmt: skip
+    closed = {"window": 256, "trees": 640, "answered": 640, "trees_per_s": 1450.0, "verify": {"ok": True}}
+    section = {"dynet": offline, "closed_loop": closed, "sustained_trees_per_s": 290.0, "sustained_over_dynet": 0.1,
+               "closed_loop_over_dynet": 0.5}  # fmt: skip
+    (row,) = results.peers({"dynet": section})
+    assert (row.system, row.setup, row.throughput) == ("DyNet 2.1.2", "fused gates, 128 trees a graph", 2900.0)
+    assert row.described == "DyNet 2.1.2 (fused gates, 128 trees a graph)" and row.cellular_throughput == 1450.0
+    printed = dynet_baseline.lines(section)
+    assert printed[:2] == [
+        "dynet 2.1.2 offline, split gates, 64 trees a graph: 900 trees/s",
+        "dynet 2.1.2 offline, fused gates, 128 trees a graph: 2,900 trees/s",
+    ]
+    assert printed[2].startswith("dynet 2.1.2 offline at its fastest (fused gates, 128 trees a graph, agenda ")
+    assert dynet_baseline.ok(section)
+    wrong = section | {"dynet": offline | {"verify": offline["verify"] | {"ok": False}}}
+    assert not dynet_baseline.ok(wrong)
+
+
 @pytest.mark.skipif(not DYNET, reason=f"DyNet not installed ({dynet_baseline.PYTHON_ENV} not set)")
-def test_dynet_computes_the_same_trees(tree_model):
+def test_dynet_computes_the_same_trees_in_every_variant_and_reports_the_fastest(tree_model):
     model, state = tree_model
-    result = dynet_baseline.offline(DYNET, model, state, DATASETS["sst"]()[: dynet_baseline.BATCH + 6])
-    assert result["verify"]["ok"] and result["verify"]["checked"] == dynet_baseline.BATCH
-    assert result["trees"] == dynet_baseline.BATCH + 6 and result["trees_per_s"] > 0
+    variants = (("split", 16), ("fused", 16), ("fused", 32))
+    result = dynet_baseline.offline(DYNET, model, state, DATASETS["sst"]()[:40], variants)
+    assert [(run["gates"], run["batch"]) for run in result["runs"]] == list(variants)
+    for run in result["runs"]:  # each variant's first graph's roots are the reference's
+        assert run["verify"]["ok"] and run["verify"]["checked"] == run["batch"] and run["trees_per_s"] > 0
+    fastest = max(result["runs"], key=lambda run: run["trees_per_s"])
+    assert (result["gates"], result["batch"], result["trees_per_s"]) == (
+        fastest["gates"], fastest["batch"], fastest["trees_per_s"]
+    )
+    assert result["verify"]["ok"] and result["verify"]["checked"] == 16 + 16 + 32 and result["trees"] == 40
+
+
+@pytest.mark.skipif(not DYNET, reason=f"DyNet not installed ({dynet_baseline.PYTHON_ENV} not set)")
+def test_an_unknown_gate_variant_is_a_clear_error(tree_model):
+    model, state = tree_model
+    with pytest.raises(dynet_baseline.DyNetError, match="no gate variant 'packed' \\(only split, fused\\)"):
+        dynet_baseline.offline(DYNET, model, state, DATASETS["sst"]()[:4], (("packed", 4),))
