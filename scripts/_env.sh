@@ -1,6 +1,7 @@
 # Sourced by the scripts in this folder: find or create the Python environment the project runs in, and install
-# the project into it (editable, with the test and bench extras). The interpreter is BATCHMAKER_PYTHON, else the
-# active virtualenv's python (VIRTUAL_ENV), else python3. torch:
+# the project into it (editable) with what the script runs on: its runtime dependencies, plus the extras the script
+# names in JOB_EXTRAS before sourcing this file (./scripts/test: "test,bench"; ./scripts/demo and serve: none).
+# The interpreter is BATCHMAKER_PYTHON, else the active virtualenv's python (VIRTUAL_ENV), else python3. torch:
 #   - BATCHMAKER_TORCH, when set, is passed to pip as is and installed into .venv, e.g.
 #     BATCHMAKER_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124";
 #   - else, when the interpreter already imports a torch in the range pyproject.toml declares, that torch is used
@@ -10,21 +11,24 @@
 #   - otherwise the CPU build torch==2.13.0+cpu into .venv, from pip's configured indexes when they hold it,
 #     else from PyTorch's CPU wheel index.
 # An existing .venv is reused as it is: only deleting it makes the scripts look for an interpreter's torch again.
-# BATCHMAKER_EXTRAS picks the project's extras (default "test,bench"; empty: the server alone; the images set "oip").
-# BATCHMAKER_WHEELS=DIR installs offline: every pip install reads DIR alone (--no-index --find-links DIR), and
-# the project is built without build isolation, with setuptools from the environment or from DIR.
-# The stamp file records the torch spec the scripts installed, or that they use the interpreter's: a changed spec
-# replaces a torch the scripts installed; a torch they did not install is never removed.
+# BATCHMAKER_EXTRAS adds extras to the script's own (the container images set "oip").
+# The project is built without build isolation, with the environment's setuptools (pyproject.toml's only build
+# requirement; installed first when the environment lacks it), so that a machine without a package index that has
+# the dependencies installs with no download. BATCHMAKER_WHEELS=DIR installs offline: every pip install reads DIR
+# alone (--no-index --find-links DIR).
+# The stamp file records the torch spec the scripts installed, or that they use the interpreter's, and the extras
+# installed: a changed spec replaces a torch the scripts installed (a torch they did not install is never
+# removed), and a script that needs an extra not installed yet installs it beside the others.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION="2.13.0"
 TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 # The lowest torch the project supports: the bound of pyproject.toml's "torch>=X" dependency.
 TORCH_MINIMUM="$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml")"
-# What the project builds with (pyproject.toml's [build-system] requires), installed by hand when offline.
+# What the project builds with (pyproject.toml's [build-system] requires): installed into the environment, as the
+# build runs without isolation.
 BUILD_REQUIRES="$(sed -n 's/^requires = \["\([^"]*\)"\]$/\1/p' "$ROOT/pyproject.toml")"
 FOUND_TORCH="the interpreter's own torch"  # the stamp's entry when the scripts install no torch
-EXTRAS="${BATCHMAKER_EXTRAS-test,bench}"  # the project's extras; the container images set the front door's alone
 PIP_INSTALL=(-m pip install --quiet --disable-pip-version-check)
 if [ -n "${BATCHMAKER_WHEELS:-}" ]; then
     PIP_INSTALL+=(--no-index --find-links "$BATCHMAKER_WHEELS")
@@ -40,6 +44,25 @@ require_python_311() {
             "batchmaker needs Python >= 3.11 (set BATCHMAKER_PYTHON to one, and remove $VENV if it was made by it)" >&2
         return 1
     fi
+}
+
+# The comma-separated extras of $1 and $2 together, each once, in the order first named.
+merge_extras() {
+    local IFS=, extra merged=() both="$1,$2"
+    for extra in $both; do  # split at the commas, which only an expansion's are
+        if [ -n "$extra" ] && [[ ",${merged[*]-}," != *",$extra,"* ]]; then
+            merged+=("$extra")
+        fi
+    done
+    echo "${merged[*]-}"
+}
+
+# Whether every extra of the comma-separated list $1 is in the list $2.
+extras_within() {
+    local IFS=, extra
+    for extra in $1; do
+        [[ ",$2," == *",$extra,"* ]] || return 1
+    done
 }
 
 # The torch $1 imports, as "VERSION IN_RANGE VIRTUALENV" (IN_RANGE True or False; VIRTUALENV the virtualenv it is
@@ -125,8 +148,13 @@ if [ ! -x "$PY" ]; then
     fi
 fi
 require_python_311 "$PY"
-INSTALLED_SPEC="$(cat "$STAMP" 2>/dev/null || true)"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$INSTALLED_SPEC" != "$TORCH_SPEC" ]; then
+# The stamp: the torch spec on its first line, then "extras=" and the extras installed (an older stamp without
+# that line counts as none, so the first script that needs extras installs them once more).
+INSTALLED_SPEC="$(sed -n 1p "$STAMP" 2>/dev/null || true)"
+INSTALLED_EXTRAS="$(sed -n 's/^extras=//p' "$STAMP" 2>/dev/null || true)"
+EXTRAS="$(merge_extras "${JOB_EXTRAS-}" "${BATCHMAKER_EXTRAS-}")"  # what this script runs on
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$INSTALLED_SPEC" != "$TORCH_SPEC" ] \
+    || ! extras_within "$EXTRAS" "$INSTALLED_EXTRAS"; then
     if [ -f "$STAMP" ] && [ "$INSTALLED_SPEC" != "$TORCH_SPEC" ] && [ "$INSTALLED_SPEC" != "$FOUND_TORCH" ]; then
         # The scripts installed that torch: remove it, as pip takes any 2.13.0 build (+cpu or not) as satisfying
         # torch==2.13.0, and an interpreter's torch must not stay hidden behind it.
@@ -139,16 +167,12 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$INSTALLED
         # shellcheck disable=SC2086
         "$PY" "${PIP_INSTALL[@]}" $TORCH_ARGS
     fi
-    echo "installing batchmaker and its dependencies into $VENV" >&2
-    PROJECT="$ROOT${EXTRAS:+[$EXTRAS]}"
-    if [ -n "${BATCHMAKER_WHEELS:-}" ]; then
-        # Without build isolation the project builds with the environment's setuptools: the one there, or DIR's.
-        "$PY" "${PIP_INSTALL[@]}" "$BUILD_REQUIRES"
-        "$PY" "${PIP_INSTALL[@]}" --no-build-isolation -e "$PROJECT"
-    else
-        "$PY" "${PIP_INSTALL[@]}" -e "$PROJECT"
-    fi
-    echo "$TORCH_SPEC" >"$STAMP"
+    EXTRAS="$(merge_extras "$INSTALLED_EXTRAS" "$EXTRAS")"  # never fewer than before: another script uses them
+    echo "installing batchmaker${EXTRAS:+ with its $EXTRAS extras} and its dependencies into $VENV" >&2
+    # The build runs on the environment's setuptools, which this leaves as it is when it meets the requirement.
+    "$PY" "${PIP_INSTALL[@]}" "$BUILD_REQUIRES"
+    "$PY" "${PIP_INSTALL[@]}" --no-build-isolation -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    printf '%s\nextras=%s\n' "$TORCH_SPEC" "$EXTRAS" >"$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"

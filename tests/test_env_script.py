@@ -1,4 +1,5 @@
-"""scripts/_env.sh chooses the torch build: driven offline, with a fake interpreter (and pip) and a fake nvidia-smi."""
+"""scripts/_env.sh chooses the torch build and the extras each script runs on, and builds the project with the
+environment's setuptools: driven offline, with a fake interpreter (and pip) and a fake nvidia-smi."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ("demo", "serve", "test")  # the scripts whose extras are checked
 BASH = shutil.which("bash")
 CPU = "torch==2.13.0+cpu"
 CPU_INDEX = ["--index-url", "https://download.pytorch.org/whl/cpu"]
+BUILD = ["install", "setuptools>=68"]  # pyproject.toml's build requirement, for the build without isolation
 
 # A stand-in for python3 and for a virtualenv's python: runs `-c` code as the real interpreter would (with the
 # version FAKE_PYTHON_VERSION claims, a torch at FAKE_TORCH_VERSION or none, and in a virtualenv when the folder
@@ -52,7 +55,8 @@ class Checkout:
     def __init__(self, tmp_path: Path):
         self.root = tmp_path / "checkout"
         (self.root / "scripts").mkdir(parents=True)
-        shutil.copy(ROOT / "scripts" / "_env.sh", self.root / "scripts" / "_env.sh")
+        for script in ("_env.sh", *SCRIPTS):
+            shutil.copy(ROOT / "scripts" / script, self.root / "scripts" / script)
         shutil.copy(ROOT / "pyproject.toml", self.root / "pyproject.toml")
         self.bin = tmp_path / "bin"
         self.bin.mkdir()
@@ -74,6 +78,11 @@ class Checkout:
     def stamp(self) -> Path:
         return self.root / ".venv" / ".batchmaker-installed"
 
+    def stamped(self, venv: Path | None = None) -> tuple[str, str]:
+        """The torch spec and the extras the stamp of `venv` (default: .venv) records."""
+        spec, extras = ((venv or self.root / ".venv") / ".batchmaker-installed").read_text().splitlines()
+        return spec, extras.removeprefix("extras=")
+
     def add_nvidia_driver(self) -> None:
         smi = self.bin / "nvidia-smi"
         smi.write_text("#!/bin/sh\nexit 0\n")
@@ -87,12 +96,17 @@ class Checkout:
         (venv / "pyvenv.cfg").write_text("include-system-site-packages = false\n")
         return venv
 
-    def source(self, **env: str | None) -> subprocess.CompletedProcess:
-        """Source _env.sh in a fresh shell, with `env` added (None removes a variable); returns the finished
-        process (pip calls go to pip_calls())."""
+    def source(self, job_extras: str = "", **env: str | None) -> subprocess.CompletedProcess:
+        """Source _env.sh in a fresh shell as a script needing `job_extras` does, with `env` added (None removes
+        a variable); returns the finished process (pip calls go to pip_calls())."""
+        return self.run(["-c", 'JOB_EXTRAS="$2"; source "$1"', "_", str(self.root / "scripts" / "_env.sh"), job_extras],
+                        **env)  # fmt: skip
+
+    def run(self, arguments: list[str], **env: str | None) -> subprocess.CompletedProcess:
+        """bash with these arguments, in the environment `source` describes."""
         self.pip_log.unlink(missing_ok=True)
         return subprocess.run(
-            [BASH, "-c", 'source "$1"', "_", str(self.root / "scripts" / "_env.sh")],
+            [BASH, *arguments],
             env={name: value for name, value in {**self.env, **env}.items() if value is not None},
             capture_output=True,
             text=True,
@@ -119,8 +133,9 @@ def checkout(tmp_path: Path) -> Checkout:
     return Checkout(tmp_path)
 
 
-def project(checkout: Checkout) -> list[str]:
-    return ["install", "-e", f"{checkout.root}[test,bench]"]
+def project(checkout: Checkout, extras: str = "") -> list[list[str]]:
+    """The installs of the project with these extras: its build requirement, then the project without isolation."""
+    return [BUILD, ["install", "--no-build-isolation", "-e", f"{checkout.root}{f'[{extras}]' if extras else ''}"]]
 
 
 def sees_system_site_packages(venv: Path) -> bool:
@@ -133,15 +148,15 @@ def test_without_a_driver_the_cpu_build_comes_from_the_configured_indexes(checko
     assert (checkout.root / ".venv" / "bin" / "python").exists()
     calls = checkout.pip_calls()
     assert ["install", "--quiet", "--disable-pip-version-check", "--dry-run", "--no-deps", CPU] in calls
-    assert installs(calls) == [["install", CPU], project(checkout)]
-    assert checkout.stamp.read_text().strip() == CPU
+    assert installs(calls) == [["install", CPU], *project(checkout)]
+    assert checkout.stamped()[0] == CPU
 
 
 def test_without_a_driver_a_cpu_build_pip_cannot_find_comes_from_pytorchs_cpu_index(checkout):
     result = checkout.source(FAKE_DRY_RUN_RC="1")
     assert result.returncode == 0, result.stderr
-    assert installs(checkout.pip_calls()) == [["install", CPU, *CPU_INDEX], project(checkout)]
-    assert checkout.stamp.read_text().strip() == CPU
+    assert installs(checkout.pip_calls()) == [["install", CPU, *CPU_INDEX], *project(checkout)]
+    assert checkout.stamped()[0] == CPU
 
 
 def test_with_a_driver_the_cuda_build_comes_from_pypi(checkout):
@@ -150,8 +165,8 @@ def test_with_a_driver_the_cuda_build_comes_from_pypi(checkout):
     assert result.returncode == 0, result.stderr
     calls = checkout.pip_calls()
     assert not any("--dry-run" in call for call in calls)
-    assert installs(calls) == [["install", "torch==2.13.0"], project(checkout)]
-    assert checkout.stamp.read_text().strip() == "torch==2.13.0"
+    assert installs(calls) == [["install", "torch==2.13.0"], *project(checkout)]
+    assert checkout.stamped()[0] == "torch==2.13.0"
 
 
 def test_batchmaker_torch_overrides_the_choice(checkout):
@@ -159,8 +174,8 @@ def test_batchmaker_torch_overrides_the_choice(checkout):
     spec = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124"
     result = checkout.source(BATCHMAKER_TORCH=spec)
     assert result.returncode == 0, result.stderr
-    assert installs(checkout.pip_calls()) == [["install", *spec.split()], project(checkout)]
-    assert checkout.stamp.read_text().strip() == spec
+    assert installs(checkout.pip_calls()) == [["install", *spec.split()], *project(checkout)]
+    assert checkout.stamped()[0] == spec
 
 
 def test_an_up_to_date_virtualenv_is_left_alone(checkout):
@@ -178,7 +193,7 @@ def test_a_newer_pyproject_reinstalls_the_project_but_keeps_torch(checkout):
     assert result.returncode == 0, result.stderr
     calls = checkout.pip_calls()
     assert not any(call[0] == "uninstall" for call in calls)
-    assert installs(calls) == [["install", CPU], project(checkout)]
+    assert installs(calls) == [["install", CPU], *project(checkout)]
 
 
 def test_a_changed_torch_spec_replaces_the_installed_build(checkout):
@@ -189,8 +204,8 @@ def test_a_changed_torch_spec_replaces_the_installed_build(checkout):
     assert "removing the torch installed for it" in result.stderr
     calls = checkout.pip_calls()
     assert calls[0] == ["uninstall", "--quiet", "--yes", "torch"]
-    assert installs(calls) == [["install", "torch==2.13.0"], project(checkout)]
-    assert checkout.stamp.read_text().strip() == "torch==2.13.0"
+    assert installs(calls) == [["install", "torch==2.13.0"], *project(checkout)]
+    assert checkout.stamped()[0] == "torch==2.13.0"
 
 
 def test_an_old_python_is_refused_before_anything_is_installed(checkout):
@@ -226,14 +241,14 @@ def test_a_torch_in_range_is_used_where_it_is_even_with_a_driver(checkout):
     assert sees_system_site_packages(checkout.root / ".venv")
     calls = checkout.pip_calls()
     assert not any(call[0] == "uninstall" for call in calls)
-    assert installs(calls) == [project(checkout)]
-    assert checkout.stamp.read_text().strip() == FOUND
+    assert installs(calls) == project(checkout)
+    assert checkout.stamped()[0] == FOUND
 
 
 def test_a_prerelease_build_at_the_lower_bound_is_in_range(checkout):
     result = checkout.source(FAKE_TORCH_VERSION="2.8.0a0+5228986")  # as vendor images number their builds
     assert result.returncode == 0, result.stderr
-    assert installs(checkout.pip_calls()) == [project(checkout)]
+    assert installs(checkout.pip_calls()) == project(checkout)
 
 
 def test_an_active_virtualenv_with_torch_gets_the_project_itself(checkout):
@@ -241,8 +256,8 @@ def test_an_active_virtualenv_with_torch_gets_the_project_itself(checkout):
     result = checkout.source(BATCHMAKER_PYTHON=None, VIRTUAL_ENV=str(venv), FAKE_TORCH_VERSION="2.11.0")
     assert result.returncode == 0, result.stderr
     assert not (checkout.root / ".venv").exists()
-    assert installs(checkout.pip_calls()) == [project(checkout)]
-    assert (venv / ".batchmaker-installed").read_text().strip() == FOUND
+    assert installs(checkout.pip_calls()) == project(checkout)
+    assert checkout.stamped(venv)[0] == FOUND
     result = checkout.source(BATCHMAKER_PYTHON=None, VIRTUAL_ENV=str(venv), FAKE_TORCH_VERSION="2.11.0")
     assert result.returncode == 0, result.stderr
     assert checkout.pip_calls() == []
@@ -262,14 +277,14 @@ def test_batchmaker_torch_installs_past_an_old_torch(checkout):
     result = checkout.source(FAKE_TORCH_VERSION="2.5.1", BATCHMAKER_TORCH=spec)
     assert result.returncode == 0, result.stderr
     assert not sees_system_site_packages(checkout.root / ".venv")
-    assert installs(checkout.pip_calls()) == [["install", *spec.split()], project(checkout)]
+    assert installs(checkout.pip_calls()) == [["install", *spec.split()], *project(checkout)]
 
 
 def test_without_torch_or_a_driver_the_venv_is_its_own(checkout):
     result = checkout.source()
     assert result.returncode == 0, result.stderr
     assert not sees_system_site_packages(checkout.root / ".venv")
-    assert installs(checkout.pip_calls()) == [["install", CPU], project(checkout)]
+    assert installs(checkout.pip_calls()) == [["install", CPU], *project(checkout)]
 
 
 @pytest.mark.parametrize("torch_version", [None, "2.11.0"])
@@ -286,7 +301,7 @@ def test_a_wheel_folder_makes_every_install_offline(checkout, tmp_path, torch_ve
     assert installs(calls) == [
         *torch,
         ["install", *offline, "setuptools>=68"],
-        ["install", *offline, "--no-build-isolation", "-e", f"{checkout.root}[test,bench]"],
+        ["install", *offline, "--no-build-isolation", "-e", str(checkout.root)],
     ]
 
 
@@ -301,14 +316,14 @@ def test_the_interpreters_torch_is_never_uninstalled(checkout):
     assert result.returncode == 0, result.stderr
     calls = checkout.pip_calls()
     assert not any(call[0] == "uninstall" for call in calls)
-    assert installs(calls) == [["install", *spec.split()], project(checkout)]
+    assert installs(calls) == [["install", *spec.split()], *project(checkout)]
     # Back to the interpreter's torch: the one the scripts installed goes, and nothing else.
     result = checkout.source(FAKE_TORCH_VERSION="2.11.0")
     assert result.returncode == 0, result.stderr
     calls = checkout.pip_calls()
     assert calls[0] == ["uninstall", "--quiet", "--yes", "torch"]
-    assert installs(calls) == [project(checkout)]
-    assert checkout.stamp.read_text().strip() == FOUND
+    assert installs(calls) == project(checkout)
+    assert checkout.stamped()[0] == FOUND
 
 
 def test_an_active_virtualenvs_torch_is_never_uninstalled(checkout):
@@ -324,7 +339,53 @@ def test_an_active_virtualenvs_torch_is_never_uninstalled(checkout):
 def test_the_images_install_the_server_with_the_front_door_and_without_the_test_and_bench_extras(checkout):
     result = checkout.source(BATCHMAKER_EXTRAS="oip")
     assert result.returncode == 0, result.stderr
-    assert installs(checkout.pip_calls())[-1] == ["install", "-e", f"{checkout.root}[oip]"]
+    assert installs(checkout.pip_calls()) == [["install", CPU], *project(checkout, "oip")]
+    assert checkout.stamped() == (CPU, "oip")
     for image in ("cpu", "cuda"):
         assert "BATCHMAKER_EXTRAS=oip bash -c 'source scripts/_env.sh'" in (ROOT / "deploy" / f"{image}.Dockerfile").read_text()
 
+
+
+def test_the_demo_and_the_server_install_the_runtime_dependencies_and_the_tests_their_extras(checkout):
+    """Each script as it is: the pip calls it makes before it runs its job (here, a fake python that runs no job)."""
+    checkout.add_nvidia_driver()
+    spec = "torch==2.13.0"
+    for script, extras in (("demo", ""), ("serve", ""), ("test", "test,bench")):
+        shutil.rmtree(checkout.root / ".venv", ignore_errors=True)
+        checkout.run([str(checkout.root / "scripts" / script)])
+        assert installs(checkout.pip_calls()) == [["install", spec], *project(checkout, extras)], script
+        assert checkout.stamped() == (spec, extras)
+
+
+def test_a_venv_made_for_the_demo_gets_the_test_extras_when_the_tests_run(checkout):
+    assert checkout.source("").returncode == 0
+    assert checkout.stamped() == (CPU, "")
+    result = checkout.source("test,bench")
+    assert result.returncode == 0, result.stderr
+    calls = checkout.pip_calls()
+    assert installs(calls) == [["install", CPU], *project(checkout, "test,bench")]
+    assert not any(call[0] == "uninstall" for call in calls)
+    assert checkout.stamped() == (CPU, "test,bench")
+    for extras in ("", "test", "test,bench"):  # what is installed covers them: nothing to do
+        assert checkout.source(extras).returncode == 0
+        assert checkout.pip_calls() == [], extras
+    result = checkout.source("", BATCHMAKER_EXTRAS="oip")  # another extra joins those there, which stay
+    assert result.returncode == 0, result.stderr
+    assert installs(checkout.pip_calls()) == [["install", CPU], *project(checkout, "test,bench,oip")]
+    assert checkout.stamped() == (CPU, "test,bench,oip")
+
+
+def test_batchmaker_extras_adds_to_the_scripts_own(checkout):
+    result = checkout.source("test,bench", BATCHMAKER_EXTRAS="oip,bench")
+    assert result.returncode == 0, result.stderr
+    assert installs(checkout.pip_calls()) == [["install", CPU], *project(checkout, "test,bench,oip")]
+
+
+def test_a_stamp_without_extras_installs_them_once_for_a_script_that_needs_them(checkout):
+    assert checkout.source("").returncode == 0
+    checkout.stamp.write_text(CPU + "\n")  # as the scripts wrote it before they recorded the extras
+    assert checkout.source("").returncode == 0
+    assert checkout.pip_calls() == []
+    assert checkout.source("test,bench").returncode == 0
+    assert installs(checkout.pip_calls()) == [["install", CPU], *project(checkout, "test,bench")]
+    assert checkout.stamped() == (CPU, "test,bench")
