@@ -49,7 +49,7 @@ require_python_311() {
 # The comma-separated extras of $1 and $2 together, each once, in the order first named.
 merge_extras() {
     local IFS=, extra merged=() both="$1,$2"
-    for extra in $both; do  # split at the commas, which only an expansion's are
+    for extra in $both; do  # not $1,$2: a comma splits a word only where an expansion yields it
         if [ -n "$extra" ] && [[ ",${merged[*]-}," != *",$extra,"* ]]; then
             merged+=("$extra")
         fi

@@ -85,7 +85,9 @@ async def send_load(address: str, inputs: list[dict[str, Any]], rate: float, dur
         return Load(samples, client.retries, client.resent)
 
 
-def verify(samples: list[Sample], inputs, config_path: Path, count: int, seed: int) -> tuple[int, int, float]:
+def verify(
+    samples: list[Sample], inputs: list[dict[str, Any]], config_path: Path, count: int, seed: int
+) -> tuple[int, int, float]:
     """Compare `count` random successful replies with the reference model: (checked, differing, max error)."""
     model = build_model(load_config(config_path).models["lstm"])
     state = model.load_weights()
@@ -106,7 +108,9 @@ def codes(errors: Counter[str]) -> str:
     return ", ".join(f"{code} {n}" for code, n in errors.most_common())
 
 
-def failures(answered: int, lost: Counter[str], checked: int, differing: int, worst: float, leftovers: list[int]):
+def failures(
+    answered: int, lost: Counter[str], checked: int, differing: int, worst: float, leftovers: list[int]
+) -> list[str]:
     """Why the demo fails, if it does: the promises the server broke."""
     reasons = []
     if differing:
