@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .async_client import AsyncClient
-from .errors import ServerError
+from .errors import ServerError, ServerLost
 
 
 @dataclass
@@ -48,39 +48,54 @@ async def run_open_loop(
     """Send requests with exponential inter-arrival gaps at `rate` per second for `duration` seconds.
 
     Request i uses inputs[i % len(inputs)], drawn in a seeded random order. Several
-    addresses spread the load over several servers.
+    addresses spread the load over several servers. A refusal is a sample's outcome: nothing is resent.
     """
+    async with AsyncClient(address, timeout=timeout, max_retries=0) as client:
+        return await send_open_loop(client, model, inputs, rate, duration, seed, keep_outputs)
+
+
+async def send_open_loop(
+    client: AsyncClient,
+    model: str,
+    inputs: list[dict[str, Any]],
+    rate: float,
+    duration: float,
+    seed: int = 0,
+    keep_outputs: bool = True,
+) -> list[Sample]:
+    """`run_open_loop` through a client of the caller's, with its settings (its resends of refusals, say)."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(inputs))
     loop = asyncio.get_running_loop()
     samples: list[Sample] = []
-    async with AsyncClient(address, timeout=timeout, max_retries=0) as client:  # a refusal is a sample's outcome
 
-        async def one(sample: Sample) -> None:
-            sample.sent = loop.time() - start
-            try:
-                reply = await client.infer(model, inputs[sample.index])
-                sample.timing = reply.timing
-                if keep_outputs:
-                    sample.outputs = reply.outputs
-            except ServerError as exc:
-                sample.error = exc.code
-            except TimeoutError:
-                sample.error = "TIMEOUT"
-            sample.received = loop.time() - start
+    async def one(sample: Sample) -> None:
+        sample.sent = loop.time() - start
+        try:
+            reply = await client.infer(model, inputs[sample.index])
+            sample.timing = reply.timing
+            if keep_outputs:
+                sample.outputs = reply.outputs
+        except ServerError as exc:
+            sample.error = exc.code
+        except ServerLost:
+            sample.error = "SERVER_LOST"
+        except TimeoutError:
+            sample.error = "TIMEOUT"
+        sample.received = loop.time() - start
 
-        pending = []
-        start = loop.time()
-        due = 0.0
-        while due < duration:
-            delay = start + due - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            sample = Sample(index=int(order[len(samples) % len(order)]), scheduled=due)
-            samples.append(sample)
-            pending.append(asyncio.create_task(one(sample)))
-            due += rng.exponential(1.0 / rate)
-        await asyncio.gather(*pending)
+    pending = []
+    start = loop.time()
+    due = 0.0
+    while due < duration:
+        delay = start + due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sample = Sample(index=int(order[len(samples) % len(order)]), scheduled=due)
+        samples.append(sample)
+        pending.append(asyncio.create_task(one(sample)))
+        due += rng.exponential(1.0 / rate)
+    await asyncio.gather(*pending)
     return samples
 
 

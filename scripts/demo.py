@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from batchmaker.bench import yardstick
-from batchmaker.clients import AsyncClient, Client, ServerError, ServerLost
-from batchmaker.clients.loadgen import Sample, percentiles, summarize
+from batchmaker.clients import AsyncClient, Client
+from batchmaker.clients.loadgen import Sample, percentiles, send_open_loop, summarize
 from batchmaker.clients.text import Vocabulary, load_sentences
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
@@ -54,34 +54,8 @@ class Load:
 async def send_load(address: str, inputs: list[dict[str, Any]], rate: float, duration: float, seed: int) -> Load:
     """Request n at the n-th Poisson arrival (`rate` a second, for `duration` s) with the n-th input of a seeded
     shuffle; latency counts from the arrival, so a slow server cannot hide its queueing."""
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(inputs))
-    arrivals = [0.0]
-    while arrivals[-1] < duration:
-        arrivals.append(arrivals[-1] + rng.exponential(1.0 / rate))
-    samples = [Sample(index=int(order[n % len(order)]), scheduled=at) for n, at in enumerate(arrivals[:-1])]
-    loop = asyncio.get_running_loop()
     async with AsyncClient(address) as client:  # the library's defaults: refusals are resent
-
-        async def outcome(sample: Sample) -> None:
-            sample.sent = loop.time() - start
-            try:
-                reply = await client.infer("lstm", inputs[sample.index])
-                sample.timing, sample.outputs = reply.timing, reply.outputs
-            except ServerError as exc:
-                sample.error = exc.code  # OVERLOADED only once the client stopped resending it
-            except ServerLost:
-                sample.error = "SERVER_LOST"
-            except TimeoutError:
-                sample.error = "TIMEOUT"
-            sample.received = loop.time() - start
-
-        start = loop.time()
-        sending = []
-        for sample in samples:  # each sent when it is due, whatever the replies before it
-            await asyncio.sleep(start + sample.scheduled - loop.time())
-            sending.append(asyncio.create_task(outcome(sample)))
-        await asyncio.gather(*sending)
+        samples = await send_open_loop(client, "lstm", inputs, rate, duration, seed)
         return Load(samples, client.retries, client.resent)
 
 
