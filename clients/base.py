@@ -176,8 +176,8 @@ class ClientBase:
 
         First another server that has not refused it (docs/protocol.md, "Several servers"), unless it is a
         session's, which stays where its session's state is; once every one has, or with one server, or for
-        a session, an OVERLOADED refusal is sent again after a backoff, while that ends before the
-        request's deadline or timeout and its retries last, unless another request of its session is in
+        a session, an OVERLOADED refusal is sent again after a backoff, while the resend leaves at least as
+        long again before the request's deadline or timeout (time for its answer) and its retries last, unless another request of its session is in
         flight (docs/protocol.md, "Retries")."""
         target = self._servers.retry_target(server, reply, request.refused_by, elsewhere=request.home is None)
         if target is not None:
@@ -185,8 +185,9 @@ class ClientBase:
             return Resend(target, now)
         if request.retries >= self.max_retries or not is_refusal(reply) or self.sessions.pipelined(request.message):
             return None
-        at = now + self.backoff.delay(request.retries, retry_after_s(reply))
-        if at >= request.give_up_at:
+        wait = self.backoff.delay(request.retries, retry_after_s(reply))
+        at = now + wait
+        if at + wait >= request.give_up_at:  # the resend would have less time to be answered than it waited
             return None
         request.retries += 1
         self.retries += 1

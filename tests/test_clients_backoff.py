@@ -305,3 +305,14 @@ def test_a_session_whose_server_is_lost_is_not_continued_on_another(servers: lis
             with pytest.raises(ServerLost, match="continues a session whose state is on that server"):
                 client.infer("m", {"n": 1}, session="kept")
     assert len({name for name, _ in session_messages(servers, "kept")}) == 1  # nothing sent elsewhere
+
+
+def test_a_resend_is_made_only_with_as_much_time_left_after_it_as_it_waited(servers: list[FakeServer]) -> None:
+    """A resend that would leave its answer no time would end in a timeout: the caller gets the refusal instead."""
+    server = refusing(servers, 10**9)
+    refusal = error_reply(1, OVERLOADED, "estimated wait 90 ms; retry later", 100)  # a wait of 0.1 s at least
+    with Client(server.address, timeout=10, max_retries=10**6) as client:
+        request = client._outgoing({"model": "m", "inputs": {"n": 1}}, None)
+        home = client._servers.servers[0]
+        assert client._resend(request, home, refusal, request.give_up_at - 0.25) is not None  # 0.1 s, twice: fits
+        assert client._resend(request, home, refusal, request.give_up_at - 0.15) is None  # 0.1 s twice: past it
