@@ -40,6 +40,7 @@ from batchmaker.common.protocol import OVERLOADED
 from batchmaker.manager.commands.launcher import launch, stop_server, wait_until_ready
 
 TOLERANCE = 1e-5
+STATS_TIMEOUT_S = 10  # for the server's stats after the load
 
 
 @dataclass
@@ -57,6 +58,15 @@ async def send_load(address: str, inputs: list[dict[str, Any]], rate: float, dur
     async with AsyncClient(address) as client:  # the library's defaults: refusals are resent
         samples = await send_open_loop(client, "lstm", inputs, rate, duration, seed)
         return Load(samples, client.retries, client.resent)
+
+
+def server_stats(address: str) -> dict[str, Any] | None:
+    """The server's `stats`, or None when it does not answer them (its failure shows in the requests' outcomes)."""
+    try:
+        with Client(address, timeout=STATS_TIMEOUT_S) as client:
+            return client.stats()
+    except (TimeoutError, ConnectionError):
+        return None
 
 
 def verify(
@@ -136,8 +146,7 @@ def main() -> int:
         wait_until_ready(address, server, timeout=120)
         print(f"sending {args.rate:.0f} requests/s (Poisson) for {args.duration:.0f} s ...", flush=True)
         load = asyncio.run(send_load(address, inputs, args.rate, args.duration, args.seed))
-        with Client(address) as client:
-            stats = client.stats()
+        stats = server_stats(address)
     finally:
         leftovers = stop_server(server)
 
@@ -161,9 +170,12 @@ def main() -> int:
     print(f"latency (ms)    p50 {lat['p50']:.2f}  p90 {lat['p90']:.2f}  p99 {lat['p99']:.2f}")
     print(f"queueing (ms)   p50 {queue['p50']:.2f}  p90 {queue['p90']:.2f}  p99 {queue['p99']:.2f}")
     print(f"compute (ms)    p50 {compute['p50']:.2f}  p90 {compute['p90']:.2f}  p99 {compute['p99']:.2f}")
-    print(f"mean batch size {stats['mean_batch_size']:.1f} cells per task over {stats['tasks']} tasks")
-    print(f"cellular        {stats['joining_tasks']} tasks joined new requests to running ones; "
-          f"{stats['leaving_requests']} requests left while older ones still ran")
+    if stats is None:
+        print(f"server stats    none: the server did not answer `stats` within {STATS_TIMEOUT_S} s")
+    else:
+        print(f"mean batch size {stats['mean_batch_size']:.1f} cells per task over {stats['tasks']} tasks")
+        print(f"cellular        {stats['joining_tasks']} tasks joined new requests to running ones; "
+              f"{stats['leaving_requests']} requests left while older ones still ran")
     for line in yardstick.lines(args.reference, args.rate, config.models["lstm"].params):
         print(line)
     print(f"verified        {checked} replies against the reference model, {differing} differ, "

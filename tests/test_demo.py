@@ -1,10 +1,11 @@
 """scripts/demo.py: it serves on the address it is given, checks its answers, keeps the server's log, and prints
 the results page's numbers for the same model beside its own, saying where they came from. It passes when the server
 keeps its promises, refusals under load included, and fails naming the promise broken: an answer that differs from
-the reference model, a request without an answer, a process left behind, each provoked here for real."""
+the reference model, a request without an answer, each provoked here for real, and a process left behind."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -12,17 +13,16 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import msgpack
 import psutil
-import zmq
+import pytest
 from conftest import ROOT, free_port
 
 from batchmaker.bench import yardstick
 from batchmaker.bench.run import machine
-from batchmaker.clients.messages import infer_message
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model, init_missing_weights
 from batchmaker.common.models.base import save_weights
@@ -189,43 +189,20 @@ def test_requests_without_an_answer_fail_the_demo(tmp_path: Path):
                      rf"with no answer \(INTERNAL {failed.group(1)}\)", output)  # fmt: skip
 
 
-def test_a_process_left_behind_fails_the_demo(tmp_path: Path):
-    """The worker hangs under load (tests/faulty_lstm.py, on SIGUSR1) and is never taken for hung, while a client
-    that stays connected waits for a request it holds: the server's drain waits for that request past the time the
-    demo gives its stop, and the demo, having killed the server's supervisor, finds the hung worker still there."""
-    shutil.copy(ROOT / "tests" / "faulty_lstm.py", tmp_path)
-    config = demo_config(
-        tmp_path,
-        ('builder = "batchmaker.common.models.lstm:build"', 'builder = "faulty_lstm:build"'),
-        ("hang_timeout_ms = 10000", "hang_timeout_ms = 600000"),
-        ("drain_timeout_ms = 30000", "drain_timeout_ms = 600000"),
-    )
-    server: list[psutil.Process] = []
-    hung: list[int] = []
-    waiting = zmq.Context().socket(zmq.DEALER)
-
-    def hang(demo: subprocess.Popen, address: str) -> None:
-        server.extend(psutil.Process(demo.pid).children(recursive=True))
-        (worker,) = workers_of(server)
-        worker.send_signal(signal.SIGUSR1)
-        hung.append(worker.pid)
-        waiting.connect(address)
-        waiting.send(msgpack.packb(infer_message("lstm", {"tokens": [5, 17, 342]}, None, None) | {"id": 1}))
-
-    try:
-        returncode, output = run_demo(config, "--duration", "2", "--rate", "20", "--verify", "5", while_sending=hang)
-        assert returncode == 1, output
-        failed = re.fullmatch(r"DEMO FAILED: (\d+) requests? got no answer \(TIMEOUT \1\); "
-                              r"\d+ of the server's processes left running \(pid ([\d, ]+)\)", last_line(output))
-        assert failed, output
-        assert hung[0] in [int(pid) for pid in failed.group(2).split(", ")], output
-    finally:
-        waiting.close(linger=0)
-        for process in server:  # what the demo started and left
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
+def test_a_process_left_behind_fails_the_demo(monkeypatch: pytest.MonkeyPatch):
+    """The reasons the demo fails for, process left behind included: a real leftover cannot be provoked reliably
+    (the supervisor kills what does not stop, a wedged manager included), so the reasons are checked as computed."""
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "demo", demo)  # its dataclasses look their module up there
+    spec.loader.exec_module(demo)
+    assert demo.failures(10, Counter(), 5, 0, 0.0, []) == []
+    assert demo.failures(10, Counter({"TIMEOUT": 2}), 5, 0, 0.0, [41, 42]) == [
+        "2 requests got no answer (TIMEOUT 2)", "2 of the server's processes left running (pid 41, 42)"
+    ]
+    assert demo.failures(0, Counter(), 0, 0, 0.0, [7]) == [
+        "every request was refused, so no answer could be checked", "1 of the server's processes left running (pid 7)"
+    ]
 
 
 def test_the_reference_says_when_it_is_missing_from_another_model_or_from_another_machine(tmp_path: Path):
