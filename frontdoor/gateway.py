@@ -207,8 +207,12 @@ def _door_error(exc: Exception) -> DoorError:
         return exc
     if isinstance(exc, ServerError):
         return DoorError(exc.code, exc.message, exc.retry_after_ms)
-    if isinstance(exc, RequestTooLarge):
-        return DoorError(TOO_LARGE, str(exc))
+    if isinstance(exc, RequestTooLarge):  # its own words name the door's internal id and client setting
+        return DoorError(
+            TOO_LARGE,
+            f"the request's inputs take {exc.size} bytes as the server reads them, over the server's limit of "
+            f"{exc.limit} bytes (server.max_message_bytes): send smaller inputs, or raise that limit in its config",
+        )
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return DoorError(UNAVAILABLE, f"the server did not answer: {exc}")
     raise exc

@@ -174,6 +174,7 @@ def test_a_body_within_the_limit_whose_tensors_are_over_the_frame_limit_gets_a_c
         httpclient.InferenceServerClient(defaulted.http).infer("lstm", [json_input])
     assert refused.value.status() == "413"
     assert f"over the server's limit of {MAX_FRAME} bytes (server.max_message_bytes)" in refused.value.message()
+    assert "oip-" not in refused.value.message()  # the door's own id for it means nothing to the caller
     typed = pb.ModelInferRequest(model_name="lstm")  # typed contents, which tritonclient never sends
     typed.inputs.add(name="tokens", datatype="INT64", shape=[count]).contents.int64_contents.extend([0] * count)
     assert typed.ByteSize() < MAX_FRAME  # a zero takes a byte
