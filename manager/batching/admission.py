@@ -26,7 +26,7 @@ from typing import Any
 from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
 
 WINDOW_S = 1.0  # completions older than this no longer count towards the measured throughput
-MAX_SPREAD_S = 1.0  # how far past the queue's own excess the refused requests' return times are spread
+MAX_SPREAD_S = 1.0  # how far past the queue's own excess the quotes of earlier refusals may delay a new one's
 CELLS_SMOOTHING = 0.1  # weight of each admitted burst in the running mean of cells per request
 MIN_BUSY_S = 0.02  # a throughput measured over less busy time than this is noise, not an estimate
 FULL_FILL = 0.75  # a task this full shows what the server can do, not just what it was offered
