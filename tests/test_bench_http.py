@@ -55,7 +55,7 @@ def test_quick_run_serves_every_way_and_checks_the_answers(tmp_path: Path):
         assert check["ok"] and check["checked"] == http.QUICK.verify_requests
         assert check["max_abs_error"] <= TOLERANCE
     reason = triton_lstm.missing()
-    setups = triton_setups.setups()  # one model instance a core, 4 tokens a request
+    setups = triton_setups.setups()  # one model instance a core, 8 tokens a request
     assert list(result["triton"]["setups"]) == [setup.name for setup in setups]
     for setup, section in zip(setups, result["triton"]["setups"].values()):
         assert section["setup"] == setup.record()  # each setup written beside its numbers

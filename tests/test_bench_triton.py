@@ -54,18 +54,18 @@ def test_the_setups_are_one_instance_a_core_and_the_settings_given():
     dynamic, oldest, direct = triton_setups.setups()
     assert (dynamic.instances, direct.instances, oldest.instances) == (triton_setups.cores(),) * 2 + (1,)
     assert (direct.strategy, direct.tokens_per_request, oldest.strategy, oldest.tokens_per_request) == (
-        "direct", 4, "oldest", 1
+        "direct", 8, "oldest", 1
     )
     assert direct.text() == (
         f"sequence batcher, direct strategy, max batch 64, no queue delay, {triton_setups.cores()} model instance"
-        f"{'s' if triton_setups.cores() > 1 else ''}, 4 tokens a request"
+        f"{'s' if triton_setups.cores() > 1 else ''}, 8 tokens a request"
     )
     assert dynamic.text().startswith("dynamic batcher, max batch 64, 2 ms queue delay, ")
     assert dynamic.text().endswith(", one request a sentence")
-    _, one, three = triton_setups.setups(instances=3, tokens_per_request=8)
-    assert (three.instances, three.tokens_per_request, one.instances) == (3, 8, 1)
+    _, one, three = triton_setups.setups(instances=3, tokens_per_request=16)
+    assert (three.instances, three.tokens_per_request, one.instances) == (3, 16, 1)
     assert three.record() == {
-        "name": "sequence direct", "batcher": "sequence", "strategy": "direct", "instances": 3, "tokens_per_request": 8,
+        "name": "sequence direct", "batcher": "sequence", "strategy": "direct", "instances": 3, "tokens_per_request": 16,
         "max_batch": 64, "max_queue_delay_us": 0, "text": three.text(),
     }  # fmt: skip
 
