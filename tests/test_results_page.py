@@ -112,7 +112,9 @@ def test_the_five_lines_follow_from_the_ratios(bench_dir: Path):
     wins = verdict_line(page, "Wins on peak throughput")
     assert "lstm 2.00x padded (1,000 against 500 req/s)" in wins and "treelstm 1.50x graph" in wins
     assert "tree16" not in wins and "seq2seq" not in wins
+    assert "http 1.50x Triton 2.50 (600 against 400 req/s)" in wins  # a run of other systems counts too
     assert "lstm 0.25x padded (50 against 200 ms); treelstm 0.50x graph" in verdict_line(page, "Wins on p90")
+    assert "http" not in verdict_line(page, "Wins on p90")  # its p90s are at each way's own peak, not at one load
     loses = verdict_line(page, "Loses")
     assert "tree16 0.80x graph (800 against 1,000 req/s)" in loses and "tree16 2.50x graph (150 against 60 ms)" in loses
     assert "treelstm 0.80x DyNet 2.1.2 (700 against 875 req/s)" in loses
@@ -120,6 +122,13 @@ def test_the_five_lines_follow_from_the_ratios(bench_dir: Path):
     assert "seq2seq 1.03x padded" in ties and "seq2seq 0.95x padded" in ties and "lstm" not in ties
     idle = verdict_line(page, "Idle")
     assert "1.3x-5.0x" in idle and "the server's own path adding 6.0-8.0 ms" in idle
+
+
+def test_a_system_that_beats_cellular_batching_in_a_run_of_other_systems_is_a_loss(bench_dir: Path):
+    peer = {**TRITON, "requests_per_s": 1_084.0, "cellular_requests_per_s": 694.0}
+    (bench_dir / "http.json").write_text(json.dumps({"preset": "http", "commit": "abc1234", "peers": [peer]}))
+    results_page.write(bench_dir, bench_dir / "results.md")
+    assert "http 0.64x Triton 2.50 (694 against 1,084 req/s)" in verdict_line((bench_dir / "results.md").read_text(), "Loses")
 
 
 @pytest.mark.parametrize(
