@@ -112,7 +112,8 @@ class SchedulerConfig:
     bucket_width: int = 10  # padded policy: requests whose lengths fall in one bucket of this width batch together
     max_group_requests: int = 0  # padded and graph policies: requests per batch; 0: the model's largest batch size
     max_steps_per_task: int = 64  # consecutive waves of the same lanes one task may run (a lone sentence: one task); 1: single steps only
-    max_join_delay_us: int = 2000  # expected duration of a worker's multi-step tasks in flight, at most
+    max_join_delay_us: int = 2000  # a multi-step task's expected duration at a light load (manager.batching.join_delay)
+    latency_target_ms: int = 100  # the latency wanted under load: a fifth of it bounds a multi-step task's duration
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
         ),
         max_steps_per_task=positive_int(table, "max_steps_per_task", defaults.max_steps_per_task, "scheduler", path),
         max_join_delay_us=positive_int(table, "max_join_delay_us", defaults.max_join_delay_us, "scheduler", path),
+        latency_target_ms=positive_int(table, "latency_target_ms", defaults.latency_target_ms, "scheduler", path),
     )
 
 

@@ -286,16 +286,21 @@ class BatchingCore:
         queue at); the step costs of lane tasks go by the worker's own, which excludes the manager's lag
         in reading notices (a saturated manager reads them late, and its time would make every step look
         dear and every lane task short)."""
+        started = time.perf_counter()
         timed = dict(zip(notice.task_ids, notice.busy_us))
+        costs = self.scheduler.step_costs
         for task_id in notice.task_ids:
             task = worker.finish(task_id)
             if task is not None:
                 steps = len(task.step_sizes)
                 busy = self.admission.measure_task(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
-                if isinstance(task.message, LaneTaskMessage) and task_id in timed:
+                by_worker = isinstance(task.message, LaneTaskMessage) and task_id in timed
+                if by_worker:
                     busy = timed[task_id] / 1e6
-                self.scheduler.step_costs.record(task.spec.key, task.step_sizes[0], steps, busy)
+                costs.record(task.spec.key, task.step_sizes[0], steps, busy, by_worker)
                 self.processor.task_finished(task, notice.errors.get(task_id))
+        if notice.task_ids:
+            costs.record_manager("completed", (time.perf_counter() - started) / len(notice.task_ids))
         return self._outcomes()
 
     def workers_changed(self) -> None:

@@ -93,6 +93,7 @@ def make_scheduler(
         settings.affinity if cellular else "request",
         1 if graph else settings.max_steps_per_task,
         settings.max_join_delay_us,
+        settings.latency_target_ms,
     )
 
 

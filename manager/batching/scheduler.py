@@ -20,7 +20,7 @@ the arena's room and the batch size are checked for all lanes of a queue at once
 loops over cells.
 
 Lane tasks (docs/architecture.md, "Lanes"): lanes that are chains (common.lanes) run several steps a
-task, each lane as many as it can take within `max_join_delay_us` of expected work (manager.batching.step_costs)
+task, each lane as many as it can take within the join delay of expected work (manager.batching.join_delay)
 and `max_steps_per_task`, lanes that end dropping off the batch. When ready lanes were left out for
 want of room, no lane takes more steps than three quarters of the task's lanes can, so the batch stays
 mostly full; a Batch call stops forming lane tasks once the worker holds two tasks and the join delay of
@@ -29,7 +29,7 @@ work, so a request that arrives waits for about that much.
 Multi-step tasks of waves (the other lanes: a tree's levels, a stacked layer): when a task takes every
 ready lane of its type that may run on the worker, whole waves, nothing else of that type waits that
 could join it, so the same task goes on with the lanes' next waves, up to `max_steps_per_task` steps and
-while it is expected to take at most `max_join_delay_us`. Lanes that end drop out of the later steps,
+while it is expected to take at most the join delay. Lanes that end drop out of the later steps,
 which run at the smallest batch size that holds them. A worker already holding more than that delay of
 expected work gets single steps: what arrives joins the next step.
 """
@@ -51,6 +51,7 @@ from batchmaker.manager.batching.cell_queues import (
     in_order_of_service,
 )
 from batchmaker.manager.batching.dispatch import Dispatcher
+from batchmaker.manager.batching.join_delay import JoinDelay
 from batchmaker.manager.batching.lane_tasks import LaneTasks
 from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
 from batchmaker.manager.batching.records import Request, Task
@@ -77,6 +78,7 @@ class Scheduler:
         affinity: str = "subgraph",
         max_steps_per_task: int = 1,
         max_join_delay_us: int = 0,
+        latency_target_ms: int = 100,
     ):
         self.queues = {spec.key: CellTypeQueue(spec, i) for i, spec in enumerate(specs)}
         self._ordered = sorted(self.queues.values(), key=lambda q: -q.spec.priority)
@@ -89,8 +91,8 @@ class Scheduler:
         self._request_affinity = affinity == "request"
         self.several_workers = False  # set by the manager: placement only needs checking then
         self.max_steps_per_task = max_steps_per_task
-        self._max_join_delay_s = max_join_delay_us / 1e6
         self.step_costs = StepCosts()
+        self.join_delay = JoinDelay(max_join_delay_us, latency_target_ms, self.step_costs)
         self._layouts: dict[LaneLayout, int] = {ONE_STEP: ONE_STEP_LAYOUT}  # every chain layout queued so far, numbered
         self._layout_list: list[LaneLayout] = [ONE_STEP]  # the same, by number
         self._lane_tasks = LaneTasks(table, store, dispatcher)
@@ -198,25 +200,26 @@ class Scheduler:
             taken = self.form_batched_task(queue, worker)
             if taken is None or (taken.nodes < queue.spec.min_batch and tasks):
                 break
+            delay = self.join_delay.of_task(queue, taken)
             if taken.layout != NO_LAYOUT:
                 queued = self.queued_seconds(worker) if queued is None else queued
-                if len(worker.tasks) + len(tasks) >= 2 and queued >= self._max_join_delay_s:
+                if len(worker.tasks) + len(tasks) >= 2 and queued >= self.join_delay.floor_s:
                     break
-                task = self._issue_lanes(queue, taken, worker)
+                task = self._issue_lanes(queue, taken, worker, delay)
                 tasks.append(task)
                 queued += self.expected_seconds(task)
                 continue
             task = self._issue(queue, taken, worker)
             if taken.everyone and self.max_steps_per_task > 1:
                 if multi_step is None:
-                    multi_step = self.queued_seconds(worker) <= self._max_join_delay_s
+                    multi_step = self.queued_seconds(worker) <= delay
                 if multi_step:
-                    self._more_steps(queue, task, taken, worker)
+                    self._more_steps(queue, task, taken, worker, delay)
             self._dispatcher.seal(task, queue.index)
             tasks.append(task)
         return tasks
 
-    def _more_steps(self, queue: CellTypeQueue, task: Task, taken: Ready, worker: WorkerHandle) -> None:
+    def _more_steps(self, queue: CellTypeQueue, task: Task, taken: Ready, worker: WorkerHandle, delay: float) -> None:
         """Go on with the next waves of the task's lanes while every lane still going is ready again, all
         of them fit, and the task is expected to take at most the join delay; a lane that ends drops out.
 
@@ -227,7 +230,7 @@ class Scheduler:
         cost = self.step_costs.seconds(spec.key, task.step_sizes[0])
         if cost is None or cost <= 0:
             return
-        steps = min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING)) - 1
+        steps = min(self.max_steps_per_task, int(delay / cost + ROUNDING)) - 1
         going = queue.need[taken.lanes] != FINISHED
         lanes, rows = taken.lanes[going], taken.rows[going]
         if steps <= 0 or not len(lanes):
@@ -343,14 +346,14 @@ class Scheduler:
             self._table.bind(taken.rows, worker.worker_id)
         return task
 
-    def _issue_lanes(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle) -> Task:
+    def _issue_lanes(self, queue: CellTypeQueue, taken: Ready, worker: WorkerHandle, delay: float) -> Task:
         """A lane task: each lane takes as many steps as it can within the join delay (`LaneTasks.steps`),
         lanes in descending order of steps; the lanes advance and their requests count the nodes, as for a
         task of waves."""
         cost = self.step_costs.seconds(queue.spec.key, queue.spec.padded_size(len(taken.lanes)))
         limit = 1
         if self.max_steps_per_task > 1 and cost is not None and cost > 0:
-            limit = max(1, min(self.max_steps_per_task, int(self._max_join_delay_s / cost + ROUNDING)))
+            limit = max(1, min(self.max_steps_per_task, int(delay / cost + ROUNDING)))
             if queue.spec.stop is not None:
                 limit = min(limit, STEPS_BEFORE_A_STOP)
         steps = self._lane_tasks.steps(queue, taken, limit, worker)

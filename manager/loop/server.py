@@ -180,10 +180,12 @@ class Manager:
     def _schedule_idle_workers(self) -> None:
         for worker in self.workers.values():
             while worker.in_flight <= self.idle_tasks:
+                started = time.perf_counter()
                 tasks = self.core.schedule(worker)
                 if not tasks:
                     break
                 self.pool.send(worker, tasks)
+                self.core.scheduler.step_costs.record_manager("sent", (time.perf_counter() - started) / len(tasks))
                 for task in tasks:
                     self.stats.task_submitted(task)
                 if self.tracing is not None and self.tracing.live:
