@@ -84,8 +84,8 @@ class ServedPolicy:
     def measure(
         self, inputs: list[dict[str, Any]], rate: float, seconds: float, seed: int, keep_cdf: bool = False
     ) -> dict[str, Any]:
-        """Poisson arrivals at `rate` for `seconds`; throughput, latency, queueing, compute and batch size
-        (and the CDFs of queueing and compute time, if asked)."""
+        """Poisson arrivals at `rate` for `seconds`; throughput, latency, queueing, compute, batch size and
+        how busy the workers' kernels were (and the CDFs of queueing and compute time, if asked)."""
         rng = np.random.default_rng(seed)
         due = poisson_schedule(rate, seconds, rng)
         order = rng.permutation(len(inputs))
@@ -134,8 +134,22 @@ def point(replies: Replies, due: np.ndarray, rate: float, before: dict[str, Any]
         "cells_run": cells,
         "tasks": tasks,
         "generator_cpu_s_per_request": replies.cpu_seconds / max(1, len(due)),
+        "kernel_busy": kernel_busy(before, after, span),
         "cdf": {"queue_ms": cdf(queue_ms), "compute_ms": cdf(compute_ms)},
     }
+
+
+def kernel_busy(before: dict[str, Any], after: dict[str, Any], span: float) -> float | None:
+    """The fraction of the run's span the workers' kernels were busy, summed over workers (so up to their
+    number; a worker that joined during the run counts from its start): near 1 a worker is saturated by
+    compute, far below it starved by the control plane. None when a worker does not time its kernels (a
+    GPU's), there is no worker, or nothing was answered."""
+    workers = [*before["workers"].values(), *after["workers"].values()]
+    if span <= 0 or not workers or any(worker["kernel_busy_s"] is None for worker in workers):
+        return None
+    start = {worker_id: worker["kernel_busy_s"] for worker_id, worker in before["workers"].items()}
+    busy = sum(worker["kernel_busy_s"] - start.get(worker_id, 0.0) for worker_id, worker in after["workers"].items())
+    return busy / span
 
 
 def saturated(result: dict[str, Any]) -> bool:

@@ -45,10 +45,11 @@ A lane task runs chain lanes (common.lanes) for several steps, described per lan
 * downloads: [[port, entries, io_arena, io_slots], ...] rows of output `port` the host must see:
              `entries` index its rows of every step, counted step after step
 
-A completion notice: [worker_id, key, task ids, errors, signal, rows, busy_us], rows being
-[[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty),
-and busy_us how long each task kept the worker busy, in microseconds, as the worker timed it (or
-empty: not timed).
+A completion notice: [worker_id, key, task ids, errors, signal, rows, busy_us, kernel_busy_us], rows
+being [[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty),
+busy_us how long each task kept the worker busy, in microseconds, as the worker timed it (or
+empty: not timed), and kernel_busy_us the microseconds its cells' forward calls have taken since
+it started, in all (nil: not timed, as on a GPU, whose kernels run asynchronously).
 `key` is the secret the manager gave the worker when it registered: the notice socket does not
 say who sent a message, and without it any peer could complete another worker's tasks.
 
@@ -317,7 +318,8 @@ class CompletionNotice:
     """What a worker reports: tasks its stream finished (in stream order), the errors of those that
     failed, and its signal counter; a notice without tasks is a heartbeat. A worker on another host
     than the manager, which cannot map its io arenas, also sends the rows its finished tasks copied
-    there (`rows`); a worker on the manager's host sends none. `key` proves who sent it."""
+    there (`rows`); a worker on the manager's host sends none. `key` proves who sent it. Every notice,
+    heartbeats too, carries the worker's kernel busy time so far, for the manager's `stats`."""
 
     worker_id: int
     task_ids: list[int]
@@ -326,11 +328,21 @@ class CompletionNotice:
     rows: list[IoRows] = field(default_factory=list)
     key: bytes = b""
     busy_us: list[int] = field(default_factory=list)  # per task: how long it kept the worker busy (or none)
+    kernel_busy_us: int | None = 0  # its cells' forward calls in all since it started (None: not timed)
 
 
 def encode_notice(notice: CompletionNotice) -> bytes:
     rows = [[io_arena, _slots(io_slots), data] for io_arena, io_slots, data in notice.rows]
-    fields = [notice.worker_id, notice.key, notice.task_ids, notice.errors, notice.signal, rows, notice.busy_us]
+    fields = [
+        notice.worker_id,
+        notice.key,
+        notice.task_ids,
+        notice.errors,
+        notice.signal,
+        rows,
+        notice.busy_us,
+        notice.kernel_busy_us,
+    ]
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -340,9 +352,9 @@ def decode_notice(frame: bytes) -> CompletionNotice:
         fields = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise ValueError(f"not msgpack ({type(exc).__name__})") from None
-    if not isinstance(fields, list) or len(fields) != 7:
-        raise ValueError("not a list of seven fields")
-    worker_id, key, task_ids, errors, signal, rows, busy_us = fields
+    if not isinstance(fields, list) or len(fields) != 8:
+        raise ValueError("not a list of eight fields")
+    worker_id, key, task_ids, errors, signal, rows, busy_us, kernel_busy_us = fields
     if not (_is_int(worker_id) and _is_int(signal) and isinstance(key, bytes)):
         raise ValueError("ill-typed worker id, key or signal")
     if not isinstance(task_ids, list) or not all(map(_is_int, task_ids)):
@@ -353,8 +365,10 @@ def decode_notice(frame: bytes) -> CompletionNotice:
         raise ValueError("rows are not [io arena, slots, data] entries")
     if not isinstance(busy_us, list) or len(busy_us) not in (0, len(task_ids)) or not all(map(_is_int, busy_us)):
         raise ValueError("busy times are not an integer per task (or none)")
+    if kernel_busy_us is not None and not (_is_int(kernel_busy_us) and kernel_busy_us >= 0):
+        raise ValueError("the kernel busy time is not an integer >= 0 (or nil)")
     io_rows = [IoRows(a, _view(s), data) for a, s, data in rows]
-    return CompletionNotice(worker_id, task_ids, errors, signal, io_rows, key, busy_us)
+    return CompletionNotice(worker_id, task_ids, errors, signal, io_rows, key, busy_us, kernel_busy_us)
 
 
 def _is_int(value: object) -> bool:

@@ -68,17 +68,22 @@ def replies(rate: float, seconds: float, latency: float, refused: int = 0, lost:
     return Replies(due.copy(), received, answers, cpu_seconds=0.5), due
 
 
+def counts(tasks: int, steps: int, nodes: int, workers: dict | None = None) -> dict:
+    """The fields of a `stats` reply that a point reads (no worker unless given)."""
+    return {"tasks": tasks, "steps": steps, "nodes": nodes, "workers": workers or {}}
+
+
 def test_a_point_scores_the_offered_rate_when_the_server_keeps_up():
-    result = point(*replies(100, 10, 0.05), 100, {"tasks": 0, "steps": 0, "nodes": 0}, {"tasks": 25, "steps": 50, "nodes": 400})
+    result = point(*replies(100, 10, 0.05), 100, counts(0, 0, 0), counts(25, 50, 400))
     assert result["achieved_rps"] == pytest.approx(100, rel=0.02)
     assert result["mean_batch_size"] == 8 and result["latency_ms"]["p50"] == pytest.approx(50)
     assert result["generator_cpu_s_per_request"] == pytest.approx(0.5 / 1000)
     assert not saturated(result)
-    assert saturated(point(*replies(100, 10, 0.05, refused=50), 100, {"tasks": 0, "steps": 0, "nodes": 0}, {"tasks": 1, "steps": 1, "nodes": 1}))
+    assert saturated(point(*replies(100, 10, 0.05, refused=50), 100, counts(0, 0, 0), counts(1, 1, 1)))
 
 
 def test_a_point_counts_requests_never_answered_as_lost():
-    result = point(*replies(100, 10, 0.05, lost=30), 100, {"tasks": 0, "steps": 0, "nodes": 0}, {"tasks": 1, "steps": 1, "nodes": 1})
+    result = point(*replies(100, 10, 0.05, lost=30), 100, counts(0, 0, 0), counts(1, 1, 1))
     assert result["errors"] == {"LOST": 30} and result["ok"] == 970
     assert saturated(result)
 

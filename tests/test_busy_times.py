@@ -50,7 +50,7 @@ def test_a_notice_carries_a_busy_time_per_task_or_none():
     assert decode_notice(encode_notice(timed)).busy_us == [120, 80]
     assert decode_notice(encode_notice(CompletionNotice(3, [5], {}, 1, key=b"k"))).busy_us == []
     for busy in ([1], ["x", 2], 7):
-        bad = msgpack.packb([3, b"k", [5, 6], {}, 2, [], busy])
+        bad = msgpack.packb([3, b"k", [5, 6], {}, 2, [], busy, 0])
         with pytest.raises(ValueError, match="busy times"):
             decode_notice(bad)
 

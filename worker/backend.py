@@ -218,6 +218,11 @@ class Backend(ABC):
     def finish(self, task_id: int) -> str | None:
         """Host-side completion of a finished task; returns its error message, if it failed."""
 
+    def kernel_busy_us(self) -> int | None:
+        """Microseconds the stream's cell calls have taken so far, sent in every notice and heartbeat; None
+        where they are not timed (a device runs them asynchronously: the host never sees one end)."""
+        return None
+
     @abstractmethod
     def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
         """Rows of an io arena, for a finished task's notice (the manager on another host cannot map them)."""

@@ -3,9 +3,10 @@ index tensors over the arenas, every step of it at once (`resolve`), then gather
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -64,6 +65,23 @@ class IssuedTask:
 
 
 PeerArenas = dict[tuple[int, int], torch.Tensor]  # (worker id, arena id) -> tensor
+
+
+class KernelClock:
+    """Wall seconds the cells' forward calls have taken, summed: how much of its time a worker's kernels are
+    busy, which tells a worker starved by the control plane from one saturated by compute. Only a backend
+    whose cells run on the calling thread (the CPU) can time them so; a device runs them asynchronously."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def call(self, cell: nn.Module, *args: Any) -> Any:
+        """`cell(*args)`, its wall time added to the total: two clock reads a step, whatever its lanes."""
+        began = time.perf_counter()
+        try:
+            return cell(*args)
+        finally:
+            self.seconds += time.perf_counter() - began
 
 
 def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> list[IssuedTask]:
@@ -140,19 +158,20 @@ def inline_rows(data: bytes, arena: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=arena.dtype).view(-1, *arena.shape[1:])
 
 
-def run_task(task: IssuedTask) -> None:
-    """Gather, compute, scatter: the body of every task on every backend.
+def run_task(task: IssuedTask, clock: KernelClock | None = None) -> None:
+    """Gather, compute, scatter: the body of every task on every backend; `clock`, if given, times the cell.
 
     Every tensor must already be on the arenas' device: nothing here moves data between
     devices, so a misplaced index fails loudly instead of costing a hidden copy.
     """
-    scatter(task, task.cell(*gather(task.inputs)))
+    args = gather(task.inputs)
+    scatter(task, task.cell(*args) if clock is None else clock.call(task.cell, *args))
 
 
-def run_steps(steps: list[IssuedTask]) -> None:
+def run_steps(steps: list[IssuedTask], clock: KernelClock | None = None) -> None:
     """A task's steps in order."""
     for step in steps:
-        run_task(step)
+        run_task(step, clock)
 
 
 def gather(inputs: list[InputRows], into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:

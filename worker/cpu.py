@@ -4,7 +4,8 @@ The "stream" drains a FIFO of issued tasks in order (a multi-step task's steps b
 as one task; a lane task's steps with their states carried as tensors: worker.lanes); after each
 task it advances an int64 signal counter in shared memory, as a GPU stream writes its pinned
 counter, and sends the task's completion notice itself (waking a poller per task would cost as
-much as the task).
+much as the task). The stream also times its cells' forward calls (KernelClock), which run on it
+synchronously: the total goes to the manager in every notice and heartbeat.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.task import LaneTaskMessage, TaskMessage
 from batchmaker.worker.backend import ArenaInfo, Backend, arena_ids, warm_up_failure, warm_up_tasks
-from batchmaker.worker.batched_task import IssuedTask, PeerArenas, resolve, run_steps, run_task
+from batchmaker.worker.batched_task import IssuedTask, KernelClock, PeerArenas, resolve, run_steps, run_task
 from batchmaker.worker.lanes import LaneTask, resolve_lanes, run_lanes
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class CpuBackend(Backend):
         self._peer_memory: dict[int, list[SharedArray]] = {}
         self._counter = SharedArray("int64", (1,))
         self._errors: dict[int, str] = {}
+        self._kernels = KernelClock()  # the stream's cell calls (warm-up's direct runs are not the stream's)
         self._advanced = threading.Condition()
         self._report: Callable[[int], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,6 +141,10 @@ class CpuBackend(Backend):
     def finish(self, task_id: int) -> str | None:
         return self._errors.pop(task_id, None)
 
+    def kernel_busy_us(self) -> int:
+        # Read by the poller's heartbeats while the stream adds to it: a float's read and write are each atomic.
+        return int(self._kernels.seconds * 1e6)
+
     def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
         return self._shared[arena_id].array[slots].tobytes()  # arena ids index the arenas in creation order
 
@@ -165,10 +171,10 @@ class CpuBackend(Backend):
         """A task's steps back to back; a step that fails ends its task, with that step's error."""
         try:
             if isinstance(task, LaneTask):
-                for (_, _, io, io_slots), rows in zip(task.downloads, run_lanes(task)):
+                for (_, _, io, io_slots), rows in zip(task.downloads, run_lanes(task, self._kernels)):
                     io.index_copy_(0, io_slots, rows)
             else:
-                run_steps(task)
+                run_steps(task, self._kernels)
         except Exception as exc:  # a failed task must still advance the counter
             task_id = task.task_id if isinstance(task, LaneTask) else task[0].task_id
             log.exception("task %d failed", task_id)

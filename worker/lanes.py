@@ -31,6 +31,7 @@ from batchmaker.common.lanes import SEQUENCE, STATE
 from batchmaker.common.task import LaneTaskMessage, TaskInput
 from batchmaker.worker.batched_task import (
     InputRows,
+    KernelClock,
     PeerArenas,
     arena_of,
     gather,
@@ -116,9 +117,10 @@ def check_later(mode: int, rows: int, steps: np.ndarray) -> None:
         raise ValueError(f"{what} of {rows} rows for {later} rows of later steps")
 
 
-def run_lanes(task: LaneTask) -> list[torch.Tensor]:
+def run_lanes(task: LaneTask, clock: KernelClock | None = None) -> list[torch.Tensor]:
     """Run every step of a lane task: its results written to their rows, and for each download the rows
-    it takes, for the backend to copy to the io arena (in the task's order of downloads).
+    it takes, for the backend to copy to the io arena (in the task's order of downloads); `clock`, if
+    given, times the cell's calls.
 
     Every tensor must already be on the arenas' device (nothing here moves data between devices)."""
     inputs, batch = task.inputs, task.batch
@@ -144,7 +146,7 @@ def run_lanes(task: LaneTask) -> list[torch.Tensor]:
         for port, segments, cuts in reversed(ragged):  # a ragged input: the rows of the lanes still going
             cut = cuts[size]
             args[port : port + 1] = [values[port][:cut], segments[:cut]]
-        produced = task.cell(*args)
+        produced = task.cell(*args) if clock is None else clock.call(task.cell, *args)
         results = (produced,) if isinstance(produced, torch.Tensor) else tuple(produced)
         if stop is not None:
             results = _stopped_kept(results, values, carried, stop, size)

@@ -127,10 +127,13 @@ class Poller(threading.Thread):
             else:
                 rows += [IoRows(arena, slots, self._backend.read_io(arena, slots)) for arena, slots in sent_rows]
         task_ids, busy_us = [task.task_id for task in finished], [task.busy_us for task in finished]
-        return encode_notice(CompletionNotice(self._worker_id, task_ids, errors, signal, rows, self._key, busy_us))
+        kernels = self._backend.kernel_busy_us()
+        notice = CompletionNotice(self._worker_id, task_ids, errors, signal, rows, self._key, busy_us, kernels)
+        return encode_notice(notice)
 
     def _heartbeat(self, signal: int) -> bytes:
-        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal, key=self._key))
+        kernels = self._backend.kernel_busy_us()
+        return encode_notice(CompletionNotice(self._worker_id, [], {}, signal, key=self._key, kernel_busy_us=kernels))
 
     def close_stream_socket(self) -> None:
         if self._stream_socket is not None:

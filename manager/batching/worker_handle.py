@@ -98,6 +98,7 @@ class WorkerHandle:
         self.first_task_delay: float | None = None  # seconds from registration to its first task
         self.last_seen = now  # any message from the worker
         self.signal = 0  # its stream's counter, as last reported
+        self.kernel_busy_us: int | None = None  # its cells' forward calls so far, as it reports them (None: untimed)
         self.progress_at = now  # when the counter last advanced, or work arrived while it was idle
         self.loads_pending = 0  # versions it was told to load and has not answered for: its tasks wait meanwhile
 
@@ -150,8 +151,12 @@ class WorkerHandle:
         self.running.clear()
         return tasks
 
-    def heard_from(self, signal: int, now: float) -> None:
+    def heard_from(self, signal: int, now: float, kernel_busy_us: int | None) -> None:
+        """A notice or heartbeat arrived, with the worker's counter and kernel busy time."""
         self.last_seen = now
+        # A CPU worker's stream sends its notices and its poller the heartbeats, on two sockets: a heartbeat
+        # may arrive after a notice sent later. The worker's total only grows, so the largest is the latest.
+        self.kernel_busy_us = None if kernel_busy_us is None else max(kernel_busy_us, self.kernel_busy_us or 0)
         if signal != self.signal:
             self.signal = signal
             self.progress_at = now
@@ -201,6 +206,7 @@ class WorkerHandle:
             "tasks_in_flight": self.in_flight,
             "tasks_completed": self.tasks_completed,
             "first_task_delay_ms": None if self.first_task_delay is None else self.first_task_delay * 1e3,
+            "kernel_busy_s": None if self.kernel_busy_us is None else self.kernel_busy_us / 1e6,
             "pid": self.pid,
             "host": self.host,
             "local": self.local,

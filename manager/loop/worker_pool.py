@@ -125,7 +125,7 @@ class WorkerPool:
             if not hmac.compare_digest(notice.key, worker.notice_key):
                 self._drop(f"a completion notice for worker {notice.worker_id} without its key")
                 continue
-            worker.heard_from(notice.signal, time.monotonic())
+            worker.heard_from(notice.signal, time.monotonic(), notice.kernel_busy_us)
             if notice.rows:
                 try:
                     worker.store_rows(notice.rows)
