@@ -191,10 +191,11 @@ def test_unknown_scheduler_key_and_bad_max_tasks(tmp_path: Path) -> None:
 def test_multi_step_keys(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, MODEL)).scheduler.max_steps_per_task == 64
     assert load_config(write(tmp_path, MODEL)).scheduler.max_join_delay_us == 2000
-    text = "[scheduler]\nmax_steps_per_task = 1\nmax_join_delay_us = 500\n" + MODEL
+    assert load_config(write(tmp_path, MODEL)).scheduler.latency_target_ms == 100
+    text = "[scheduler]\nmax_steps_per_task = 1\nmax_join_delay_us = 500\nlatency_target_ms = 40\n" + MODEL
     scheduler = load_config(write(tmp_path, text)).scheduler
-    assert (scheduler.max_steps_per_task, scheduler.max_join_delay_us) == (1, 500)
-    for key in ("max_steps_per_task", "max_join_delay_us"):
+    assert (scheduler.max_steps_per_task, scheduler.max_join_delay_us, scheduler.latency_target_ms) == (1, 500, 40)
+    for key in ("max_steps_per_task", "max_join_delay_us", "latency_target_ms"):
         for bad in ("0", "-3", "2.5", '"16"', "true"):
             config_error(tmp_path, f"[scheduler]\n{key} = {bad}\n" + MODEL, f"[scheduler] {key} must be an integer >= 1")
 
