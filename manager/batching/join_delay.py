@@ -10,12 +10,12 @@ compute), so the longer tasks run, the more requests the server holds at the sam
 
 The load is read from the nodes of the task's cell type ready for it: while they all fit the task (nobody
 waits to join it for want of room), the floor holds, whatever the number of requests in flight: tasks do not
-grow while the server keeps up. As nodes are left out the
-delay rises, reaching, when a whole second batch waits, the delay that makes the fixed cost a tenth of
-the task's compute, at most a fifth of `[scheduler] latency_target_ms` (the latency the operator wants,
-e.g. the p90 bound): what one join may add to a waiting request's latency. A fixed cost not yet measured
-keeps the floor. Tasks of waves (a tree's levels) go on with their lanes' next waves only when nothing
-else could join them, so nobody is left out of them: theirs stays at the floor.
+grow while the server keeps up. As nodes are left out the delay rises, reaching, when a whole second batch
+waits, the delay that makes the fixed cost a tenth of the task's compute, at most a fifth of
+`[scheduler] latency_target_ms` (the latency the operator wants, e.g. the p90 bound): what one join may add
+to a waiting request's latency. A fixed cost not yet measured keeps the floor. Tasks of waves (a tree's
+levels) go on with their lanes' next waves only when nothing else could join them, so nobody is left out of
+them: theirs stays at the floor.
 """
 
 from __future__ import annotations

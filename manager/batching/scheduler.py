@@ -23,8 +23,8 @@ Lane tasks (docs/architecture.md, "Lanes"): lanes that are chains (common.lanes)
 task, each lane as many as it can take within the join delay of expected work (manager.batching.join_delay)
 and `max_steps_per_task`, lanes that end dropping off the batch. When ready lanes were left out for
 want of room, no lane takes more steps than three quarters of the task's lanes can, so the batch stays
-mostly full; a Batch call stops forming lane tasks once the worker holds two tasks and the join delay of
-work, so a request that arrives waits for about that much.
+mostly full; a Batch call stops forming lane tasks once the worker holds two tasks and `max_join_delay_us`
+of work, so a request that arrives waits for those tasks, however long the load made them, not for more.
 
 Multi-step tasks of waves (the other lanes: a tree's levels, a stacked layer): when a task takes every
 ready lane of its type that may run on the worker, whole waves, nothing else of that type waits that
@@ -192,7 +192,7 @@ class Scheduler:
 
     def batch(self, queue: CellTypeQueue, worker: WorkerHandle) -> list[Task]:
         """Up to `max_tasks_to_submit` tasks of this type for `worker`. Lane tasks stop once the worker holds
-        two tasks and the join delay of expected work: what arrives then waits for that work, not for more."""
+        two tasks and the floor of the join delay of expected work: what arrives then waits for that work."""
         tasks: list[Task] = []
         multi_step = None  # whether this call's tasks may take several steps; decided when the first could
         queued = None  # expected seconds of the work the worker holds, with the lane tasks formed here
@@ -200,17 +200,17 @@ class Scheduler:
             taken = self.form_batched_task(queue, worker)
             if taken is None or (taken.nodes < queue.spec.min_batch and tasks):
                 break
-            delay = self.join_delay.of_task(queue, taken)
             if taken.layout != NO_LAYOUT:
                 queued = self.queued_seconds(worker) if queued is None else queued
                 if len(worker.tasks) + len(tasks) >= 2 and queued >= self.join_delay.floor_s:
                     break
-                task = self._issue_lanes(queue, taken, worker, delay)
+                task = self._issue_lanes(queue, taken, worker, self.join_delay.of_task(queue, taken))
                 tasks.append(task)
                 queued += self.expected_seconds(task)
                 continue
             task = self._issue(queue, taken, worker)
             if taken.everyone and self.max_steps_per_task > 1:
+                delay = self.join_delay.of_task(queue, taken)
                 if multi_step is None:
                     multi_step = self.queued_seconds(worker) <= delay
                 if multi_step:
