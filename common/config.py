@@ -21,6 +21,7 @@ from batchmaker.common.tracing_config import TracingConfig, parse_tracing
 DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
 AFFINITIES = ("subgraph", "request")
+RUNNING_BATCH = ("manager", "worker")
 # Reads of another GPU's arenas: also staged through a CUDA context on the other GPU where the two have no
 # peer access; only where they have it; none at all.
 CROSS_GPU_READS = ("always", "peer-access", "never")
@@ -114,6 +115,7 @@ class SchedulerConfig:
     max_steps_per_task: int = 64  # consecutive waves of the same lanes one task may run (a lone sentence: one task); 1: single steps only
     max_join_delay_us: int = 2000  # a multi-step task's expected duration at a light load (manager.batching.join_delay)
     latency_target_ms: int = 100  # the latency wanted under load: a fifth of it bounds a multi-step task's duration
+    running_batch: str = "manager"  # who decides each step: "manager" (tasks) or "worker" (requests routed whole)
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,21 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
         max_steps_per_task=positive_int(table, "max_steps_per_task", defaults.max_steps_per_task, "scheduler", path),
         max_join_delay_us=positive_int(table, "max_join_delay_us", defaults.max_join_delay_us, "scheduler", path),
         latency_target_ms=positive_int(table, "latency_target_ms", defaults.latency_target_ms, "scheduler", path),
+        running_batch=_running_batch(table, policy, path),
     )
+
+
+def _running_batch(table: dict[str, Any], policy: str, path: Path) -> str:
+    """Who decides each step of the running batch: the manager (tasks) or the workers (requests routed whole)."""
+    value = table.get("running_batch", SchedulerConfig.running_batch)
+    if value not in RUNNING_BATCH:
+        raise ConfigError(f"{path}: [scheduler] running_batch must be one of {', '.join(RUNNING_BATCH)}, got {value!r}")
+    if value == "worker" and policy != "cellular":
+        raise ConfigError(
+            f"{path}: [scheduler] running_batch = \"worker\" runs the cellular policy; the {policy} policy's batches "
+            "are formed by the manager: use running_batch = \"manager\" with it"
+        )
+    return value
 
 
 def _parse_cell(table: dict[str, Any], where: str, path: Path, default: CellTypeConfig | None) -> CellTypeConfig:

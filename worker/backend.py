@@ -23,6 +23,7 @@ from batchmaker.common.config import ConfigError
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
 from batchmaker.common.task import SLOT_DTYPE, LaneTaskMessage, TaskMessage
+from batchmaker.worker.batched_task import KernelClock
 
 
 class DeviceFault(RuntimeError):
@@ -221,6 +222,11 @@ class Backend(ABC):
     def kernel_busy_us(self) -> int | None:
         """Microseconds the stream's cell calls have taken so far, sent in every notice and heartbeat; None
         where they are not timed (a device runs them asynchronously: the host never sees one end)."""
+        return None
+
+    def kernel_clock(self) -> KernelClock | None:
+        """A clock for cells this device runs outside the stream (the running batch's), counted in
+        `kernel_busy_us`; None where cells are not timed."""
         return None
 
     @abstractmethod

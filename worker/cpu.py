@@ -63,6 +63,7 @@ class CpuBackend(Backend):
         self._counter = SharedArray("int64", (1,))
         self._errors: dict[int, str] = {}
         self._kernels = KernelClock()  # the stream's cell calls (warm-up's direct runs are not the stream's)
+        self._other_kernels: list[KernelClock] = []  # cells run beside the stream (the running batch's)
         self._advanced = threading.Condition()
         self._report: Callable[[int], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,7 +144,12 @@ class CpuBackend(Backend):
 
     def kernel_busy_us(self) -> int:
         # Read by the poller's heartbeats while the stream adds to it: a float's read and write are each atomic.
-        return int(self._kernels.seconds * 1e6)
+        return int((self._kernels.seconds + sum(clock.seconds for clock in self._other_kernels)) * 1e6)
+
+    def kernel_clock(self) -> KernelClock:
+        clock = KernelClock()
+        self._other_kernels.append(clock)
+        return clock
 
     def read_io(self, arena_id: int, slots: np.ndarray) -> bytes:
         return self._shared[arena_id].array[slots].tobytes()  # arena ids index the arenas in creation order

@@ -31,18 +31,19 @@ from batchmaker.common.config import (
     Config,
     ConfigError,
     ModelConfig,
-    ServerConfig,
     load_config,
     model_from_wire,
 )
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.hosts import default_host_id
 from batchmaker.common.logs import setup_logging
+from batchmaker.common.models.base import build_planner
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.sockets import NOW, receive, server_context
 from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
+from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.loading import build_cells, load_version
 from batchmaker.worker.notices import InProgressFIFO, Poller
 
@@ -104,8 +105,10 @@ class Worker:
         parent_pid: int | None,
         host: str,
         curve: CurveClient | None = None,
+        held: HeldRequests | None = None,
     ):
         self._backend = backend
+        self._held = held
         self._manager = manager
         self._index = index
         self._cell_keys = cell_keys
@@ -240,10 +243,17 @@ class Worker:
     def _issue_loop(self, poller: Poller) -> None:
         socket = self._socket
         while not self._stop and poller.fault is None:
-            if socket.poll(500):
+            busy = self._held is not None and self._held.busy
+            if socket.poll(0 if busy else 500):
                 self._last_heard = time.monotonic()
                 self._drain(socket)
+            if busy:
+                self._answer(self._held.step())
             self._check_alive()
+
+    def _answer(self, answers: list[list[Any]]) -> None:
+        if answers:
+            self._socket.send(encode({"op": "answers", "answers": answers}))
 
     def _drain(self, socket: zmq.Socket) -> None:
         while not self._stop:
@@ -254,6 +264,14 @@ class Worker:
             if kind == b"tasks":  # one frame per task, in the order they are to run
                 for frame in (payload, *more):
                     self._issue(decode_task(frame))
+            elif kind == b"requests" and self._held is not None:  # routed whole, a frame each
+                answers = []
+                for frame in (payload, *more):
+                    handle, model, inputs = decode(frame)
+                    answers += self._held.take(handle, model, inputs)
+                self._answer(answers)
+            elif kind == b"drop" and self._held is not None:
+                self._held.drop(decode(payload))
             elif kind == b"peers":
                 self._attach_peers(decode(payload))
             elif kind == b"forget-peer":
@@ -317,11 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     models = list(config.models.values())
     while True:
-        started = _start(args.device, args.index, models, config.server)
+        started = _start(args.device, args.index, models, config)
         if isinstance(started, int):
             return started
-        backend, cell_keys = started
-        worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve)
+        backend, cell_keys, held = started
+        worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve, held)
         signal.signal(signal.SIGTERM, worker.request_stop)
         signal.signal(signal.SIGINT, worker.request_stop)
         try:
@@ -342,8 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _start(device: str, index: int, models: list[ModelConfig], server: ServerConfig) -> tuple[Backend, list[str]] | int:
-    """The warmed-up backend serving `models`, with its cell types' keys; or the exit status when it cannot start."""
+def _start(
+    device: str, index: int, models: list[ModelConfig], config: Config
+) -> tuple[Backend, list[str], HeldRequests | None] | int:
+    """The warmed-up backend serving `models`, with its cell types' keys and, when the config has workers run their
+    own batches, the requests routed to it; or the exit status when it cannot start."""
+    server = config.server
     try:
         specs, cells, kinds = build_cells(models, device)
         backend = make_backend(
@@ -360,7 +382,11 @@ def _start(device: str, index: int, models: list[ModelConfig], server: ServerCon
     except Exception:  # a device that cannot run the cells: say so once, with the cause, and stop
         log.exception("worker %d could not start on %s", index, device)
         return EXIT_STARTUP_FAILED
-    return backend, [spec.key for spec in specs]
+    held = None
+    if config.scheduler.running_batch == "worker":
+        planners = {model.name: build_planner(model) for model in models}
+        held = HeldRequests(planners, specs, cells, kinds, server.arena_rows, device, backend.kernel_clock())
+    return backend, [spec.key for spec in specs], held
 
 
 if __name__ == "__main__":

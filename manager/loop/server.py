@@ -40,7 +40,9 @@ from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Part
 from batchmaker.manager.batching.versions import served_name
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.loop.frontend import ClientFrontend, Incoming
+from batchmaker.manager.loop.introspection import health, stats
 from batchmaker.manager.loop.model_control import ModelControl
+from batchmaker.manager.loop.routing import Router
 from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.manager.observability.metrics import Metrics
 from batchmaker.manager.observability.stats import Stats
@@ -110,6 +112,7 @@ class Manager:
         self.frontend = ClientFrontend(self._context, client_address, server)
 
         self.core = BatchingCore(config, models, self.specs, self.kinds, self.workers)
+        self.router = Router(config, self.core, self.pool)
         self.versions = self.core.versions
         self.control = ModelControl(
             config, self.core, self.pool, self._control_reply, reread or (lambda: load_config(config.path)),
@@ -123,7 +126,7 @@ class Manager:
         unless the supervisor is gone: its death signals once (PDEATHSIG) and is seen by the parent check too."""
         if self._draining_until is None:
             self._draining_until = time.monotonic() + self._drain_timeout
-            log.info("draining: %d requests in flight", len(self.core.requests))
+            log.info("draining: %d requests in flight", len(self.core.requests) + len(self.router.table))
         elif not self._orphaned():
             self._stopping = True
 
@@ -145,7 +148,8 @@ class Manager:
             poller.register(socket, zmq.POLLIN)
         try:
             while not self._stopping:
-                events = dict(poller.poll(self.core.wait_ms(BACKLOG_POLL_MS if self.frontend.backlogged else IDLE_POLL_MS)))
+                longest = BACKLOG_POLL_MS if self.frontend.backlogged else IDLE_POLL_MS
+                events = dict(poller.poll(self.router.table.wait_ms(self.core.wait_ms(longest))))
                 if self.frontend.backlogged:
                     self.frontend.flush()
                 if completions in events:
@@ -153,17 +157,20 @@ class Manager:
                         self._read_notices()
                     self._schedule_idle_workers()  # keep the workers fed before admitting new requests
                 if control in events:
-                    self._worker_control()
+                    with self.frontend.replies_held():
+                        self._worker_control()
                 if self.frontend.socket in events:
                     self._clients()
                 if departures in events or self.frontend.departures_known:  # after clients: they may read the monitor
-                    self._conclude(self.core.clients_gone(self.frontend.departed()))
-                self._conclude(self.core.expire())
+                    departed = set(self.frontend.departed())
+                    self._conclude(self.core.clients_gone(departed) + self.router.clients_gone(departed))
+                self._conclude(self.core.expire() + self.router.expire())
                 self._watch_workers()
                 self._conclude(self.core.partials(self.frontend.has_backlog))  # one per streamed request and turn
                 self._reload_if_asked()
                 self._schedule_idle_workers()
-                if self.draining and (not self.core.requests or time.monotonic() > self._draining_until):
+                idle = not self.core.requests and not self.router.table
+                if self.draining and (idle or time.monotonic() > self._draining_until):
                     self._clients()  # refuse what came during the last turn rather than leave it unanswered
                     break
         finally:
@@ -206,7 +213,7 @@ class Manager:
             self.stop()
 
     def _shutdown(self) -> None:
-        self._conclude(self.core.shutdown())
+        self._conclude(self.core.shutdown() + self.router.shutdown())
         for socket in (self.pool.control, self.frontend.socket):  # let the last answers and stop orders leave
             socket.setsockopt(zmq.LINGER, SHUTDOWN_LINGER_MS)
         self.pool.close()
@@ -248,14 +255,16 @@ class Manager:
 
     # -- workers -------------------------------------------------------------------------------
     def _worker_control(self) -> None:
-        restarted, exited, health_checks, registered, loads = self.pool.control_messages()
+        restarted, exited, health_checks, registered, loads, answers = self.pool.control_messages()
+        for worker, answered in answers:
+            self._conclude(self.router.answers(worker, answered))
         self.core.workers_changed()
         for worker in registered:
             self.control.worker_joined(worker)
         for worker, model, error in loads:
             self.control.loaded(worker, model, error)
         for identity in health_checks:
-            self.pool.answer_health(identity, self._health())
+            self.pool.answer_health(identity, health(self))
         for _ in restarted:
             self.stats.worker_restarted()
         for worker, reason in exited:
@@ -286,6 +295,7 @@ class Manager:
         if self.tracing is not None:
             self.tracing.worker_lost(worker.worker_id, reason)
         self._conclude(self.core.worker_lost(worker, reason, self.draining))
+        self._conclude(self.router.worker_lost(worker, reason, self.draining))
 
     # -- clients -------------------------------------------------------------------------------
     def _clients(self) -> None:
@@ -329,13 +339,14 @@ class Manager:
         if op == "models":
             self._answer(incoming, {"version": PROTOCOL_VERSION, **self.versions.describe()})
         elif op == "health":
-            self._answer(incoming, self._health())
+            self._answer(incoming, health(self))
         elif op == "stats":
-            self._answer(incoming, self._stats())
+            self._answer(incoming, stats(self))
         elif op == "cancel":
             if "target" not in message:
                 raise RequestError(BAD_REQUEST, "cancel lacks 'target' (the id of an earlier request)")
-            outcomes = self.core.cancel(incoming.client, message["target"])
+            outcomes = self.router.cancel(incoming.client, message["target"])
+            outcomes = self.core.cancel(incoming.client, message["target"]) if outcomes is None else outcomes
             if outcomes is not None:
                 self._conclude(outcomes)
             self._answer(incoming, {"cancelled": outcomes is not None})
@@ -358,6 +369,9 @@ class Manager:
 
     def _infer(self, burst: list[Incoming]) -> None:
         """Admit a burst of requests; refuse those the core refuses, in their order."""
+        burst, routing_refused = self.router.admit(burst)
+        for incoming, error in routing_refused:
+            self._refuse(incoming, error)
         if not burst:
             return
         admitted = self.core.admit_burst([(i.client, i.request_id, i.message, i.arrival) for i in burst])
@@ -368,33 +382,3 @@ class Manager:
         quotes = iter(self.core.admission.retry_after_ms(self.core.unfinished_nodes, overloaded) if overloaded else ())
         for incoming, error in refusals:
             self._refuse(incoming, error, next(quotes, None) if error.code == OVERLOADED else None)
-
-    # -- introspection ---------------------------------------------------------------------------
-    def _health(self) -> dict[str, Any]:
-        up = len(self.workers)
-        if self.draining:
-            status = "draining"
-        else:
-            status = "ready" if up >= self.expected_workers and up > 0 else "degraded"
-        return {
-            "status": status,
-            "workers": [w.health() for w in self.workers.values()],
-            "expected_workers": self.expected_workers,
-            "max_message_bytes": self.config.server.max_message_bytes,
-        }
-
-    def _stats(self) -> dict[str, Any]:
-        tracing = {} if self.tracing is None else {"tracing": self.tracing.snapshot()}
-        return {
-            **tracing,
-            **self.stats.snapshot(),
-            "policy": self.config.scheduler.policy,
-            "host": self.pool.host,
-            **self.core.snapshot(),
-            "unreachable_clients": self.frontend.unreachable_clients,
-            "client_connections": self.frontend.connections.live,
-            "refused_connections": self.frontend.connections.refused,
-            "plan_caches": self.versions.plan_caches(),
-            "workers": {str(w.worker_id): w.stats() for w in self.workers.values()},
-        }
-

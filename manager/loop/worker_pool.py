@@ -47,6 +47,7 @@ class ControlMessages(NamedTuple):
     health_checks: list[bytes]  # identities that asked for the manager's health: answer with `answer_health`
     registered: list[WorkerHandle]  # every worker that registered (restarts included): it lacks later versions
     loads: list[tuple[WorkerHandle, str, str | None]]  # a worker loaded a version (its internal name), or why not
+    answers: list[tuple[WorkerHandle, list[Any]]]  # per message, routed requests a worker ended: [handle, outputs, error]
 
 
 class WorkerPool:
@@ -144,11 +145,12 @@ class WorkerPool:
         health_checks: list[bytes] = []
         registered: list[WorkerHandle] = []
         loads: list[tuple[WorkerHandle, str, str | None]] = []
+        answers: list[tuple[WorkerHandle, list[Any]]] = []
         while True:
             try:
                 identity, frame = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return ControlMessages(restarted, exited, health_checks, registered, loads)
+                return ControlMessages(restarted, exited, health_checks, registered, loads, answers)
             except ValueError:  # not a two-frame message: not one of our workers
                 self._drop("a message of more than one frame on the worker control socket")
                 continue
@@ -160,7 +162,14 @@ class WorkerPool:
                 self._drop("a malformed message on the worker control socket")
                 continue
             op = message.get("op")
-            if op == "health":  # the supervisor's readiness check, on the private socket
+            if op == "answers":
+                worker = self._worker_of(identity)
+                batch = message.get("answers")
+                if worker is None or not isinstance(batch, list):
+                    self._drop("a malformed answers message on the worker control socket")
+                    continue
+                answers.append((worker, batch))
+            elif op == "health":  # the supervisor's readiness check, on the private socket
                 health_checks.append(identity)
             elif op == "worker_exited":  # from the supervisor, which saw a process of this host end
                 if not self._from_supervisor(message):
@@ -206,6 +215,14 @@ class WorkerPool:
 
     def _worker_of(self, identity: bytes) -> WorkerHandle | None:
         return next((w for w in self.workers.values() if w.identity == identity), None)
+
+    def route(self, worker: WorkerHandle, frames: list[bytes]) -> None:
+        """Requests routed whole to `worker`'s running batch, a frame each: [handle, model, inputs]."""
+        send(self.control, [worker.identity, b"requests", *frames])
+
+    def drop(self, worker: WorkerHandle, handles: list[int]) -> None:
+        """Routed requests `worker` should let go unanswered (they ended at the manager)."""
+        self.control.send_multipart([worker.identity, b"drop", encode(handles)])
 
     def answer_health(self, identity: bytes, health: dict[str, Any]) -> None:
         """Answer a readiness check `control_messages` returned."""

@@ -1,0 +1,179 @@
+"""Requests routed whole to a worker's running batch (`[scheduler] running_batch = "worker"`).
+
+The manager's work for such a request is per request, never per step: check its envelope and model, refuse it
+from the expected wait, pick a worker, and forward its inputs; the worker plans it, runs it in its running batch
+(worker.running_batch) and sends its outputs back, which the manager relays. This table is the manager's one
+record of them: who asked, on which worker each runs, its deadline, and its inputs, so that a request whose worker
+is lost is sent again to another one. It does no I/O: what to send to which worker it returns as data.
+
+The expected wait is the requests in flight over the rate requests were answered at over the last second (the
+manager's own count of answers), so refusing costs no plan and no per-cell work.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from batchmaker.common.models.base import Planner
+from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError, encode
+
+RATE_WINDOW_S = 1.0  # answers older than this no longer count towards the measured rate
+MIN_ANSWERS = 32  # fewer answers in the window than this measure nothing: no request is refused for the wait
+
+
+@dataclass(eq=False)
+class Routed:
+    """A request routed whole: what the event loop's replies and stats read of a request, and its inputs."""
+
+    client: bytes
+    request_id: Any
+    model: Planner
+    inputs: Any
+    arrival: float
+    deadline: float | None
+    worker_id: int = -1
+    handle: int = 0
+    failures: int = 0  # workers lost while it ran on them
+
+
+class RoutedRequests:
+    """Routed requests by handle and by (client, id), their deadlines, and each worker's share of them."""
+
+    def __init__(self, max_queue_delay_ms: int, clock=time.perf_counter):
+        self._max_wait_s = max_queue_delay_ms / 1e3
+        self._clock = clock
+        self._by_handle: dict[int, Routed] = {}
+        self._by_key: dict[tuple[bytes, Any], Routed] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._held: collections.Counter[int] = collections.Counter()  # requests in flight, per worker
+        self._answered: collections.deque[float] = collections.deque()  # when each answer of the window came
+        self._next_handle = 1
+        self._outbox: dict[int, list[bytes]] = collections.defaultdict(list)  # worker id -> request frames
+        self._dropped: dict[int, list[int]] = collections.defaultdict(list)  # worker id -> handles to let go
+
+    def __len__(self) -> int:
+        return len(self._by_handle)
+
+    def __contains__(self, key: tuple[bytes, Any]) -> bool:
+        return key in self._by_key
+
+    def get(self, client: bytes, request_id: Any) -> Routed | None:
+        return self._by_key.get((client, request_id))
+
+    # -- admission -------------------------------------------------------------------------------
+    def expected_wait_s(self) -> float | None:
+        """The wait a new request is expected to have: requests in flight over the measured answer rate."""
+        now = self._clock()
+        while self._answered and self._answered[0] < now - RATE_WINDOW_S:
+            self._answered.popleft()
+        if len(self._answered) < MIN_ANSWERS:
+            return None
+        return len(self._by_handle) / (len(self._answered) / RATE_WINDOW_S)
+
+    def check(self, deadline_ms: int | None) -> None:
+        """Refuse a request the server is not expected to start in time (OVERLOADED, or DEADLINE_EXCEEDED when
+        its own deadline is nearer than the wait)."""
+        wait = self.expected_wait_s()
+        if wait is None:
+            return
+        if deadline_ms is not None and wait * 1e3 > deadline_ms:
+            raise RequestError(
+                DEADLINE_EXCEEDED, f"estimated wait {wait * 1e3:.0f} ms exceeds the request's deadline_ms {deadline_ms}"
+            )
+        if self._max_wait_s and wait > self._max_wait_s:
+            raise RequestError(
+                OVERLOADED,
+                f"estimated wait {wait * 1e3:.0f} ms exceeds the server's limit of {self._max_wait_s * 1e3:.0f} ms "
+                f"({len(self._by_handle)} requests in flight); retry later",
+            )
+
+    def route(self, request: Routed, workers: list[int]) -> None:
+        """Send the request to the worker of `workers` holding the fewest (sent with `take_sends`)."""
+        request.worker_id = min(workers, key=self._held.__getitem__)
+        if not request.handle:
+            request.handle = self._next_handle
+            self._next_handle += 1
+            self._by_key[(request.client, request.request_id)] = request
+            if request.deadline is not None:
+                heapq.heappush(self._deadlines, (request.deadline, request.handle))
+        self._by_handle[request.handle] = request
+        self._held[request.worker_id] += 1
+        self._outbox[request.worker_id].append(encode([request.handle, request.model.name, request.inputs]))
+
+    def take_sends(self) -> tuple[dict[int, list[bytes]], dict[int, list[int]]]:
+        """What to send since the last call: request frames per worker, and handles each worker should let go."""
+        sends, drops = dict(self._outbox), dict(self._dropped)
+        self._outbox.clear()
+        self._dropped.clear()
+        return sends, drops
+
+    # -- ends ------------------------------------------------------------------------------------
+    def answered(self, worker_id: int, handle: Any) -> Routed | None:
+        """The request a worker's answer is for; None for one that ended meanwhile (cancelled, expired, or sent
+        again after its worker was written off)."""
+        request = self._by_handle.get(handle) if isinstance(handle, int) else None
+        if request is None or request.worker_id != worker_id:
+            return None
+        self._answered.append(self._clock())
+        self._forget(request)
+        return request
+
+    def end(self, requests: list[Routed]) -> list[Routed]:
+        """End requests before their answer (cancel, deadline, client gone, shutdown): their workers let them go."""
+        for request in requests:
+            self._dropped[request.worker_id].append(request.handle)
+            self._forget(request)
+        return requests
+
+    def of_clients(self, clients: set[bytes]) -> list[Routed]:
+        return [request for request in self._by_handle.values() if request.client in clients]
+
+    def expired(self) -> list[Routed]:
+        now, expired = self._clock(), []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, handle = heapq.heappop(self._deadlines)
+            if handle in self._by_handle:
+                expired.append(self._by_handle[handle])
+        return expired
+
+    def wait_ms(self, longest: int) -> int:
+        """How long the event loop may sleep before the next deadline (at most `longest`)."""
+        while self._deadlines and self._deadlines[0][1] not in self._by_handle:
+            heapq.heappop(self._deadlines)
+        if not self._deadlines:
+            return longest
+        return max(0, min(longest, int((self._deadlines[0][0] - self._clock()) * 1e3) + 1))
+
+    def all(self) -> list[Routed]:
+        return list(self._by_handle.values())
+
+    def lost(self, worker_id: int) -> list[Routed]:
+        """The requests a lost worker held, in the order they came; they are no longer on any worker."""
+        lost = [request for request in self._by_handle.values() if request.worker_id == worker_id]
+        for request in lost:
+            del self._by_handle[request.handle]
+        self._held.pop(worker_id, None)
+        self._outbox.pop(worker_id, None)
+        self._dropped.pop(worker_id, None)
+        return lost
+
+    def forget_lost(self, request: Routed) -> None:
+        """A request `lost` returned that is not routed again (it failed)."""
+        del self._by_key[(request.client, request.request_id)]
+
+    def _forget(self, request: Routed) -> None:
+        del self._by_handle[request.handle]
+        del self._by_key[(request.client, request.request_id)]
+        self._held[request.worker_id] -= 1
+
+    def snapshot(self) -> dict[str, Any]:
+        wait = self.expected_wait_s()
+        return {
+            "requests_in_flight": len(self._by_handle),
+            "expected_wait_ms": None if wait is None else round(wait * 1e3, 3),
+            "by_worker": {str(worker): count for worker, count in self._held.items() if count},
+        }

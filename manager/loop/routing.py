@@ -1,0 +1,161 @@
+"""The event loop's side of requests routed whole to the workers' running batches (manager.batching.routed).
+
+With `[scheduler] running_batch = "worker"`, an `infer` request that needs nothing only the manager's batching
+core gives (a session, a streamed reply, a priority, a model version loaded at run time) is checked, refused
+from the expected wait or routed to the worker holding the fewest requests, one message per worker and burst;
+the rest go to the batching core as before. Workers answer on the control socket; this module turns those
+answers, and the ends a request meets before its answer (cancel, deadline, client gone, shutdown, its worker
+lost), into the outcomes the event loop replies with and counts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from batchmaker.common.config import Config
+from batchmaker.common.protocol import (
+    BAD_REQUEST,
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    OVERLOADED,
+    UNAVAILABLE,
+    WORKER_LOST,
+    RequestError,
+    optional_int,
+)
+from batchmaker.manager.batching.core import BatchingCore
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Replayed
+from batchmaker.manager.batching.routed import Routed, RoutedRequests
+from batchmaker.manager.batching.worker_handle import WorkerHandle
+from batchmaker.manager.loop.frontend import Incoming
+from batchmaker.manager.loop.worker_pool import WorkerPool
+from batchmaker.manager.observability.stats import request_timing
+
+CORE_ONLY = ("session", "session_start", "session_end", "session_step", "stream", "priority")
+
+
+class Router:
+    """Routes requests to the workers' running batches and concludes them; idle unless the config asks for it."""
+
+    def __init__(self, config: Config, core: BatchingCore, pool: WorkerPool):
+        self.enabled = config.scheduler.running_batch == "worker"
+        self._server = config.server
+        self._core = core
+        self._pool = pool
+        self._models = set(config.models)  # those the workers built at start: they plan these
+        self.table = RoutedRequests(config.server.max_queue_delay_ms)
+
+    def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[tuple[Incoming, RequestError]]]:
+        """Route the burst's requests that may run in a worker's running batch; returns the others, for the
+        batching core, and the refused ones with their errors."""
+        if not self.enabled or not self._core.workers:
+            return burst, []
+        rest, refused = [], []
+        for incoming in burst:
+            message = incoming.message
+            key = (incoming.client, incoming.request_id)
+            try:
+                if key in self.table or key in self._core.requests:
+                    raise RequestError(
+                        BAD_REQUEST, f"request id {incoming.request_id!r} is already in flight on this connection"
+                    )
+                if any(field in message for field in CORE_ONLY):
+                    rest.append(incoming)
+                    continue
+                planner = self._core.versions.resolve(message.get("model"), message.get("version"), None)
+                if planner.name not in self._models:
+                    rest.append(incoming)
+                    continue
+                if "inputs" not in message:
+                    raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
+                planner.check_input_names(message["inputs"])
+                deadline_ms = optional_int(message, "deadline_ms", minimum=0)
+                deadline_ms = deadline_ms if deadline_ms is not None else self._server.default_deadline_ms or None
+                self._check_limits(deadline_ms)
+            except RequestError as error:
+                refused.append((incoming, error))
+                continue
+            deadline = incoming.arrival + deadline_ms / 1e3 if deadline_ms is not None else None
+            inputs = message["inputs"]
+            request = Routed(incoming.client, incoming.request_id, planner, inputs, incoming.arrival, deadline)
+            self.table.route(request, list(self._core.workers))
+        self.flush()
+        return rest, refused
+
+    def _check_limits(self, deadline_ms: int | None) -> None:
+        limit = self._server.max_queued_requests
+        in_flight = len(self.table) + len(self._core.requests)
+        if in_flight >= limit:
+            raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
+        self.table.check(deadline_ms)
+
+    def flush(self) -> None:
+        """Send the workers the requests routed to them and the ones they should let go."""
+        sends, drops = self.table.take_sends()
+        for worker_id, frames in sends.items():
+            self._pool.route(self._core.workers[worker_id], frames)
+        for worker_id, handles in drops.items():
+            if worker_id in self._core.workers:
+                self._pool.drop(self._core.workers[worker_id], handles)
+
+    def answers(self, worker: WorkerHandle, answers: list[Any]) -> list[Outcome]:
+        """A worker's answers ([handle, outputs, error] each) as outcomes; those of requests ended meanwhile dropped."""
+        outcomes: list[Outcome] = []
+        now = time.perf_counter()
+        for answer in answers:
+            if not isinstance(answer, list) or len(answer) != 3:
+                continue
+            handle, outputs, error = answer
+            request = self.table.answered(worker.worker_id, handle)
+            if request is None:
+                continue
+            if error is None:
+                timing = request_timing(request.arrival, request.arrival, now)
+                outcomes.append(Answered(request, outputs, timing, False))
+            else:
+                outcomes.append(Failed(request, RequestError(*error)))
+        return outcomes
+
+    def cancel(self, client: bytes, request_id: Any) -> list[Outcome] | None:
+        request = self.table.get(client, request_id)
+        if request is None:
+            return None
+        return self._fail([request], RequestError(CANCELLED, "cancelled by the client"))
+
+    def clients_gone(self, clients: set[bytes]) -> list[Outcome]:
+        return self._fail(self.table.of_clients(clients), RequestError(CANCELLED, "the client disconnected"))
+
+    def expire(self) -> list[Outcome]:
+        return self._fail(self.table.expired(), RequestError(DEADLINE_EXCEEDED, "the request's deadline passed"))
+
+    def shutdown(self) -> list[Outcome]:
+        error = RequestError(UNAVAILABLE, "the server stopped before finishing the request; send it elsewhere")
+        return self._fail(self.table.all(), error)
+
+    def _fail(self, requests: list[Routed], error: RequestError) -> list[Outcome]:
+        outcomes: list[Outcome] = [Failed(request, error) for request in self.table.end(requests)]
+        self.flush()
+        return outcomes
+
+    def worker_lost(self, worker: WorkerHandle, reason: str, draining: bool) -> list[Outcome]:
+        """Send the lost worker's requests to the others, from their inputs (a request that lost more than
+        `max_replays` workers fails, and all fail when none is left)."""
+        outcomes: list[Outcome] = []
+        for request in self.table.lost(worker.worker_id):
+            request.failures += 1
+            if request.failures > self._server.max_replays:
+                why = f"it lost its worker {request.failures} times (last: {reason}); it is not replayed again"
+                error = RequestError(INTERNAL, why)
+            elif not self._core.workers:
+                why = f"its worker was lost ({reason}) and none remains"
+                error = RequestError(UNAVAILABLE if draining else WORKER_LOST, why)
+            else:
+                self.table.route(request, list(self._core.workers))
+                outcomes.append(Replayed(request))
+                continue
+            self.table.forget_lost(request)
+            outcomes.append(Failed(request, error))
+        self.flush()
+        return outcomes

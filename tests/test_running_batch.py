@@ -1,0 +1,254 @@
+"""The worker's running batch and its routed requests, in process: every model's answers against its reference
+whatever joins and leaves between steps, Algorithm 1's choice, rows given back, and every way a request ends."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_config
+
+from batchmaker.bench.trees import random_tree
+from batchmaker.bench.verify import differences
+from batchmaker.common.models import build_model
+from batchmaker.common.protocol import INTERNAL, INVALID_INPUT
+from batchmaker.manager.loop.server import load_models
+from batchmaker.worker.held_requests import HeldRequests
+from batchmaker.worker.main import load_cells
+from batchmaker.worker.running_batch import RunningBatch
+
+MODELS = """
+[models.bin]
+builder = "batchmaker.common.models.treelstm:build"
+weights = "bin.pt"
+vocab_size = 50
+hidden_size = 8
+num_classes = 3
+batch_sizes = [1, 2, 4]
+
+[models.cs]
+builder = "batchmaker.common.models.childsum:build"
+weights = "cs.pt"
+vocab_size = 50
+hidden_size = 8
+num_classes = 4
+batch_sizes = [1, 2, 4]
+
+[models.lstm]
+builder = "batchmaker.common.models.lstm:build"
+weights = "lstm.pt"
+vocab_size = 100
+embedding_size = 16
+hidden_size = 16
+num_layers = 2
+max_length = 200
+batch_sizes = [1, 2, 4, 8]
+
+[models.seq2seq]
+builder = "batchmaker.common.models.seq2seq:build"
+weights = "seq2seq.pt"
+src_vocab_size = 100
+tgt_vocab_size = 12
+embedding_size = 16
+hidden_size = 16
+max_length = 100
+max_decode_length = 30
+batch_sizes = [1, 2, 4, 8]
+"""
+ROWS = 4096
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    config = write_config(tmp_path_factory.mktemp("running-batch"), MODELS)
+    planners, specs, kinds = load_models(config)
+    _, cells, _ = load_cells(config)
+    models = {name: build_model(model) for name, model in config.models.items()}
+    weights = {name: model.load_weights() for name, model in models.items()}
+    return planners, specs, cells, kinds, models, weights
+
+
+def binary_tree(rng: random.Random, leaves: int) -> dict:
+    tokens: list[int] = []
+    parents: list[int] = []
+
+    def node(low: int, high: int, parent: int) -> None:
+        index = len(tokens)
+        parents.append(parent)
+        if high - low == 1:
+            tokens.append(rng.randrange(50))
+            return
+        tokens.append(-1)
+        middle = rng.randrange(low + 1, high)
+        node(low, middle, index)
+        node(middle, high, index)
+
+    node(0, leaves, -1)
+    return {"tree": {"tokens": tokens, "parents": parents}}
+
+
+def mixed_requests(count: int, seed: int) -> list[tuple[str, dict]]:
+    rng, generator = random.Random(seed), np.random.default_rng(seed)
+    requests = []
+    for i in range(count):
+        sentence = {"tokens": [rng.randrange(100) for _ in range(rng.randrange(1, 15))]}
+        requests.append([
+            ("lstm", sentence),
+            ("bin", binary_tree(rng, rng.randrange(1, 12))),
+            ("cs", {"tree": random_tree(generator, rng.randrange(1, 12), 50, 4)}),
+            ("seq2seq", sentence),
+        ][i % 4])  # fmt: skip
+    return requests
+
+
+def held(served, rows: int = ROWS) -> HeldRequests:
+    planners, specs, cells, kinds, _, _ = served
+    return HeldRequests(planners, specs, cells, kinds, rows)
+
+
+def run_all(requests: HeldRequests, arrivals: list[tuple[str, dict]], seed: int) -> dict[int, list]:
+    """Send the requests a few between steps, step until all are answered: the answers by handle."""
+    rng = random.Random(seed)
+    answers: dict[int, list] = {}
+    pending = list(enumerate(arrivals))
+    while pending or requests.busy:
+        for _ in range(rng.randrange(4)):
+            if pending:
+                handle, (model, inputs) = pending.pop(0)
+                answers.update((a[0], a) for a in requests.take(handle, model, inputs))
+        answers.update((a[0], a) for a in requests.step())
+    return answers
+
+
+def test_every_model_answers_as_its_reference_whatever_joins_between_steps(served):
+    _, _, _, _, models, weights = served
+    arrivals = mixed_requests(48, seed=1)
+    answers = run_all(held(served), arrivals, seed=2)
+    assert sorted(answers) == list(range(len(arrivals)))
+    for handle, (model, inputs) in enumerate(arrivals):
+        _, outputs, error = answers[handle]
+        assert error is None
+        worst, problem = differences(models[model].reference(weights[model], inputs), outputs)
+        assert problem is None and worst < 1e-5, (model, problem, worst)
+
+
+def test_rows_and_slots_go_back_when_requests_leave(served):
+    requests = held(served)
+    available = {kind: free.available for kind, free in requests.batch._free.items()}
+    run_all(requests, mixed_requests(24, seed=3), seed=4)
+    assert {kind: free.available for kind, free in requests.batch._free.items()} == available
+    assert requests.batch.requests == 0 and not requests.busy
+
+
+def test_a_step_runs_one_cell_type_at_most_its_largest_batch_a_full_one_first(served):
+    planners, specs, cells, kinds, _, _ = served
+    batch = RunningBatch(specs, cells, kinds, ROWS)
+    lstm = planners["lstm"]
+    for handle in range(3):
+        batch.admit(handle, lstm.plan({"tokens": [1, 2, 3]}))
+    tree = planners["bin"].plan(binary_tree(random.Random(0), 8))
+    batch.admit(3, tree)
+    ran = []
+    original = batch._run
+
+    def recording(cell, chosen):
+        ran.append((specs[cell].key, len(chosen)))
+        return original(cell, chosen)
+
+    batch._run = recording
+    batch.step()
+    leaf = next(spec for spec in specs if spec.key.startswith("bin") and "leaf" in spec.key)
+    assert ran == [(leaf.key, leaf.max_batch)]  # eight leaves ready: a full batch of four goes before three lanes
+
+
+def test_removed_request_never_answers_and_others_go_on(served):
+    _, _, _, _, models, weights = served
+    requests = held(served)
+    arrivals = mixed_requests(8, seed=5)
+    answers = {}
+    for handle, (model, inputs) in enumerate(arrivals):
+        answers.update((a[0], a) for a in requests.take(handle, model, inputs))
+    requests.step()
+    requests.drop([2, 5])
+    while requests.busy:
+        answers.update((a[0], a) for a in requests.step())
+    assert sorted(answers) == [0, 1, 3, 4, 6, 7]
+    for handle in answers:
+        model, inputs = arrivals[handle]
+        assert differences(models[model].reference(weights[model], inputs), answers[handle][1])[1] is None
+
+
+def test_invalid_inputs_and_unknown_models_are_answered_with_their_error(served):
+    requests = held(served)
+    [(_, outputs, error)] = requests.take(1, "lstm", {"tokens": [100000]})
+    assert outputs is None and error[0] == INVALID_INPUT
+    [(_, _, error)] = requests.take(2, "nope", {"tokens": [1]})
+    assert error[0] == INTERNAL and "does not serve model 'nope'" in error[1]
+    assert not requests.busy
+
+
+def test_a_request_waits_for_rows_and_one_larger_than_the_arena_is_refused(served):
+    requests = held(served, rows=40)  # two rows reserved, 38 for a kind
+    assert requests.take(1, "lstm", {"tokens": list(range(30))}) == []
+    assert requests.take(2, "lstm", {"tokens": list(range(30))}) == []  # waits: the first holds the rows
+    assert requests.batch.requests == 1
+    answered = {}
+    while requests.busy:
+        answered.update((a[0], a) for a in requests.step())
+    assert sorted(answered) == [1, 2] and all(a[2] is None for a in answered.values())
+    [(_, _, error)] = requests.take(3, "bin", binary_tree(random.Random(1), 30))
+    assert "more arena rows than the worker has" in error[1]
+
+
+def test_a_failing_cell_ends_the_requests_of_its_batch_only(served):
+    planners, specs, cells, kinds, _, _ = served
+    broken = list(cells)
+    failing = next(i for i, spec in enumerate(specs) if spec.key.startswith("cs") and "node" in spec.key)
+
+    def fail(*_: torch.Tensor):
+        raise RuntimeError("device on fire")
+
+    broken[failing] = fail
+    requests = HeldRequests(planners, specs, broken, kinds, ROWS)
+    assert requests.take(1, "cs", {"tree": random_tree(np.random.default_rng(0), 5, 50, 3)}) == []
+    assert requests.take(2, "lstm", {"tokens": [4, 5]}) == []
+    answers = {}
+    while requests.busy:
+        answers.update((a[0], a) for a in requests.step())
+    assert answers[1][2][0] == INTERNAL and "device on fire" in answers[1][2][1]
+    assert answers[2][2] is None
+
+
+def test_a_failing_observe_ends_its_request_with_the_error(served):
+    planners, specs, cells, kinds, _, _ = served
+    requests = HeldRequests(planners, specs, cells, kinds, ROWS)
+    model = planners["seq2seq"]
+    original = model.observe
+    model.observe = lambda *_: 1 / 0  # type: ignore[method-assign]
+    try:
+        requests.take(1, "seq2seq", {"tokens": [1, 2, 3]})
+        requests.take(2, "lstm", {"tokens": [1, 2, 3]})
+        answers = {}
+        while requests.busy:
+            answers.update((a[0], a) for a in requests.step())
+    finally:
+        model.observe = original  # type: ignore[method-assign]
+    assert "ZeroDivisionError in observe" in answers[1][2][1]
+    assert answers[2][2] is None
+
+
+def test_plans_of_a_running_batch_need_no_rows_left_behind(served):
+    requests = held(served)
+    for handle, (model, inputs) in enumerate(mixed_requests(12, seed=7)):
+        requests.take(handle, model, inputs)
+    requests.drop(list(range(12)))
+    assert not requests.busy
+    assert requests.batch.step() == []
+    assert all(free.available == ROWS - 2 for free in requests.batch._free.values())
+
+
+def test_config_path(tmp_path: Path):
+    assert write_config(tmp_path, MODELS).scheduler.running_batch == "manager"

@@ -1,0 +1,200 @@
+"""A real server whose workers run their own batches (`[scheduler] running_batch = "worker"`): requests routed
+whole answer as their references, errors come back as the manager's own would, sessions and streams keep the
+manager's path, and cancels, deadlines and a lost worker end or replay routed requests, each with one reply.
+
+Nothing here is timed: the tests wait for what the server reports."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from conftest import start_server, stop_server, wait_until, write_config
+from test_running_batch import MODELS, mixed_requests
+
+from batchmaker.bench.verify import differences
+from batchmaker.common.models import build_model
+from batchmaker.common.protocol import BAD_REQUEST, DEADLINE_EXCEEDED, INVALID_INPUT, decode, encode
+
+SCHEDULER = 'running_batch = "worker"'
+
+
+class Raw:
+    """A DEALER socket that keeps every reply, so that a missing or doubled one shows."""
+
+    def __init__(self, address: str):
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.replies: dict[Any, list[dict[str, Any]]] = {}
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.socket.send(encode(message))
+
+    def collect(self, ids: list[Any]) -> dict[Any, dict[str, Any]]:
+        """Receive until each of `ids` has a reply; every reply to one of them, by id."""
+        while not all(i in self.replies for i in ids):
+            assert self.socket.poll(60_000), "the server stopped answering"
+            reply = decode(self.socket.recv())
+            self.replies.setdefault(reply["id"], []).append(reply)
+        return {i: self.replies[i][0] for i in ids}
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    config = write_config(tmp_path_factory.mktemp("routed"), MODELS, scheduler=SCHEDULER)
+    running = start_server(config, workers=2)
+    models = {name: build_model(model) for name, model in config.models.items()}
+    weights = {name: model.load_weights() for name, model in models.items()}
+    yield running, models, weights
+    stop_server(running)
+
+
+def check(models, weights, sent: dict[int, tuple[str, dict]], replies: dict[int, dict]) -> None:
+    for request_id, (model, inputs) in sent.items():
+        reply = replies[request_id]
+        assert reply["ok"], reply
+        worst, problem = differences(models[model].reference(weights[model], inputs), decode_outputs(reply["outputs"]))
+        assert problem is None and worst < 1e-5, (model, problem, worst)
+
+
+def decode_outputs(outputs: dict[str, Any]) -> dict[str, Any]:
+    from batchmaker.common.protocol import decode_outputs as decoded
+
+    return decoded(outputs)
+
+
+def test_routed_requests_answer_as_their_references(server):
+    running, models, weights = server
+    raw = Raw(running.address)
+    try:
+        sent = dict(enumerate(mixed_requests(40, seed=11)))
+        for request_id, (model, inputs) in sent.items():
+            raw.send({"id": request_id, "model": model, "inputs": inputs})
+        check(models, weights, sent, raw.collect(list(sent)))
+        assert all(len(replies) == 1 for replies in raw.replies.values())
+        with running.client() as client:
+            stats = wait_until(lambda: (s := client.stats())["routed"]["requests_in_flight"] == 0 and s, "idle")
+        assert stats["requests"]["ok"] >= len(sent)
+        assert stats["ready_nodes"] == {} or not any(stats["ready_nodes"].values())  # the core ran none of them
+    finally:
+        raw.close()
+
+
+def test_errors_come_back_as_the_managers_own(server):
+    running, _, _ = server
+    raw = Raw(running.address)
+    try:
+        raw.send({"id": "bad-token", "model": "lstm", "inputs": {"tokens": [10**6]}})
+        raw.send({"id": "no-inputs", "model": "lstm"})
+        raw.send({"id": "misspelt", "model": "lstm", "inputs": {"token": [1]}})
+        raw.send({"id": "no-model", "model": "nope", "inputs": {"tokens": [1]}})
+        raw.send({"id": "expired", "model": "lstm", "inputs": {"tokens": [1, 2]}, "deadline_ms": 0})
+        replies = raw.collect(["bad-token", "no-inputs", "misspelt", "no-model", "expired"])
+        assert replies["bad-token"]["error"]["code"] == INVALID_INPUT
+        assert replies["no-inputs"]["error"]["code"] == BAD_REQUEST
+        assert replies["misspelt"]["error"]["code"] == INVALID_INPUT
+        assert not replies["no-model"]["ok"]
+        assert replies["expired"]["error"]["code"] == DEADLINE_EXCEEDED
+    finally:
+        raw.close()
+
+
+def test_a_duplicate_id_in_flight_is_refused(server):
+    running, _, _ = server
+    worker = running.supervisor.slots[0].process
+    raw = Raw(running.address)
+    os.kill(worker.pid, signal.SIGSTOP)  # whatever it holds stays in flight
+    try:
+        with running.client() as client:
+            for i in range(4):
+                raw.send({"id": f"held-{i}", "model": "lstm", "inputs": {"tokens": [1, 2, 3]}})
+            wait_until(lambda: client.stats()["routed"]["requests_in_flight"] >= 1, "requests in flight")
+            held = [f"held-{i}" for i in range(4) if f"held-{i}" not in raw.replies]
+        raw.send({"id": held[0], "model": "lstm", "inputs": {"tokens": [1]}})
+        os.kill(worker.pid, signal.SIGCONT)
+        replies = _all(raw, held[0], 2)
+        assert sorted(reply["ok"] for reply in replies) == [False, True]
+        assert next(r for r in replies if not r["ok"])["error"]["code"] == BAD_REQUEST
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        raw.close()
+
+
+def _all(raw: Raw, request_id: Any, count: int) -> list[dict[str, Any]]:
+    while len(raw.replies.get(request_id, [])) < count:
+        assert raw.socket.poll(60_000), "the server stopped answering"
+        reply = decode(raw.socket.recv())
+        raw.replies.setdefault(reply["id"], []).append(reply)
+    return raw.replies[request_id]
+
+
+def test_a_cancel_ends_a_routed_request_with_one_reply(server):
+    running, _, _ = server
+    raw = Raw(running.address)
+    try:
+        for i in range(20):
+            raw.send({"id": i, "model": "seq2seq", "inputs": {"tokens": list(range(1, 60))}})
+        raw.send({"id": "cancel", "op": "cancel", "target": 19})
+        replies = raw.collect([*range(20), "cancel"])
+        cancelled = replies["cancel"]["cancelled"]
+        assert replies[19]["ok"] is (not cancelled)
+        if cancelled:
+            assert replies[19]["error"]["code"] == "CANCELLED"
+        assert all(len(raw.replies[i]) == 1 for i in range(20))
+    finally:
+        raw.close()
+
+
+def test_sessions_streams_and_priorities_keep_the_managers_path(server):
+    running, models, weights = server
+    lstm = models["lstm"]
+    with running.client() as client:
+        before = client.stats()["requests"]["ok"]
+        *_, final = client.stream("seq2seq", {"tokens": [3, 4, 5]})
+        expected = models["seq2seq"].reference(weights["seq2seq"], {"tokens": [3, 4, 5]})
+        assert differences(expected, final.outputs)[1] is None
+        first = client.infer("lstm", {"tokens": [1, 2]}, session="s")
+        second = client.infer("lstm", {"tokens": [3]}, session="s", session_end=True)
+        assert (first.session_step, second.session_step) == (1, 2)
+        whole = lstm.reference(weights["lstm"], {"tokens": [1, 2, 3]})
+        assert np.abs(second.outputs["h"] - whole["h"]).max() < 1e-5
+        urgent = client.infer("lstm", {"tokens": [1, 2]}, priority=5)
+        assert differences(lstm.reference(weights["lstm"], {"tokens": [1, 2]}), urgent.outputs)[1] is None
+        stats = client.stats()
+        assert stats["requests"]["ok"] == before + 4
+        assert stats["routed"]["requests_in_flight"] == 0
+
+
+def test_a_lost_workers_requests_are_replayed_on_another(tmp_path: Path):
+    config = write_config(tmp_path, MODELS, scheduler=SCHEDULER)
+    running = start_server(config, workers=2)
+    models = {name: build_model(model) for name, model in config.models.items()}
+    weights = {name: model.load_weights() for name, model in models.items()}
+    raw = Raw(running.address)
+    try:
+        with running.client() as client:
+            worker_ids = sorted(client.stats()["workers"], key=int)
+            victim = client.stats()["workers"][worker_ids[0]]["pid"]
+            os.kill(victim, signal.SIGSTOP)
+            sent = dict(enumerate(mixed_requests(12, seed=random.randrange(1000))))
+            for request_id, (model, inputs) in sent.items():
+                raw.send({"id": request_id, "model": model, "inputs": inputs})
+            on_victim = lambda: client.stats()["routed"]["by_worker"].get(worker_ids[0], 0) > 0
+            wait_until(on_victim, "requests on the victim")
+            os.kill(victim, signal.SIGKILL)
+            check(models, weights, sent, raw.collect(list(sent)))
+            assert all(len(replies) == 1 for replies in raw.replies.values())
+            assert client.stats()["replayed_requests"] >= 1
+    finally:
+        raw.close()
+        stop_server(running)

@@ -1,0 +1,328 @@
+"""The running batch: the requests a worker holds, run step by step, requests joining and leaving between steps.
+
+Every step the worker decides what runs next, as the paper's Algorithm 1: it picks a cell type (one with a full
+batch of ready nodes, else any with ready nodes, the higher priority first) and runs up to its largest batch of
+ready nodes of that type, from every request held, oldest first. A request admitted between two steps joins the
+next step of its cell types; a request whose last node ran, or whose model saw its end in a watched value (a
+decoder's EOS), leaves at once with its results. The decision costs a few array operations over the nodes held,
+whatever the number of requests: the nodes of every request held are rows of flat arrays (their cell type, how
+many nodes of their request must run first, the arena rows each input reads and each output writes), so Python
+runs per step, and per node only for the nodes whose outputs the host reads (results, watched values).
+
+A request's values live in rows of the running batch's own arenas, one per kind of value: its registers (a plan
+reuses them: common.plan) and its external values (copied in when it joins). A node is ready once every node of
+its request at a smaller depth has run (`need`); a step gathers its inputs before it writes its outputs, which is
+all the plan's register reuse asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.plan import Unfolded
+from batchmaker.common.slots import ZERO_SLOT
+from batchmaker.manager.batching.slot_allocator import SlotAllocator
+from batchmaker.manager.batching.waves import consecutive
+from batchmaker.worker.batched_task import KernelClock
+
+Rows = np.ndarray  # arena rows, int64
+Observe = Callable[[Unfolded, int, np.ndarray], bool]  # a model's `observe`: True once the request is complete
+COLUMNS = ("request", "cell", "need", "pending", "local", "copied", "inputs", "outputs", "ragged_start", "ragged_count")
+
+
+@dataclass
+class Held:
+    """One request in the running batch: its plan, its arena rows (per kind) and the results read so far."""
+
+    key: Any
+    unfolded: Unfolded
+    observe: Observe | None
+    rows: dict[ValueKind, np.ndarray]  # every arena row it holds, per kind
+    results: dict[str, np.ndarray] = field(default_factory=dict)
+    error: str | None = None  # why it ended before its results were all in (its cell or its model failed)
+
+
+class Finished(NamedTuple):
+    """A request that left the running batch: with all its results, or with the error that ended it."""
+
+    key: Any
+    unfolded: Unfolded
+    results: dict[str, np.ndarray]
+    error: str | None
+
+
+class Nodes:
+    """The nodes of every request held, as columns; rows `[0, count)` are used, in the order requests joined.
+    A ragged input's rows are `ragged[ragged_start : ragged_start + ragged_count, port]`."""
+
+    def __init__(self, ports: int, outputs: int, capacity: int = 1024):
+        self.count = 0
+        self.request = np.zeros(capacity, np.int64)  # the slot of the node's request
+        self.cell = np.zeros(capacity, np.int64)
+        self.need = np.zeros(capacity, np.int64)
+        self.pending = np.zeros(capacity, bool)
+        self.local = np.zeros(capacity, np.int64)  # the node's index in its request's plan
+        self.copied = np.zeros(capacity, bool)  # the host reads one of its outputs
+        self.inputs = np.zeros((capacity, ports), np.int64)  # arena rows, per input port
+        self.outputs = np.zeros((capacity, outputs), np.int64)
+        self.ragged_start = np.zeros(capacity, np.int64)
+        self.ragged_count = np.zeros(capacity, np.int64)
+        self.ragged = np.zeros((0, ports), np.int64)
+
+    def reserve(self, more: int) -> None:
+        if self.count + more <= len(self.request):
+            return
+        grown = max(self.count + more, 2 * len(self.request))
+        for name in COLUMNS:
+            old = getattr(self, name)
+            new = np.zeros((grown, *old.shape[1:]), old.dtype)
+            new[: self.count] = old[: self.count]
+            setattr(self, name, new)
+
+    def keep(self, kept: np.ndarray) -> None:
+        """Keep only the rows `kept` (ascending), moved to the front, with their ragged rows."""
+        flat = consecutive(self.ragged_start[kept], self.ragged_count[kept])
+        self.ragged = self.ragged[flat]
+        for name in COLUMNS:
+            column = getattr(self, name)
+            column[: len(kept)] = column[kept]
+        self.count = len(kept)
+        self.ragged_start[: self.count] = np.cumsum(self.ragged_count[: self.count]) - self.ragged_count[: self.count]
+
+
+class RunningBatch:
+    """The requests a worker holds, their nodes' rows and values, and the step that runs the next batch."""
+
+    def __init__(
+        self, specs: list[CellTypeSpec], cells: list[nn.Module], kinds: list[ValueKind], rows: int,
+        device: str = "cpu", clock: KernelClock | None = None,
+    ):  # fmt: skip
+        """`rows` per kind of value, on `device` (the cells' own); `clock`, if given, times the cells' calls."""
+        self._device = torch.device(device)
+        self._clock = clock
+        self._specs = specs
+        self._cells = cells
+        self._cell_of = {spec.key: index for index, spec in enumerate(specs)}
+        self._priority = np.array([spec.priority for spec in specs], np.int64)
+        self._max_batch = np.array([spec.max_batch for spec in specs], np.int64)
+        self.arenas = {
+            kind: torch.zeros((rows, *kind.shape), dtype=getattr(torch, kind.dtype), device=self._device)
+            for kind in kinds
+        }
+        self._free = {kind: SlotAllocator(rows) for kind in kinds}
+        self.nodes = Nodes(max(len(spec.inputs) for spec in specs), max(len(spec.outputs) for spec in specs))
+        self._held: list[Held | None] = []
+        self._done = np.zeros(0, np.int64)  # nodes run, per request slot
+        self._total = np.zeros(0, np.int64)  # nodes, per request slot
+        self._free_slots: list[int] = []
+        self._slot_of: dict[Any, int] = {}
+        self.steps = 0  # run so far
+
+    @property
+    def requests(self) -> int:
+        return len(self._slot_of)
+
+    # -- joining ---------------------------------------------------------------------------------
+    def fits(self, unfolded: Unfolded) -> bool:
+        """Whether the arenas have the rows the request's registers and external values take."""
+        wanted = {kind: len(registers) for kind, registers in unfolded.plan.register_groups.items()}
+        for kind, values in unfolded.externals.items():
+            wanted[kind] = wanted.get(kind, 0) + len(values)
+        return all(self._free[kind].available >= count for kind, count in wanted.items())
+
+    def admit(self, key: Any, unfolded: Unfolded, observe: Observe | None = None) -> None:
+        """Hold a planned request (`key` names it): its values get rows, its nodes join the next steps of their
+        cell types. `observe` sees its watched values in order; callers ask `fits` first."""
+        plan = unfolded.plan
+        register_row, external_row, rows = self._take_rows(unfolded)
+        slot = self._slot()
+        nodes = self.nodes
+        nodes.reserve(plan.nodes)
+        first = nodes.count
+        span = slice(first, first + plan.nodes)
+        nodes.request[span] = slot
+        nodes.need[span] = plan.need
+        nodes.pending[span] = True
+        nodes.local[span] = np.arange(plan.nodes)
+        nodes.copied[span] = plan.has_copies
+        nodes.inputs[span] = ZERO_SLOT
+        nodes.outputs[span] = ZERO_SLOT
+        nodes.ragged_start[span] = len(nodes.ragged) + plan.ragged_start
+        nodes.ragged_count[span] = plan.ragged_count
+        ragged = np.full((len(plan.ragged_refs), nodes.ragged.shape[1]), ZERO_SLOT, np.int64)
+        for lane, cell_key in enumerate(plan.lane_cells):
+            start, end = int(plan.lane_bounds[lane]), int(plan.lane_bounds[lane + 1])
+            cell = self._cell_of[cell_key]
+            spec = self._specs[cell]
+            at = slice(first + start, first + end)
+            nodes.cell[at] = cell
+            for port, kind in enumerate(spec.inputs):
+                if port in spec.ragged_inputs:
+                    refs = consecutive(plan.ragged_start[start:end], plan.ragged_count[start:end])
+                    ragged[refs, port] = _rows_of(plan.ragged_refs[refs, port], register_row, None)
+                else:
+                    refs = plan.inputs[start:end, port]
+                    nodes.inputs[at, port] = _rows_of(refs, register_row, external_row.get(kind))
+            for port in range(len(spec.outputs)):
+                nodes.outputs[at, port] = register_row[plan.outputs[start:end, port]]
+        nodes.ragged = np.concatenate([nodes.ragged, ragged]) if len(ragged) else nodes.ragged
+        nodes.count += plan.nodes
+        self._held[slot] = Held(key, unfolded, observe, rows)
+        self._slot_of[key] = slot
+        self._done[slot] = 0
+        self._total[slot] = plan.nodes
+
+    def _take_rows(self, unfolded: Unfolded) -> tuple[np.ndarray, dict[ValueKind, Rows], dict[ValueKind, Rows]]:
+        """Rows for the request's registers and external values (copied in): each register's row, each external
+        value's row per kind, and every row it holds per kind."""
+        plan = unfolded.plan
+        register_row = np.zeros(plan.registers, np.int64)
+        for kind, registers in plan.register_groups.items():
+            register_row[registers] = self._free[kind].take(len(registers))
+        external_row: dict[ValueKind, np.ndarray] = {}
+        for kind, values in unfolded.externals.items():
+            external_row[kind] = taken = self._free[kind].take(len(values))
+            self.arenas[kind][self._tensor(taken)] = self._tensor(np.ascontiguousarray(values))
+        rows = {kind: register_row[registers] for kind, registers in plan.register_groups.items()}
+        for kind, taken in external_row.items():
+            rows[kind] = np.concatenate([rows[kind], taken]) if kind in rows else taken
+        return register_row, external_row, rows
+
+    def _slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._held.append(None)
+        self._done = np.append(self._done, 0)
+        self._total = np.append(self._total, 0)
+        return len(self._held) - 1
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """An index or value array on the arenas' device (a copy there, from the host, on a GPU)."""
+        tensor = torch.from_numpy(array)
+        return tensor if self._device.type == "cpu" else tensor.to(self._device)
+
+    def remove(self, key: Any) -> bool:
+        """Let a request go before its end (cancelled, or its deadline passed): its nodes never run."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return False
+        self._leave([slot])
+        return True
+
+    # -- running ---------------------------------------------------------------------------------
+    def step(self) -> list[Finished]:
+        """Run the next batch; the requests it finished (or ended with an error). Nothing runs when nothing is held."""
+        nodes = self.nodes
+        count = nodes.count
+        ready = nodes.pending[:count] & (self._done[nodes.request[:count]] >= nodes.need[:count])
+        counts = np.bincount(nodes.cell[:count][ready], minlength=len(self._specs))
+        if not counts.any():
+            return []
+        cell = self._choose(counts)
+        chosen = np.flatnonzero(ready & (nodes.cell[:count] == cell))[: self._max_batch[cell]]
+        requests = nodes.request[chosen]
+        touched = np.unique(requests)
+        self.steps += 1
+        try:
+            outputs = self._run(cell, chosen)
+        except Exception as exc:  # the cell failed on this batch: its requests end with the error, the rest go on
+            for slot in touched.tolist():
+                self._held[slot].error = f"{self._specs[cell].key} failed: {type(exc).__name__}: {exc}"
+            return self._leave(touched.tolist(), finished=True)
+        nodes.pending[chosen] = False
+        self._done[touched] += np.bincount(requests, minlength=len(self._done))[touched]
+        ended = set(self._read_copies(chosen[nodes.copied[chosen]], chosen, outputs))
+        ended.update(touched[self._done[touched] == self._total[touched]].tolist())
+        return self._leave(sorted(ended), finished=True)
+
+    def _choose(self, counts: np.ndarray) -> int:
+        """Algorithm 1's choice: a cell type with a full batch ready if any, else any with nodes ready; the
+        higher priority first, then the lower index."""
+        full = counts >= self._max_batch
+        candidates = np.flatnonzero(full if full.any() else counts > 0)
+        return int(candidates[np.argmax(self._priority[candidates])])
+
+    def _run(self, cell: int, chosen: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Gather the chosen nodes' inputs, run the cell once, scatter its outputs to their rows."""
+        spec, nodes = self._specs[cell], self.nodes
+        ins, outs = len(spec.inputs), len(spec.outputs)
+        rows = np.concatenate([nodes.inputs[chosen, :ins].T.ravel(), nodes.outputs[chosen, :outs].T.ravel()])
+        index = self._tensor(rows)
+        views = index.split(len(chosen))
+        args = []
+        for port, kind in enumerate(spec.inputs):
+            if port in spec.ragged_inputs:
+                counts = nodes.ragged_count[chosen]
+                rows = nodes.ragged[consecutive(nodes.ragged_start[chosen], counts), port]
+                args.append(self.arenas[kind].index_select(0, self._tensor(rows)))
+                args.append(self._tensor(np.repeat(np.arange(len(chosen)), counts)))
+            else:
+                args.append(self.arenas[kind].index_select(0, views[port]))
+        results = self._cells[cell](*args) if self._clock is None else self._clock.call(self._cells[cell], *args)
+        if isinstance(results, torch.Tensor):
+            results = (results,)
+        for port, kind in enumerate(spec.outputs):
+            self.arenas[kind].index_copy_(0, views[ins + port], results[port])
+        return tuple(results)
+
+    def _read_copies(self, copied: np.ndarray, chosen: np.ndarray, outputs: tuple[torch.Tensor, ...]) -> list[int]:
+        """The results and watched values among the step's outputs, to their requests, in node order (Python per
+        copied node only); returns the slots whose model saw their end in a watched value."""
+        ended = []
+        positions = np.searchsorted(chosen, copied)
+        requests, local = self.nodes.request[copied], self.nodes.local[copied]
+        for node, position, slot in zip(local.tolist(), positions.tolist(), requests.tolist()):
+            held = self._held[slot]
+            for key, port in held.unfolded.plan.copies[node]:
+                value = outputs[port][position].cpu().numpy().copy()
+                if type(key) is str:
+                    held.results[key] = value
+                    continue
+                try:
+                    done = held.observe(held.unfolded, key, value)
+                except Exception as exc:  # a model's bug ends its request, never the batch
+                    held.error, done = f"{type(exc).__name__} in observe: {exc}", True
+                if done and slot not in ended:
+                    ended.append(slot)
+        return ended
+
+    def _leave(self, slots: list[int], finished: bool = False) -> list[Finished]:
+        """Requests give back their rows and slots, their nodes left to run dropped; they go at the next
+        compaction. Returns them (`finished`: they are complete)."""
+        if not slots:
+            return []
+        unfinished = [slot for slot in slots if self._done[slot] < self._total[slot]]
+        gone = []
+        for slot in slots:
+            held = self._held[slot]
+            self._held[slot] = None
+            del self._slot_of[held.key]
+            self._free_slots.append(slot)
+            for kind, taken in held.rows.items():
+                self._free[kind].give(taken)
+            gone.append(Finished(held.key, held.unfolded, held.results, held.error))
+        nodes = self.nodes
+        if unfinished:
+            nodes.pending[: nodes.count] &= ~np.isin(nodes.request[: nodes.count], unfinished)
+        pending = np.flatnonzero(nodes.pending[: nodes.count])
+        if nodes.count - len(pending) >= max(len(pending), 256):
+            nodes.keep(pending)
+        return gone if finished else []
+
+
+def _rows_of(refs: np.ndarray, register_row: np.ndarray, external_row: np.ndarray | None) -> np.ndarray:
+    """Arena rows an input reads: a register's row, the zero row (common.plan.ZERO_REF), or an external value's row."""
+    rows = np.full(len(refs), ZERO_SLOT, np.int64)
+    held = refs >= 0
+    rows[held] = register_row[refs[held]]
+    external = refs <= -2
+    if external.any():
+        rows[external] = external_row[-2 - refs[external]]
+    return rows
