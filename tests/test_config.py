@@ -200,6 +200,17 @@ def test_multi_step_keys(tmp_path: Path) -> None:
             config_error(tmp_path, f"[scheduler]\n{key} = {bad}\n" + MODEL, f"[scheduler] {key} must be an integer >= 1")
 
 
+def test_running_batch_key(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, MODEL)).scheduler.running_batch == "manager"
+    text = '[scheduler]\nrunning_batch = "worker"\n' + MODEL
+    assert load_config(write(tmp_path, text)).scheduler.running_batch == "worker"
+    for bad in ('"workers"', "1", "true"):
+        config_error(tmp_path, f"[scheduler]\nrunning_batch = {bad}\n" + MODEL, "running_batch must be one of manager, worker")
+    for policy in ("padded", "graph"):
+        text = f'[scheduler]\npolicy = "{policy}"\nrunning_batch = "worker"\n' + MODEL
+        config_error(tmp_path, text, f"the {policy} policy's batches are formed by the manager")
+
+
 # -- [models.x] -------------------------------------------------------------------------------------------
 
 

@@ -4,7 +4,6 @@ whatever joins and leaves between steps, Algorithm 1's choice, rows given back, 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -249,6 +248,3 @@ def test_plans_of_a_running_batch_need_no_rows_left_behind(served):
     assert requests.batch.step() == []
     assert all(free.available == ROWS - 2 for free in requests.batch._free.values())
 
-
-def test_config_path(tmp_path: Path):
-    assert write_config(tmp_path, MODELS).scheduler.running_batch == "manager"

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
-from batchmaker.common.plan import Unfolded
+from batchmaker.common.plan import Plan, Unfolded
 from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.manager.batching.slot_allocator import SlotAllocator
 from batchmaker.manager.batching.waves import consecutive
@@ -56,6 +56,42 @@ class Finished(NamedTuple):
     unfolded: Unfolded
     results: dict[str, np.ndarray]
     error: str | None
+
+
+@dataclass(frozen=True)
+class Template:
+    """A plan's nodes in a running batch's columns, the same for every request of the plan: cell indices, the
+    registers each input reads (-1: the zero row; an external value of the port's kind is -2 - its index among
+    those of its kind) and each output writes (-1: none), and the registers of ragged inputs."""
+
+    cell: np.ndarray
+    inputs: np.ndarray  # [nodes, ports]
+    kind: np.ndarray  # [nodes, ports]: the index of the port's kind of value
+    outputs: np.ndarray  # [nodes, outputs]
+    ragged: np.ndarray  # [ragged values, ports]
+
+    @staticmethod
+    def of(plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int]) -> Template:
+        count = plan.nodes
+        ports, outputs = max(len(spec.inputs) for spec in specs), max(len(spec.outputs) for spec in specs)
+        cell = np.empty(count, np.int64)
+        inputs = np.full((count, ports), -1, np.int64)
+        kind = np.zeros((count, ports), np.int64)
+        written = np.full((count, outputs), -1, np.int64)
+        ragged = np.full((len(plan.ragged_refs), ports), -1, np.int64)
+        for lane, key in enumerate(plan.lane_cells):
+            start, end = int(plan.lane_bounds[lane]), int(plan.lane_bounds[lane + 1])
+            cell[start:end] = cell_of[key]
+            spec = specs[cell_of[key]]
+            for port, port_kind in enumerate(spec.inputs):
+                if port in spec.ragged_inputs:
+                    at = consecutive(plan.ragged_start[start:end], plan.ragged_count[start:end])
+                    ragged[at, port] = np.maximum(plan.ragged_refs[at, port], -1)
+                else:
+                    inputs[start:end, port] = plan.inputs[start:end, port]
+                    kind[start:end, port] = kind_index[port_kind]
+            written[start:end, : len(spec.outputs)] = plan.outputs[start:end, : len(spec.outputs)]
+        return Template(cell, inputs, kind, written, ragged)
 
 
 class Nodes:
@@ -110,6 +146,8 @@ class RunningBatch:
         self._specs = specs
         self._cells = cells
         self._cell_of = {spec.key: index for index, spec in enumerate(specs)}
+        self._kind_index = {kind: index for index, kind in enumerate(kinds)}
+        self._layout = ("running batch", tuple(self._cell_of), tuple(kinds))  # its templates' key in a plan's cache
         self._priority = np.array([spec.priority for spec in specs], np.int64)
         self._max_batch = np.array([spec.max_batch for spec in specs], np.int64)
         self.arenas = {
@@ -124,6 +162,7 @@ class RunningBatch:
         self._free_slots: list[int] = []
         self._slot_of: dict[Any, int] = {}
         self.steps = 0  # run so far
+        self.dead = 0  # rows of the node arrays whose nodes ran or were dropped (until the next compaction)
 
     @property
     def requests(self) -> int:
@@ -141,59 +180,63 @@ class RunningBatch:
         """Hold a planned request (`key` names it): its values get rows, its nodes join the next steps of their
         cell types. `observe` sees its watched values in order; callers ask `fits` first."""
         plan = unfolded.plan
-        register_row, external_row, rows = self._take_rows(unfolded)
+        template = self._template(plan)
+        register_row, external_rows, external_base, rows = self._take_rows(unfolded)
         slot = self._slot()
         nodes = self.nodes
         nodes.reserve(plan.nodes)
-        first = nodes.count
-        span = slice(first, first + plan.nodes)
+        span = slice(nodes.count, nodes.count + plan.nodes)
         nodes.request[span] = slot
+        nodes.cell[span] = template.cell
         nodes.need[span] = plan.need
         nodes.pending[span] = True
         nodes.local[span] = np.arange(plan.nodes)
         nodes.copied[span] = plan.has_copies
-        nodes.inputs[span] = ZERO_SLOT
-        nodes.outputs[span] = ZERO_SLOT
+        refs = template.inputs
+        inputs = register_row[np.where(refs >= 0, refs, -1)]  # the zero row where no register is read
+        external = refs <= -2
+        if external.any():
+            inputs[external] = external_rows[external_base[template.kind[external]] - 2 - refs[external]]
+        nodes.inputs[span] = inputs
+        nodes.outputs[span] = register_row[template.outputs]
         nodes.ragged_start[span] = len(nodes.ragged) + plan.ragged_start
         nodes.ragged_count[span] = plan.ragged_count
-        ragged = np.full((len(plan.ragged_refs), nodes.ragged.shape[1]), ZERO_SLOT, np.int64)
-        for lane, cell_key in enumerate(plan.lane_cells):
-            start, end = int(plan.lane_bounds[lane]), int(plan.lane_bounds[lane + 1])
-            cell = self._cell_of[cell_key]
-            spec = self._specs[cell]
-            at = slice(first + start, first + end)
-            nodes.cell[at] = cell
-            for port, kind in enumerate(spec.inputs):
-                if port in spec.ragged_inputs:
-                    refs = consecutive(plan.ragged_start[start:end], plan.ragged_count[start:end])
-                    ragged[refs, port] = _rows_of(plan.ragged_refs[refs, port], register_row, None)
-                else:
-                    refs = plan.inputs[start:end, port]
-                    nodes.inputs[at, port] = _rows_of(refs, register_row, external_row.get(kind))
-            for port in range(len(spec.outputs)):
-                nodes.outputs[at, port] = register_row[plan.outputs[start:end, port]]
-        nodes.ragged = np.concatenate([nodes.ragged, ragged]) if len(ragged) else nodes.ragged
+        if len(template.ragged):
+            nodes.ragged = np.concatenate([nodes.ragged, register_row[template.ragged]])
         nodes.count += plan.nodes
         self._held[slot] = Held(key, unfolded, observe, rows)
         self._slot_of[key] = slot
         self._done[slot] = 0
         self._total[slot] = plan.nodes
 
-    def _take_rows(self, unfolded: Unfolded) -> tuple[np.ndarray, dict[ValueKind, Rows], dict[ValueKind, Rows]]:
-        """Rows for the request's registers and external values (copied in): each register's row, each external
-        value's row per kind, and every row it holds per kind."""
+    def _template(self, plan: Plan) -> Template:
+        """What the plan's nodes hold whatever the request, in this batch's columns: made once per plan."""
+        template = plan.cache.get(self._layout)
+        if template is None:
+            template = plan.cache[self._layout] = Template.of(plan, self._specs, self._cell_of, self._kind_index)
+        return template
+
+    def _take_rows(self, unfolded: Unfolded) -> tuple[Rows, Rows, np.ndarray, dict[ValueKind, Rows]]:
+        """Rows for the request's registers (each register's row, then the zero row, read for -1) and its external
+        values (copied in; their rows in the order of this batch's kinds, each kind's from its `base` entry), and
+        every row it holds per kind."""
         plan = unfolded.plan
-        register_row = np.zeros(plan.registers, np.int64)
+        register_row = np.empty(plan.registers + 1, np.int64)
+        register_row[-1] = ZERO_SLOT
+        rows = {}
         for kind, registers in plan.register_groups.items():
-            register_row[registers] = self._free[kind].take(len(registers))
-        external_row: dict[ValueKind, np.ndarray] = {}
-        for kind, values in unfolded.externals.items():
-            external_row[kind] = taken = self._free[kind].take(len(values))
+            rows[kind] = register_row[registers] = self._free[kind].take(len(registers))
+        external_rows = []
+        base = np.zeros(len(self._kind_index), np.int64)
+        start = 0
+        for kind in sorted(unfolded.externals, key=self._kind_index.__getitem__):
+            values = unfolded.externals[kind]
+            taken = self._free[kind].take(len(values))
             self.arenas[kind][self._tensor(taken)] = self._tensor(np.ascontiguousarray(values))
-        rows = {kind: register_row[registers] for kind, registers in plan.register_groups.items()}
-        for kind, taken in external_row.items():
+            external_rows.append(taken)
+            base[self._kind_index[kind]], start = start, start + len(taken)
             rows[kind] = np.concatenate([rows[kind], taken]) if kind in rows else taken
-        return register_row, external_row, rows
+        return register_row, np.concatenate(external_rows) if external_rows else register_row[:0], base, rows
 
     def _slot(self) -> int:
         if self._free_slots:
@@ -227,8 +270,8 @@ class RunningBatch:
             return []
         cell = self._choose(counts)
         chosen = np.flatnonzero(ready & (nodes.cell[:count] == cell))[: self._max_batch[cell]]
-        requests = nodes.request[chosen]
-        touched = np.unique(requests)
+        ran = np.bincount(nodes.request[chosen], minlength=len(self._done))  # nodes run, per request slot
+        touched = np.flatnonzero(ran)
         self.steps += 1
         try:
             outputs = self._run(cell, chosen)
@@ -237,7 +280,8 @@ class RunningBatch:
                 self._held[slot].error = f"{self._specs[cell].key} failed: {type(exc).__name__}: {exc}"
             return self._leave(touched.tolist(), finished=True)
         nodes.pending[chosen] = False
-        self._done[touched] += np.bincount(requests, minlength=len(self._done))[touched]
+        self.dead += len(chosen)
+        self._done += ran
         ended = set(self._read_copies(chosen[nodes.copied[chosen]], chosen, outputs))
         ended.update(touched[self._done[touched] == self._total[touched]].tolist())
         return self._leave(sorted(ended), finished=True)
@@ -275,13 +319,16 @@ class RunningBatch:
     def _read_copies(self, copied: np.ndarray, chosen: np.ndarray, outputs: tuple[torch.Tensor, ...]) -> list[int]:
         """The results and watched values among the step's outputs, to their requests, in node order (Python per
         copied node only); returns the slots whose model saw their end in a watched value."""
-        ended = []
-        positions = np.searchsorted(chosen, copied)
+        ended: list[int] = []
+        if not len(copied):
+            return ended
+        at = self._tensor(np.searchsorted(chosen, copied))
+        values = [output.index_select(0, at).cpu().numpy() for output in outputs]  # a copy: the rows are the host's
         requests, local = self.nodes.request[copied], self.nodes.local[copied]
-        for node, position, slot in zip(local.tolist(), positions.tolist(), requests.tolist()):
+        for row, (node, slot) in enumerate(zip(local.tolist(), requests.tolist())):
             held = self._held[slot]
             for key, port in held.unfolded.plan.copies[node]:
-                value = outputs[port][position].cpu().numpy().copy()
+                value = values[port][row]
                 if type(key) is str:
                     held.results[key] = value
                     continue
@@ -310,19 +357,11 @@ class RunningBatch:
             gone.append(Finished(held.key, held.unfolded, held.results, held.error))
         nodes = self.nodes
         if unfinished:
-            nodes.pending[: nodes.count] &= ~np.isin(nodes.request[: nodes.count], unfinished)
-        pending = np.flatnonzero(nodes.pending[: nodes.count])
-        if nodes.count - len(pending) >= max(len(pending), 256):
-            nodes.keep(pending)
+            dropped = nodes.pending[: nodes.count] & np.isin(nodes.request[: nodes.count], unfinished)
+            nodes.pending[: nodes.count] &= ~dropped
+            self.dead += int(dropped.sum())
+        if self.dead >= max(nodes.count - self.dead, 256):  # most rows are of nodes that ran or were dropped
+            nodes.keep(np.flatnonzero(nodes.pending[: nodes.count]))
+            self.dead = 0
         return gone if finished else []
 
-
-def _rows_of(refs: np.ndarray, register_row: np.ndarray, external_row: np.ndarray | None) -> np.ndarray:
-    """Arena rows an input reads: a register's row, the zero row (common.plan.ZERO_REF), or an external value's row."""
-    rows = np.full(len(refs), ZERO_SLOT, np.int64)
-    held = refs >= 0
-    rows[held] = register_row[refs[held]]
-    external = refs <= -2
-    if external.any():
-        rows[external] = external_row[-2 - refs[external]]
-    return rows
