@@ -238,6 +238,21 @@ def test_a_peers_report_from_a_socket_that_never_registered_is_dropped(pool: Poo
     wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped")
 
 
+def test_answers_of_a_worker_come_back_per_message_and_malformed_ones_are_dropped(pool: Pool):
+    worker, reply = pool.register("host-a")
+    answers: list = []
+    worker.send(encode({"op": "answers", "answers": [[1, {"h": 1}, None], [2, None, ["INTERNAL", "x"]]]}))
+    wait_until(lambda: answers.extend(pool.pool.control_messages().answers) or answers, "the answers")
+    assert [(handle.worker_id, batch) for handle, batch in answers] == [
+        (reply["worker_id"], [[1, {"h": 1}, None], [2, None, ["INTERNAL", "x"]]])
+    ]
+    dropped = pool.pool.dropped_messages
+    worker.send(encode({"op": "answers", "answers": "all"}))
+    worker.send(encode({"op": "answers"}))
+    pool.dealer().send(encode({"op": "answers", "answers": []}))  # from a socket that never registered
+    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages == dropped + 3, "the drops")
+
+
 def test_only_a_worker_of_this_host_is_written_off_by_pid(pool: Pool):
     """The supervisor reports exited processes of the manager's host by pid; the same pid on another
     host is another process."""

@@ -1,0 +1,126 @@
+"""The manager's table of requests routed whole to workers: placement, the expected wait, answers, ends, deadlines
+and a lost worker's requests, on a clock the tests move."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError, decode
+from batchmaker.manager.batching.routed import MIN_ANSWERS, RATE_WINDOW_S, Routed, RoutedRequests
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Model:
+    name = "lstm"
+
+
+def request(i: int, deadline: float | None = None, client: bytes = b"c") -> Routed:
+    return Routed(client, i, Model(), {"tokens": [i]}, 100.0, deadline)  # type: ignore[arg-type]
+
+
+def table(max_queue_delay_ms: int = 100) -> tuple[RoutedRequests, Clock]:
+    clock = Clock()
+    return RoutedRequests(max_queue_delay_ms, clock), clock
+
+
+def test_requests_go_to_the_worker_holding_fewest_with_one_frame_each():
+    routed, _ = table()
+    requests = [request(i) for i in range(5)]
+    for each in requests:
+        routed.route(each, [3, 7])
+    assert [each.worker_id for each in requests] == [3, 7, 3, 7, 3]
+    sends, drops = routed.take_sends()
+    assert {worker: [decode(frame) for frame in frames] for worker, frames in sends.items()} == {
+        3: [[1, "lstm", {"tokens": [0]}], [3, "lstm", {"tokens": [2]}], [5, "lstm", {"tokens": [4]}]],
+        7: [[2, "lstm", {"tokens": [1]}], [4, "lstm", {"tokens": [3]}]],
+    }
+    assert drops == {} and routed.take_sends() == ({}, {})
+    assert routed.snapshot()["by_worker"] == {"3": 3, "7": 2}
+    assert (b"c", 4) in routed and routed.get(b"c", 4) is requests[4] and len(routed) == 5
+
+
+def test_an_answer_from_another_worker_or_for_an_ended_request_is_ignored():
+    routed, _ = table()
+    first, second = request(1), request(2)
+    routed.route(first, [0, 1])
+    routed.route(second, [0, 1])
+    assert routed.answered(1, first.handle) is None  # first runs on worker 0
+    assert routed.answered(0, "not a handle") is None
+    assert routed.answered(0, first.handle) is first
+    assert routed.answered(0, first.handle) is None  # answered once
+    routed.end([second])
+    assert routed.take_sends()[1] == {1: [second.handle]}
+    assert routed.answered(1, second.handle) is None
+    assert len(routed) == 0 and (b"c", 2) not in routed
+
+
+def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
+    routed, clock = table(max_queue_delay_ms=500)
+    assert routed.expected_wait_s() is None
+    routed.check(None)  # nothing measured: nothing refused
+    answered = [request(i) for i in range(MIN_ANSWERS)]
+    for each in answered:
+        routed.route(each, [0])
+        routed.answered(0, each.handle)
+    for i in range(10):
+        routed.route(request(100 + i), [0])
+    assert routed.expected_wait_s() == pytest.approx(10 / (MIN_ANSWERS / RATE_WINDOW_S))
+    routed.check(None)
+    for i in range(10):
+        routed.route(request(200 + i), [0])
+    with pytest.raises(RequestError) as refused:
+        routed.check(None)
+    assert refused.value.code == OVERLOADED and "exceeds the server's limit of 500 ms" in refused.value.message
+    with pytest.raises(RequestError) as late:
+        routed.check(5)
+    assert late.value.code == DEADLINE_EXCEEDED and "deadline_ms 5" in late.value.message
+    clock.now += 2 * RATE_WINDOW_S  # the answers leave the window: no estimate
+    assert routed.expected_wait_s() is None
+
+
+def test_deadlines_expire_in_order_and_bound_the_loops_sleep():
+    routed, clock = table()
+    early, late, none = request(1, deadline=100.5), request(2, deadline=101.0), request(3)
+    for each in (late, early, none):
+        routed.route(each, [0])
+    assert routed.wait_ms(1000) == 501
+    clock.now = 100.6
+    assert routed.expired() == [early]
+    routed.end([early])
+    assert routed.wait_ms(1000) == 401
+    routed.end([late])
+    assert routed.wait_ms(1000) == 1000  # the ended request's deadline no longer counts
+    clock.now = 102.0
+    assert routed.expired() == []
+
+
+def test_a_lost_workers_requests_are_routed_again_or_forgotten():
+    routed, _ = table()
+    requests = [request(i) for i in range(4)]
+    for each in requests:
+        routed.route(each, [0, 1])
+    routed.take_sends()
+    lost = routed.lost(0)
+    assert lost == [requests[0], requests[2]] and len(routed) == 2
+    routed.route(lost[0], [1])
+    routed.forget_lost(lost[1])
+    sends, _ = routed.take_sends()
+    assert [decode(frame)[0] for frame in sends[1]] == [requests[0].handle]  # the same handle, on worker 1
+    assert (b"c", 0) in routed and (b"c", 2) not in routed
+    assert routed.answered(1, requests[0].handle) is requests[0]
+
+
+def test_requests_of_departed_clients_are_found():
+    routed, _ = table()
+    mine, theirs = request(1, client=b"a"), request(1, client=b"b")
+    routed.route(mine, [0])
+    routed.route(theirs, [0])
+    assert routed.of_clients({b"b"}) == [theirs]
+    assert routed.all() == [mine, theirs]
