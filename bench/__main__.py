@@ -30,6 +30,7 @@ from batchmaker.bench import (
 from batchmaker.bench.presets import FULL, PRESETS, QUICK, presets_named
 from batchmaker.bench.progress import Progress
 from batchmaker.bench.run import MODERATE, ROOT, run_preset
+from batchmaker.common.config import RUNNING_BATCH
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "http", "door", "all", "results"],
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
+    parser.add_argument(
+        "--running-batch",
+        choices=RUNNING_BATCH,
+        help="presets: who decides the cellular policy's steps (default: the config's, the manager)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     parser.add_argument(
         "--from",
@@ -140,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     wrong = []
     outputs = []
     for name in names:
-        result = run_preset(PRESETS[name], sweep, progress)
+        result = run_preset(PRESETS[name], sweep, progress, args.running_batch)
         result["summary"] = report.summarize(result)
         result["targets"] = report.targets(result, result["summary"])
         if name == "treelstm":
             try:
-                result["dynet"] = dynet_baseline.section(PRESETS[name], result["summary"], args.quick)
+                result["dynet"] = dynet_baseline.section(PRESETS[name], result["summary"], args.quick, args.running_batch)
             except dynet_baseline.DyNetError as exc:
                 result["dynet"] = {"error": str(exc)}
         path = args.out / f"{name}.json"

@@ -27,7 +27,7 @@ import numpy as np
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import closed_loop, request_frames
 from batchmaker.bench.presets import Preset
-from batchmaker.bench.run import ROOT, write_config
+from batchmaker.bench.run import ROOT, serve_options, write_config
 from batchmaker.bench.sweep import ServedPolicy
 from batchmaker.bench.verify import compare_replies, verify
 from batchmaker.common.config import load_config
@@ -107,7 +107,7 @@ def offline(
     return {"dynet": result["dynet"], "trees": result["trees"], **best, "verify": verify_all, "runs": result["runs"]}
 
 
-def section(preset: Preset, summary: dict[str, Any], quick: bool) -> dict[str, Any]:
+def section(preset: Preset, summary: dict[str, Any], quick: bool, running_batch: str | None = None) -> dict[str, Any]:
     """The `dynet` section of a tree preset's result: DyNet offline, our closed loop, and the ratios."""
     python = interpreter()
     if python is None:
@@ -120,7 +120,8 @@ def section(preset: Preset, summary: dict[str, Any], quick: bool) -> dict[str, A
         model = build_model(config.models[preset.model])
         state = model.load_weights()
         dynet = offline(python, model, state, trees)
-        with ServedPolicy(config_path, config.server.address, "cellular", preset.model) as served:
+        options = serve_options("cellular", running_batch)
+        with ServedPolicy(config_path, config.server.address, "cellular", preset.model, *options) as served:
             frames = request_frames(preset.model, trees)
             closed_loop(served.address, frames[:WINDOW], WINDOW)  # warm up
             run = closed_loop(served.address, frames, WINDOW)

@@ -105,7 +105,13 @@ def moderate_loads(
     return moderate
 
 
-def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, Any]:
+def serve_options(policy: str, running_batch: str | None) -> tuple[str, ...]:
+    """`batchmaker serve` options of a policy's server: the cellular policy's with `running_batch` if given."""
+    return ("--running-batch", running_batch) if running_batch is not None and policy == "cellular" else ()
+
+
+def run_preset(preset: Preset, sweep: Sweep, progress: Progress, running_batch: str | None = None) -> dict[str, Any]:
+    """`running_batch`: who decides the cellular policy's steps (`[scheduler] running_batch`; None: the default)."""
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="batchmaker-bench-") as tmp:
         config_path = write_config(preset.model_toml, Path(tmp))
@@ -122,7 +128,8 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
         policies: dict[str, Any] = {}
         moderate_rates: list[float] = []
         for policy in preset.policies:  # the reference policy comes first: it sets the moderate loads
-            with ServedPolicy(config_path, config.server.address, policy, preset.model) as served:
+            options = serve_options(policy, running_batch)
+            with ServedPolicy(config_path, config.server.address, policy, preset.model, *options) as served:
                 points = []
                 beyond = 0
                 for index, rate in enumerate(rates):
@@ -143,7 +150,7 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
                 if not sweep.fresh_server_for_moderate:
                     moderate = moderate_loads(served, preset, inputs, moderate_rates, sweep.seconds, progress)
             if sweep.fresh_server_for_moderate:  # the sweep has just driven that server past saturation
-                with ServedPolicy(config_path, config.server.address, policy, preset.model) as served:
+                with ServedPolicy(config_path, config.server.address, policy, preset.model, *options) as served:
                     moderate = moderate_loads(served, preset, inputs, moderate_rates, sweep.seconds, progress)
             policies[policy] = {"points": points, "moderate": moderate, "verify": check}
         # Measured again after the sweeps, on a machine that has warmed up; the faster run is the ideal.
@@ -166,6 +173,7 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress) -> dict[str, An
         "sweep": {"fractions_of_ideal": list(sweep.fractions), "seconds_per_load": sweep.seconds},
         "reference_policy": preset.reference,
         "max_tasks_to_submit": config.scheduler.max_tasks_to_submit,
+        "running_batch": running_batch or config.scheduler.running_batch,
         "kernel": kernels["served"],
         "torch_nn_kernel": kernels["torch_nn"],
         "policies": policies,

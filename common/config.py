@@ -282,12 +282,15 @@ def _parse_scheduler(table: dict[str, Any], path: Path) -> SchedulerConfig:
 
 def _running_batch(table: dict[str, Any], policy: str, path: Path) -> str:
     """Who decides each step of the running batch: the manager (tasks) or the workers (requests routed whole)."""
-    value = table.get("running_batch", SchedulerConfig.running_batch)
+    return checked_running_batch(table.get("running_batch", SchedulerConfig.running_batch), policy, f"{path}: ")
+
+
+def checked_running_batch(value: Any, policy: str, where: str = "") -> str:
     if value not in RUNNING_BATCH:
-        raise ConfigError(f"{path}: [scheduler] running_batch must be one of {', '.join(RUNNING_BATCH)}, got {value!r}")
+        raise ConfigError(f"{where}[scheduler] running_batch must be one of {', '.join(RUNNING_BATCH)}, got {value!r}")
     if value == "worker" and policy != "cellular":
         raise ConfigError(
-            f"{path}: [scheduler] running_batch = \"worker\" runs the cellular policy; the {policy} policy's batches "
+            f"{where}[scheduler] running_batch = \"worker\" runs the cellular policy; the {policy} policy's batches "
             "are formed by the manager: use running_batch = \"manager\" with it"
         )
     return value
@@ -343,6 +346,12 @@ def with_policy(config: Config, policy: str) -> Config:
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+
+
+def with_running_batch(config: Config, running_batch: str) -> Config:
+    """The config with who decides each step replaced (`batchmaker serve --running-batch`)."""
+    checked_running_batch(running_batch, config.scheduler.policy)
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, running_batch=running_batch))
 
 
 def with_door_addresses(config: Config, http: str | None, grpc: str | None) -> Config:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchmaker.common.addresses import is_loopback
-from batchmaker.common.config import AFFINITIES, POLICIES, ConfigError, load_config
+from batchmaker.common.config import AFFINITIES, POLICIES, ConfigError, load_config, with_policy, with_running_batch
 from batchmaker.common.models import build_model
 from batchmaker.common.models.base import Model, save_weights
 from batchmaker.common.models.chain_cells import LSTMModel
@@ -209,6 +209,12 @@ def test_running_batch_key(tmp_path: Path) -> None:
     for policy in ("padded", "graph"):
         text = f'[scheduler]\npolicy = "{policy}"\nrunning_batch = "worker"\n' + MODEL
         config_error(tmp_path, text, f"the {policy} policy's batches are formed by the manager")
+    config = load_config(write(tmp_path, MODEL))
+    assert with_running_batch(config, "worker").scheduler.running_batch == "worker"
+    with pytest.raises(ConfigError, match="running_batch must be one of manager, worker"):
+        with_running_batch(config, "both")
+    with pytest.raises(ConfigError, match="the graph policy's batches are formed by the manager"):
+        with_running_batch(with_policy(config, "graph"), "worker")
 
 
 # -- [models.x] -------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from conftest import start_server, stop_server, wait_until, write_config
 from test_running_batch import MODELS, mixed_requests
 
 from batchmaker.bench.verify import differences
+from batchmaker.common.config import with_running_batch
 from batchmaker.common.models import build_model
 from batchmaker.common.protocol import BAD_REQUEST, DEADLINE_EXCEEDED, INVALID_INPUT, decode, encode
 
@@ -174,6 +175,24 @@ def test_sessions_streams_and_priorities_keep_the_managers_path(server):
         stats = client.stats()
         assert stats["requests"]["ok"] == before + 4
         assert stats["routed"]["requests_in_flight"] == 0
+
+
+def test_workers_whose_config_says_otherwise_run_the_batch_the_manager_routes(tmp_path: Path):
+    """`batchmaker serve --running-batch worker` on a config that says "manager": the workers read that config,
+    and learn at registration that requests come to them whole."""
+    config = write_config(tmp_path, MODELS)
+    running = start_server(with_running_batch(config, "worker"), workers=1)
+    try:
+        with running.client() as client:
+            reply = client.infer("bin", {"tree": {"tokens": [3, 4, -1], "parents": [2, 2, -1]}})
+            stats = client.stats()
+        expected = build_model(config.models["bin"])
+        weights = expected.load_weights()
+        inputs = {"tree": {"tokens": [3, 4, -1], "parents": [2, 2, -1]}}
+        assert differences(expected.reference(weights, inputs), reply.outputs)[1] is None
+        assert stats["running_batch"] == "worker" and stats["tasks"] == 0  # no task: the worker ran every step
+    finally:
+        stop_server(running)
 
 
 def test_a_lost_workers_requests_are_replayed_on_another(tmp_path: Path):

@@ -238,6 +238,12 @@ def test_a_peers_report_from_a_socket_that_never_registered_is_dropped(pool: Poo
     wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped")
 
 
+def test_the_registration_reply_says_whether_requests_are_routed_whole(pool: Pool):
+    assert pool.register("host-a")[1]["running_batch"] is False
+    pool.pool._running_batch = True
+    assert pool.register("host-a")[1]["running_batch"] is True
+
+
 def test_answers_of_a_worker_come_back_per_message_and_malformed_ones_are_dropped(pool: Pool):
     worker, reply = pool.register("host-a")
     answers: list = []

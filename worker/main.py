@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from batchmaker.common.config import (
     Config,
     ConfigError,
     ModelConfig,
+    ServerConfig,
     load_config,
     model_from_wire,
 )
@@ -105,10 +107,13 @@ class Worker:
         parent_pid: int | None,
         host: str,
         curve: CurveClient | None = None,
-        held: HeldRequests | None = None,
+        make_held: Callable[[], HeldRequests] | None = None,
     ):
+        """`make_held` builds the worker's running batch when the manager says at registration that it routes
+        requests whole."""
         self._backend = backend
-        self._held = held
+        self._make_held = make_held
+        self._held: HeldRequests | None = None
         self._manager = manager
         self._index = index
         self._cell_keys = cell_keys
@@ -187,6 +192,8 @@ class Worker:
                 self._manager_timeout = reply["manager_timeout_s"]
                 self._local = reply["local"]
                 self._notice_key = reply["notice_key"]
+                if reply.get("running_batch") and self._make_held is not None:
+                    self._held = self._make_held()
                 return reply["worker_id"]
             self._check_alive()
         hint = " (check that this worker has the manager's public key)" if self._curve is not None else ""
@@ -335,11 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     models = list(config.models.values())
     while True:
-        started = _start(args.device, args.index, models, config)
+        started = _start(args.device, args.index, models, config.server)
         if isinstance(started, int):
             return started
-        backend, cell_keys, held = started
-        worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve, held)
+        backend, cell_keys, make_held = started
+        worker = Worker(backend, args.manager, args.index, cell_keys, args.parent_pid, args.host_id, curve, make_held)
         signal.signal(signal.SIGTERM, worker.request_stop)
         signal.signal(signal.SIGINT, worker.request_stop)
         try:
@@ -361,11 +368,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start(
-    device: str, index: int, models: list[ModelConfig], config: Config
-) -> tuple[Backend, list[str], HeldRequests | None] | int:
-    """The warmed-up backend serving `models`, with its cell types' keys and, when the config has workers run their
-    own batches, the requests routed to it; or the exit status when it cannot start."""
-    server = config.server
+    device: str, index: int, models: list[ModelConfig], server: ServerConfig
+) -> tuple[Backend, list[str], Callable[[], HeldRequests]] | int:
+    """The warmed-up backend serving `models`, with its cell types' keys and what builds its running batch (for a
+    manager that routes requests whole); or the exit status when it cannot start."""
     try:
         specs, cells, kinds = build_cells(models, device)
         backend = make_backend(
@@ -382,11 +388,13 @@ def _start(
     except Exception:  # a device that cannot run the cells: say so once, with the cause, and stop
         log.exception("worker %d could not start on %s", index, device)
         return EXIT_STARTUP_FAILED
-    held = None
-    if config.scheduler.running_batch == "worker":
-        planners = {model.name: build_planner(model) for model in models}
-        held = HeldRequests(planners, specs, cells, kinds, server.arena_rows, device, backend.kernel_clock())
-    return backend, [spec.key for spec in specs], held
+    planners = {model.name: build_planner(model) for model in models}
+    rows = server.arena_rows
+
+    def make_held() -> HeldRequests:
+        return HeldRequests(planners, specs, cells, kinds, rows, device, backend.kernel_clock())
+
+    return backend, [spec.key for spec in specs], make_held
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from batchmaker.clients.cli import add_client_commands, run_client_command
 from batchmaker.clients.cli_output import closed_pipe_ends_quietly
-from batchmaker.common.config import DEFAULT_CONFIG, POLICIES, ConfigError, load_config
+from batchmaker.common.config import DEFAULT_CONFIG, POLICIES, RUNNING_BATCH, ConfigError, load_config
 from batchmaker.common.logs import setup_logging
 
 
@@ -20,7 +20,8 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ["BATCHMAKER_LOG_FORMAT"] = "json"  # inherited by the manager and workers
         setup_logging("supervisor")
     doors = (args.http, args.grpc)
-    return serve(load_config(args.config), args.address, args.workers, args.policy, args.metrics_address, doors)
+    config = load_config(args.config)
+    return serve(config, args.address, args.workers, args.policy, args.metrics_address, doors, args.running_batch)
 
 
 def _init_weights(args: argparse.Namespace) -> int:
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="client address, overriding the config")
     serve.add_argument("--workers", type=int, help="number of CPU workers, overriding the config")
     serve.add_argument("--policy", choices=POLICIES, help="batching policy, overriding the config")
+    serve.add_argument(
+        "--running-batch", choices=RUNNING_BATCH, help="who decides each step (manager or worker), overriding the config"
+    )
     serve.add_argument(
         "--metrics-address", metavar="HOST:PORT", help='Prometheus /metrics address, overriding the config ("" for none)'
     )

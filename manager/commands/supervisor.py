@@ -26,7 +26,13 @@ import psutil
 import zmq
 
 from batchmaker.common.auth import connect_socket
-from batchmaker.common.config import Config, with_door_addresses, with_metrics_address, with_policy
+from batchmaker.common.config import (
+    Config,
+    with_door_addresses,
+    with_metrics_address,
+    with_policy,
+    with_running_batch,
+)
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.shm import remove_stale_segments
 from batchmaker.common.worker_keys import worker_curve
@@ -132,6 +138,8 @@ class Supervisor:
             str(len(self.devices)),
             "--policy",
             self.config.scheduler.policy,
+            "--running-batch",
+            self.config.scheduler.running_batch,
             "--metrics-address",
             self.config.server.metrics_address,
             env={**os.environ, SUPERVISOR_TOKEN_ENV: self._token.hex()},
@@ -306,10 +314,13 @@ def serve(
     policy: str | None = None,
     metrics_address: str | None = None,
     doors: tuple[str | None, str | None] = (None, None),
+    running_batch: str | None = None,
 ) -> int:
     """Run the server in the foreground until SIGINT/SIGTERM; `doors`: the front door's (HTTP, gRPC) listeners."""
     if policy is not None:
         config = with_policy(config, policy)
+    if running_batch is not None:
+        config = with_running_batch(config, running_batch)
     if metrics_address is not None:
         config = with_metrics_address(config, metrics_address)
     config = with_door_addresses(config, *doors)

@@ -10,7 +10,16 @@ import signal
 
 import zmq
 
-from batchmaker.common.config import POLICIES, Config, ConfigError, load_config, with_metrics_address, with_policy
+from batchmaker.common.config import (
+    POLICIES,
+    RUNNING_BATCH,
+    Config,
+    ConfigError,
+    load_config,
+    with_metrics_address,
+    with_policy,
+    with_running_batch,
+)
 from batchmaker.common.logs import setup_logging
 from batchmaker.manager.loop.server import Manager
 from batchmaker.manager.observability.memory_trace import MemoryTrace
@@ -30,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-address", required=True, help="address workers register at")
     parser.add_argument("--expected-workers", type=int, default=1, help="workers configured (for health)")
     parser.add_argument("--policy", choices=POLICIES, help="batching policy (default: from the config)")
+    parser.add_argument("--running-batch", choices=RUNNING_BATCH, help="who decides each step (default: from the config)")
     parser.add_argument("--metrics-address", help="HOST:PORT of /metrics, or \"\" for none (default: from the config)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)
@@ -48,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.policy is not None:
             config = with_policy(config, args.policy)
+        if args.running_batch is not None:
+            config = with_running_batch(config, args.running_batch)
         if args.metrics_address is not None:
             config = with_metrics_address(config, args.metrics_address)
         return config

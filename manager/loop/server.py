@@ -107,7 +107,8 @@ class Manager:
         self.tracing = tracing
         self._context = server_context()
         layout = [model_to_wire(model) for model in config.models.values()]
-        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, supervisor_token, layout)
+        routes = config.scheduler.running_batch == "worker"
+        self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, supervisor_token, layout, routes)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)
 

@@ -59,11 +59,13 @@ class WorkerPool:
         server: ServerConfig,
         supervisor_token: bytes = b"",
         layout: list[dict[str, Any]] | None = None,
+        running_batch: bool = False,
     ):
         """`supervisor_token` is the secret the supervisor that started this process signs its
         messages with; without one, no message is taken as the supervisor's. `layout`: the tables of the
         models the manager started with (`model_to_wire`), sent to a worker that registers with other cells (its
-        config file was edited since), which builds them and registers again."""
+        config file was edited since), which builds them and registers again. `running_batch`: requests are routed
+        to the workers whole, which they are told at registration (whatever their own config files say)."""
         check_worker_address(address, server, "the worker address")
         self._supervisor_token = supervisor_token
         self._max_rows = {"device": server.arena_rows, "io": server.io_rows}
@@ -73,6 +75,7 @@ class WorkerPool:
         self._hosts: dict[str, int] = {self.host: 0}  # host identity -> host number
         self.start_cells = [spec.key for spec in specs]  # a worker registers with these, then loads what came later
         self._layout = layout or []
+        self._running_batch = running_batch
         self._kinds = kinds
         self._heartbeat_timeout = server.heartbeat_timeout_ms / 1e3
         self._hang_timeout = server.hang_timeout_ms / 1e3
@@ -295,6 +298,7 @@ class WorkerPool:
             "peers": {str(w.worker_id): w.arenas for w in neighbours},
             "manager_timeout_s": MANAGER_SILENCE_S,
             "notice_key": worker.notice_key,
+            "running_batch": self._running_batch,
         }
         self.control.send_multipart([identity, b"registered", encode(reply)])
         announcement = encode({str(worker.worker_id): worker.arenas})
