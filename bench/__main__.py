@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = report.targets(result, result["summary"])
         if name == "treelstm":
             try:
-                result["dynet"] = dynet_baseline.section(PRESETS[name], result["summary"], args.quick, args.running_batch)
+                summary = result["summary"]
+                result["dynet"] = dynet_baseline.section(PRESETS[name], summary, args.quick, args.running_batch)
             except dynet_baseline.DyNetError as exc:
                 result["dynet"] = {"error": str(exc)}
         path = args.out / f"{name}.json"

@@ -205,7 +205,8 @@ def test_running_batch_key(tmp_path: Path) -> None:
     text = '[scheduler]\nrunning_batch = "worker"\n' + MODEL
     assert load_config(write(tmp_path, text)).scheduler.running_batch == "worker"
     for bad in ('"workers"', "1", "true"):
-        config_error(tmp_path, f"[scheduler]\nrunning_batch = {bad}\n" + MODEL, "running_batch must be one of manager, worker")
+        text = f"[scheduler]\nrunning_batch = {bad}\n" + MODEL
+        config_error(tmp_path, text, "running_batch must be one of manager, worker")
     for policy in ("padded", "graph"):
         text = f'[scheduler]\npolicy = "{policy}"\nrunning_batch = "worker"\n' + MODEL
         config_error(tmp_path, text, f"the {policy} policy's batches are formed by the manager")

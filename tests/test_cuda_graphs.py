@@ -294,7 +294,8 @@ def test_served_answers_with_graphs_equal_those_without(tmp_path: Path):
 def test_a_cpu_worker_with_cuda_graphs_set_says_it_runs_eagerly(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """devices = "auto" without GPUs starts CPU workers: the switch cannot apply, and the log says so."""
     from batchmaker.worker.cpu import CpuBackend
-    from batchmaker.worker.main import load_cells, make_backend
+    from batchmaker.worker.main import load_cells
+    from batchmaker.worker.startup import make_backend
 
     config = write_config(tmp_path, SMALL_LSTM, server="cuda_graphs = true")
     specs, cells, kinds = load_cells(config)

@@ -43,7 +43,8 @@ from test_worker import lstm_step_task
 from batchmaker.common.config import load_config
 from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.worker.backend import DeviceFault
-from batchmaker.worker.main import load_cells, make_backend
+from batchmaker.worker.main import load_cells
+from batchmaker.worker.startup import make_backend
 
 config = load_config(sys.argv[1])
 specs, cells, kinds = load_cells(config, "cuda:0")

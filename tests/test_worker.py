@@ -19,8 +19,9 @@ from batchmaker.common.protocol import decode
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
 from batchmaker.common.task import CompletionNotice, TaskMessage, TaskStep, decode_notice, decode_task, encode_task
 from batchmaker.worker.backend import arena_ids
-from batchmaker.worker.main import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED, Worker, load_cells
+from batchmaker.worker.main import Worker, load_cells
 from batchmaker.worker.notices import InProgressFIFO, Poller
+from batchmaker.worker.startup import EXIT_CONFIG_ERROR, EXIT_STARTUP_FAILED
 
 ROWS = 64
 

@@ -32,14 +32,12 @@ from batchmaker.common.config import (
     Config,
     ConfigError,
     ModelConfig,
-    ServerConfig,
     load_config,
     model_from_wire,
 )
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.hosts import default_host_id
 from batchmaker.common.logs import setup_logging
-from batchmaker.common.models.base import build_planner
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.sockets import NOW, receive, server_context
 from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
@@ -48,12 +46,11 @@ from batchmaker.worker.backend import Backend, DeviceFault
 from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.loading import build_cells, load_version
 from batchmaker.worker.notices import InProgressFIFO, Poller
+from batchmaker.worker.startup import EXIT_CONFIG_ERROR, start
 
 log = logging.getLogger("batchmaker.worker")
 
 REGISTER_TIMEOUT_S = 60.0
-EXIT_CONFIG_ERROR = 2
-EXIT_STARTUP_FAILED = 3  # building the backend or warming it up failed (a device or model fault, not the config)
 EXIT_DEVICE_FAULT = 4  # the device failed while serving: its context is unusable, a fresh process is needed
 
 
@@ -62,30 +59,6 @@ def load_cells(
 ) -> tuple[list[CellTypeSpec], list[torch.nn.Module], list[ValueKind]]:
     """Every configured model's cell types in the manager's order, with their modules (weights loaded)."""
     return build_cells(list(config.models.values()), device)
-
-
-def make_backend(
-    device: str,
-    specs: list[CellTypeSpec],
-    cells: list[torch.nn.Module],
-    kinds: list[ValueKind],
-    rows: int,
-    io_rows: int,
-    cuda_graphs: bool = False,
-    cross_gpu_reads: str = "always",
-) -> Backend:
-    """The backend of `device`; `cuda_graphs` and `cross_gpu_reads` apply to GPU workers only."""
-    if device == "cpu":
-        from batchmaker.worker.cpu import CpuBackend
-
-        if cuda_graphs:  # devices = "auto" on a machine without GPUs
-            log.warning("cuda_graphs is set but this worker runs on the CPU: its cells run eagerly")
-        return CpuBackend(cells, specs, kinds, rows, io_rows)
-    if device.startswith("cuda"):
-        from batchmaker.worker.cuda import CudaBackend
-
-        return CudaBackend(device, cells, specs, kinds, rows, io_rows, cuda_graphs, cross_gpu_reads)
-    raise ConfigError(f"unknown device {device!r}; use cpu or cuda:N")
 
 
 class OtherModels(Exception):
@@ -342,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     models = list(config.models.values())
     while True:
-        started = _start(args.device, args.index, models, config.server)
+        started = start(args.device, args.index, models, config.server)
         if isinstance(started, int):
             return started
         backend, cell_keys, make_held = started
@@ -365,36 +338,6 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s", exc)
             return 1
         return 0
-
-
-def _start(
-    device: str, index: int, models: list[ModelConfig], server: ServerConfig
-) -> tuple[Backend, list[str], Callable[[], HeldRequests]] | int:
-    """The warmed-up backend serving `models`, with its cell types' keys and what builds its running batch (for a
-    manager that routes requests whole); or the exit status when it cannot start."""
-    try:
-        specs, cells, kinds = build_cells(models, device)
-        backend = make_backend(
-            device, specs, cells, kinds, server.arena_rows, server.io_rows, server.cuda_graphs, server.cross_gpu_reads
-        )
-        try:
-            backend.warm_up()
-        except BaseException:
-            backend.close()  # its shared memory, which would otherwise outlive the worker
-            raise
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return EXIT_CONFIG_ERROR
-    except Exception:  # a device that cannot run the cells: say so once, with the cause, and stop
-        log.exception("worker %d could not start on %s", index, device)
-        return EXIT_STARTUP_FAILED
-    planners = {model.name: build_planner(model) for model in models}
-    rows = server.arena_rows
-
-    def make_held() -> HeldRequests:
-        return HeldRequests(planners, specs, cells, kinds, rows, device, backend.kernel_clock())
-
-    return backend, [spec.key for spec in specs], make_held
 
 
 if __name__ == "__main__":

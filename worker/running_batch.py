@@ -71,7 +71,9 @@ class Template:
     ragged: np.ndarray  # [ragged values, ports]
 
     @staticmethod
-    def of(plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int]) -> Template:
+    def of(
+        plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int]
+    ) -> Template:
         count = plan.nodes
         ports, outputs = max(len(spec.inputs) for spec in specs), max(len(spec.outputs) for spec in specs)
         cell = np.empty(count, np.int64)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-address", required=True, help="address workers register at")
     parser.add_argument("--expected-workers", type=int, default=1, help="workers configured (for health)")
     parser.add_argument("--policy", choices=POLICIES, help="batching policy (default: from the config)")
-    parser.add_argument("--running-batch", choices=RUNNING_BATCH, help="who decides each step (default: from the config)")
+    parser.add_argument("--running-batch", choices=RUNNING_BATCH, help="who decides each step (default: the config's)")
     parser.add_argument("--metrics-address", help="HOST:PORT of /metrics, or \"\" for none (default: from the config)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process stops being the parent")
     args = parser.parse_args(argv)

@@ -47,7 +47,7 @@ class ControlMessages(NamedTuple):
     health_checks: list[bytes]  # identities that asked for the manager's health: answer with `answer_health`
     registered: list[WorkerHandle]  # every worker that registered (restarts included): it lacks later versions
     loads: list[tuple[WorkerHandle, str, str | None]]  # a worker loaded a version (its internal name), or why not
-    answers: list[tuple[WorkerHandle, list[Any]]]  # per message, routed requests a worker ended: [handle, outputs, error]
+    answers: list[tuple[WorkerHandle, list[Any]]]  # per message, routed requests it ended: [handle, outputs, error]
 
 
 class WorkerPool:
