@@ -3,6 +3,8 @@ and a lost worker's requests, on a clock the tests move."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError, decode
@@ -81,7 +83,12 @@ def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
     with pytest.raises(RequestError) as late:
         routed.check(5)
     assert late.value.code == DEADLINE_EXCEEDED and "deadline_ms 5" in late.value.message
+    wait = routed.expected_wait_s()
+    spacing_ms = RATE_WINDOW_S / MIN_ANSWERS * 1e3
+    first = (wait - 0.5) * 1e3
+    assert routed.retry_after_ms(3) == [math.ceil(first + i * spacing_ms) for i in range(3)]
     clock.now += 2 * RATE_WINDOW_S  # the answers leave the window: no estimate
+    assert routed.retry_after_ms(3) == []
     assert routed.expected_wait_s() is None
 
 

@@ -138,6 +138,9 @@ def test_rows_and_slots_go_back_when_requests_leave(served):
     requests = held(served)
     available = {kind: free.available for kind, free in requests.batch._free.items()}
     run_all(requests, mixed_requests(24, seed=3), seed=4)
+    ran = requests.batch.take_ran()
+    assert sum(steps for sizes in ran.values() for steps in sizes.values()) == requests.batch.steps
+    assert requests.batch.take_ran() == {}
     assert {kind: free.available for kind, free in requests.batch._free.items()} == available
     assert requests.batch.requests == 0 and not requests.busy
 

@@ -191,6 +191,7 @@ def test_workers_whose_config_says_otherwise_run_the_batch_the_manager_routes(tm
         inputs = {"tree": {"tokens": [3, 4, -1], "parents": [2, 2, -1]}}
         assert differences(expected.reference(weights, inputs), reply.outputs)[1] is None
         assert stats["running_batch"] == "worker" and stats["tasks"] == 0  # no task: the worker ran every step
+        assert stats["steps"] >= 3 and stats["mean_batch_size"] >= 1  # the leaves, their parent, the classifier
     finally:
         stop_server(running)
 

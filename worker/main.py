@@ -232,8 +232,10 @@ class Worker:
             self._check_alive()
 
     def _answer(self, answers: list[list[Any]]) -> None:
+        """Send the manager answers of routed requests, with the steps the running batch ran since the last ones."""
         if answers:
-            self._socket.send(encode({"op": "answers", "answers": answers}))
+            ran = self._held.batch.take_ran() if self._held is not None else {}
+            self._socket.send(encode({"op": "answers", "answers": answers, "ran": ran}))
 
     def _drain(self, socket: zmq.Socket) -> None:
         while not self._stop:

@@ -17,6 +17,7 @@ all the plan's register reuse asks for.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -164,6 +165,7 @@ class RunningBatch:
         self._free_slots: list[int] = []
         self._slot_of: dict[Any, int] = {}
         self.steps = 0  # run so far
+        self._ran: collections.Counter[tuple[int, int]] = collections.Counter()  # steps by (cell, batch) since taken
         self.dead = 0  # rows of the node arrays whose nodes ran or were dropped (until the next compaction)
 
     @property
@@ -275,6 +277,7 @@ class RunningBatch:
         ran = np.bincount(nodes.request[chosen], minlength=len(self._done))  # nodes run, per request slot
         touched = np.flatnonzero(ran)
         self.steps += 1
+        self._ran[cell, len(chosen)] += 1
         try:
             outputs = self._run(cell, chosen)
         except Exception as exc:  # the cell failed on this batch: its requests end with the error, the rest go on
@@ -287,6 +290,14 @@ class RunningBatch:
         ended = set(self._read_copies(chosen[nodes.copied[chosen]], chosen, outputs))
         ended.update(touched[self._done[touched] == self._total[touched]].tolist())
         return self._leave(sorted(ended), finished=True)
+
+    def take_ran(self) -> dict[str, dict[int, int]]:
+        """The steps run since the last call: per cell type, how many at each batch size."""
+        ran: dict[str, dict[int, int]] = {}
+        for (cell, size), steps in self._ran.items():
+            ran.setdefault(self._specs[cell].key, {})[size] = steps
+        self._ran.clear()
+        return ran
 
     def _choose(self, counts: np.ndarray) -> int:
         """Algorithm 1's choice: a cell type with a full batch ready if any, else any with nodes ready; the

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,15 @@ class RoutedRequests:
                 f"estimated wait {wait * 1e3:.0f} ms exceeds the server's limit of {self._max_wait_s * 1e3:.0f} ms "
                 f"({len(self._by_handle)} requests in flight); retry later",
             )
+
+    def retry_after_ms(self, refused: int) -> list[int]:
+        """When each of `refused` requests refused with OVERLOADED now could come back: once the expected wait is
+        under the bound again, one request's share of the answer rate apart, so that they do not return together."""
+        wait = self.expected_wait_s()
+        if wait is None or not self._max_wait_s or wait <= self._max_wait_s:
+            return []
+        spacing = RATE_WINDOW_S / len(self._answered)
+        return [math.ceil((wait - self._max_wait_s + i * spacing) * 1e3) for i in range(refused)]
 
     def route(self, request: Routed, workers: list[int]) -> None:
         """Send the request to the worker of `workers` holding the fewest (sent with `take_sends`)."""

@@ -47,9 +47,10 @@ class Router:
         self._models = set(config.models)  # those the workers built at start: they plan these
         self.table = RoutedRequests(config.server.max_queue_delay_ms)
 
-    def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[tuple[Incoming, RequestError]]]:
+    def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[tuple[Incoming, RequestError, int | None]]]:
         """Route the burst's requests that may run in a worker's running batch; returns the others, for the
-        batching core, and the refused ones with their errors."""
+        batching core, and the refused ones with their errors and, for those OVERLOADED by the expected wait, when
+        to come back (ms)."""
         if not self.enabled or not self._core.workers:
             return burst, []
         rest, refused = [], []
@@ -82,7 +83,9 @@ class Router:
             request = Routed(incoming.client, incoming.request_id, planner, inputs, incoming.arrival, deadline)
             self.table.route(request, list(self._core.workers))
         self.flush()
-        return rest, refused
+        overloaded = sum(error.code == OVERLOADED for _, error in refused)
+        quotes = iter(self.table.retry_after_ms(overloaded) if overloaded else ())
+        return rest, [(i, error, next(quotes, None) if error.code == OVERLOADED else None) for i, error in refused]
 
     def _check_limits(self, deadline_ms: int | None) -> None:
         limit = self._server.max_queued_requests

@@ -257,7 +257,8 @@ class Manager:
     # -- workers -------------------------------------------------------------------------------
     def _worker_control(self) -> None:
         restarted, exited, health_checks, registered, loads, answers = self.pool.control_messages()
-        for worker, answered in answers:
+        for worker, answered, ran in answers:
+            self.stats.steps_run(ran)
             self._conclude(self.router.answers(worker, answered))
         self.core.workers_changed()
         for worker in registered:
@@ -371,8 +372,8 @@ class Manager:
     def _infer(self, burst: list[Incoming]) -> None:
         """Admit a burst of requests; refuse those the core refuses, in their order."""
         burst, routing_refused = self.router.admit(burst)
-        for incoming, error in routing_refused:
-            self._refuse(incoming, error)
+        for incoming, error, retry_after_ms in routing_refused:
+            self._refuse(incoming, error, retry_after_ms)
         if not burst:
             return
         admitted = self.core.admit_burst([(i.client, i.request_id, i.message, i.arrival) for i in burst])

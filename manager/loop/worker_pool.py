@@ -47,7 +47,8 @@ class ControlMessages(NamedTuple):
     health_checks: list[bytes]  # identities that asked for the manager's health: answer with `answer_health`
     registered: list[WorkerHandle]  # every worker that registered (restarts included): it lacks later versions
     loads: list[tuple[WorkerHandle, str, str | None]]  # a worker loaded a version (its internal name), or why not
-    answers: list[tuple[WorkerHandle, list[Any]]]  # per message, routed requests it ended: [handle, outputs, error]
+    answers: list[tuple[WorkerHandle, list[Any], dict[str, dict[int, int]]]]  # per message: routed requests it
+    # ended ([handle, outputs, error] each), and the steps its running batch ran (per cell type, by batch size)
 
 
 class WorkerPool:
@@ -148,7 +149,7 @@ class WorkerPool:
         health_checks: list[bytes] = []
         registered: list[WorkerHandle] = []
         loads: list[tuple[WorkerHandle, str, str | None]] = []
-        answers: list[tuple[WorkerHandle, list[Any]]] = []
+        answers: list[tuple[WorkerHandle, list[Any], dict[str, dict[int, int]]]] = []
         while True:
             try:
                 identity, frame = self.control.recv_multipart(zmq.NOBLOCK)
@@ -167,11 +168,11 @@ class WorkerPool:
             op = message.get("op")
             if op == "answers":
                 worker = self._worker_of(identity)
-                batch = message.get("answers")
-                if worker is None or not isinstance(batch, list):
+                batch, ran = message.get("answers"), message.get("ran", {})
+                if worker is None or not isinstance(batch, list) or not _steps_by_size(ran):
                     self._drop("a malformed answers message on the worker control socket")
                     continue
-                answers.append((worker, batch))
+                answers.append((worker, batch, ran))
             elif op == "health":  # the supervisor's readiness check, on the private socket
                 health_checks.append(identity)
             elif op == "worker_exited":  # from the supervisor, which saw a process of this host end
@@ -356,3 +357,11 @@ def _kill(pid: int | None) -> None:
         os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _steps_by_size(ran: Any) -> bool:
+    """Whether `ran` is steps per cell type by batch size: {str: {int: int}}."""
+    return isinstance(ran, dict) and all(
+        isinstance(key, str) and isinstance(sizes, dict) and all(type(n) is int for pair in sizes.items() for n in pair)
+        for key, sizes in ran.items()
+    )

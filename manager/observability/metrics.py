@@ -219,6 +219,12 @@ class Metrics:
             batch.observe(nodes)
         tasks.inc()
 
+    def batches_run(self, cell_type: str, nodes: int, steps: int) -> None:
+        """`steps` batches of `nodes` nodes a worker's running batch ran (no task)."""
+        batch = self._cell(cell_type)[0]
+        for _ in range(steps):
+            batch.observe(nodes)
+
     def set_queue_depth(self, cell_type: str, ready_nodes: int) -> None:
         self._cell(cell_type)[2].set(ready_nodes)
 

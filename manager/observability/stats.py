@@ -88,6 +88,16 @@ class Stats:
         if self.metrics is not None:
             self.metrics.task_submitted(task.spec.key, *task.step_nodes)
 
+    def steps_run(self, ran: dict[str, dict[int, int]]) -> None:
+        """Steps a worker's running batch ran (per cell type, how many at each batch size): no task, each a batch."""
+        for key, sizes in ran.items():
+            for nodes, steps in sizes.items():
+                self.steps += steps
+                self.nodes += nodes * steps
+                self.batch_sizes[key][nodes] += steps
+                if self.metrics is not None:
+                    self.metrics.batches_run(key, nodes, steps)
+
     def request_received(self) -> None:
         """An inference request, or a message whose op is unreadable or unknown (refused, and counted so)."""
         self.requests["received"] += 1
