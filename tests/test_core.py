@@ -16,6 +16,7 @@ from batchmaker.common.protocol import (
 )
 from batchmaker.common.task import CompletionNotice
 from batchmaker.manager.batching.outcomes import Answered, Failed, Replayed
+from batchmaker.manager.batching.records import Request
 
 
 @pytest.fixture
@@ -176,6 +177,19 @@ def test_a_burst_is_admitted_in_order_its_limits_counting_the_requests_before_ea
     assert len(h.core.requests) == 3 and h.core.processor.unsubmitted_nodes == 4
     queue = h.core.scheduler.queues["lstm/layer0"]
     assert queue.row[: queue.size].tolist() == [r.row for r in admitted]
+
+
+def test_the_request_limit_counts_requests_routed_to_workers_whole(harness):
+    h = harness(server="max_queued_requests = 3")
+    message = {"model": "lstm", "inputs": {"tokens": [1]}}
+    results = h.core.admit_burst([(b"c", i, message, 0.0) for i in range(2)], routed=2)
+    assert [type(result) for result in results] == [Request, RequestError]
+    assert results[1].code == OVERLOADED and "3 requests in flight (limit 3)" in results[1].message
+    with pytest.raises(RequestError, match="request id 0 is already in flight"):
+        h.core.check_id(b"c", 0, ())
+    with pytest.raises(RequestError, match="request id 7 is already in flight"):
+        h.core.check_id(b"c", 7, {(b"c", 7)})
+    assert h.core.in_flight == 1
 
 
 def test_a_bug_in_a_models_plan_fails_its_request_and_not_the_burst(harness, monkeypatch):

@@ -23,13 +23,25 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError
+from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError, optional_int
 
 WINDOW_S = 1.0  # completions older than this no longer count towards the measured throughput
 MAX_SPREAD_S = 1.0  # how far past the queue's own excess the quotes of earlier refusals may delay a new one's
 CELLS_SMOOTHING = 0.1  # weight of each admitted burst in the running mean of cells per request
 MIN_BUSY_S = 0.02  # a throughput measured over less busy time than this is noise, not an estimate
 FULL_FILL = 0.75  # a task this full shows what the server can do, not just what it was offered
+
+
+def check_room(in_flight: int, limit: int) -> None:
+    """Refuse a request beyond `max_queued_requests` (`limit`) requests in flight."""
+    if in_flight >= limit:
+        raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
+
+
+def deadline_of(message: dict[str, Any], default_ms: int) -> int | None:
+    """The request's `deadline_ms`, else the server's `default_deadline_ms` (None: no deadline)."""
+    deadline_ms = optional_int(message, "deadline_ms", minimum=0)
+    return deadline_ms if deadline_ms is not None else default_ms or None
 
 
 class ExpectedWait:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from batchmaker.common.config import Config
@@ -37,7 +37,7 @@ from batchmaker.common.protocol import (
     optional_int,
 )
 from batchmaker.common.task import CompletionNotice, LaneTaskMessage
-from batchmaker.manager.batching.admission import Admission, warm_up_capacity
+from batchmaker.manager.batching.admission import Admission, check_room, deadline_of, warm_up_capacity
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.outcomes import Answered, Outcome, Partial, Refused, Replayed
 from batchmaker.manager.batching.plan_store import make_tables
@@ -50,6 +50,7 @@ from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
+BurstMessage = tuple[bytes, Any, dict[str, Any], float]  # an `infer` message: client, id, message, arrival
 
 
 class BatchingCore:
@@ -88,14 +89,15 @@ class BatchingCore:
             raise result
         return result
 
-    def admit_burst(self, messages: list[tuple[bytes, Any, dict[str, Any], float]]) -> list[Request | RequestError | None]:
+    def admit_burst(self, messages: list[BurstMessage], routed: int = 0) -> list[Request | RequestError | None]:
         """Validate and admit the `infer` messages of a burst, (client, id, message, arrival) each, in order:
-        for each, its request (None: it waits for its session) or the RequestError refusing it.
+        for each, its request (None: it waits for its session) or the RequestError refusing it. `routed`: requests
+        in flight routed to workers whole, which `max_queued_requests` counts too.
 
         Each is checked and planned in turn, the cheap checks first, so that refusing under load costs no
         plan; the limits count the burst's requests before it. Those admitted get their records together,
         in order: one update of the request table, the plan store and the queues for the burst."""
-        burst = _Burst()
+        burst = _Burst(routed)
         results: list[Request | RequestError | None] = []
         for client, request_id, message, arrival in messages:
             try:
@@ -123,16 +125,10 @@ class BatchingCore:
             raise RequestError(
                 INVALID_INPUT, f"model {name!r} ({model.kind}) cannot stream its outputs; send the request without 'stream'"
             )
-        key = (client, request_id)
-        if key in self.requests or key in burst.keys or self.sessions.holds(client, request_id):
-            raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
-        deadline_ms = optional_int(message, "deadline_ms", minimum=0)
+        self.check_id(client, request_id, burst.keys)
+        deadline_ms = deadline_of(message, self._server.default_deadline_ms)
         priority = optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
-        limit = self._server.max_queued_requests
-        in_flight = len(self.requests) + self.sessions.waiting + len(burst.requests)
-        if in_flight >= limit:
-            raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
-        deadline_ms = deadline_ms if deadline_ms is not None else self._server.default_deadline_ms or None
+        check_room(self.in_flight + len(burst.requests) + burst.routed, self._server.max_queued_requests)
         if fields is None:
             return self._plan(burst, client, request_id, model, message["inputs"], arrival, deadline_ms, priority, stream)
         self._record(burst)  # a session's request follows the burst's requests before it
@@ -142,6 +138,17 @@ class BatchingCore:
             self.sessions.wait(waiting)
             return None
         return self._admit_in_session(waiting)
+
+    def check_id(self, client: bytes, request_id: Any, others: Container[tuple[bytes, Any]]) -> None:
+        """Refuse a request whose id is in flight on its connection: here, or among `others` (a burst's, routed)."""
+        key = (client, request_id)
+        if key in self.requests or key in others or self.sessions.holds(client, request_id):
+            raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and unanswered, and those waiting for their session."""
+        return len(self.requests) + self.sessions.waiting
 
     def _admit_in_session(self, waiting: Waiting) -> Request:
         """Admit a session's request whose turn came, with the session's state as its initial state; it runs
@@ -375,7 +382,8 @@ class BatchingCore:
 class _Burst:
     """Requests of one burst checked and planned, whose records are made together."""
 
-    def __init__(self) -> None:
+    def __init__(self, routed: int = 0) -> None:
+        self.routed = routed  # requests in flight routed to workers whole
         self.requests: list[Request] = []
         self.keys: set[tuple[bytes, Any]] = set()  # (client, id) of each
         self.nodes = 0  # their cells

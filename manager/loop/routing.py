@@ -23,8 +23,8 @@ from batchmaker.common.protocol import (
     UNAVAILABLE,
     WORKER_LOST,
     RequestError,
-    optional_int,
 )
+from batchmaker.manager.batching.admission import check_room, deadline_of
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Replayed
 from batchmaker.manager.batching.routed import Routed, RoutedRequests
@@ -56,12 +56,8 @@ class Router:
         rest, refused = [], []
         for incoming in burst:
             message = incoming.message
-            key = (incoming.client, incoming.request_id)
             try:
-                if key in self.table or key in self._core.requests:
-                    raise RequestError(
-                        BAD_REQUEST, f"request id {incoming.request_id!r} is already in flight on this connection"
-                    )
+                self._core.check_id(incoming.client, incoming.request_id, self.table)
                 if any(field in message for field in CORE_ONLY):
                     rest.append(incoming)
                     continue
@@ -72,9 +68,9 @@ class Router:
                 if "inputs" not in message:
                     raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
                 planner.check_input_names(message["inputs"])
-                deadline_ms = optional_int(message, "deadline_ms", minimum=0)
-                deadline_ms = deadline_ms if deadline_ms is not None else self._server.default_deadline_ms or None
-                self._check_limits(deadline_ms)
+                deadline_ms = deadline_of(message, self._server.default_deadline_ms)
+                check_room(self._core.in_flight + len(self.table), self._server.max_queued_requests)
+                self.table.check(deadline_ms)
             except RequestError as error:
                 refused.append((incoming, error))
                 continue
@@ -86,13 +82,6 @@ class Router:
         overloaded = sum(error.code == OVERLOADED for _, error in refused)
         quotes = iter(self.table.retry_after_ms(overloaded) if overloaded else ())
         return rest, [(i, error, next(quotes, None) if error.code == OVERLOADED else None) for i, error in refused]
-
-    def _check_limits(self, deadline_ms: int | None) -> None:
-        limit = self._server.max_queued_requests
-        in_flight = len(self.table) + len(self._core.requests)
-        if in_flight >= limit:
-            raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
-        self.table.check(deadline_ms)
 
     def flush(self) -> None:
         """Send the workers the requests routed to them and the ones they should let go."""

@@ -376,7 +376,8 @@ class Manager:
             self._refuse(incoming, error, retry_after_ms)
         if not burst:
             return
-        admitted = self.core.admit_burst([(i.client, i.request_id, i.message, i.arrival) for i in burst])
+        messages = [(i.client, i.request_id, i.message, i.arrival) for i in burst]
+        admitted = self.core.admit_burst(messages, len(self.router.table))
         if self.tracing is not None:
             self.tracing.received(burst, admitted)
         refusals = [(incoming, result) for incoming, result in zip(burst, admitted) if isinstance(result, RequestError)]
