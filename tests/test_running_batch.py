@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_config
+from test_tree_models import TREE_MODELS
 
 from batchmaker.bench.trees import random_tree
 from batchmaker.bench.verify import differences
@@ -19,23 +20,7 @@ from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.main import load_cells
 from batchmaker.worker.running_batch import RunningBatch
 
-MODELS = """
-[models.bin]
-builder = "batchmaker.common.models.treelstm:build"
-weights = "bin.pt"
-vocab_size = 50
-hidden_size = 8
-num_classes = 3
-batch_sizes = [1, 2, 4]
-
-[models.cs]
-builder = "batchmaker.common.models.childsum:build"
-weights = "cs.pt"
-vocab_size = 50
-hidden_size = 8
-num_classes = 4
-batch_sizes = [1, 2, 4]
-
+MODELS = TREE_MODELS + """
 [models.lstm]
 builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"

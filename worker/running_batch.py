@@ -72,11 +72,10 @@ class Template:
     ragged: np.ndarray  # [ragged values, ports]
 
     @staticmethod
-    def of(
-        plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int]
-    ) -> Template:
+    def of(plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int],
+           ports: int, outputs: int) -> Template:  # fmt: skip
+        """The template of `plan` for node arrays of `ports` inputs and `outputs` outputs a node."""
         count = plan.nodes
-        ports, outputs = max(len(spec.inputs) for spec in specs), max(len(spec.outputs) for spec in specs)
         cell = np.empty(count, np.int64)
         inputs = np.full((count, ports), -1, np.int64)
         kind = np.zeros((count, ports), np.int64)
@@ -217,7 +216,9 @@ class RunningBatch:
         """What the plan's nodes hold whatever the request, in this batch's columns: made once per plan."""
         template = plan.cache.get(self._layout)
         if template is None:
-            template = plan.cache[self._layout] = Template.of(plan, self._specs, self._cell_of, self._kind_index)
+            widths = self.nodes.inputs.shape[1], self.nodes.outputs.shape[1]
+            template = Template.of(plan, self._specs, self._cell_of, self._kind_index, *widths)
+            plan.cache[self._layout] = template
         return template
 
     def _take_rows(self, unfolded: Unfolded) -> tuple[Rows, Rows, np.ndarray, dict[ValueKind, Rows]]:
