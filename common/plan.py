@@ -229,7 +229,9 @@ class _Compiler:
             padded_length=graph.padded_length,
             lane_layouts=self._lane_layouts(order, lane_bounds),
         )
-        externals = {kind: np.asarray(values, dtype=kind.dtype).reshape(-1, *kind.shape) for kind, values in per_kind.items()}
+        externals = {
+            kind: np.asarray(values, dtype=kind.dtype).reshape(-1, *kind.shape) for kind, values in per_kind.items()
+        }
         return Unfolded(plan, externals, graph.state)
 
     def _lane_layouts(self, order: list[int], bounds: np.ndarray) -> tuple[LaneLayout | None, ...]:

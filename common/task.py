@@ -180,7 +180,11 @@ def _encode_step(batch_size: int, inputs: list[TaskInput], outputs: list[SlotLis
 
 
 def _encode_input(
-    arena: int, slots: np.ndarray, segments: np.ndarray | None, remote: list[RemoteRows] | None, values: InlineValues | None
+    arena: int,
+    slots: np.ndarray,
+    segments: np.ndarray | None,
+    remote: list[RemoteRows] | None,
+    values: InlineValues | None,
 ) -> list:
     """A TaskInput's fields in order (a plain tuple of them is accepted too)."""
     return [
@@ -196,7 +200,9 @@ def _view(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=SLOT_DTYPE)
 
 
-def _decode_input(arena: int, slots: bytes, segments: bytes | None, remote: list | None, values: list | None) -> TaskInput:
+def _decode_input(
+    arena: int, slots: bytes, segments: bytes | None, remote: list | None, values: list | None
+) -> TaskInput:
     return TaskInput(
         arena,
         _view(slots),
@@ -268,7 +274,8 @@ LANES = "lanes"  # the third field of a lane task, where a task of waves has its
 
 def _encode_lanes(message: LaneTaskMessage) -> bytes:
     inputs = [
-        [mode, source, arena, _encode_input(*first), _encode_later(later)] for mode, source, arena, first, later in message.inputs
+        [mode, source, arena, _encode_input(*first), _encode_later(later)]
+        for mode, source, arena, first, later in message.inputs
     ]
     fields = [
         message.task_id,

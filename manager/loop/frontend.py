@@ -61,7 +61,9 @@ class Incoming:
 
 def echo_id(value: Any) -> Any:
     """A request id fit to echo back: an int or a str of at most MAX_ID_CHARS, else None."""
-    if (isinstance(value, str) and len(value) <= MAX_ID_CHARS) or (isinstance(value, int) and not isinstance(value, bool)):
+    if (isinstance(value, str) and len(value) <= MAX_ID_CHARS) or (
+        isinstance(value, int) and not isinstance(value, bool)
+    ):
         return value
     return None
 
@@ -218,7 +220,9 @@ class ClientFrontend:
 
     def _give_up(self, client: bytes, why: str) -> None:
         dropped = self._forget_backlog(client)
-        log.warning("client %s is unreachable (%s): %d replies dropped, its requests cancelled", client.hex(), why, dropped)
+        log.warning(
+            "client %s is unreachable (%s): %d replies dropped, its requests cancelled", client.hex(), why, dropped
+        )
         self._unreachable.append(client)
         self._abandoned.add(client)
         self.unreachable_clients += 1

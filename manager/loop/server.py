@@ -236,7 +236,8 @@ class Manager:
             request = outcome.request
             if isinstance(outcome, Partial):
                 self.stats.partial_sent(served_name(request.model.name))
-                self.frontend.reply(request.client, partial_reply(request.request_id, outcome.outputs, outcome.restarted))
+                reply = partial_reply(request.request_id, outcome.outputs, outcome.restarted)
+                self.frontend.reply(request.client, reply)
                 continue
             self.stats.concluded(outcome)
             if isinstance(outcome, Answered):
