@@ -132,6 +132,25 @@ def test_a_duplicate_id_in_flight_is_refused(server):
         raw.close()
 
 
+def test_one_id_twice_in_a_burst_across_both_paths_is_refused_once(server):
+    running, _, _ = server
+    manager = running.supervisor.manager
+    raw = Raw(running.address)
+    os.kill(manager.pid, signal.SIGSTOP)  # both frames wait in its socket and arrive in one burst
+    try:
+        raw.send({"id": "twice", "model": "lstm", "inputs": {"tokens": [1, 2]}, "priority": 1})  # the core's path
+        raw.send({"id": "twice", "model": "lstm", "inputs": {"tokens": [3]}})  # a worker's
+    finally:
+        os.kill(manager.pid, signal.SIGCONT)
+    try:
+        refused, answered = sorted(_all(raw, "twice", 2), key=lambda reply: reply["ok"])  # a refusal goes first
+        assert answered["ok"], answered
+        assert refused["error"]["code"] == BAD_REQUEST and "already in flight" in refused["error"]["message"]
+        assert raw.socket.poll(200) == 0  # no third reply
+    finally:
+        raw.close()
+
+
 def _all(raw: Raw, request_id: Any, count: int) -> list[dict[str, Any]]:
     while len(raw.replies.get(request_id, [])) < count:
         assert raw.socket.poll(60_000), "the server stopped answering"

@@ -54,17 +54,20 @@ class Router:
         if not self.enabled or not self._core.workers:
             return burst, []
         rest, refused = [], []
+        for_core: set[tuple[bytes, Any]] = set()  # the ids of the burst's requests left to the core so far
         for incoming in burst:
             message = incoming.message
+            key = (incoming.client, incoming.request_id)
             try:
-                self._core.check_id(incoming.client, incoming.request_id, self.table)
-                if any(field in message for field in CORE_ONLY):
+                planner = None
+                if not any(field in message for field in CORE_ONLY):
+                    planner = self._core.versions.resolve(message.get("model"), message.get("version"), None)
+                if planner is None or planner.name not in self._models:
+                    self._core.check_id(*key, self.table)  # the core checks those of its own path
+                    for_core.add(key)
                     rest.append(incoming)
                     continue
-                planner = self._core.versions.resolve(message.get("model"), message.get("version"), None)
-                if planner.name not in self._models:
-                    rest.append(incoming)
-                    continue
+                self._core.check_id(*key, self.table, for_core)
                 if "inputs" not in message:
                     raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
                 planner.check_input_names(message["inputs"])
