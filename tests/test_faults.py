@@ -109,8 +109,12 @@ def test_killing_workers_under_load_loses_nothing(tmp_path: Path):
         stop_server(server)
 
 
-def test_hung_worker_is_killed_replaced_and_its_requests_replayed(tmp_path: Path):
-    config = write_config(tmp_path, with_faults(tmp_path, SMALL_LSTM), server="hang_timeout_ms = 1500")
+@pytest.mark.parametrize("running_batch", ["manager", "worker"])
+def test_hung_worker_is_killed_replaced_and_its_requests_replayed(tmp_path: Path, running_batch: str):
+    config = write_config(
+        tmp_path, with_faults(tmp_path, SMALL_LSTM), server="hang_timeout_ms = 1500",
+        scheduler=f'running_batch = "{running_batch}"',
+    )  # fmt: skip
     server = start_server(config, workers=2)
     try:
         hung = server.supervisor.slots[0].process

@@ -131,3 +131,18 @@ def test_requests_of_departed_clients_are_found():
     routed.route(theirs, [0])
     assert routed.of_clients({b"b"}) == [theirs]
     assert routed.all() == [mine, theirs]
+
+
+def test_a_worker_holding_requests_without_steps_is_stalled():
+    routed, clock = table()
+    routed.route(request(1), [0, 1])
+    routed.route(request(2), [0, 1])
+    clock.now += 5
+    routed.progressed(1)
+    clock.now += 6
+    assert routed.stalled(10) == {0: 11}  # worker 1 reported 6 s ago
+    routed.answered(0, 1)
+    assert routed.stalled(10) == {}  # it holds nothing now
+    routed.route(request(3), [0])
+    clock.now += 11
+    assert routed.stalled(10) == {0: 11, 1: 17}  # counted from when work arrived at the idle one

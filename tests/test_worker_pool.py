@@ -180,12 +180,12 @@ def test_workers_are_told_only_of_the_arenas_of_their_own_host(pool: Pool):
     assert (first_reply["peers"], other_reply["peers"]) == ({}, {})
     assert list(third_reply["peers"]) == [str(first_reply["worker_id"])]
     assert list(decode(pool.reply(first, b"peers"))) == [str(third_reply["worker_id"])]
-    pool.pool.watch()  # pings every worker: the other host's next message is that ping, not an announcement
+    pool.pool.watch({})  # pings every worker: the other host's next message is that ping, not an announcement
     pool.reply(other, b"ping")
     pool.reply(third, b"ping")
     pool.pool.remove(pool.handle(first_reply))
     assert decode(pool.reply(third, b"forget-peer")) == {"worker_id": first_reply["worker_id"]}
-    pool.pool.watch()
+    pool.pool.watch({})
     pool.reply(other, b"ping")
 
 

@@ -32,14 +32,25 @@ def test_a_worker_loading_is_not_taken_for_hung_and_its_answer_is_handed_on(pool
     worker.tasks[1] = object()  # a task waits behind the load
     worker.progress_at -= 3600  # for longer than any hang timeout
     worker.last_seen = time.monotonic()
-    assert pool.pool.watch() == []
+    assert pool.pool.watch({}) == []
     socket.send(encode({"op": "loaded", "model": "lstm@2", "error": "weights unreadable"}))
     loads: list = []
     wait_until(lambda: loads.extend(pool.pool.control_messages().loads) or loads, "the answer")
     assert loads == [(worker, "lstm@2", "weights unreadable")]
     assert worker.loads_pending == 0 and time.monotonic() - worker.progress_at < 3600
     worker.progress_at -= 3600
-    assert [lost for lost, _ in pool.pool.watch()] == [worker]
+    assert [lost for lost, _ in pool.pool.watch({})] == [worker]
+
+
+def test_a_worker_whose_running_batch_stalls_is_taken_for_hung(pool: Pool):
+    socket, reply = pool.register("elsewhere")
+    worker = pool.handle(reply)
+    worker.last_seen = time.monotonic()  # its heartbeats go on
+    assert pool.pool.watch({}) == []
+    assert pool.reply(socket, b"ping") == b""
+    [(lost, reason)] = pool.pool.watch({worker.worker_id: 12.5})
+    assert lost is worker and reason == "hung: its running batch ran no step for 12.5 s"
+    assert pool.reply(socket, b"stop") == b""  # on another host: told to stop
 
 
 @pytest.mark.parametrize("report", [{"model": 5, "error": None}, {"model": "lstm@2", "error": 3}])

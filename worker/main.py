@@ -51,6 +51,7 @@ from batchmaker.worker.startup import EXIT_CONFIG_ERROR, start
 log = logging.getLogger("batchmaker.worker")
 
 REGISTER_TIMEOUT_S = 60.0
+PROGRESS_S = 1.0  # a running batch with steps and no answers reports its steps this often: the hang watchdog's sign
 EXIT_DEVICE_FAULT = 4  # the device failed while serving: its context is unusable, a fresh process is needed
 
 
@@ -87,6 +88,7 @@ class Worker:
         self._backend = backend
         self._make_held = make_held
         self._held: HeldRequests | None = None
+        self._reported_at = 0.0  # when the running batch last sent answers or steps
         self._manager = manager
         self._index = index
         self._cell_keys = cell_keys
@@ -232,9 +234,14 @@ class Worker:
             self._check_alive()
 
     def _answer(self, answers: list[list[Any]]) -> None:
-        """Send the manager answers of routed requests, with the steps the running batch ran since the last ones."""
-        if answers:
-            ran = self._held.batch.take_ran() if self._held is not None else {}
+        """Send the manager answers of routed requests, with the steps the running batch ran since the last ones;
+        with none, the steps alone once PROGRESS_S has passed, so that a batch that runs is not taken for hung."""
+        now = time.monotonic()
+        if not answers and now - self._reported_at < PROGRESS_S:
+            return
+        ran = self._held.batch.take_ran() if self._held is not None else {}
+        if answers or ran:
+            self._reported_at = now
             self._socket.send(encode({"op": "answers", "answers": answers, "ran": ran}))
 
     def _drain(self, socket: zmq.Socket) -> None:

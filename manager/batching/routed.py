@@ -51,6 +51,7 @@ class RoutedRequests:
         self._by_key: dict[tuple[bytes, Any], Routed] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._held: collections.Counter[int] = collections.Counter()  # requests in flight, per worker
+        self._progress_at: dict[int, float] = {}  # per worker: when it last reported steps, or got work while idle
         self._answered: collections.deque[float] = collections.deque()  # when each answer of the window came
         self._next_handle = 1
         self._outbox: dict[int, list[bytes]] = collections.defaultdict(list)  # worker id -> request frames
@@ -104,6 +105,8 @@ class RoutedRequests:
     def route(self, request: Routed, workers: list[int]) -> None:
         """Send the request to the worker of `workers` holding the fewest (sent with `take_sends`)."""
         request.worker_id = min(workers, key=self._held.__getitem__)
+        if not self._held[request.worker_id]:
+            self._progress_at[request.worker_id] = self._clock()  # the hang watchdog counts from here
         if not request.handle:
             request.handle = self._next_handle
             self._next_handle += 1
@@ -122,6 +125,19 @@ class RoutedRequests:
         return sends, drops
 
     # -- ends ------------------------------------------------------------------------------------
+    def progressed(self, worker_id: int) -> None:
+        """The worker's running batch reported steps (with answers or without: it reports at least every second)."""
+        self._progress_at[worker_id] = self._clock()
+
+    def stalled(self, timeout_s: float) -> dict[int, float]:
+        """Workers holding requests whose running batch reported no step for over `timeout_s`: seconds since."""
+        now = self._clock()
+        return {
+            worker: now - self._progress_at[worker]
+            for worker, held in self._held.items()
+            if held and now - self._progress_at[worker] > timeout_s
+        }
+
     def answered(self, worker_id: int, handle: Any) -> Routed | None:
         """The request a worker's answer is for; None for one that ended meanwhile (cancelled, expired, or sent
         again after its worker was written off)."""
@@ -167,6 +183,7 @@ class RoutedRequests:
         for request in lost:
             del self._by_handle[request.handle]
         self._held.pop(worker_id, None)
+        self._progress_at.pop(worker_id, None)
         self._outbox.pop(worker_id, None)
         self._dropped.pop(worker_id, None)
         return lost

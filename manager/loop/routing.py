@@ -99,6 +99,7 @@ class Router:
         """A worker's answers ([handle, outputs, error] each) as outcomes; those of requests ended meanwhile dropped."""
         outcomes: list[Outcome] = []
         now = time.perf_counter()
+        self.table.progressed(worker.worker_id)
         for answer in answers:
             if not isinstance(answer, list) or len(answer) != 3:
                 continue
@@ -112,6 +113,10 @@ class Router:
             else:
                 outcomes.append(Failed(request, RequestError(*error)))
         return outcomes
+
+    def stalled(self) -> dict[int, float]:
+        """Workers holding routed requests whose running batch has not advanced for `hang_timeout_ms`."""
+        return self.table.stalled(self._server.hang_timeout_ms / 1e3)
 
     def cancel(self, client: bytes, request_id: Any) -> list[Outcome] | None:
         request = self.table.get(client, request_id)

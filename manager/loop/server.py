@@ -284,7 +284,7 @@ class Manager:
         self._next_watch = now + WATCH_INTERVAL_S
         self._check_parent()
         self._read_notices()
-        for worker, reason in self.pool.watch():
+        for worker, reason in self.pool.watch(self.router.stalled()):
             self._worker_lost(worker, reason)
         self.control.watch()  # here, not every turn: it looks through the requests in flight
         self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)

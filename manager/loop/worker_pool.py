@@ -234,7 +234,8 @@ class WorkerPool:
 
     def _from_supervisor(self, message: dict[str, Any]) -> bool:
         token = message.get("token")
-        return bool(self._supervisor_token) and isinstance(token, bytes) and hmac.compare_digest(token, self._supervisor_token)
+        expected = self._supervisor_token
+        return bool(expected) and isinstance(token, bytes) and hmac.compare_digest(token, expected)
 
     def _peers_read(self, identity: bytes, message: dict[str, Any]) -> None:
         """A worker says which peers' arenas it opened and which it could not (an IPC open that failed, GPUs
@@ -312,20 +313,26 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.host_number == worker.host_number and w is not worker]
 
     # -- the watchdog --------------------------------------------------------------------------------
-    def watch(self) -> list[tuple[WorkerHandle, str]]:
-        """Ping every worker; return the silent ones and the hung ones (tasks in flight, counter stuck):
-        killed on this host, told to stop on another."""
+    def watch(self, stalled: dict[int, float]) -> list[tuple[WorkerHandle, str]]:
+        """Ping every worker; return the silent ones and the hung ones (tasks in flight, counter stuck; or a
+        running batch `stalled`, by worker id, holding requests with no step for that many seconds): killed on
+        this host, told to stop on another."""
         now = time.monotonic()
         lost = []
         for worker in self.workers.values():
+            hung = None
+            if worker.tasks and not worker.loads_pending and now - worker.progress_at > self._hang_timeout:
+                hung = f"hung: its stream did not advance for {now - worker.progress_at:.1f} s"
+            elif worker.worker_id in stalled:
+                hung = f"hung: its running batch ran no step for {stalled[worker.worker_id]:.1f} s"
             if now - worker.last_seen > self._heartbeat_timeout:
                 lost.append((worker, f"silent for {now - worker.last_seen:.1f} s"))
-            elif worker.tasks and not worker.loads_pending and now - worker.progress_at > self._hang_timeout:
+            elif hung is not None:
                 if worker.local:
                     _kill(worker.pid)
                 else:  # its pid means nothing here; it also exits once the manager falls silent to it
                     self.control.send_multipart([worker.identity, b"stop", b""])
-                lost.append((worker, f"hung: its stream did not advance for {now - worker.progress_at:.1f} s"))
+                lost.append((worker, hung))
             else:
                 self.control.send_multipart([worker.identity, b"ping", b""])
         return lost
