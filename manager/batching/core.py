@@ -140,8 +140,7 @@ class BatchingCore:
         return self._admit_in_session(waiting)
 
     def check_id(self, client: bytes, request_id: Any, *others: Container[tuple[bytes, Any]]) -> None:
-        """Refuse a request whose id is in flight on its connection: here, or in any of `others` (a burst's
-        requests before it, those routed to workers)."""
+        """Refuse a request whose id is in flight on its connection: here, or in any of `others` (routed, a burst's)."""
         key = (client, request_id)
         if key in self.requests or any(key in keys for keys in others) or self.sessions.holds(client, request_id):
             raise RequestError(BAD_REQUEST, f"request id {request_id!r} is already in flight on this connection")
