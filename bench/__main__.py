@@ -37,7 +37,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__)
     parser.add_argument(
         "preset",
-        choices=[*PRESETS, "ceiling", "stages", "idle", "servers", "overload", "chaos", "startup", "http", "door", "all", "results"],
+        choices=[
+            *PRESETS,
+            "ceiling",
+            "stages",
+            "idle",
+            "servers",
+            "overload",
+            "chaos",
+            "startup",
+            "http",
+            "door",
+            "all",
+            "results",
+        ],
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about a minute per preset)")
     parser.add_argument(

@@ -271,7 +271,9 @@ async def _load(run: Run, work: list[tuple[str, dict[str, Any]]], due: np.ndarra
         "outcomes": outcomes,
         "outputs": outputs,
         "answered_twice": [
-            chaos_report.replies_beyond_sends([a for _, a in client.sends.get(i, [])], client.replies.get(i, collections.Counter()))
+            chaos_report.replies_beyond_sends(
+                [a for _, a in client.sends.get(i, [])], client.replies.get(i, collections.Counter())
+            )
             for i in range(len(due))
         ],
         "resent": client.resent,
@@ -280,7 +282,9 @@ async def _load(run: Run, work: list[tuple[str, dict[str, Any]]], due: np.ndarra
     }
 
 
-def _wrong(config_path: Path, work: list[tuple[str, dict[str, Any]]], outputs: list[dict[str, Any] | None]) -> list[bool]:
+def _wrong(
+    config_path: Path, work: list[tuple[str, dict[str, Any]]], outputs: list[dict[str, Any] | None]
+) -> list[bool]:
     """Per request: whether its ok answer differs from the unbatched reference."""
     torch.set_num_threads(1)  # tiny models: a second thread only spins against the servers
     config = load_config(config_path)
@@ -310,7 +314,9 @@ def run(quick: bool) -> dict[str, Any]:
         init_missing_weights(load_config(config_path))
         with Fleet(config_path, Path(tmp)) as fleet:
             progress.note(f"chaos: starting {len(HOSTS)} servers")
-            side = [encode({**infer_message(m, x, None, None), "id": i}) for i, (m, x) in enumerate(work[:SIDE_REQUESTS])]
+            side = [
+                encode({**infer_message(m, x, None, None), "id": i}) for i, (m, x) in enumerate(work[:SIDE_REQUESTS])
+            ]
             state = Run(fleet, fleet.start(list(HOSTS)), side)
             progress.advance()
             loaded = asyncio.run(_load(state, work, due, window, progress))

@@ -131,7 +131,13 @@ def section(preset: Preset, summary: dict[str, Any], quick: bool, running_batch:
     sustained = summary["cellular"]["sustained_throughput"]
     return {
         "dynet": dynet,
-        "closed_loop": {"window": WINDOW, "trees": len(trees), "answered": answered, "trees_per_s": closed, "verify": check},
+        "closed_loop": {
+            "window": WINDOW,
+            "trees": len(trees),
+            "answered": answered,
+            "trees_per_s": closed,
+            "verify": check,
+        },
         "sustained_trees_per_s": sustained,
         "sustained_over_dynet": sustained / dynet["trees_per_s"],
         "closed_loop_over_dynet": closed / dynet["trees_per_s"],

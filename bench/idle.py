@@ -138,7 +138,9 @@ def run(quick: bool, out: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, Any]:
             forwards[name] = model.reference_forward(model.load_weights())
         progress.note("starting the server")
         ready_timeout = READY_TIMEOUT_S_PER_MODEL * len(config.models)
-        with ServedPolicy(config_path, config.server.address, "cellular", rows[0].model, ready_timeout=ready_timeout) as served:
+        with ServedPolicy(
+            config_path, config.server.address, "cellular", rows[0].model, ready_timeout=ready_timeout
+        ) as served:
             progress.advance()
             results = []
             with Client(served.address, timeout=120) as client:
@@ -173,12 +175,19 @@ def table(result: dict[str, Any]) -> str:
     )
     lines = [
         header,
-        f"| workload | served p50 / p99, ms | in process p50 / p99, ms | served / in process p50 | p99 | goal {GOAL}x | answers |",
+        (
+            f"| workload | served p50 / p99, ms | in process p50 / p99, ms | served / in process p50 | p99 "
+            f"| goal {GOAL}x | answers |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         served, local, ratio, check = row["served_ms"], row["in_process_ms"], row["ratio"], row["verify"]
-        ok = f"{check['checked']} ok" if check["ok"] else f"WRONG: max abs error {check['max_abs_error']:.1e} {'; '.join(check['wrong'])}"
+        ok = (
+            f"{check['checked']} ok"
+            if check["ok"]
+            else f"WRONG: max abs error {check['max_abs_error']:.1e} {'; '.join(check['wrong'])}"
+        )
         lines.append(
             f"| {row['row']} | {served['p50']:.2f} / {served['p99']:.2f} | {local['p50']:.2f} / {local['p99']:.2f} | "
             f"{ratio['p50']:.1f}x | {ratio['p99']:.1f}x | {'met' if row['goal_met'] else 'missed'} | {ok} |"

@@ -91,7 +91,9 @@ def capacity_config(directory: Path) -> Path:
     original, copy = load_config(DEFAULT_CONFIG), load_config(path)
     expected = dataclasses.replace(original.server, max_queue_delay_ms=0)
     if (copy.server, copy.scheduler, copy.models) != (expected, original.scheduler, original.models):
-        raise SystemExit(f"{DEFAULT_CONFIG} could not be copied with max_queue_delay_ms = 0: the copy differs otherwise")
+        raise SystemExit(
+            f"{DEFAULT_CONFIG} could not be copied with max_queue_delay_ms = 0: the copy differs otherwise"
+        )
     return path
 
 
@@ -236,7 +238,9 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         name = f"{measured['factor']:g}x capacity"
         found.append(target(f"{name}: accepted p99 ms", measured["latency_ms"]["p99"], P99_GOAL_MS, at_most=True))
         first = measured["first_second_latency_ms"]["p99"]
-        found.append(target(f"{name}: accepted p99 ms in the cold server's first second", first, P99_GOAL_MS, at_most=True))
+        found.append(
+            target(f"{name}: accepted p99 ms in the cold server's first second", first, P99_GOAL_MS, at_most=True)
+        )
         found.append(target(f"{name}: goodput / capacity", measured["goodput_over_capacity"], GOODPUT_GOAL))
         found.append(target(f"{name}: lost requests", measured["lost"], 0, at_most=True))
     return found
@@ -265,8 +269,10 @@ def table(result: dict[str, Any]) -> str:
     for m in result["factors"]:
         cpu = m["cpu_s_per_s"]
         lines.append(
-            f"| {m['factor']:g}x | {m['offered_rps']:.0f} | {m['latency_ms']['p50']:.0f} | {m['latency_ms']['p99']:.0f} "
-            f"| {m['first_second_latency_ms']['p99']:.0f} | {m['server_ms']['p99']:.0f} | {m['refused_share']:.0%} | {m['goodput_over_capacity']:.2f} | {m['lost']} "
+            f"| {m['factor']:g}x | {m['offered_rps']:.0f} | {m['latency_ms']['p50']:.0f} "
+            f"| {m['latency_ms']['p99']:.0f} "
+            f"| {m['first_second_latency_ms']['p99']:.0f} | {m['server_ms']['p99']:.0f} | {m['refused_share']:.0%} "
+            f"| {m['goodput_over_capacity']:.2f} | {m['lost']} "
             f"| {m['generator_behind_ms']['p99']:.1f} "
             f"| {cpu.get('manager', math.nan):.2f}, {cpu.get('worker', math.nan):.2f}, {cpu['generator']:.2f} |"
         )

@@ -131,5 +131,6 @@ class Sweep:
 
 FULL = Sweep((0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2), seconds=10.0, saturated_points=2,
              verify_requests=60)
-QUICK = Sweep((0.1, 0.5), seconds=1.5, saturated_points=1, verify_requests=12,  # a smoke run: every policy served and checked
+# a smoke run: every policy served and checked
+QUICK = Sweep((0.1, 0.5), seconds=1.5, saturated_points=1, verify_requests=12,
               fresh_server_for_moderate=False, kernel_twice=False)

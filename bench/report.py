@@ -7,7 +7,8 @@ from typing import Any
 
 CHAIN_PRESETS = ("lstm", "fixed", "longtail")  # one cell per step, so a request's steps are its cells
 SUSTAINED_P90_MS = 100.0  # "sustained" throughput: the highest achieved with p90 latency within this
-PEAK_OVER_PADDED = {"lstm": 1.25, "tagger": 1.3, "attention": 1.3}  # presets judged by p90 and peak against padding: the peak goal
+# presets judged by p90 and peak against padding: the peak goal
+PEAK_OVER_PADDED = {"lstm": 1.25, "tagger": 1.3, "attention": 1.3}
 
 
 def sustained(points: list[dict[str, Any]]) -> float:
@@ -58,7 +59,8 @@ def target(what: str, measured: float, goal: float, at_most: bool = False) -> di
 
 
 def against_padded(cellular: dict[str, float], padded: dict[str, float], peak_goal: float) -> list[dict[str, Any]]:
-    """Cellular beside padded on the same chains: p90 at half of padded's peak at most half of padded's, and a higher peak."""
+    """Cellular beside padded on the same chains: p90 at half of padded's peak at most half of padded's,
+    and a higher peak."""
     return [
         target("cellular p90 / padded p90 at 50% of padded peak",
                cellular["p90_ms_at_50pct_padded_peak"] / padded["p90_ms_at_50pct_padded_peak"], 0.5, at_most=True),
@@ -83,7 +85,8 @@ def targets(result: dict[str, Any], summary: dict[str, dict[str, float]]) -> lis
         found.append(target(f"cellular sustained (p90 <= {SUSTAINED_P90_MS:.0f} ms) / torch.nn kernel",
                              cellular["sustained_throughput"] / torch_nn, 1.6))
     if name == "seq2seq" and padded:
-        found.append(target("cellular peak / padded peak", cellular["peak_throughput"] / padded["peak_throughput"], 1.8))
+        found.append(target("cellular peak / padded peak",
+                            cellular["peak_throughput"] / padded["peak_throughput"], 1.8))
     if name == "treelstm":
         found.append(target(f"cellular sustained trees/s (p90 <= {SUSTAINED_P90_MS:.0f} ms)",
                              cellular["sustained_throughput"], 1700))

@@ -94,7 +94,12 @@ def machine() -> dict[str, Any]:
 
 
 def moderate_loads(
-    served: ServedPolicy, preset: Preset, inputs: list[dict[str, Any]], rates: list[float], seconds: float, progress: Progress
+    served: ServedPolicy,
+    preset: Preset,
+    inputs: list[dict[str, Any]],
+    rates: list[float],
+    seconds: float,
+    progress: Progress,
 ) -> dict[str, Any]:
     """The moderate loads (fractions of the reference policy's peak) on a served policy, with their CDFs."""
     moderate = {}
@@ -160,7 +165,9 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress, running_batch: 
             again = kernel.measure(model, config.server.threads_per_worker, kernel_seconds)
         kernels = {}
         for variant, cells in measured.items():
-            fastest = {key: max(cell, again[variant][key], key=lambda c: c["cells_per_s"]) for key, cell in cells.items()}
+            fastest = {
+                key: max(cell, again[variant][key], key=lambda c: c["cells_per_s"]) for key, cell in cells.items()
+            }
             kernels[variant] = {"cells": fastest, "ideal": kernel.ideal(fastest, per_request)}
     return {
         "preset": preset.name,

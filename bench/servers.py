@@ -233,7 +233,10 @@ def run(quick: bool) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     inputs = DATASETS["wmt"]()
     progress = Progress(9 if quick else 12)  # starting, 3 closed loops, 3 cost runs, the faults (and replacements)
-    with tempfile.TemporaryDirectory(prefix="batchmaker-servers-") as tmp, Fleet(_write_config(Path(tmp)), Path(tmp)) as fleet:
+    with (
+        tempfile.TemporaryDirectory(prefix="batchmaker-servers-") as tmp,
+        Fleet(_write_config(Path(tmp)), Path(tmp)) as fleet,
+    ):
         progress.note(f"starting {len(HOSTS)} servers")
         fleet.start(list(HOSTS))
         progress.advance()

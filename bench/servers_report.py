@@ -113,7 +113,9 @@ def _markdown(title: str, header: list[str], rows: list[list[str]]) -> list[str]
 
 def table(result: dict[str, Any]) -> str:
     cores, load = result["machine"]["cores"], result["load_average"][0]
-    lines = [f"servers at {result['describe']}: {result['workload']}; {cores} cores, load average {load:.1f} at the start"]
+    lines = [
+        f"servers at {result['describe']}: {result['workload']}; {cores} cores, load average {load:.1f} at the start"
+    ]
     rows = []
     for row in result["throughput"]:
         errors = f" ({row['errors']})" if row["errors"] else ""

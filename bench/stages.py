@@ -14,7 +14,8 @@ encoding it again), worker decode, resolve, cell (the cells' forward calls), run
 task body around them: gathers, carries, scatters, downloads), notice (encoded and decoded), complete
 (the core's completion: host copies, answers) and reply (each answer's frame).
 
-The process collects garbage as the manager does (rarely, start-up state frozen). Workloads: an LSTM on the bundled WMT sentences at hidden 256 and at hidden 8 (where the cells cost
+The process collects garbage as the manager does (rarely, start-up state frozen). Workloads: an LSTM on the bundled WMT
+sentences at hidden 256 and at hidden 8 (where the cells cost
 almost nothing and the control plane is all that is left), a TreeLSTM on SST trees at hidden 256, and
 the 22-token sentence of `bench idle` at hidden 256, one request at a time (each admitted once the one
 before has its answer): a lone request's path on an idle server, without the sockets.
@@ -178,7 +179,9 @@ def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count:
                         with stage("schedule"):
                             formed = core.schedule(worker.handle)
                         if not formed:
-                            raise RuntimeError(f"{name}: nothing scheduled with {admitted - answered} requests unanswered")
+                            raise RuntimeError(
+                                f"{name}: nothing scheduled with {admitted - answered} requests unanswered"
+                            )
                         for task in formed:
                             with stage("encode"):
                                 frame = encode_task(task.message)
@@ -200,7 +203,9 @@ def _warm_up_seconds(cells: list[torch.nn.Module], specs: list) -> dict[str, flo
     timings = {}
     with torch.inference_mode():
         for cell, spec in zip(cells, specs):
-            args = [torch.zeros((spec.max_batch, *kind.shape), dtype=getattr(torch, kind.dtype)) for kind in spec.inputs]
+            args = [
+                torch.zeros((spec.max_batch, *kind.shape), dtype=getattr(torch, kind.dtype)) for kind in spec.inputs
+            ]
             for port in sorted(spec.ragged_inputs, reverse=True):
                 args.insert(port + 1, torch.arange(spec.max_batch))
             cell(*args)
@@ -271,8 +276,13 @@ def table(result: dict[str, Any]) -> str:
         ]
         seconds = row["seconds"]
         for what in STAGES:
-            lines.append(f"| {what} | {seconds.get(what, 0.0) * 1e6 / requests:,.1f} | {seconds.get(what, 0.0) * 1e6 / tasks:,.1f} |")
-        manager = sum(seconds.get(s, 0.0) for s in ("decode", "plan", "admit", "schedule", "encode", "complete", "reply"))
+            lines.append(
+                f"| {what} | {seconds.get(what, 0.0) * 1e6 / requests:,.1f} "
+                f"| {seconds.get(what, 0.0) * 1e6 / tasks:,.1f} |"
+            )
+        manager = sum(
+            seconds.get(s, 0.0) for s in ("decode", "plan", "admit", "schedule", "encode", "complete", "reply")
+        )
         beyond = sum(seconds.get(s, 0.0) for s in ("worker decode", "resolve", "run beyond the cell"))
         lines.append(f"| manager in all | {manager * 1e6 / requests:,.1f} | {manager * 1e6 / tasks:,.1f} |")
         lines.append(f"| worker beyond the cell | {beyond * 1e6 / requests:,.1f} | {beyond * 1e6 / tasks:,.1f} |")

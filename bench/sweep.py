@@ -103,7 +103,9 @@ class ServedPolicy:
         return result
 
 
-def point(replies: Replies, due: np.ndarray, rate: float, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def point(
+    replies: Replies, due: np.ndarray, rate: float, before: dict[str, Any], after: dict[str, Any]
+) -> dict[str, Any]:
     """One load point: latency counts from each request's scheduled send."""
     ok = [i for i, reply in enumerate(replies.replies) if reply is not None and reply["ok"]]
     errors: dict[str, int] = {}

@@ -93,7 +93,9 @@ class TritonLSTM:
             command += [f"--{option}={value}" for option, value in _dynamic_options(setup).items()]
             environment = _environment()
         # The output, open for Triton's lifetime; close() deletes it unless Triton failed to start.
-        self._log = tempfile.NamedTemporaryFile(prefix="batchmaker-bench-triton-", suffix=".log", delete=False)  # noqa: SIM115
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="batchmaker-bench-triton-", suffix=".log", delete=False
+        )
         self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment)
 
     def __enter__(self) -> Self:

@@ -61,4 +61,9 @@ def compare_replies(expected: list[dict[str, Any]], outputs: list[dict[str, Any]
         worst = max(worst, error)
         if problem:
             problems.append(problem)
-    return {"checked": len(outputs), "max_abs_error": worst, "wrong": problems[:3], "ok": worst <= TOLERANCE and not problems}
+    return {
+        "checked": len(outputs),
+        "max_abs_error": worst,
+        "wrong": problems[:3],
+        "ok": worst <= TOLERANCE and not problems,
+    }

@@ -184,7 +184,9 @@ class AsyncClient(ClientBase):
             self._forget(request_id, call)
         return check(reply)
 
-    async def _start(self, message: dict[str, Any], server: Server | None, stream: bool = False) -> tuple[RequestId, _Call]:
+    async def _start(
+        self, message: dict[str, Any], server: Server | None, stream: bool = False
+    ) -> tuple[RequestId, _Call]:
         """Give the request an id, size it and send it (or park it); the caller awaits and then forgets it.
 
         Requests leave in the order of the calls (a session's pipelined requests run in it), also while
@@ -317,7 +319,9 @@ class AsyncClient(ClientBase):
                 self._dispatch(request_id, call, resend.target)
             else:
                 loop = asyncio.get_running_loop()
-                call.timer = loop.call_later(resend.at - now, self._resend_later, request_id, call, resend.target, reply)
+                call.timer = loop.call_later(
+                    resend.at - now, self._resend_later, request_id, call, resend.target, reply
+                )
             return
         call.answer(reply)
 

@@ -177,8 +177,8 @@ class ClientBase:
         First another server that has not refused it (docs/protocol.md, "Several servers"), unless it is a
         session's, which stays where its session's state is; once every one has, or with one server, or for
         a session, an OVERLOADED refusal is sent again after a backoff, while the resend leaves at least as
-        long again before the request's deadline or timeout (time for its answer) and its retries last, unless another request of its session is in
-        flight (docs/protocol.md, "Retries")."""
+        long again before the request's deadline or timeout (time for its answer) and its retries last, unless
+        another request of its session is in flight (docs/protocol.md, "Retries")."""
         target = self._servers.retry_target(server, reply, request.refused_by, elsewhere=request.home is None)
         if target is not None:
             self.resent += 1

@@ -90,7 +90,10 @@ def add_client_commands(subparsers: Any) -> None:
     source.add_argument("--tokens", help='token ids separated by spaces, e.g. "1 2 3"')
     source.add_argument("--text", help="an English sentence, turned into ids with --vocab")
     infer.add_argument(
-        "--vocab", type=Path, default=DEFAULT_VOCAB, help="vocabulary file for --text, one word per line (default: %(default)s)"
+        "--vocab",
+        type=Path,
+        default=DEFAULT_VOCAB,
+        help="vocabulary file for --text, one word per line (default: %(default)s)",
     )
     infer.add_argument(
         "--inputs",
@@ -99,11 +102,15 @@ def add_client_commands(subparsers: Any) -> None:
         help='inputs as a JSON object, merged over --tokens/--text, e.g. \'{"max_len": 20}\' or '
         '\'{"tree": {"tokens": [5, 7, -1], "parents": [2, 2, -1]}}\'',
     )
-    infer.add_argument("--json", action="store_true", help="print the whole reply as one JSON object, every value in full")
+    infer.add_argument(
+        "--json", action="store_true", help="print the whole reply as one JSON object, every value in full"
+    )
     infer.add_argument("--deadline-ms", type=int, help="give up if not answered within this many milliseconds")
     infer.add_argument("--priority", type=int, help="request priority")
     infer.add_argument(
-        "--stream", action="store_true", help="print the outputs as they become final (Seq2Seq: tokens as they are decoded)"
+        "--stream",
+        action="store_true",
+        help="print the outputs as they become final (Seq2Seq: tokens as they are decoded)",
     )
     infer.add_argument("--session", metavar="NAME", help="continue (or start) the server-held session NAME")
     infer.add_argument("--session-end", action="store_true", help="end the session once this request is answered")

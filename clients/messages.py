@@ -84,7 +84,9 @@ def _float32(name: str, array: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         cast = array.astype(np.float32)
     if not np.array_equal(np.isfinite(cast), np.isfinite(array)):
-        raise ValueError(f"input {name!r}: float64 values beyond float32's range (the server's models compute in float32)")
+        raise ValueError(
+            f"input {name!r}: float64 values beyond float32's range (the server's models compute in float32)"
+        )
     return cast
 
 

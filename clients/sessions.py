@@ -2,7 +2,8 @@
 
 A session's state lives on one server, so a client with several addresses sends all of a
 session's requests to the server its first one went to (while that server is up). And it sends
-back the step the session reached, from its replies: a server that does not know a session (it restarted, or another server behind a multi-address
+back the step the session reached, from its replies: a server that does not know a session (it restarted,
+or another server behind a multi-address
 client answered before) and is asked to continue from step n > 0 answers SESSION_LOST instead of
 silently starting over from zero. SESSION_LOST is not retryable: it is never sent to another server.
 And it counts each session's requests in flight: a refused one among several pipelined ones is not

@@ -89,7 +89,8 @@ class ServerConfig:
     drain_timeout_ms: int = 30000  # on SIGTERM, how long in-flight requests may take to finish
     restart_budget: int = 10  # worker restarts allowed per 10 minutes before the supervisor gives up
     load_wait_ms: int = 60000  # a model load with no worker registered waits this long for one (docs/deploy.md)
-    max_replays: int = 2  # a request replayed this often after losing its worker fails with INTERNAL when it loses another
+    # a request replayed this often after losing its worker fails with INTERNAL when it loses another
+    max_replays: int = 2
     max_queued_requests: int = 10000  # admission bound: requests in flight; beyond it new ones get OVERLOADED
     max_queued_nodes: int = 1_000_000  # admission bound: cells admitted and not yet submitted to a worker
     max_queue_delay_ms: int = 250  # admission: refuse when the expected wait exceeds this; 0: off
@@ -112,7 +113,8 @@ class SchedulerConfig:
     idle_tasks: int = 4  # deep enough that the worker never waits for a busy event loop
     bucket_width: int = 10  # padded policy: requests whose lengths fall in one bucket of this width batch together
     max_group_requests: int = 0  # padded and graph policies: requests per batch; 0: the model's largest batch size
-    max_steps_per_task: int = 64  # consecutive waves of the same lanes one task may run (a lone sentence: one task); 1: single steps only
+    # consecutive waves of the same lanes one task may run (a lone sentence: one task); 1: single steps only
+    max_steps_per_task: int = 64
     max_join_delay_us: int = 2000  # a multi-step task's expected duration at a light load (manager.batching.join_delay)
     latency_target_ms: int = 100  # the latency wanted under load: a fifth of it bounds a multi-step task's duration
     running_batch: str = "manager"  # who decides each step: "manager" (tasks) or "worker" (requests routed whole)
@@ -170,7 +172,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     devices = table.get("devices", defaults.devices)
     if isinstance(devices, list):
         if not devices or not all(isinstance(d, str) and (d == "cpu" or d.startswith("cuda:")) for d in devices):
-            raise ConfigError(f"{path}: [server] devices must be \"auto\", \"cpu\" or a list like [\"cuda:0\", \"cuda:1\"]")
+            raise ConfigError(
+                f"{path}: [server] devices must be \"auto\", \"cpu\" or a list like [\"cuda:0\", \"cuda:1\"]"
+            )
         if "cpu" in devices and len(set(devices)) > 1:
             # Peers read each other's arenas: GPUs through CUDA IPC, CPU workers through shared memory;
             # a worker of one kind cannot open the other's, so the first migrated value would fail.
@@ -186,7 +190,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         raise ConfigError(f"{path}: [server] cuda_graphs = true needs GPU workers, but devices is {devices!r}")
     cross_gpu_reads = string(table, "cross_gpu_reads", defaults.cross_gpu_reads, "server", path)
     if cross_gpu_reads not in CROSS_GPU_READS:
-        raise ConfigError(f"{path}: [server] cross_gpu_reads must be one of {', '.join(CROSS_GPU_READS)}, got {cross_gpu_reads!r}")
+        raise ConfigError(
+            f"{path}: [server] cross_gpu_reads must be one of {', '.join(CROSS_GPU_READS)}, got {cross_gpu_reads!r}"
+        )
     server = ServerConfig(
         address=string(table, "address", defaults.address, "server", path),
         worker_address=string(table, "worker_address", defaults.worker_address, "server", path),
@@ -201,7 +207,9 @@ def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
         default_deadline_ms=positive_int(
             table, "default_deadline_ms", defaults.default_deadline_ms, "server", path, minimum=0
         ),
-        heartbeat_timeout_ms=positive_int(table, "heartbeat_timeout_ms", defaults.heartbeat_timeout_ms, "server", path, 500),
+        heartbeat_timeout_ms=positive_int(
+            table, "heartbeat_timeout_ms", defaults.heartbeat_timeout_ms, "server", path, 500
+        ),
         hang_timeout_ms=positive_int(table, "hang_timeout_ms", defaults.hang_timeout_ms, "server", path, 100),
         drain_timeout_ms=positive_int(table, "drain_timeout_ms", defaults.drain_timeout_ms, "server", path, minimum=0),
         restart_budget=positive_int(table, "restart_budget", defaults.restart_budget, "server", path, minimum=0),

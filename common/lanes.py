@@ -113,7 +113,9 @@ def stacked_after(graph_nodes: Sequence[NodeSpec], depth: Sequence[int]) -> list
     lanes: dict[str, list[int]] = {}
     for node in sorted(range(len(graph_nodes)), key=lambda n: (depth[n], n)):
         lanes.setdefault(graph_nodes[node].cell_type, []).append(node)
-    chains = {key: nodes for key, nodes in lanes.items() if all(depth[b] > depth[a] for a, b in itertools.pairwise(nodes))}
+    chains = {
+        key: nodes for key, nodes in lanes.items() if all(depth[b] > depth[a] for a, b in itertools.pairwise(nodes))
+    }
     lane_of = {node: key for key, nodes in chains.items() for node in nodes}
     edges = []
     for key, nodes in chains.items():

@@ -209,7 +209,9 @@ def map_to_tensor(value: Any, name: str = "tensor", rank: int | None = None) -> 
         raise RequestError(INVALID_INPUT, f"{name}: shape {echo(shape)} cannot fit in {len(data)} bytes of {dtype}")
     expected = math.prod(shape) * np_dtype.itemsize  # cheap: at most MAX_RANK factors of 64 bits
     if expected != len(data):
-        raise RequestError(INVALID_INPUT, f"{name}: shape {echo(shape)} of {dtype} needs {expected} bytes, got {len(data)}")
+        raise RequestError(
+            INVALID_INPUT, f"{name}: shape {echo(shape)} of {dtype} needs {expected} bytes, got {len(data)}"
+        )
     try:
         array = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     except ValueError:  # an empty tensor whose other dimensions numpy cannot index

@@ -98,7 +98,9 @@ class ElmanModel(Model):
         h = torch.zeros(self.hidden_size)
         for token in tokens.tolist():
             x = state["embedding.weight"][token]
-            h = torch.tanh(state["rnn.weight_ih"] @ x + state["rnn.bias_ih"] + state["rnn.weight_hh"] @ h + state["rnn.bias_hh"])
+            h = torch.tanh(
+                state["rnn.weight_ih"] @ x + state["rnn.bias_ih"] + state["rnn.weight_hh"] @ h + state["rnn.bias_hh"]
+            )
         return {"h": h.numpy().astype(np.float32)}
 
 

@@ -30,7 +30,9 @@ def run_stage(stage: str, out: Path, log, timeout: int, flags: list[str]) -> dic
     began = time.monotonic()
     command = [sys.executable, str(ROOT / "scripts" / "device_stages.py"), stage, "--out", str(out), *flags]
     try:
-        done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        done = subprocess.run(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, check=False
+        )
         output, failure = done.stdout, None if done.returncode == 0 else f"exited with status {done.returncode}"
     except subprocess.TimeoutExpired as expired:
         output, failure = expired.stdout or b"", f"timed out after {timeout} s"
@@ -38,7 +40,11 @@ def run_stage(stage: str, out: Path, log, timeout: int, flags: list[str]) -> dic
     log.write(f"== {stage}\n{text}\n")
     print(text, end="" if text.endswith("\n") or not text else "\n")
     path = out / f"{stage}.json"
-    report = json.loads(path.read_text()) if path.exists() and failure is None else {"ok": False, "problems": [], "results": {}}
+    report = (
+        json.loads(path.read_text())
+        if path.exists() and failure is None
+        else {"ok": False, "problems": [], "results": {}}
+    )
     if failure is not None:
         report["problems"] = [*report["problems"], f"{stage} {failure} (see device-check.log)"]
     report["seconds"] = round(time.monotonic() - began, 1)
@@ -46,8 +52,12 @@ def run_stage(stage: str, out: Path, log, timeout: int, flags: list[str]) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="device-check", description="Check this machine's GPU (or, with --cpu, what needs none) end to end.")
-    parser.add_argument("--out", type=Path, default=None, help="where the report and log go (default: a new temporary folder)")
+    parser = argparse.ArgumentParser(
+        prog="device-check", description="Check this machine's GPU (or, with --cpu, what needs none) end to end."
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the report and log go (default: a new temporary folder)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer tasks and requests in every stage")
     parser.add_argument("--cpu", action="store_true", help="run every stage that needs no GPU, on CPU workers")
     args = parser.parse_args()

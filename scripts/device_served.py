@@ -27,7 +27,9 @@ from batchmaker.manager.commands.supervisor import Supervisor
 LONG = 100  # tokens of a throughput request
 
 
-def serving_config(directory: Path, devices: list[str], cuda_graphs: bool = False, lstm_hidden: int | None = None) -> Config:
+def serving_config(
+    directory: Path, devices: list[str], cuda_graphs: bool = False, lstm_hidden: int | None = None
+) -> Config:
     """configs/all.toml on `devices` (or, with `lstm_hidden`, the LSTM alone at that size, batches up to 512),
     on a free port, one task per submission so that subgraphs change workers and peers' arenas are read;
     weights it lacks are made in `directory`."""
@@ -36,8 +38,14 @@ def serving_config(directory: Path, devices: list[str], cuda_graphs: bool = Fals
         text = text[: text.index("[models.gru]")].replace("hidden_size = 256", f"hidden_size = {lstm_hidden}")
         text = re.sub(r"(?m)^batch_sizes = .*$", "batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]", text)
         text = text.replace('"../weights/lstm-h256-random.pt"', f'"{directory}/lstm-h{lstm_hidden}.pt"')
-    workers = f"devices = {_toml_list(devices)}" if devices[0] != "cpu" else f'devices = "cpu"\ncpu_workers = {len(devices)}'
-    text = re.sub(r"(?m)^devices = .*$\n^cpu_workers = .*$", f"{workers}\ncuda_graphs = {str(cuda_graphs).lower()}", text)
+    workers = (
+        f"devices = {_toml_list(devices)}"
+        if devices[0] != "cpu"
+        else f'devices = "cpu"\ncpu_workers = {len(devices)}'
+    )
+    text = re.sub(
+        r"(?m)^devices = .*$\n^cpu_workers = .*$", f"{workers}\ncuda_graphs = {str(cuda_graphs).lower()}", text
+    )
     text = re.sub(r"(?m)^address = .*$", f'address = "tcp://127.0.0.1:{free_port_on("127.0.0.1")}"', text)
     text = re.sub(r"(?m)^max_tasks_to_submit = .*$", "max_tasks_to_submit = 1", text)
     for weights in re.findall(r'"\.\./weights/([^"]+)"', text):
@@ -97,7 +105,9 @@ def check_served(config: Config, workers: int, per_model: int) -> tuple[list[str
             stats = client.stats()
     tasks = {worker: w["tasks_completed"] for worker, w in stats["workers"].items()}
     from_peers = sum(sum(w["rows_read_from_peers"].values()) for w in stats["workers"].values())
-    print(f"served: tasks per worker {tasks}, rows read from peers {from_peers}, worker losses {stats['worker_losses']}")
+    print(
+        f"served: tasks per worker {tasks}, rows read from peers {from_peers}, worker losses {stats['worker_losses']}"
+    )
     if not from_peers:
         problems.append("no rows were read from a peer's arena")
     if len(tasks) != workers:

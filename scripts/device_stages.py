@@ -70,7 +70,9 @@ def environment(args: argparse.Namespace) -> Result:
         "dev_shm_free_bytes": shm.f_frsize * shm.f_bavail,
     }
     if not gpus and not args.cpu:
-        problems.append(f"no CUDA device visible to torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
+        problems.append(
+            f"no CUDA device visible to torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})"
+        )
     if results["dev_shm_free_bytes"] < 256 << 20:
         problems.append(f"/dev/shm has {results['dev_shm_free_bytes'] >> 20} MiB free: the arenas live there")
     return problems, results
@@ -148,12 +150,18 @@ def counter(args: argparse.Namespace) -> Result:
                     if backend.signal() <= base + checked:
                         return [f"the counter stopped at task {backend.signal() - base} of {tasks}"], {}
                     row = FIRST_FREE_SLOT + checked % window
-                    if backend.finish(checked) is not None or not np.allclose(io.array[row], expected[checked % vocab], atol=1e-5):
-                        problems.append(f"task {checked}: io row {row} does not hold its value when the counter passed it")
+                    if backend.finish(checked) is not None or not np.allclose(
+                        io.array[row], expected[checked % vocab], atol=1e-5
+                    ):
+                        problems.append(
+                            f"task {checked}: io row {row} does not hold its value when the counter passed it"
+                        )
                         break
                 if task_id < tasks:
                     row = FIRST_FREE_SLOT + task_id % window
-                    backend.issue(_step_task(task_id, kinds, np.array([task_id % vocab]), 2 * window + 16, np.array([row])))
+                    backend.issue(
+                        _step_task(task_id, kinds, np.array([task_id % vocab]), 2 * window + 16, np.array([row]))
+                    )
             seconds = time.perf_counter() - began
         finally:
             io.close()
@@ -251,7 +259,11 @@ def _chained_tasks(backend: Backend, kinds, batch: int, tasks: int) -> float:
     seen = backend.signal()
     began = time.perf_counter()
     for task_id in range(tasks):
-        backend.issue(_step_task(task_id, kinds, tokens, FIRST_FREE_SLOT + (task_id % 2) * 2 * batch, np.arange(batch) + FIRST_FREE_SLOT))
+        backend.issue(
+            _step_task(
+                task_id, kinds, tokens, FIRST_FREE_SLOT + (task_id % 2) * 2 * batch, np.arange(batch) + FIRST_FREE_SLOT
+            )
+        )
     issued = time.perf_counter() - began
     backend.wait_for_signal(seen + tasks - 1, 120.0)
     for task_id in range(tasks):

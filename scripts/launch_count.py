@@ -163,7 +163,10 @@ def count_step_launches(batch: int, config: Path, steps: int) -> list[StepLaunch
 
 def steps_table(rows: list[StepLaunches]) -> str:
     lines = [
-        "| cell type | steps | per task | per step | in the cell, per step | uploads per task | per step with `cuda_graphs` |",
+        (
+            "| cell type | steps | per task | per step | in the cell, per step | uploads per task "
+            "| per step with `cuda_graphs` |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -182,7 +185,8 @@ def table(rows: list[Launches]) -> str:
     for r in rows:
         total = r.gather + r.cell + r.scatter + r.downloads
         lines.append(
-            f"| `{r.cell_type}` | {r.inputs} | {r.outputs} | {r.gather} | {r.cell} | {r.scatter} | {r.downloads} | {total} |"
+            f"| `{r.cell_type}` | {r.inputs} | {r.outputs} | {r.gather} | {r.cell} | {r.scatter} "
+            f"| {r.downloads} | {total} |"
         )
     return "\n".join(lines)
 

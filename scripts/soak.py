@@ -197,7 +197,10 @@ def main() -> int:
     print("RSS (MB)             first third   last third")
     print(f"  manager            {np.mean([m for _, m, _ in first]):10.1f}   {np.mean([m for _, m, _ in last]):10.1f}")
     for i in range(len(samples[0][2]) if samples else 0):
-        print(f"  worker {i}           {np.nanmean([w[i] for _, _, w in first]):10.1f}   {np.nanmean([w[i] for _, _, w in last]):10.1f}")
+        print(
+            f"  worker {i}           {np.nanmean([w[i] for _, _, w in first]):10.1f}   "
+            f"{np.nanmean([w[i] for _, _, w in last]):10.1f}"
+        )
     failed = bool(unexpected) or any(slots.values())
     print("SOAK FAILED" if failed else "soak passed: every request answered as expected, no slot held")
     return 1 if failed else 0

@@ -125,7 +125,14 @@ def stop_server(server: RunningServer) -> None:
 def start_worker(config: Config, manager: str, *options: str, **popen: Any) -> subprocess.Popen:
     """`batchmaker worker` started by hand, as on another machine; `options` go to the command."""
     command = [
-        sys.executable, "-m", "batchmaker.manager.commands.cli", "worker", "--config", str(config.path), "--manager", manager
+        sys.executable,
+        "-m",
+        "batchmaker.manager.commands.cli",
+        "worker",
+        "--config",
+        str(config.path),
+        "--manager",
+        manager,
     ]
     return subprocess.Popen([*command, *options], cwd=ROOT, **popen)
 

@@ -242,7 +242,9 @@ class Recorder(TorchDispatchMode):
         self._runtime.calls.append(Call(str(func), stream))
         result = func(*args, **kwargs)
         inputs = {_storage(t) for t in tensors}
-        written = [args[i] for i, arg in enumerate(func._schema.arguments) if arg.alias_info and arg.alias_info.is_write]
+        written = [
+            args[i] for i, arg in enumerate(func._schema.arguments) if arg.alias_info and arg.alias_info.is_write
+        ]
         written += [t for t in _tensors(result) if _storage(t) not in inputs]
         for tensor in written:
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":

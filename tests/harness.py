@@ -51,7 +51,10 @@ class Harness:
         self._arenas: list[list[torch.Tensor]] = []  # each worker's arenas by id, for `run_oldest`
         self.workers = [self._worker(i, rows, host, full_task_s) for i, host in enumerate(hosts or [0] * workers)]
         scheduling = dataclasses.replace(
-            config.scheduler, max_tasks_to_submit=max_tasks_to_submit, affinity=affinity, max_steps_per_task=max_steps_per_task
+            config.scheduler,
+            max_tasks_to_submit=max_tasks_to_submit,
+            affinity=affinity,
+            max_steps_per_task=max_steps_per_task,
         )
         config = dataclasses.replace(config, scheduler=scheduling)
         self.core = BatchingCore(config, self.models, self.specs, self.kinds, {w.worker_id: w for w in self.workers})
@@ -74,7 +77,9 @@ class Harness:
         registration = {"index": index, "arenas": arenas, "full_task_s": full_task_s}
         return WorkerHandle(index, f"w{index}".encode(), registration, self.kinds, host)
 
-    def admit(self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0, **fields: Any) -> Request:
+    def admit(
+        self, model: str, inputs: dict[str, Any], name: Any = None, arrival: float = 0.0, **fields: Any
+    ) -> Request:
         """Admit an `infer` request; `fields` are its other fields (priority, ...)."""
         self._next_id += 1
         request_id = name if name is not None else self._next_id

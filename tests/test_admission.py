@@ -210,7 +210,9 @@ def test_a_run_of_refusals_quoting_the_same_wait_shares_one_error_raised_afresh_
     assert other is not first and "estimated wait 400 ms" in other.message and "4000 cells queued" in other.message
     late = refusal(admission, 4_000, deadline_ms=100)
     assert late.code == DEADLINE_EXCEEDED and "deadline_ms 100" in late.message
-    assert refusal(admission, 4_000, deadline_ms=50).message.endswith("deadline_ms 50; raise the deadline or retry later")
+    assert refusal(admission, 4_000, deadline_ms=50).message.endswith(
+        "deadline_ms 50; raise the deadline or retry later"
+    )
     assert refusal(admission, 4_000) is not other  # only the last refusal is kept
     assert "estimated wait 400 ms" in refusal(admission, 4_000).message
 

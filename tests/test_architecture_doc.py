@@ -10,7 +10,9 @@ DOC = (ROOT / "docs" / "architecture.md").read_text()
 
 
 def test_every_module_the_architecture_names_exists():
-    named = set(re.findall(r"`((?:manager|worker|common|clients|bench|scripts|tests|examples|deploy)/[\w/]+\.py)`", DOC))
+    named = set(
+        re.findall(r"`((?:manager|worker|common|clients|bench|scripts|tests|examples|deploy)/[\w/]+\.py)`", DOC)
+    )
     assert len(named) > 40
     assert sorted(path for path in named if not (ROOT / path).exists()) == []
 

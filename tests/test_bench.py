@@ -97,7 +97,8 @@ def test_poisson_schedule_keeps_the_rate_and_the_window():
 def synthetic_result() -> dict:
     def run(peak: float, p90: float) -> dict:
         def at(rate: float, latency: float) -> dict:
-            cdf = {"queue_ms": list(np.linspace(0.1, latency / 4, 101)), "compute_ms": list(np.linspace(1, latency, 101))}
+            cdf = {"queue_ms": list(np.linspace(0.1, latency / 4, 101)),
+                   "compute_ms": list(np.linspace(1, latency, 101))}
             pct = {"p50": latency / 2, "p90": latency, "p99": latency * 2}
             return {"offered_rps": rate, "achieved_rps": min(rate, peak), "latency_ms": pct,
                     "queue_ms": {k: v / 4 for k, v in pct.items()}, "compute_ms": pct, "mean_batch_size": 32.0,
@@ -108,7 +109,8 @@ def synthetic_result() -> dict:
 
     return {
         "preset": "lstm", "description": "test", "reference_policy": "padded", "max_tasks_to_submit": 5,
-        "kernel": {"cells": {"lstm/layer0": {"batch": 64, "seconds_per_call": 0.002}}, "ideal": {"requests_per_s": 1000.0}},
+        "kernel": {"cells": {"lstm/layer0": {"batch": 64, "seconds_per_call": 0.002}},
+                   "ideal": {"requests_per_s": 1000.0}},
         "torch_nn_kernel": {"cells": {"lstm/layer0": {"batch": 64, "seconds_per_call": 0.004}},
                             "ideal": {"requests_per_s": 500.0}},
         "dataset": {"cells_per_request": {"lstm/layer0": 20.0}},
@@ -140,7 +142,9 @@ def test_the_attention_preset_is_judged_against_padding_by_p90_and_a_peak_of_1_3
     result = {**synthetic_result(), "preset": "attention"}
     result["policies"]["cellular"] = result["policies"]["padded"]  # no better than padding: both goals missed
     goals = {t["what"].split(" at ")[0]: t for t in report.targets(result, report.summarize(result))}
-    assert goals["cellular peak / padded peak"]["target"] == 1.3 and goals["cellular peak / padded peak"]["met"] is False
+    assert (
+        goals["cellular peak / padded peak"]["target"] == 1.3 and goals["cellular peak / padded peak"]["met"] is False
+    )
     assert goals["cellular p90 / padded p90"]["met"] is False
 
 
@@ -166,7 +170,9 @@ def test_the_tagger_preset_is_held_to_its_own_peak_goal_beside_padded():
 def test_the_tagger_preset_serves_every_tokens_tags_from_a_bilstm_and_is_left_out_of_all(tmp_path: Path):
     preset = PRESETS["tagger"]
     config = tmp_path / "bench.toml"
-    config.write_text('[server]\naddress = "tcp://127.0.0.1:5999"\n' + preset.model_toml.replace("{weights}", str(tmp_path)))
+    config.write_text(
+        '[server]\naddress = "tcp://127.0.0.1:5999"\n' + preset.model_toml.replace("{weights}", str(tmp_path))
+    )
     model = build_model(load_config(config).models[preset.model])
     assert list(model.cell_types) == ["tagger/layer0", "tagger/layer0_reverse"]  # the head rides on both
     assert model.describe()["outputs"]["logits"]["shape"] == [-1, 9]
@@ -181,7 +187,10 @@ def test_plots_and_json_are_written(tmp_path: Path):
     paths = plots.draw(result, tmp_path)
     assert [p.name for p in paths] == ["lstm-latency.png", "lstm-cdf.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
-    assert json.loads(json.dumps(report.finite({"x": float("nan"), "y": [1.0, float("inf")]}))) == {"x": None, "y": [1.0, None]}
+    assert (
+        json.loads(json.dumps(report.finite({"x": float("nan"), "y": [1.0, float("inf")]})))
+        == {"x": None, "y": [1.0, None]}
+    )
 
 
 def _fake_server(socket: zmq.Socket, stop: threading.Event) -> None:

@@ -24,7 +24,9 @@ def test_a_run_reports_the_managers_cpu_per_request_and_per_task_and_the_workers
     assert manager["tasks"] >= 2  # every request has 22 steps: a lane task takes 16 at most (the default)
     assert manager["manager_cpu_us_per_request"] > 0
     assert manager["manager_cpu_us_per_task"] > 0
-    assert manager["manager_cpu_us_per_task"] * manager["tasks"] == pytest.approx(manager["manager_cpu_us_per_request"] * 300)
+    assert manager["manager_cpu_us_per_task"] * manager["tasks"] == pytest.approx(
+        manager["manager_cpu_us_per_request"] * 300
+    )
 
 
 def test_the_table_shows_the_managers_cpu_per_request_and_per_task():

@@ -42,7 +42,9 @@ def test_replies_beyond_sends_counts_one_server_answering_twice() -> None:
 
 
 def test_rss_growth_compares_only_managers_alive_at_both_samples() -> None:
-    growth = rss_growth({"a pid 1": 100 * 2**20, "b pid 2": 50 * 2**20}, {"a pid 1": 103 * 2**20, "b pid 9": 60 * 2**20})
+    growth = rss_growth(
+        {"a pid 1": 100 * 2**20, "b pid 2": 50 * 2**20}, {"a pid 1": 103 * 2**20, "b pid 9": 60 * 2**20}
+    )
     assert list(growth) == ["a pid 1"]
     assert abs(growth["a pid 1"]["growth"] - 0.03) < 1e-12 and growth["a pid 1"]["end_mib"] == 103
 

@@ -40,7 +40,9 @@ def test_an_interpreter_without_dynet_is_a_clear_error(tree_model):
     with pytest.raises(dynet_baseline.DyNetError, match="cannot be run"):
         dynet_baseline.offline("/nonexistent/python", model, state, trees)
     failed = {"error": "BATCHMAKER_DYNET_PYTHON=x failed"}
-    assert not dynet_baseline.ok(failed) and dynet_baseline.lines(failed) == ["dynet: FAILED: BATCHMAKER_DYNET_PYTHON=x failed"]
+    assert not dynet_baseline.ok(failed) and dynet_baseline.lines(failed) == [
+        "dynet: FAILED: BATCHMAKER_DYNET_PYTHON=x failed"
+    ]
 
 
 def test_trees_go_to_dynet_children_first_with_the_left_child_first(tree_model):
@@ -50,7 +52,11 @@ def test_trees_go_to_dynet_children_first_with_the_left_child_first(tree_model):
     parsed = model.parse(tree)
     assert len(rows) == len(parsed.tokens) and rows[-1][0] == parsed.tokens[parsed.root]
     for k, (token, left, right) in enumerate(rows):
-        assert (left, right) == (-1, -1) if token >= 0 else (0 <= min(left, right) and left != right and max(left, right) < k)
+        assert (
+            (left, right) == (-1, -1)
+            if token >= 0
+            else (0 <= min(left, right) and left != right and max(left, right) < k)
+        )
 
 
 def test_dynet_is_quoted_at_its_fastest_variant_with_its_setup_and_every_run_listed():

@@ -62,8 +62,8 @@ def test_the_timed_forward_is_the_reference(tmp_path: Path, models: str, name: s
 
 
 def synthetic_row(name: str, served: float, local: float, ok: bool = True) -> dict:
-    check = {"checked": 12, "max_abs_error": 1e-6 if ok else 0.3, "wrong": [] if ok else ["tokens is [1], expected [2]"],
-             "ok": ok}
+    check = {"checked": 12, "max_abs_error": 1e-6 if ok else 0.3,
+             "wrong": [] if ok else ["tokens is [1], expected [2]"], "ok": ok}
     return {"row": name, "model": "lstm", "requests": 12, "served_ms": {"p50": served, "p99": 2 * served},
             "in_process_ms": {"p50": local, "p99": local}, "server_total_ms": {"p50": served, "p99": served},
             "ratio": {"p50": served / local, "p99": 2 * served / local}, "goal_met": served <= idle.GOAL * local,

@@ -64,7 +64,8 @@ def test_a_kill_is_timed_from_the_signal():
     assert row["last_resent_answered_after_ms"] == pytest.approx(100)
     assert row["answered"] == 200 and row["failed"] == {} and row["duplicate_replies_dropped"] == 1
     assert row["latency_ms_before"]["p99"] == pytest.approx(20)  # answered before the signal
-    assert row["latency_ms_after"]["p99"] > 100 and row["max_latency_ms_after"] == pytest.approx(140)  # 96: 0.96 to 1.1 s
+    # 96: 0.96 to 1.1 s
+    assert row["latency_ms_after"]["p99"] > 100 and row["max_latency_ms_after"] == pytest.approx(140)
     assert row["refused_while_draining"] == 0 and row["servers"] == 3
 
 

@@ -65,8 +65,8 @@ def test_the_setups_are_one_instance_a_core_and_the_settings_given():
     _, one, three = triton_setups.setups(instances=3, tokens_per_request=16)
     assert (three.instances, three.tokens_per_request, one.instances) == (3, 16, 1)
     assert three.record() == {
-        "name": "sequence direct", "batcher": "sequence", "strategy": "direct", "instances": 3, "tokens_per_request": 16,
-        "max_batch": 64, "max_queue_delay_us": 0, "text": three.text(),
+        "name": "sequence direct", "batcher": "sequence", "strategy": "direct", "instances": 3,
+        "tokens_per_request": 16, "max_batch": 64, "max_queue_delay_us": 0, "text": three.text(),
     }  # fmt: skip
 
 

@@ -64,7 +64,8 @@ def test_lane_step_costs_go_by_the_worker_and_the_rest_by_the_manager(make_harne
         h.admit("lstm", {"tokens": [1, 2, 3, 4]})
     h.schedule(worker)
     task = worker.tasks[min(worker.tasks)]
-    assert isinstance(task.message, LaneTaskMessage) and task.step_nodes == [4, 4]  # 2 steps of 1 ms fill the 2 ms join delay
+    # 2 steps of 1 ms fill the 2 ms join delay
+    assert isinstance(task.message, LaneTaskMessage) and task.step_nodes == [4, 4]
     h.core.tasks_finished(worker, CompletionNotice(worker.worker_id, [task.task_id], {}, 1, busy_us=[400]))
     assert h.core.scheduler.step_costs.seconds(CELL, 4) == pytest.approx(200e-6)
     h.schedule(worker)  # what is left of the lanes in one task now: 2 steps of 200 µs

@@ -105,7 +105,13 @@ def test_initial_states_change_the_answer_and_zeros_do_not():
     zeros = {"h0": np.zeros((2, 8), np.float32).tolist(), "c0": np.zeros((2, 8), np.float32).tolist()}
     given = initial(model, np.random.default_rng(1))
     plain, with_zeros, with_states = run_plans(
-        model, cells, [model.plan({"tokens": tokens}), model.plan({"tokens": tokens, **zeros}), model.plan({"tokens": tokens, **given})]
+        model,
+        cells,
+        [
+            model.plan({"tokens": tokens}),
+            model.plan({"tokens": tokens, **zeros}),
+            model.plan({"tokens": tokens, **given}),
+        ],
     )
     assert np.array_equal(plain["h_n"], with_zeros["h_n"])
     assert np.abs(plain["h_n"] - with_states["h_n"]).max() > 1e-3
@@ -300,7 +306,9 @@ def test_the_default_chain_keeps_its_cells_and_plan():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("params", [{"num_layers": 2, "bidirectional": True, "head_size": 3}, {"input_size": 5, "head_size": 2}])
+@pytest.mark.parametrize(
+    "params", [{"num_layers": 2, "bidirectional": True, "head_size": 3}, {"input_size": 5, "head_size": 2}]
+)
 def test_weights_are_named_and_shaped_as_torch_nn_names_them(kind: str, params: dict[str, Any]):
     import torch
 
@@ -367,7 +375,10 @@ def test_a_vector_model_needs_x():
 BAD_CONFIGS = [
     ({"hidden_size": 8}, "give vocab_size (token inputs) or input_size (vector inputs x), not both or neither"),
     ({"hidden_size": 8, "vocab_size": 10, "input_size": 4}, "not both or neither"),
-    ({"hidden_size": 8, "input_size": 4, "embedding_size": 4}, "embedding_size applies to token inputs (vocab_size) only"),
+    (
+        {"hidden_size": 8, "input_size": 4, "embedding_size": 4},
+        "embedding_size applies to token inputs (vocab_size) only",
+    ),
     ({"hidden_size": 8, "input_size": 0}, "input_size must be an integer >= 1, got 0"),
     ({"hidden_size": 8, "vocab_size": 10, "bidirectional": "yes"}, "bidirectional must be true or false, got 'yes'"),
     ({"hidden_size": 8, "vocab_size": 10, "head_size": 0}, "head_size must be an integer >= 1, got 0"),
@@ -389,7 +400,10 @@ def test_served_kernels_equal_the_torch_nn_cells(kind: str):
     what the plain torch.nn cells (concatenating, then nn.LSTMCell / nn.GRUCell / nn.Linear) do."""
     import torch
 
-    for params in ({"input_size": 5, "num_layers": 2, "bidirectional": True, "head_size": 3}, {"num_layers": 2, "bidirectional": True}):
+    for params in (
+        {"input_size": 5, "num_layers": 2, "bidirectional": True, "head_size": 3},
+        {"num_layers": 2, "bidirectional": True},
+    ):
         model = chain(kind, **params)
         state = model.init_weights(3)
         served, plain = model.make_cells(state), model.torch_nn_cells(state)

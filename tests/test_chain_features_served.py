@@ -48,7 +48,9 @@ def model_tables() -> str:
 
 
 @pytest.fixture(scope="module", params=["cellular", "padded"])
-def served(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[tuple[Any, dict[str, Any]]]:
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[Any, dict[str, Any]]]:
     """One server of every feature combination under each policy, with each model and its weights to
     check answers against."""
     scheduler = f'policy = "{request.param}"\nbucket_width = 8'
@@ -73,7 +75,9 @@ def random_request(model: Any, rng: np.random.Generator) -> dict[str, Any]:
         request = {"tokens": rng.integers(0, VOCAB, size=length).tolist()}
     if rng.random() < 0.5:
         for name in model.state_names:
-            request[f"{name}0"] = tensor_to_map(rng.standard_normal((model.final_rows, model.hidden_size)).astype(np.float32))
+            request[f"{name}0"] = tensor_to_map(
+                rng.standard_normal((model.final_rows, model.hidden_size)).astype(np.float32)
+            )
     return request
 
 
@@ -101,7 +105,8 @@ def test_concurrent_mixed_requests_equal_the_reference(served):
 
 BAD = [
     ("lstm2", {"h0": np.zeros((1, 16), np.float32)}, "h0 must have shape [2, 16], got [1, 16]"),
-    ("lstm2", {"c0": np.zeros((2, 16), np.float16)}, "c0 must be a float32 tensor [2, 16], got float16"),  # float64 goes as float32
+    # float64 goes as float32
+    ("lstm2", {"c0": np.zeros((2, 16), np.float16)}, "c0 must be a float32 tensor [2, 16], got float16"),
     ("lstm2", {"h0": [[0.0] * 16, [float("nan")] * 16]}, "h0[1][0] = nan is not a finite float32"),
     ("gru2", {"c0": np.zeros((2, 16), np.float32)}, "unknown input 'c0' for model 'gru2'; it takes: tokens, h0"),
     ("lstm_x", {"x": np.zeros((0, 16), np.float32)}, "x is empty; send at least one row"),

@@ -27,7 +27,9 @@ TOKENS = [5, 17, 342, 9]
 def run(command: list[str], *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """A command line run with the user's environment, less PYTHONPATH and BATCHMAKER_ADDRESS unless `env` sets it."""
     base = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "BATCHMAKER_ADDRESS")}
-    return subprocess.run([*command, *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [*command, *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def infer_h(result: subprocess.CompletedProcess[str]) -> np.ndarray:
@@ -65,14 +67,22 @@ def test_the_address_comes_from_the_environment_or_the_config(name: str, lstm_se
 
     # --address wins over both, --config over the environment
     elsewhere = str(config_at(tmp_path, dead_address()))
-    given = run(command, *infer_args("--address", lstm_server.address, "--config", elsewhere), env={"BATCHMAKER_ADDRESS": dead_address()})
+    given = run(
+        command,
+        *infer_args("--address", lstm_server.address, "--config", elsewhere),
+        env={"BATCHMAKER_ADDRESS": dead_address()},
+    )
     assert np.abs(infer_h(given) - expected).max() <= 1e-5
-    configured = run(command, *infer_args("--config", str(lstm_server.config.path)), env={"BATCHMAKER_ADDRESS": dead_address()})
+    configured = run(
+        command, *infer_args("--config", str(lstm_server.config.path)), env={"BATCHMAKER_ADDRESS": dead_address()}
+    )
     assert np.abs(infer_h(configured) - expected).max() <= 1e-5
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-@pytest.mark.parametrize("subcommand", [["health"], ["models"], ["stats"], ["infer", "--model", "lstm", "--tokens", "1"]])
+@pytest.mark.parametrize(
+    "subcommand", [["health"], ["models"], ["stats"], ["infer", "--model", "lstm", "--tokens", "1"]]
+)
 def test_no_address_names_the_three_ways_to_give_one(name: str, subcommand: list[str]):
     result = run(COMMANDS[name], *subcommand)
     assert result.returncode == 1 and result.stdout == ""
@@ -86,7 +96,9 @@ def test_a_config_that_cannot_be_read_is_named(name: str, tmp_path: Path):
     missing = tmp_path / "missing.toml"
     result = run(COMMANDS[name], "health", "--config", str(missing))
     assert result.returncode == 1
-    assert result.stderr.startswith(f"error USAGE: cannot take the server address from --config {missing}: "), result.stderr
+    assert result.stderr.startswith(
+        f"error USAGE: cannot take the server address from --config {missing}: "
+    ), result.stderr
     broken = tmp_path / "broken.toml"
     broken.write_text("[server\n")
     result = run(COMMANDS[name], "health", "--config", str(broken))
@@ -103,7 +115,9 @@ def test_the_client_reads_a_config_address_of_the_wrong_type_as_an_error(tmp_pat
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-@pytest.mark.parametrize("subcommand", [["health"], ["models"], ["stats"], ["infer", "--model", "lstm", "--tokens", "1"]])
+@pytest.mark.parametrize(
+    "subcommand", [["health"], ["models"], ["stats"], ["infer", "--model", "lstm", "--tokens", "1"]]
+)
 def test_nothing_listening_is_said_by_the_health_check(name: str, subcommand: list[str]):
     address = dead_address()
     result = run(COMMANDS[name], *subcommand, env={"BATCHMAKER_ADDRESS": address})
@@ -117,7 +131,9 @@ def test_nothing_listening_is_said_by_the_health_check(name: str, subcommand: li
 def test_a_server_that_answers_health_but_not_the_request_is_a_timeout(tmp_path: Path):
     server = FakeServer("held", mode="hold")
     try:
-        result = run([BATCHMAKER], "infer", "--address", server.address, "--model", "m", "--inputs", '{"n": 1}', "--timeout", "1")
+        result = run(
+            [BATCHMAKER], "infer", "--address", server.address, "--model", "m", "--inputs", '{"n": 1}', "--timeout", "1"
+        )
     finally:
         server.release()
         server.close()

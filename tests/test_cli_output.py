@@ -63,7 +63,9 @@ def run_into_closed_pipe(command: list[str], env: dict[str, str]) -> subprocess.
     os.close(reader)
     try:
         base = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "BATCHMAKER_ADDRESS")}
-        return subprocess.run(command, env={**base, **env}, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+        return subprocess.run(
+            command, env={**base, **env}, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120, check=False
+        )
     finally:
         os.close(writer)
 
@@ -73,7 +75,9 @@ def test_stats_counts_control_calls_apart_from_requests(lstm_server: RunningServ
         before = client.stats()
         assert run([BATCHMAKER], "models", env=at(lstm_server)).returncode == 0  # a health check, then models
         assert run([BATCHMAKER], "health", env=at(lstm_server)).returncode == 0  # a health check, then health
-        assert infer_h(run([BATCHMAKER], "infer", "--model", "lstm", "--tokens", "1 2", "--json", env=at(lstm_server))).shape == (64,)
+        assert infer_h(
+            run([BATCHMAKER], "infer", "--model", "lstm", "--tokens", "1 2", "--json", env=at(lstm_server))
+        ).shape == (64,)
         with pytest.raises(ServerError, match="BAD_REQUEST"):
             client.call({"op": "cancel"})  # a refused control call: still a control call
         with pytest.raises(ServerError, match="BAD_REQUEST"):
@@ -84,13 +88,18 @@ def test_stats_counts_control_calls_apart_from_requests(lstm_server: RunningServ
     calls = {op: after["control_calls"][op] - before["control_calls"][op] for op in after["control_calls"]}
     # each command's health check, and health itself
     assert calls == {"models": 1, "health": 5, "stats": 1, "cancel": 1, "load": 0, "unload": 0, "reload": 0}
-    requests = {key: after["requests"].get(key, 0) - before["requests"].get(key, 0) for key in ("received", "ok", "BAD_REQUEST")}
+    requests = {
+        key: after["requests"].get(key, 0) - before["requests"].get(key, 0) for key in ("received", "ok", "BAD_REQUEST")
+    }
     assert requests == {"received": 2, "ok": 1, "BAD_REQUEST": 1}
     assert after["requests"]["received"] == sum(n for key, n in after["requests"].items() if key != "received")
 
 
 def session_infer(server: RunningServer, tokens: list[int], *session: str) -> dict:
-    result = run([BATCHMAKER], "infer", "--model", "lstm", "--tokens", " ".join(map(str, tokens)), "--json", *session, env=at(server))
+    result = run(
+        [BATCHMAKER], "infer", "--model", "lstm", "--tokens", " ".join(map(str, tokens)),
+        "--json", *session, env=at(server),
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -105,12 +114,18 @@ def test_a_session_continues_across_calls_that_keep_nothing(lstm_server: Running
     assert again["session_step"] == 1
     assert np.abs(np.asarray(again["outputs"]["h"], np.float32) - reference_h(lstm_server, TOKENS[2:])).max() <= 1e-5
 
-    printed = run([BATCHMAKER], "infer", "--model", "lstm", "--tokens", "7", "--session", "cli-chunks", "--session-end", env=at(lstm_server))
+    printed = run(
+        [BATCHMAKER], "infer", "--model", "lstm", "--tokens", "7", "--session", "cli-chunks", "--session-end",
+        env=at(lstm_server),
+    )
     assert printed.returncode == 0 and printed.stdout.splitlines()[-1] == "session_step: 2", printed.stdout
 
 
 def test_a_session_the_server_does_not_hold_is_lost_not_restarted(lstm_server: RunningServer):
-    result = run([BATCHMAKER], "infer", "--model", "lstm", "--tokens", "7", "--session", "cli-never", "--session-step", "3", env=at(lstm_server))
+    result = run(
+        [BATCHMAKER], "infer", "--model", "lstm", "--tokens", "7", "--session", "cli-never", "--session-step", "3",
+        env=at(lstm_server),
+    )
     assert result.returncode == 1 and result.stderr.startswith("error SESSION_LOST: "), result.stderr
 
 
@@ -122,17 +137,24 @@ def test_a_session_the_server_does_not_hold_is_lost_not_restarted(lstm_server: R
         (["--session", "s", "--stream"], "--stream cannot carry a session"),
     ],
 )
-def test_session_options_without_a_session_or_with_a_stream_are_refused(options: list[str], message: str, lstm_server: RunningServer):
+def test_session_options_without_a_session_or_with_a_stream_are_refused(
+    options: list[str], message: str, lstm_server: RunningServer
+):
     result = run([BATCHMAKER], "infer", "--model", "lstm", "--tokens", "7", *options, env=at(lstm_server))
     assert result.returncode == 1 and result.stderr.startswith(f"error USAGE: {message}"), result.stderr
 
 
-def test_text_is_encoded_with_vocab_and_a_missing_vocabulary_names_the_option(lstm_server: RunningServer, tmp_path: Path):
+def test_text_is_encoded_with_vocab_and_a_missing_vocabulary_names_the_option(
+    lstm_server: RunningServer, tmp_path: Path
+):
     sentence = "the committee approved the report"
     words = sorted(set(sentence.split()))
     vocabulary = tmp_path / "vocab.txt"
     vocabulary.write_text("<pad>\n<unk>\n<s>\n</s>\n" + "\n".join(words) + "\n")
-    result = run(CLIENT, "infer", "--model", "lstm", "--text", sentence, "--vocab", str(vocabulary), "--json", env=at(lstm_server))
+    result = run(
+        CLIENT, "infer", "--model", "lstm", "--text", sentence, "--vocab", str(vocabulary), "--json",
+        env=at(lstm_server),
+    )
     ids = [4 + words.index(word) for word in sentence.split()]
     assert np.abs(infer_h(result) - reference_h(lstm_server, ids)).max() <= 1e-5
 

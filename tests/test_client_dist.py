@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 CHECK = """
 import importlib.util, json, sys
 import batchmaker, batchmaker.clients.cli, batchmaker.clients.loadgen
-loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith(("batchmaker.manager", "batchmaker.worker")))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or \
+m.startswith(("batchmaker.manager", "batchmaker.worker")))
 with batchmaker.Client(sys.argv[1], timeout=60) as client:
     reply = client.infer("lstm", {"tokens": [5, 17, 342, 9]})
 print(json.dumps({
@@ -95,7 +96,8 @@ def test_installed_command_line_client_reads_the_config_and_has_the_vocabulary(
     ids = Vocabulary(DEFAULT_VOCAB).encode(sentence)
     assert max(ids) < 1000  # the small LSTM's vocabulary
     result = run_isolated(
-        [command, "infer", "--config", lstm_server.config.path, "--model", "lstm", "--text", sentence, "--json"], client_venv
+        [command, "infer", "--config", lstm_server.config.path, "--model", "lstm", "--text", sentence, "--json"],
+        client_venv,
     )
     model = build_model(lstm_server.config.models["lstm"])
     expected = model.reference(model.load_weights(), {"tokens": ids})["h"]

@@ -29,7 +29,9 @@ class Refusing(FakeServer):
     """Refuses each infer request its first `refusals` times with OVERLOADED (saying `retry_after_ms` when set),
     then answers it; its `health` says `max_message_bytes` when set."""
 
-    def __init__(self, name: str, refusals: int, retry_after_ms: int | None = None, max_message_bytes: int | None = None):
+    def __init__(
+        self, name: str, refusals: int, retry_after_ms: int | None = None, max_message_bytes: int | None = None
+    ):
         self.refusals = refusals
         self.retry_after_ms = retry_after_ms
         self.max_message_bytes = max_message_bytes
@@ -161,7 +163,9 @@ def test_a_sessions_pipelined_requests_are_never_run_out_of_order(servers: list[
             return await asyncio.gather(*pipelined, return_exceptions=True)
 
     results = asyncio.run(run())
-    assert all(isinstance(r, ServerError) and r.code == OVERLOADED or r.outputs["echo"] == n for n, r in enumerate(results, 1))
+    assert all(
+        isinstance(r, ServerError) and r.code == OVERLOADED or r.outputs["echo"] == n for n, r in enumerate(results, 1)
+    )
     assert server.ran == sorted(server.ran) and server.ran[0] == 0
 
 
@@ -206,7 +210,9 @@ def test_a_retry_stops_at_the_calls_timeout(servers: list[FakeServer]) -> None:
 def test_a_request_over_the_set_limit_is_refused_unsent_and_the_next_one_goes(servers: list[FakeServer]) -> None:
     server = refusing(servers, 0)
     with Client(server.address, timeout=10, max_message_bytes=10_000) as client:
-        with pytest.raises(RequestTooLarge, match=r"over the server's limit of 10000 bytes \(server.max_message_bytes\)"):
+        with pytest.raises(
+            RequestTooLarge, match=r"over the server's limit of 10000 bytes \(server.max_message_bytes\)"
+        ):
             client.infer("m", {"n": 1, "blob": b"\x00" * 20_000})
         assert client.infer("m", {"n": 2}).outputs["echo"] == 2
 
@@ -234,7 +240,9 @@ def test_the_limit_is_asked_of_the_server_once_a_request_is_over_1_kib(servers: 
     async def run() -> list:
         async with AsyncClient(silent_on_it.address, timeout=10) as client:
             return await asyncio.gather(
-                client.infer("m", {"n": 1, "blob": b"\x00" * (2 * MiB)}), client.infer("m", {"n": 2}), return_exceptions=True
+                client.infer("m", {"n": 1, "blob": b"\x00" * (2 * MiB)}),
+                client.infer("m", {"n": 2}),
+                return_exceptions=True,
             )
 
     too_large, answered = asyncio.run(run())

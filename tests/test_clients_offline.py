@@ -85,7 +85,8 @@ def test_bundle_is_reproducible(tmp_path: Path) -> None:
 def test_clients_import_neither_torch_nor_the_server() -> None:
     code = (
         "import sys, batchmaker.clients, batchmaker.clients.cli, batchmaker.clients.text\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('batchmaker.manager', 'batchmaker.worker'))]\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or "
+        "m.startswith(('batchmaker.manager', 'batchmaker.worker'))]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -197,7 +197,9 @@ def test_multi_step_keys(tmp_path: Path) -> None:
     assert (scheduler.max_steps_per_task, scheduler.max_join_delay_us, scheduler.latency_target_ms) == (1, 500, 40)
     for key in ("max_steps_per_task", "max_join_delay_us", "latency_target_ms"):
         for bad in ("0", "-3", "2.5", '"16"', "true"):
-            config_error(tmp_path, f"[scheduler]\n{key} = {bad}\n" + MODEL, f"[scheduler] {key} must be an integer >= 1")
+            config_error(
+                tmp_path, f"[scheduler]\n{key} = {bad}\n" + MODEL, f"[scheduler] {key} must be an integer >= 1"
+            )
 
 
 def test_running_batch_key(tmp_path: Path) -> None:

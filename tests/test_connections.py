@@ -52,7 +52,9 @@ class _RemoteClient:
     process once connected, so the router's next accepted connection takes the lowest free descriptor."""
 
     def __init__(self, address: str):
-        self._process = subprocess.Popen([sys.executable, "-c", REMOTE_CLIENT, address], stdin=subprocess.PIPE, text=True)
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", REMOTE_CLIENT, address], stdin=subprocess.PIPE, text=True
+        )
 
     def connect(self) -> None:
         self._process.stdin.write("go\n")

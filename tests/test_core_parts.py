@@ -249,7 +249,12 @@ def test_a_replay_replaces_its_record_and_concluding_the_old_one_keeps_the_new()
 
 def test_deadlines_come_due_in_order_and_answered_requests_are_skipped():
     now = time.perf_counter()
-    late, early, answered, future = request(b"x", 1, now - 1), request(b"x", 2, now - 2), request(b"x", 3, now - 3), request(b"x", 4, now + 3600)
+    late, early, answered, future = (
+        request(b"x", 1, now - 1),
+        request(b"x", 2, now - 2),
+        request(b"x", 3, now - 3),
+        request(b"x", 4, now + 3600),
+    )
     answered.state = answered.state.DONE
     table = table_of(late, early, answered, future)
     assert list(table.unanswered.expired()) == [early, late]

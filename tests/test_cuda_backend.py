@@ -40,7 +40,13 @@ from batchmaker.worker.main import InProgressFIFO, Poller
 
 BATCH = 4
 # Operations that read no device memory: the staging buffer's allocation and its views.
-NO_DATA = {"aten.empty.memory_format", "aten.narrow.default", "aten.slice.Tensor", "aten.view.default", "aten.view.dtype"}
+NO_DATA = {
+    "aten.empty.memory_format",
+    "aten.narrow.default",
+    "aten.slice.Tensor",
+    "aten.view.default",
+    "aten.view.dtype",
+}
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +231,11 @@ def test_a_peer_that_cannot_be_opened_is_not_read_and_the_worker_lives(small, re
         assert said in backend._tasks.unreadable[DISTANT_PEER]
         task = lstm_task(1, small, backend)
         state = task.inputs[1]
-        reads_peer = [task.inputs[0], (*state[:3], [(DISTANT_PEER, state[0], slots([5]), slots([0]))], None), *task.inputs[2:]]
+        reads_peer = [
+            task.inputs[0],
+            (*state[:3], [(DISTANT_PEER, state[0], slots([5]), slots([0]))], None),
+            *task.inputs[2:],
+        ]
         backend.issue(TaskMessage(**{**task.__dict__, "inputs": reads_peer, "task_id": 2}))
         backend.issue(lstm_task(3, small, backend))
         assert said in backend.finish(2)
@@ -258,7 +268,10 @@ def test_cross_gpu_reads_follow_the_setting(small, setting: str, access, mapped_
 
 
 def test_an_unknown_cross_gpu_reads_setting_is_refused(small):
-    with pytest.raises(ValueError, match="cross_gpu_reads must be one of"), fake_backend(small, cross_gpu_reads="sometimes"):
+    with (
+        pytest.raises(ValueError, match="cross_gpu_reads must be one of"),
+        fake_backend(small, cross_gpu_reads="sometimes"),
+    ):
         pass
 
 
@@ -276,7 +289,11 @@ def test_warm_up_runs_every_operation_serving_runs(small):
         start = len(runtime.calls)
         task = lstm_task(1, small, backend)
         state = task.inputs[1]
-        with_peer = [task.inputs[0], (*state[:3], [(ACCESSIBLE_PEER, state[0], slots([5]), slots([0]))], None), *task.inputs[2:]]
+        with_peer = [
+            task.inputs[0],
+            (*state[:3], [(ACCESSIBLE_PEER, state[0], slots([5]), slots([0]))], None),
+            *task.inputs[2:],
+        ]
         backend.issue(TaskMessage(**{**task.__dict__, "inputs": with_peer}))
         assert backend.finish(1) is None
         served = {call.what for call in runtime.calls[start:]}
@@ -389,7 +406,9 @@ def test_a_device_fault_ends_the_worker_instead_of_failing_one_task(small):
 
 def test_a_device_fault_reaches_the_poller_when_no_task_comes(small, monkeypatch: pytest.MonkeyPatch):
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(cuda, "time", SimpleNamespace(monotonic=lambda: clock.now, sleep=lambda s: setattr(clock, "now", clock.now + s)))
+    monkeypatch.setattr(
+        cuda, "time", SimpleNamespace(monotonic=lambda: clock.now, sleep=lambda s: setattr(clock, "now", clock.now + s))
+    )
     with fake_backend(small) as (backend, runtime, _):
         hold_stream(backend, runtime)
         backend.issue(lstm_task(1, small, backend))

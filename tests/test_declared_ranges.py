@@ -13,8 +13,10 @@ from conftest import ROOT
 
 # (distribution, where pyproject.toml declares it, the release that brought the API, its module, its name)
 APIS = [
-    ("torch", "dependencies", "2.8", "torch", "AcceleratorError"),  # worker/device_tasks.py: a CUDA error ends the worker
-    ("numpy", "test", "2.0", "numpy.lib.array_utils", "byte_bounds"),  # tests/cuda_fakes.py: a numpy 2 module
+    # worker/device_tasks.py: a CUDA error ends the worker
+    ("torch", "dependencies", "2.8", "torch", "AcceleratorError"),
+    # tests/cuda_fakes.py: a numpy 2 module
+    ("numpy", "test", "2.0", "numpy.lib.array_utils", "byte_bounds"),
 ]
 
 

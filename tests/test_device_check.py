@@ -18,7 +18,10 @@ from device_check import run_stage
 
 
 def test_a_cuda_worker_turns_expandable_segments_off_and_keeps_the_other_settings():
-    environ = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True", "PYTORCH_ALLOC_CONF": "x:1"}
+    environ = {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True",
+        "PYTORCH_ALLOC_CONF": "x:1",
+    }
     assert expandable_segments(environ["PYTORCH_CUDA_ALLOC_CONF"])
     arenas_shareable(environ)
     assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_ALLOC_CONF": "x:1"}

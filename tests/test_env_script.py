@@ -342,7 +342,10 @@ def test_the_images_install_the_server_with_the_front_door_and_without_the_test_
     assert installs(checkout.pip_calls()) == [["install", CPU], *project(checkout, "oip")]
     assert checkout.stamped() == (CPU, "oip")
     for image in ("cpu", "cuda"):
-        assert "BATCHMAKER_EXTRAS=oip bash -c 'source scripts/_env.sh'" in (ROOT / "deploy" / f"{image}.Dockerfile").read_text()
+        assert (
+            "BATCHMAKER_EXTRAS=oip bash -c 'source scripts/_env.sh'"
+            in (ROOT / "deploy" / f"{image}.Dockerfile").read_text()
+        )
 
 
 

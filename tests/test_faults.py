@@ -287,6 +287,10 @@ def test_cuda_arenas_open_in_a_peer_process():
     import msgpack
 
     out = subprocess.run(
-        [sys.executable, "-c", script], input=msgpack.packb(handle), capture_output=True, check=True, cwd=Path(__file__).parents[1]
+        [sys.executable, "-c", script],
+        input=msgpack.packb(handle),
+        capture_output=True,
+        check=True,
+        cwd=Path(__file__).parents[1],
     )
     assert float(out.stdout) == float(arena[2].sum())

@@ -32,7 +32,8 @@ TOKEN = "s3cret-token"
 def certificate(
     directory: Path, name: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None
 ) -> tuple:
-    """A key and certificate for 127.0.0.1 named `name`, signed by `issuer` (None: a self-signed CA); written as NAME.pem/.key."""
+    """A key and certificate for 127.0.0.1 named `name`, signed by `issuer` (None: a self-signed CA); written as
+    NAME.pem/.key."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.UTC)

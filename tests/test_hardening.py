@@ -46,7 +46,12 @@ def assert_answered(reply: dict) -> None:
 
 
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=40),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=10), inner, max_size=6),
     max_leaves=20,
 )
@@ -56,7 +61,10 @@ request_maps = st.fixed_dictionaries(
         "id": values,
         "op": st.sampled_from(["infer", "models", "health", "stats", "cancel", "bogus"]) | values,
         "model": st.sampled_from(["lstm", "nope"]) | values,
-        "inputs": st.fixed_dictionaries({}, optional={"tokens": values | st.lists(st.integers(-5, 1100), max_size=300)}) | values,
+        "inputs": st.fixed_dictionaries(
+            {}, optional={"tokens": values | st.lists(st.integers(-5, 1100), max_size=300)}
+        )
+        | values,
         "deadline_ms": values,
         "priority": values,
         "target": values,
@@ -114,7 +122,10 @@ def test_overload_refuses_beyond_the_admission_limit_ahead_of_the_queue_and_reco
         async def flood() -> tuple[list[tuple[int, object]], list[int]]:
             """All requests at once; returns (order of arrival of the reply, reply) in sending order, and the
             number of requests in flight the manager reported while they were being answered."""
-            async with AsyncClient(server.address, timeout=120, max_retries=0) as client, AsyncClient(server.address) as observer:
+            async with (
+                AsyncClient(server.address, timeout=120, max_retries=0) as client,
+                AsyncClient(server.address) as observer,
+            ):
                 arrivals = 0
 
                 async def one(tokens) -> tuple[int, object]:

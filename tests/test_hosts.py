@@ -54,11 +54,14 @@ def request_mix(seed: int) -> list[tuple[str, dict[str, Any]]]:
     for size in rng.integers(1, 60, size=50):
         requests.append(("childsum", {"tree": random_tree(rng, int(size), CHILDSUM_VOCAB)}))
     for length in rng.integers(1, 120, size=200):
-        requests.append(("lstm", {"tokens": rng.integers(0, 600, size=int(length)).tolist()}))  # clear of faulty_lstm's cues
+        # clear of faulty_lstm's cues
+        requests.append(("lstm", {"tokens": rng.integers(0, 600, size=int(length)).tolist()}))
     return [requests[i] for i in rng.permutation(len(requests))]
 
 
-async def send(address: str, requests: list[tuple[str, dict[str, Any]]], seed: int, stop: threading.Event) -> list[Sent]:
+async def send(
+    address: str, requests: list[tuple[str, dict[str, Any]]], seed: int, stop: threading.Event
+) -> list[Sent]:
     """One client sending `requests` in turn (cycling) with random gaps, many in flight, until `stop` is set
     after a full round."""
     rng = np.random.default_rng(seed)
@@ -119,7 +122,9 @@ class TwoHosts:
                 self.config, self.worker_address, "--host-id", OTHER_HOST, "--index", "9",
                 stderr=log,
             )  # fmt: skip
-        wait_until(lambda: workers_by_host(self.server)[False], "the worker of the other host registering", interval=0.1)
+        wait_until(
+            lambda: workers_by_host(self.server)[False], "the worker of the other host registering", interval=0.1
+        )
 
     def close(self) -> None:
         try:

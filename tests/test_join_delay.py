@@ -95,7 +95,9 @@ def sent_steps(h) -> list[list[int]]:
     return [step_sizes(message) for _, message in h.sent]
 
 
-@pytest.mark.parametrize(("lanes", "fixed_s", "steps"), [(8, None, 4), (8, 1 * MS, 16), (6, 1 * MS, 12), (4, 1 * MS, 4)])
+@pytest.mark.parametrize(
+    ("lanes", "fixed_s", "steps"), [(8, None, 4), (8, 1 * MS, 16), (6, 1 * MS, 12), (4, 1 * MS, 4)]
+)
 def test_lanes_left_out_get_longer_tasks_once_the_fixed_cost_is_measured(make_harness, lanes, fixed_s, steps):
     """Lanes for batches of 4, 500 µs a step: the floor's 2 ms holds 4 steps. With a fixed cost of 1 ms a task
     measured, a second batch waiting wants 10 ms: 20 steps, bounded by max_steps_per_task; half a batch

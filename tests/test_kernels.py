@@ -73,7 +73,10 @@ def test_every_kernel_computes_what_its_torch_nn_cell_does(name: str, fold: bool
         for key in served:
             inputs = batch_inputs(model, key, generator)
             got, want = served[key](*inputs), plain[key](*inputs)
-            got, want = (got,) if isinstance(got, torch.Tensor) else got, (want,) if isinstance(want, torch.Tensor) else want
+            got, want = (
+                (got,) if isinstance(got, torch.Tensor) else got,
+                (want,) if isinstance(want, torch.Tensor) else want,
+            )
             for port, (g, w) in enumerate(zip(got, want, strict=True)):
                 assert g.dtype == w.dtype and g.shape == w.shape, (key, port)
                 torch.testing.assert_close(g, w, atol=TOLERANCE, rtol=0, msg=f"{key} output {port}")
@@ -86,7 +89,9 @@ def folded_tables(cells: dict[str, torch.nn.Module]) -> int:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_token_cells_fold_by_default_and_not_when_switched_off(name: str):
     cls, params = MODELS[name]
-    token_cells = sum("int64" in (kind.dtype for kind in spec.inputs) for spec in cls(config(**params)).cell_types.values())
+    token_cells = sum(
+        "int64" in (kind.dtype for kind in spec.inputs) for spec in cls(config(**params)).cell_types.values()
+    )
     assert folded_tables(cls(config(**params)).make_cells(cls(config(**params)).init_weights(0))) == token_cells
     off = cls(config(**params, fold_input_projection=False))
     assert folded_tables(off.make_cells(off.init_weights(0))) == 0

@@ -113,7 +113,9 @@ def test_lanes_of_a_padded_bucket_share_a_layout_whatever_their_padding(tmp_path
         h.close()
 
 
-ATTENTION = SMALL_SEQ2SEQ.replace("[models.seq2seq]", "[models.attention]").replace('weights = "seq2seq.pt"', 'weights = "attention.pt"')
+ATTENTION = SMALL_SEQ2SEQ.replace("[models.seq2seq]", "[models.attention]").replace(
+    'weights = "seq2seq.pt"', 'weights = "attention.pt"'
+)
 ATTENTION = ATTENTION.replace("max_decode_length = 60", 'max_decode_length = 60\nattention = "luong"').replace(
     "[models.seq2seq.cells.decoder]", "[models.attention.cells.decoder]"
 )

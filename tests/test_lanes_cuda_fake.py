@@ -70,7 +70,8 @@ def test_a_lane_task_of_every_chain_cell_is_one_copy_k_steps_and_one_signal(layo
     layouts = chain_layouts()
     assert {"lstm/layer0", "gru/layer0", "gru/layer1", "seq2seq/encoder", "seq2seq/decoder"} <= set(layouts)
     assert layouts["gru/layer0"].every_step == (0,) and layouts["gru/layer1"].inputs[0].mode == SEQUENCE  # stacked
-    assert any(rule.mode == STATE and rule.source == 2 for rule in layouts["seq2seq/decoder"].inputs)  # the token fed back
+    # the token fed back
+    assert any(rule.mode == STATE and rule.source == 2 for rule in layouts["seq2seq/decoder"].inputs)
     chains = [(index, spec) for index, spec in enumerate(specs) if spec.key in layouts]
     assert {spec.key: spec for _, spec in chains}["seq2seq/decoder"].stop is not None  # its EOS masked, no sync
     with fake_cuda():

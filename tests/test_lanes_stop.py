@@ -51,7 +51,11 @@ def lanes_that_stop(cell: torch.nn.Module, eos: int, go: int) -> tuple[torch.Ten
         steps = unmasked(cell, torch.full((64,), go), h, c)
         emitted = torch.stack([tokens for tokens, _, _ in steps]) == eos
         first = torch.where(emitted.any(0), emitted.int().argmax(0), STEPS)
-        for name, lanes in (("midway", (first > 2) & (first < STEPS - 2)), ("never", first == STEPS), ("first", first == 0)):
+        for name, lanes in (
+            ("midway", (first > 2) & (first < STEPS - 2)),
+            ("never", first == STEPS),
+            ("first", first == 0),
+        ):
             if name not in found and lanes.any():
                 lane = int(lanes.nonzero()[0])
                 found[name] = h[lane], c[lane]
@@ -84,7 +88,10 @@ def test_a_lane_past_its_eos_stands_still_while_the_others_decode_on(decoder):
         LaneInput(STATE, 0, state_arena, rows(state_arena, H_IN), None),
         LaneInput(STATE, 1, state_arena, rows(state_arena, C_IN), None),
     ]
-    outputs = [SlotList(state_arena, np.arange(H_OUT, H_OUT + lanes)), SlotList(state_arena, np.arange(C_OUT, C_OUT + lanes))]
+    outputs = [
+        SlotList(state_arena, np.arange(H_OUT, H_OUT + lanes)),
+        SlotList(state_arena, np.arange(C_OUT, C_OUT + lanes)),
+    ]
     outputs.append(SlotList(token_arena, np.arange(TOKEN_OUT, TOKEN_OUT + lanes)))
     packed = STEPS * lanes
     download = StepDownload(2, np.arange(packed), token_io, np.arange(packed))

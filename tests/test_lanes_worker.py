@@ -41,7 +41,9 @@ def cells(tmp_path: Path):
 
 def packed(sequences: list[list[int]], start: int, steps: list[int]) -> np.ndarray:
     """Tokens of the steps after the first, step after step, of the lanes still going at each (longest first)."""
-    return np.array([s[start + j] for j in range(1, max(steps)) for s, n in zip(sequences, steps) if n > j], dtype=np.int64)
+    return np.array(
+        [s[start + j] for j in range(1, max(steps)) for s, n in zip(sequences, steps) if n > j], dtype=np.int64
+    )
 
 
 def lane_task(task_id: int, kinds, sequences, h_in, h_out, start=0, steps=None, downloads=()) -> LaneTaskMessage:
@@ -58,7 +60,9 @@ def lane_task(task_id: int, kinds, sequences, h_in, h_out, start=0, steps=None, 
     c_in = np.where(h_in == ZERO_SLOT, ZERO_SLOT, h_in + 1)
     later = packed(sequences, start, list(steps)).tobytes() or None  # the later steps' tokens, as values
     inputs = [
-        LaneInput(SEQUENCE, 0, ids[tokens][0], TaskInput(ids[tokens][0], np.full(lanes, ZERO_SLOT), None, None, inline), later),
+        LaneInput(
+            SEQUENCE, 0, ids[tokens][0], TaskInput(ids[tokens][0], np.full(lanes, ZERO_SLOT), None, None, inline), later
+        ),
         LaneInput(STATE, 0, ids[state][0], TaskInput(ids[state][0], h_in, None, None, None), None),
         LaneInput(STATE, 1, ids[state][0], TaskInput(ids[state][0], c_in, None, None, None), None),
     ]
@@ -155,7 +159,15 @@ def test_a_lane_task_that_cannot_be_resolved_fails_alone(cells):
     with cpu_worker(cells) as (backend, _, _):
         task = lane_task(1, kinds, [[5, 7]], [ZERO_SLOT], [10])
         tokens = task.inputs[0]
-        unknown = LaneTaskMessage(1, 0, task.steps, [tokens._replace(first=tokens.first._replace(arena=99)), *task.inputs[1:]], task.outputs, [], [])
+        unknown = LaneTaskMessage(
+            1,
+            0,
+            task.steps,
+            [tokens._replace(first=tokens.first._replace(arena=99)), *task.inputs[1:]],
+            task.outputs,
+            [],
+            [],
+        )
         short = LaneTaskMessage(2, 0, task.steps, [tokens._replace(later=None), *task.inputs[1:]], task.outputs, [], [])
         for broken in (unknown, short):
             backend.issue(broken)
@@ -171,7 +183,9 @@ def test_the_wire_form_round_trips(cells, steps):
     _specs, _modules, kinds, _ = cells
     sequences = [[1, 2, 3], [4, 5]][: len(steps)]
     download = StepDownload(1, np.array([0]), 3, np.array([7]))
-    task = lane_task(4, kinds, sequences, [ZERO_SLOT] * len(steps), [10, 12][: len(steps)], steps=steps, downloads=[download])
+    task = lane_task(
+        4, kinds, sequences, [ZERO_SLOT] * len(steps), [10, 12][: len(steps)], steps=steps, downloads=[download]
+    )
     back = decode_task(encode_task(task))
     assert isinstance(back, LaneTaskMessage) and back.task_id == 4 and back.steps.tolist() == steps
     assert [(entry.mode, entry.source, entry.arena) for entry in back.inputs] == [

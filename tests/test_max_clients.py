@@ -75,7 +75,9 @@ def test_a_connection_beyond_max_clients_is_closed_and_never_served(capped):
     closed.close()
     third.close()  # before a place frees: its reconnections would compete for it
     first.close()
-    wait_until(lambda: ask(second, {"id": "n", "op": "stats"})["client_connections"] == 1, "the first client's departure")
+    wait_until(
+        lambda: ask(second, {"id": "n", "op": "stats"})["client_connections"] == 1, "the first client's departure"
+    )
     with server.client(timeout=60) as newcomer:
         assert np.array_equal(newcomer.infer("lstm", {"tokens": TOKENS}).outputs["h"], expected)
     second.close()

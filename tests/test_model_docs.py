@@ -70,4 +70,6 @@ def test_the_docs_plan_override_compiles_like_the_unfold(tmp_path: Path):
     inputs = {"tokens": [7, 3, 9, 9]}
     cached, compiled = model.plan(inputs), compile_graph(model.unfold(inputs), model.cell_types, model.name)
     assert cached.plan is model.plan({"tokens": [1, 2, 3, 4]}).plan  # one plan per length
-    assert [values.tolist() for values in cached.externals.values()] == [v.tolist() for v in compiled.externals.values()]
+    assert [values.tolist() for values in cached.externals.values()] == [
+        v.tolist() for v in compiled.externals.values()
+    ]

@@ -121,7 +121,9 @@ def test_a_request_arriving_during_a_multi_step_task_joins_the_next_task(harness
     second = h.admit("lstm", tokens(3))
     h.schedule(worker)  # the new lane joins the task issued behind the first, and leaves it after 3 steps
     assert sent_steps(h)[1] == [2, 2, 2] + [1] * 11
-    assert sorted(h.requests_in(h.in_flight(worker)[1]), key=str) == sorted([first.request_id, second.request_id], key=str)
+    assert sorted(h.requests_in(h.in_flight(worker)[1]), key=str) == sorted(
+        [first.request_id, second.request_id], key=str
+    )
 
 
 def test_a_worker_holding_two_tasks_and_the_join_delay_of_work_gets_no_more(harness):

@@ -52,7 +52,9 @@ head_size = 5
 builder = "batchmaker.common.models.lstm:build"
 weights = "lstm.pt"
 {CHAIN.replace("max_length = 40", f"max_length = {len(LONG)}")}
-""" + SST_TREELSTM.replace("[models.tree]", "[models.sst]") + SMALL_SEQ2SEQ.replace("max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n')
+""" + SST_TREELSTM.replace("[models.tree]", "[models.sst]") + SMALL_SEQ2SEQ.replace(
+    "max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n'
+)
 # The join delay is no bound here: tasks take up to max_steps_per_task steps whenever nothing could join.
 SCHEDULER = "max_steps_per_task = 8\nmax_join_delay_us = 10000000"
 
@@ -131,7 +133,9 @@ def test_mixed_arrivals_equal_the_reference(served):
     per_client = [requests[k::3] for k in range(3)]
 
     async def run() -> list[list]:
-        return await asyncio.gather(*(send_staggered(server.address, sent, seed) for seed, sent in enumerate(per_client)))
+        return await asyncio.gather(
+            *(send_staggered(server.address, sent, seed) for seed, sent in enumerate(per_client))
+        )
 
     for sent, replies in zip(per_client, asyncio.run(run())):
         for (name, inputs), reply in zip(sent, replies):

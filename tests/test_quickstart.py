@@ -42,12 +42,15 @@ def test_the_quickstart_serves_a_trained_lstm_and_checks_its_answer(tmp_path: Pa
         for line in lines[1:]:
             line = line.replace(DOC_PORT, port)
             if line.endswith(" &"):
-                server = subprocess.Popen(shlex.split(line.removesuffix(" &")), cwd=tmp_path, env=env)  # no shell: it is the server
+                # no shell: it is the server
+                server = subprocess.Popen(shlex.split(line.removesuffix(" &")), cwd=tmp_path, env=env)
             elif line == "kill %1":
                 assert server is not None and stop_server(server) == []
                 server = None
             else:
-                result = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+                result = subprocess.run(
+                    line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+                )
                 assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
                 if line.startswith("python check.py"):
                     assert "the served answer is the trained model's" in result.stdout

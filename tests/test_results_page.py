@@ -45,7 +45,8 @@ def overload() -> dict[str, Any]:
               "refused": 3000, "other_errors": {}, "lost": 0, "duplicate_replies": 0, "verify": {"wrong": []},
               "latency_ms": {"p99": 310.0}}  # fmt: skip
     return {"preset": "overload", "commit": "abc1234", "machine": MACHINE, "config": "configs/default.toml",
-            "capacity": {"requests_per_s": 1000.0}, "capacity_after": {"requests_per_s": 1100.0}, "factors": [factor]}  # fmt: skip
+            "capacity": {"requests_per_s": 1000.0}, "capacity_after": {"requests_per_s": 1100.0},
+            "factors": [factor]}  # fmt: skip
 
 
 def chaos() -> dict[str, Any]:
@@ -128,7 +129,9 @@ def test_a_system_that_beats_cellular_batching_in_a_run_of_other_systems_is_a_lo
     peer = {**TRITON, "requests_per_s": 1_084.0, "cellular_requests_per_s": 694.0}
     (bench_dir / "http.json").write_text(json.dumps({"preset": "http", "commit": "abc1234", "peers": [peer]}))
     results_page.write(bench_dir, bench_dir / "results.md")
-    assert "http 0.64x Triton 2.50 (694 against 1,084 req/s)" in verdict_line((bench_dir / "results.md").read_text(), "Loses")
+    assert "http 0.64x Triton 2.50 (694 against 1,084 req/s)" in verdict_line(
+        (bench_dir / "results.md").read_text(), "Loses"
+    )
 
 
 @pytest.mark.parametrize(

@@ -92,7 +92,8 @@ def test_batch_issues_successive_steps_ahead_on_one_worker(harness):
     for previous, message in itertools.pairwise(messages):
         written = sorted(slots.tolist()[0] for _, slots in previous.outputs)
         assert sorted(entry.first.slots.tolist()[0] for entry in message.inputs[1:]) == written
-    assert [m.inputs[0].first.values[1] for m in messages] == [np.int64(t).tobytes() for t in range(1, 6)]  # tokens inline
+    # tokens inline
+    assert [m.inputs[0].first.values[1] for m in messages] == [np.int64(t).tobytes() for t in range(1, 6)]
     while worker.tasks:
         h.complete_oldest(worker)
         h.schedule(worker)

@@ -79,7 +79,9 @@ def test_attention_decodes_like_the_reference_with_mixed_source_lengths(tmp_path
 
 def test_stacked_layers_decode_like_the_reference(tmp_path: Path):
     stats = serve_and_compare(tmp_path, "num_layers = 2\n", seed=2)
-    assert set(stats["batch_sizes"]) == {f"seq2seq/{part}{tail}" for part in ("encoder", "decoder") for tail in ("", "_l1")}
+    assert set(stats["batch_sizes"]) == {
+        f"seq2seq/{part}{tail}" for part in ("encoder", "decoder") for tail in ("", "_l1")
+    }
 
 
 def test_attention_over_three_layers_decodes_like_the_reference(tmp_path: Path):
@@ -123,7 +125,10 @@ def test_encoder_outputs_keep_their_registers_until_the_last_decoder_step(bucket
     plan = model._plan(5, 8, bucket_width)
     decoder = plan.lane_cells.index(model.decoder_key)
     nodes = range(plan.lane_bounds[decoder], plan.lane_bounds[decoder + 1])
-    read = [set(plan.ragged_refs[plan.ragged_start[n] : plan.ragged_start[n] + plan.ragged_count[n], MEMORY_PORT]) for n in nodes]
+    read = [
+        set(plan.ragged_refs[plan.ragged_start[n] : plan.ragged_start[n] + plan.ragged_count[n], MEMORY_PORT])
+        for n in nodes
+    ]
     assert len(read) == 8 and all(registers == read[0] for registers in read) and len(read[0]) == 5
     cell_of = [plan.lane_cells[np.searchsorted(plan.lane_bounds, n, "right") - 1] for n in range(plan.nodes)]
     written = [set(plan.outputs[n, : len(model.cell_types[cell_of[n]].outputs)].tolist()) for n in range(plan.nodes)]
@@ -157,7 +162,9 @@ def test_bad_config_values_are_refused(params: dict, message: str):
     assert message in str(refused.value)
 
 
-def saved(tmp_path: Path, model: Seq2SeqModel, drop: str = "", reshape: tuple[str, tuple[int, ...]] | None = None) -> Seq2SeqModel:
+def saved(
+    tmp_path: Path, model: Seq2SeqModel, drop: str = "", reshape: tuple[str, tuple[int, ...]] | None = None
+) -> Seq2SeqModel:
     """`model` reading a weights file written from its own init_weights, less one key or with one reshaped."""
     state = model.init_weights(0)
     state.pop(drop, None)
@@ -166,7 +173,9 @@ def saved(tmp_path: Path, model: Seq2SeqModel, drop: str = "", reshape: tuple[st
     path = tmp_path / "s2s.pt"
     torch.save(state, path)
     config = model.config
-    return Seq2SeqModel(ModelConfig(config.name, config.builder, path, config.params, config.default_cell, config.cells))
+    return Seq2SeqModel(
+        ModelConfig(config.name, config.builder, path, config.params, config.default_cell, config.cells)
+    )
 
 
 @pytest.mark.parametrize(
@@ -203,7 +212,9 @@ def test_weights_of_the_wrong_shape_are_refused(tmp_path: Path, params: dict, ke
 def test_weights_without_attention_are_refused_before_the_server_starts(tmp_path: Path):
     """The supervisor's preflight (a child process reading the weights against the config) names both tensors."""
     config = write_config(tmp_path, SMALL_SEQ2SEQ)  # weights written without attention
-    config.path.write_text(config.path.read_text().replace("max_decode_length = 60\n", f"max_decode_length = 60\n{ATTENTION}"))
+    config.path.write_text(
+        config.path.read_text().replace("max_decode_length = 60\n", f"max_decode_length = 60\n{ATTENTION}")
+    )
     with pytest.raises(ConfigError) as refused:
         check_weights(load_config(config.path))
     assert "lacks 2 of the 14 tensors" in str(refused.value)

@@ -44,7 +44,9 @@ def build(config):
 def user_config(folder: Path, builder: str) -> tuple[Path, str]:
     address = f"tcp://127.0.0.1:{free_port()}"
     path = folder / "mine.toml"
-    path.write_text(f'[server]\naddress = "{address}"\ncpu_workers = 2\n' + ELMAN.replace("examples.elman:build", builder))
+    path.write_text(
+        f'[server]\naddress = "{address}"\ncpu_workers = 2\n' + ELMAN.replace("examples.elman:build", builder)
+    )
     return path, address
 
 
@@ -73,14 +75,16 @@ def test_a_builder_beside_the_config_imports_in_every_process_and_random_weights
             assert client.models()["models"]["elman"]["random_weights"] is True
             assert client.infer("elman", {"tokens": [1, 2, 3]}).outputs["h"].shape == (16,)
             assert_documented(client.stats())
-            served = client.infer("elman", {"tokens": torch.tensor([1, 2, 3])}).outputs["h"]  # a tensor, as a user has it
+            # a tensor, as a user has it
+            served = client.infer("elman", {"tokens": torch.tensor([1, 2, 3])}).outputs["h"]
         printed = subprocess.run(
             [BATCHMAKER, "infer", "--address", address, "--model", "elman", "--tokens", "1 2 3", "--json"],
             capture_output=True, text=True, timeout=120, check=True,
         )
         assert json.loads(printed.stdout)["outputs"]["h"] == served.tolist()
         other_vocabulary = subprocess.run(
-            [BATCHMAKER, "infer", "--address", address, "--model", "elman", "--text", "the committee approved the report"],
+            [BATCHMAKER, "infer", "--address", address, "--model", "elman",
+             "--text", "the committee approved the report"],
             capture_output=True, text=True, timeout=120, check=False,
         )
         assert "with the vocabulary" in other_vocabulary.stderr and "8192 words" in other_vocabulary.stderr

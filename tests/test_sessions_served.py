@@ -134,7 +134,10 @@ def test_a_sessions_requests_run_one_at_a_time_in_arrival_order(served):
     async def run() -> list[Any]:
         async with AsyncClient(server.address, timeout=60) as client:
             return await asyncio.gather(
-                *(client.infer("gru", {"tokens": part}, session="ordered", session_end=i == 4) for i, part in enumerate(parts))
+                *(
+                    client.infer("gru", {"tokens": part}, session="ordered", session_end=i == 4)
+                    for i, part in enumerate(parts)
+                )
             )
 
     replies = asyncio.run(run())
@@ -164,7 +167,9 @@ def test_max_sessions_refuses_a_new_session_and_serves_the_live_ones(served):
         for i in range(MAX_SESSIONS):
             client.infer("gru", {"tokens": part}, session=f"full-{i}")
         assert client.stats()["sessions"] == MAX_SESSIONS
-        assert_refused(lambda: client.infer("gru", {"tokens": part}, session="one-too-many"), OVERLOADED, "sessions live")
+        assert_refused(
+            lambda: client.infer("gru", {"tokens": part}, session="one-too-many"), OVERLOADED, "sessions live"
+        )
         for i in range(MAX_SESSIONS):
             reply = client.infer("gru", {"tokens": part}, session=f"full-{i}", session_end=True)
             assert_reference(models, "gru", part + part, reply.outputs)
@@ -233,14 +238,22 @@ def test_bad_session_fields_are_refused(served, fields, code, text):
 def test_sessions_refuse_models_without_state_and_explicit_initial_states(served):
     server, _ = served
     with server.client() as client:
-        assert_refused(lambda: client.infer("seq2seq", {"tokens": [1, 2]}, session="s2s"), INVALID_INPUT, "keeps no state")
+        assert_refused(
+            lambda: client.infer("seq2seq", {"tokens": [1, 2]}, session="s2s"), INVALID_INPUT, "keeps no state"
+        )
         h0 = np.zeros((2, 16), np.float32)
         assert_refused(
-            lambda: client.infer("lstm2", {"tokens": [1, 2], "h0": h0}, session="given"), INVALID_INPUT, "without 'session'"
+            lambda: client.infer("lstm2", {"tokens": [1, 2], "h0": h0}, session="given"),
+            INVALID_INPUT,
+            "without 'session'",
         )
         client.infer("lstm2", {"tokens": [1, 2]}, session="owned")
-        assert_refused(lambda: client.infer("gru", {"tokens": [1]}, session="owned"), INVALID_INPUT, "belongs to model 'lstm2'")
-        assert_refused(lambda: raw_infer(client, "lstm2", [1], session="owned", session_step=5), SESSION_LOST, "at step 1, not 5")
+        assert_refused(
+            lambda: client.infer("gru", {"tokens": [1]}, session="owned"), INVALID_INPUT, "belongs to model 'lstm2'"
+        )
+        assert_refused(
+            lambda: raw_infer(client, "lstm2", [1], session="owned", session_step=5), SESSION_LOST, "at step 1, not 5"
+        )
         assert client.infer("lstm2", {"tokens": [3]}, session="owned", session_end=True).session_step == 2
         assert client.stats()["sessions"] == 0
 
@@ -256,9 +269,19 @@ def test_a_waiting_request_that_fails_leaves_the_session_as_it_was(served):
             calls = [
                 client.call({"id": "long", "model": "lstm2", "inputs": {"tokens": long_part}, "session": "waits"}),
                 client.call({"id": "cancelled", "model": "lstm2", "inputs": {"tokens": [1]}, "session": "waits"}),
-                client.call({"id": "late", "model": "lstm2", "inputs": {"tokens": [1]}, "session": "waits", "deadline_ms": 1}),
+                client.call(
+                    {"id": "late", "model": "lstm2", "inputs": {"tokens": [1]}, "session": "waits", "deadline_ms": 1}
+                ),
                 client.call({"id": "bad", "model": "lstm2", "inputs": {"tokens": [VOCAB]}, "session": "waits"}),
-                client.call({"id": "last", "model": "lstm2", "inputs": {"tokens": last}, "session": "waits", "session_end": True}),
+                client.call(
+                    {
+                        "id": "last",
+                        "model": "lstm2",
+                        "inputs": {"tokens": last},
+                        "session": "waits",
+                        "session_end": True,
+                    }
+                ),
             ]
             futures = [asyncio.ensure_future(call) for call in calls]
 
@@ -271,7 +294,13 @@ def test_a_waiting_request_that_fails_leaves_the_session_as_it_was(served):
             return replies, await client.stats()
 
     replies, stats = asyncio.run(run())
-    assert [getattr(reply, "code", "ok") for reply in replies] == ["ok", CANCELLED, DEADLINE_EXCEEDED, INVALID_INPUT, "ok"]
+    assert [getattr(reply, "code", "ok") for reply in replies] == [
+        "ok",
+        CANCELLED,
+        DEADLINE_EXCEEDED,
+        INVALID_INPUT,
+        "ok",
+    ]
     assert replies[0]["session_step"] == 1 and replies[4]["session_step"] == 2
     assert_reference(models, "lstm2", long_part + last, decode_outputs(replies[4]["outputs"]))
     assert stats["requests_waiting_for_their_session"] == 0
@@ -291,7 +320,8 @@ def test_an_expired_session_answers_session_lost(short_lived):
         client.infer("gru", {"tokens": [1, 2, 3]}, session="brief")
         wait_until(lambda: client.stats()["sessions"] == 0, "the idle session expiring")
         assert_refused(lambda: client.infer("gru", {"tokens": [4]}, session="brief"), SESSION_LOST, "session_ttl_ms")
-        assert_refused(lambda: raw_infer(client, "gru", [4], session="brief"), SESSION_LOST, "expired")  # whatever the step
+        # whatever the step
+        assert_refused(lambda: raw_infer(client, "gru", [4], session="brief"), SESSION_LOST, "expired")
         assert client.stats()["requests"][SESSION_LOST] == 2
         assert client.infer("gru", {"tokens": [4]}, session="brief-2", session_end=True).session_step == 1
 

@@ -74,7 +74,9 @@ class Progress:
 Faults = Callable[[AsyncClient, Progress, int], Awaitable[None]]  # (client, progress, requests) -> when done
 
 
-async def kill_one_drain_another(servers: list[ServerProcess], client: AsyncClient, progress: Progress, count: int) -> None:
+async def kill_one_drain_another(
+    servers: list[ServerProcess], client: AsyncClient, progress: Progress, count: int
+) -> None:
     killed, drained, _ = servers
     await progress.reach(count // 4)
     await owes_answers(client, killed)
@@ -88,7 +90,9 @@ async def owes_answers(client: AsyncClient, server: ServerProcess) -> None:
         await asyncio.sleep(0.001)
 
 
-async def run_load(servers: list[ServerProcess], requests: list[list[int]], rate: float, faults: Faults) -> tuple[list, AsyncClient]:
+async def run_load(
+    servers: list[ServerProcess], requests: list[list[int]], rate: float, faults: Faults
+) -> tuple[list, AsyncClient]:
     progress = Progress()
     rng = np.random.default_rng(1)
     client = AsyncClient([s.address for s in servers], timeout=60, health_interval=0.2, health_timeout=0.5)

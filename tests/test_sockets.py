@@ -12,7 +12,9 @@ import zmq
 
 from batchmaker.common.sockets import NOW, receive, send, server_context
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies and /proc are Linux's")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="scheduling policies and /proc are Linux's"
+)
 
 NAMED_WITHIN_S = 10.0  # libzmq names a thread just after it applies its policy, as the thread starts
 

@@ -94,8 +94,8 @@ def test_every_missing_or_mismatched_weights_file_is_named_in_one_error(tmp_path
 def test_scripts_serve_resolves_the_config_from_the_callers_folder_and_invents_no_weights(tmp_path: Path):
     write_config(tmp_path, weights="lstm_trained.pt")
     result = subprocess.run(
-        [str(ROOT / "scripts" / "serve"), "lstm.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=SERVE_TIMEOUT_S,
-        check=False,
+        [str(ROOT / "scripts" / "serve"), "lstm.toml"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=SERVE_TIMEOUT_S, check=False,
     )
     assert_refused(result, f"weights file {tmp_path / 'lstm_trained.pt'} does not exist", "batchmaker init-weights")
     assert "created" not in result.stdout

@@ -111,8 +111,16 @@ def test_many_streams_at_once_on_the_async_client(served):
     "fields, code, words",
     [
         ({"model": "lstm", "inputs": {"tokens": [1, 2]}, "stream": True}, INVALID_INPUT, "cannot stream"),
-        ({"model": "seq2seq", "inputs": {"tokens": [1, 2]}, "stream": "yes"}, BAD_REQUEST, "'stream' must be true or false"),
-        ({"model": "seq2seq", "inputs": {"tokens": [1, 2]}, "stream": 1}, BAD_REQUEST, "'stream' must be true or false"),
+        (
+            {"model": "seq2seq", "inputs": {"tokens": [1, 2]}, "stream": "yes"},
+            BAD_REQUEST,
+            "'stream' must be true or false",
+        ),
+        (
+            {"model": "seq2seq", "inputs": {"tokens": [1, 2]}, "stream": 1},
+            BAD_REQUEST,
+            "'stream' must be true or false",
+        ),
         ({"model": "seq2seq", "inputs": {"tokens": []}, "stream": True}, INVALID_INPUT, "empty"),
     ],
 )
@@ -184,7 +192,11 @@ def test_cancel_mid_stream_ends_it_with_cancelled(endless):
     """After the first partial, a cancel ends the stream: its last reply is CANCELLED, short of max_len."""
     socket = raw_socket(endless.address)
     try:
-        socket.send(msgpack.packb({"id": "s", "model": "seq2seq", "inputs": {"tokens": [1, 2, 3], "max_len": LONG_DECODE}, "stream": True}))
+        socket.send(
+            msgpack.packb(
+                {"id": "s", "model": "seq2seq", "inputs": {"tokens": [1, 2, 3], "max_len": LONG_DECODE}, "stream": True}
+            )
+        )
         first = receive(socket)
         assert first["partial"] is True and first["ok"] is True
         socket.send(msgpack.packb({"id": "c", "op": "cancel", "target": "s"}))
@@ -218,7 +230,9 @@ def test_leaving_a_stream_early_cancels_it(endless):
 def test_leaving_an_async_stream_early_cancels_it(endless):
     async def run() -> None:
         async with AsyncClient(endless.address, timeout=60) as client:
-            async with contextlib.aclosing(client.stream("seq2seq", {"tokens": [7, 8], "max_len": LONG_DECODE})) as stream:
+            async with contextlib.aclosing(
+                client.stream("seq2seq", {"tokens": [7, 8], "max_len": LONG_DECODE})
+            ) as stream:
                 async for item in stream:
                     assert isinstance(item, Partial)
                     break
@@ -257,7 +271,9 @@ def test_a_reader_that_reads_late_gets_every_partial_once(served):
             before = client.stats()["requests"].get("ok", 0)
             for i, inputs in enumerate(requests):
                 socket.send(msgpack.packb({"id": i, "model": "seq2seq", "inputs": inputs, "stream": True}))
-            wait_until(lambda: client.stats()["requests"].get("ok", 0) - before == len(requests), "every stream answered", 300)
+            wait_until(
+                lambda: client.stats()["requests"].get("ok", 0) - before == len(requests), "every stream answered", 300
+            )
             tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
             finals: dict[int, list[int]] = {}
             while len(finals) < len(requests):
@@ -289,7 +305,9 @@ def test_cli_stream_prints_tokens_as_they_arrive(served, capsys):
 
 def test_cli_stream_json_prints_a_json_object_a_line(served, capsys):
     server, _, _ = served
-    assert cli_main(["infer", "--address", server.address, "--model", "seq2seq", "--tokens", "4 5 6", "--stream", "--json"]) == 0
+    assert cli_main(
+        ["infer", "--address", server.address, "--model", "seq2seq", "--tokens", "4 5 6", "--stream", "--json"]
+    ) == 0
     *partials, final = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert partials and all(p["partial"] is True and p["restarted"] is False for p in partials)
     assert [t for p in partials for t in p["outputs"]["tokens"]] == final["outputs"]["tokens"]

@@ -41,7 +41,10 @@ def served(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
 def test_streamed_rows_of_y_add_up_to_the_reply_and_the_reference(served):
     server, models = served
     rng = np.random.default_rng(5)
-    requests = [(name, {"tokens": rng.integers(0, 100, size=int(rng.integers(1, 61))).tolist()}) for name in ["lstm_steps", "gru_steps", "tagger"] * 8]
+    requests = [
+        (name, {"tokens": rng.integers(0, 100, size=int(rng.integers(1, 61))).tolist()})
+        for name in ["lstm_steps", "gru_steps", "tagger"] * 8
+    ]
 
     async def stream(client: AsyncClient, name: str, inputs: dict) -> list[Partial | Reply]:
         return [item async for item in client.stream(name, inputs)]
@@ -76,8 +79,13 @@ def test_a_chain_without_per_step_cannot_stream(served):
 def test_cli_stream_prints_a_row_of_y_a_line(served, capsys):
     server, models = served
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
-    assert cli_main(["infer", "--address", server.address, "--model", "gru_steps", "--tokens", " ".join(map(str, tokens)), "--stream"]) == 0
-    rows = [line.removeprefix("partial y: ").split() for line in capsys.readouterr().out.splitlines() if line.startswith("partial y: ")]
+    assert cli_main(["infer", "--address", server.address, "--model", "gru_steps",
+                     "--tokens", " ".join(map(str, tokens)), "--stream"]) == 0
+    rows = [
+        line.removeprefix("partial y: ").split()
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("partial y: ")
+    ]
     model, state = models["gru_steps"]
     expected = model.reference(state, {"tokens": tokens})["y"]
     assert np.abs(np.array(rows, dtype=np.float32) - expected).max() <= 1e-4  # printed with 6 significant digits

@@ -33,7 +33,9 @@ class StreamingServer(FakeServer):
         replies = []
         for tokens, final in self.script:
             outputs = {"tokens": np.array(tokens, dtype=np.int64)}
-            replies.append({"id": request_id, "ok": True, "outputs": outputs} if final else partial_reply(request_id, outputs))
+            replies.append(
+                {"id": request_id, "ok": True, "outputs": outputs} if final else partial_reply(request_id, outputs)
+            )
         return replies
 
 
@@ -45,7 +47,9 @@ def servers() -> Iterator[list[StreamingServer]]:
         server.close()
 
 
-def pair(servers: list[StreamingServer], second: list[tuple[list[int], bool]]) -> tuple[StreamingServer, StreamingServer]:
+def pair(
+    servers: list[StreamingServer], second: list[tuple[list[int], bool]]
+) -> tuple[StreamingServer, StreamingServer]:
     """A first server that streams [1, 2] and stays silent after (until the test closes it), and a second one."""
     servers.append(StreamingServer("s0", [([1, 2], False)]))
     servers.append(StreamingServer("s1", second))

@@ -57,7 +57,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, dict[str, Any]]]:
     """Every built-in model kind and the user model of examples/elman.py, with each one's model and weights."""
-    config = write_config(tmp_path_factory.mktemp("strict"), SMALL_LSTM + SMALL_GRU + SMALL_SEQ2SEQ + TREE_MODELS + VECTORS + ELMAN)
+    config = write_config(
+        tmp_path_factory.mktemp("strict"), SMALL_LSTM + SMALL_GRU + SMALL_SEQ2SEQ + TREE_MODELS + VECTORS + ELMAN
+    )
     server = start_server(config, workers=1)
     models = {}
     for name, model_config in config.models.items():
@@ -99,7 +101,9 @@ def assert_refused(reply: dict[str, Any], code: str, message: str) -> None:
     assert reply["error"] == {"code": code, "message": message}
 
 
-def assert_reference(served: tuple[RunningServer, dict[str, Any]], name: str, inputs: dict[str, Any], reply: dict) -> None:
+def assert_reference(
+    served: tuple[RunningServer, dict[str, Any]], name: str, inputs: dict[str, Any], reply: dict
+) -> None:
     """The reply equals the model's unbatched reference for these inputs (which may say more, as
     Seq2Seq's decoding margins)."""
     assert reply["ok"] is True, reply
@@ -123,7 +127,9 @@ def test_misspelt_optional_inputs_are_refused_instead_of_ignored(served, connect
     """`max_length` is not seq2seq's `max_len` (it decoded 13 tokens), `h_0` not the LSTM's `h0` (it ran from zeros)."""
     refused = call(connection, {"id": "s", "model": "seq2seq", "inputs": {"tokens": [5, 6, 7], "max_length": 3}})
     assert_refused(refused, INVALID_INPUT, "unknown input 'max_length' for model 'seq2seq'; it takes: tokens, max_len")
-    refused = call(connection, {"id": "l", "model": "lstm", "inputs": {"tokens": [5, 6, 7], "h_0": STATES, "C0": STATES}})
+    refused = call(
+        connection, {"id": "l", "model": "lstm", "inputs": {"tokens": [5, 6, 7], "h_0": STATES, "C0": STATES}}
+    )
     assert_refused(refused, INVALID_INPUT, "unknown inputs 'h_0', 'C0' for model 'lstm'; it takes: tokens, h0, c0")
     decoded = call(connection, {"id": "ok", "model": "seq2seq", "inputs": CASES["seq2seq"][1]})
     assert len(decoded["outputs"]["tokens"]["shape"]) == 1 and decoded["outputs"]["tokens"]["shape"][0] <= 3
@@ -138,13 +144,22 @@ def test_an_unknown_request_field_is_refused_naming_it_and_the_ops_fields(served
     refused = call(connection, {"id": 1, "model": "lstm", "inputs": {"tokens": [5]}, "deadline": 100})
     assert_refused(refused, BAD_REQUEST, f"unknown field 'deadline' for op 'infer'; its fields are: {infer_fields}")
     refused = call(connection, {"id": 2, "op": "cancel", "target": 1, "targets": [1], "why": "x"})
-    assert_refused(refused, BAD_REQUEST, "unknown fields 'targets', 'why' for op 'cancel'; its fields are: id, op, target")
+    assert_refused(
+        refused, BAD_REQUEST, "unknown fields 'targets', 'why' for op 'cancel'; its fields are: id, op, target"
+    )
     refused = call(connection, {"id": 3, "op": "models", "verbose": True})
     assert_refused(refused, BAD_REQUEST, "unknown field 'verbose' for op 'models'; its fields are: id, op")
-    every_field = {"version": 1, "deadline_ms": 60_000, "priority": 1, "stream": False, "session": "s", "session_start": True,
-                   "session_end": True, "session_step": 0, "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "a=1"}  # fmt: skip
+    every_field = {"version": 1, "deadline_ms": 60_000, "priority": 1, "stream": False, "session": "s",
+                   "session_start": True, "session_end": True, "session_step": 0,
+                   "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                   "tracestate": "a=1"}  # fmt: skip
     inputs = {"tokens": [5, 6, 7]}
-    assert_reference(served, "lstm", inputs, call(connection, {"id": 4, "op": "infer", "model": "lstm", "inputs": inputs, **every_field}))
+    assert_reference(
+        served,
+        "lstm",
+        inputs,
+        call(connection, {"id": 4, "op": "infer", "model": "lstm", "inputs": inputs, **every_field}),
+    )
     assert call(connection, {"id": 5, "op": "health"})["ok"] is True
 
 
@@ -161,7 +176,9 @@ def test_refusals_disturb_nothing_else_of_their_burst(served, connection):
         connection.send(encode(message))
     answered = replies(connection, len(burst))
     assert answered["field"]["error"]["code"] == BAD_REQUEST and "'prio'" in answered["field"]["error"]["message"]
-    assert answered["input"]["error"]["code"] == INVALID_INPUT and "'max_length'" in answered["input"]["error"]["message"]
+    assert (
+        answered["input"]["error"]["code"] == INVALID_INPUT and "'max_length'" in answered["input"]["error"]["message"]
+    )
     for name in ("gru", "cs", "elman"):
         assert_reference(served, name, burst[name]["inputs"], answered[name])
 
@@ -170,5 +187,7 @@ def test_a_model_that_declares_no_inputs_is_refused_at_start(tmp_path: Path):
     (tmp_path / "undeclared_inputs.py").write_text(UNDECLARED)
     path = tmp_path / "config.toml"
     path.write_text(ELMAN.replace("examples.elman:build", "undeclared_inputs:build"))
-    with pytest.raises(ConfigError, match=r"\[models.elman\] builder 'undeclared_inputs:build': describe\(\) must map 'inputs'"):
+    with pytest.raises(
+        ConfigError, match=r"\[models.elman\] builder 'undeclared_inputs:build': describe\(\) must map 'inputs'"
+    ):
         build_planner(load_config(path).models["elman"])

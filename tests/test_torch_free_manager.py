@@ -101,7 +101,9 @@ def test_a_model_without_a_planner_of_its_own_is_planned_by_the_whole_model(tmp_
 
 
 def test_a_planner_function_that_returns_no_planner_is_refused(tmp_path: Path, monkeypatch):
-    (tmp_path / "odd_model.py").write_text("def planner(config):\n    return object()\n\n\ndef build(config):\n    pass\n")
+    (tmp_path / "odd_model.py").write_text(
+        "def planner(config):\n    return object()\n\n\ndef build(config):\n    pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     config = write_config(tmp_path, ELMAN)
     odd = dataclasses.replace(config.models["elman"], builder="odd_model:build")

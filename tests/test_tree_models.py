@@ -230,7 +230,11 @@ def test_lanes_of_a_complete_binary_tree_run_level_by_level(tmp_path: Path):
         parents = [-1] + [(i - 1) // 2 for i in range(1, 31)]  # heap order: nodes 15..30 are the leaves
         tokens = [-1] * 15 + list(range(16))
         request = h.admit("bin", tree(tokens, parents))
-        assert waves(request.unfolded.plan) == [("bin/leaf", [16]), ("bin/internal", [8, 4, 2, 1]), ("bin/classifier", [1])]
+        assert waves(request.unfolded.plan) == [
+            ("bin/leaf", [16]),
+            ("bin/internal", [8, 4, 2, 1]),
+            ("bin/classifier", [1]),
+        ]
         request = h.admit("cs", tree(tokens, parents))
         assert waves(request.unfolded.plan) == [("cs/node", [16, 8, 4, 2, 1]), ("cs/classifier", [1])]
         worker = h.workers[0]

@@ -63,7 +63,11 @@ LSTM_FILE_UNDER_GRU_CONFIG = [
     ),
     (  # every key is there, so the shapes are checked: no size of a GRU fits them
         "gru",
-        ("does not fit the config's sizes", 'builder = "batchmaker.common.models.lstm:build"', "rename its keys (gru. -> lstm.)"),
+        (
+            "does not fit the config's sizes",
+            'builder = "batchmaker.common.models.lstm:build"',
+            "rename its keys (gru. -> lstm.)",
+        ),
         "Set the sizes",
     ),
 ]
@@ -73,7 +77,9 @@ LSTM_FILE_UNDER_GRU_CONFIG = [
 def test_an_lstm_file_under_a_gru_config_names_the_lstm_builder_and_keys(
     tmp_path: Path, attribute: str, fragments: tuple[str, ...], absent: str
 ):
-    message = refused(tmp_path, chain(nn.LSTM, attribute, embedding=True).state_dict(), gru_config(tmp_path), *fragments)
+    message = refused(
+        tmp_path, chain(nn.LSTM, attribute, embedding=True).state_dict(), gru_config(tmp_path), *fragments
+    )
     assert absent not in message
 
 
@@ -109,7 +115,8 @@ def test_a_token_lstm_with_an_embedding_and_a_head():
     kind = recognise(shapes(chain(nn.LSTM, "lstm", embedding=True, head=3)))
     assert kind is not None and kind.builder == "batchmaker.common.models.lstm:build"
     assert kind.settings == {
-        "vocab_size": 50, "embedding_size": 8, "hidden_size": 16, "num_layers": 1, "bidirectional": False, "head_size": 3
+        "vocab_size": 50, "embedding_size": 8, "hidden_size": 16, "num_layers": 1, "bidirectional": False,
+        "head_size": 3,
     }
     assert kind.renames == {"embedding.": "embedding.", "lstm.": "lstm.", "head.": "head."}
 
@@ -156,7 +163,12 @@ def test_seq2seq_files_are_recognised_with_their_sizes():
 
 
 def test_tree_files_are_recognised_by_their_gates():
-    binary = {"embedding.weight": (50, 8), "leaf.weight": (48, 8), "internal.weight": (80, 32), "classifier.weight": (5, 16)}
+    binary = {
+        "embedding.weight": (50, 8),
+        "leaf.weight": (48, 8),
+        "internal.weight": (80, 32),
+        "classifier.weight": (5, 16),
+    }
     kind = recognise(binary)
     assert kind is not None and kind.builder == "batchmaker.common.models.treelstm:build"
     assert kind.settings == {"vocab_size": 50, "embedding_size": 8, "hidden_size": 16, "num_classes": 5}

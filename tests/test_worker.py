@@ -220,7 +220,9 @@ def test_a_cpu_worker_that_cannot_map_a_peer_says_why_and_maps_the_others(cells)
     backend = make_backend("cpu", cells)
     try:
         announced = [info.to_wire() for info in peer.arenas]
-        gone = [{**arena, "shm": f"{arena['shm']}-gone"} if arena["space"] == "device" else arena for arena in announced]
+        gone = [
+            {**arena, "shm": f"{arena['shm']}-gone"} if arena["space"] == "device" else arena for arena in announced
+        ]
         assert backend.attach_peer(7, announced) is None
         reason = backend.attach_peer(8, gone)
         assert reason is not None and "FileNotFoundError" in reason
@@ -402,7 +404,8 @@ def test_worker_that_cannot_start_exits_with_its_own_status(tmp_path: Path, devi
 def test_an_empty_host_id_is_refused(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM)
     process = subprocess.run(
-        [sys.executable, "-m", "worker", "--config", str(config.path), "--manager", "tcp://127.0.0.1:9", "--host-id", " "],
+        [sys.executable, "-m", "worker", "--config", str(config.path), "--manager", "tcp://127.0.0.1:9",
+         "--host-id", " "],
         capture_output=True, text=True, check=False, timeout=120, cwd=Path(__file__).parents[1],
     )  # fmt: skip
     assert process.returncode == 2 and "--host-id: must not be empty" in process.stderr

@@ -116,7 +116,9 @@ def missing_keys(**missing: str) -> str:
 
 
 def refusal(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    return subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
+    )
 
 
 @pytest.mark.parametrize(

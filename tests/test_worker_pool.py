@@ -228,14 +228,18 @@ def test_a_malformed_peers_report_is_dropped_and_changes_nothing(pool: Pool, rep
     _, second_reply = pool.register("host-a")
     dropped = pool.pool.dropped_messages
     first.send(encode({"op": "peers", **report}))
-    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped")
+    wait_until(
+        lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped"
+    )
     assert pool.handle(first_reply).unread == {second_reply["worker_id"]}
 
 
 def test_a_peers_report_from_a_socket_that_never_registered_is_dropped(pool: Pool):
     dropped = pool.pool.dropped_messages
     pool.dealer().send(encode({"op": "peers", "readable": [0], "unreadable": {}}))
-    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped")
+    wait_until(
+        lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped"
+    )
 
 
 def test_the_registration_reply_says_whether_requests_are_routed_whole(pool: Pool):

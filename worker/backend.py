@@ -112,7 +112,9 @@ def time_full_tasks(
 def warm_up_failure(spec: CellTypeSpec, batch_size: int, exc: Exception) -> ConfigError:
     """A cell that fails on zero rows is the model's fault: say which cell type and what it must return."""
     def kinds(values: tuple[ValueKind, ...]) -> str:
-        return ", ".join(f"{kind.dtype}[batch, {', '.join(map(str, kind.shape))}]".replace(", ]", "]") for kind in values)
+        return ", ".join(
+            f"{kind.dtype}[batch, {', '.join(map(str, kind.shape))}]".replace(", ]", "]") for kind in values
+        )
 
     return ConfigError(
         f"cell type {spec.key!r} failed its warm-up run at batch size {batch_size} "

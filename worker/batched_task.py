@@ -84,7 +84,9 @@ class KernelClock:
             self.seconds += time.perf_counter() - began
 
 
-def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas) -> list[IssuedTask]:
+def resolve(
+    task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Module], peers: PeerArenas
+) -> list[IssuedTask]:
     """Turn a task message into tensors, a step each: the issuer's share of the work, done off the stream.
 
     A multi-step task is resolved once for all its steps: every slot list of every step becomes one
@@ -103,7 +105,10 @@ def resolve(task: TaskMessage, tensors: list[torch.Tensor], cells: list[nn.Modul
             cell,
             [input_rows(TaskInput(*entry), tensors, peers, views) for entry in step.inputs],
             [(arena_of(tensors, arena), next(views)) for arena, _ in step.outputs],
-            [TensorCopy(arena_of(tensors, a), next(views), arena_of(tensors, io), next(views)) for a, _, io, _ in step.downloads],
+            [
+                TensorCopy(arena_of(tensors, a), next(views), arena_of(tensors, io), next(views))
+                for a, _, io, _ in step.downloads
+            ],
         )
         for step in steps
     ]
@@ -126,7 +131,9 @@ def slot_arrays(entry: TaskInput) -> list[np.ndarray]:
     return arrays
 
 
-def input_rows(entry: TaskInput, tensors: list[torch.Tensor], peers: PeerArenas, views: Iterator[torch.Tensor]) -> InputRows:
+def input_rows(
+    entry: TaskInput, tensors: list[torch.Tensor], peers: PeerArenas, views: Iterator[torch.Tensor]
+) -> InputRows:
     """A task input on host tensors, its index arrays the next of `views` (`slot_arrays`' order)."""
     arena = arena_of(tensors, entry.arena)
     slots = next(views)

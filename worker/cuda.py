@@ -191,7 +191,9 @@ class CudaBackend(Backend):
             }
         except Exception as exc:  # torch raises AcceleratorError for a failed cudaIpcOpenMemHandle
             reason = f"{type(exc).__name__}: {exc}"
-            log.warning("%s cannot read the arenas of worker %d (%s); it will not read from it", self.device, worker_id, reason)
+            log.warning(
+                "%s cannot read the arenas of worker %d (%s); it will not read from it", self.device, worker_id, reason
+            )
             self._tasks.unreadable[worker_id] = reason
             return reason
         self._tasks.peers.update(opened)
@@ -276,7 +278,9 @@ class CudaBackend(Backend):
         try:
             finished = self._calls.wait(CLOSE_TIMEOUT_S)
             if not finished:
-                log.warning("the stream of %s did not finish in %.0f s; its io arenas stay mapped", self.device, CLOSE_TIMEOUT_S)
+                log.warning(
+                    "the stream of %s did not finish in %.0f s; its io arenas stay mapped", self.device, CLOSE_TIMEOUT_S
+                )
         except RuntimeError as exc:  # a device fault surfaces at the first query after it
             log.error("the stream of %s failed: %s", self.device, exc)
             finished = False

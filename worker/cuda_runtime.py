@@ -34,9 +34,13 @@ def arenas_shareable(environ: MutableMapping[str, str] = os.environ) -> None:
     for variable in ALLOC_CONF_VARIABLES:
         conf = environ.get(variable, "")
         if expandable_segments(conf):
-            kept = [part for part in conf.split(",") if not part.replace(" ", "").lower().startswith("expandable_segments")]
+            kept = [
+                part for part in conf.split(",") if not part.replace(" ", "").lower().startswith("expandable_segments")
+            ]
             environ[variable] = ",".join(kept)
-            log.warning("%s asks for expandable segments; this worker turns them off so peers can map its arenas", variable)
+            log.warning(
+                "%s asks for expandable segments; this worker turns them off so peers can map its arenas", variable
+            )
 
 
 class CudaRuntime:
@@ -104,7 +108,9 @@ class CudaRuntime:
         """
         torch.cuda.init()  # a fresh process has no CUDA state yet; torch's own rebuild path does the same
         memory, size, offset, counter, counter_offset, event, _sync = handle
-        storage = torch.UntypedStorage._new_shared_cuda(device, memory, size, offset, counter, counter_offset, event, False)
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device, memory, size, offset, counter, counter_offset, event, False
+        )
         return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape)
 
     def uuid(self, index: int) -> str:

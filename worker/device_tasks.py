@@ -11,8 +11,8 @@ Per task on the device's stream: one host-to-device copy of all the task's slot 
 inline values (packed into one buffer), the gathers, the cell, the scatters, per download a
 gather and one device-to-host copy per run of consecutive io rows (straight into the io
 arena, page-locked), and the counter write. A multi-step task enqueues that body once per step
-(its own staging copy each) and writes the counter once, after its last step. Everything a task could fail on at the host
-(slots out of range, an unknown arena or peer) is checked before any of it is enqueued.
+(its own staging copy each) and writes the counter once, after its last step. Everything a task could fail on
+at the host (slots out of range, an unknown arena or peer) is checked before any of it is enqueued.
 """
 
 from __future__ import annotations
@@ -217,7 +217,9 @@ class DeviceTasks:
             else:
                 check_later(mode, 0, task.steps)
             inputs.append(LaneRows(mode, source, rows, later_rows, cut))
-        outputs = [(self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs]
+        outputs = [
+            (self._arena(a), self._slots(staging, s, self._arena(a).shape[0], "output")) for a, s in task.outputs
+        ]
         every_step = {port: self._slots(staging, entries, packed, "entry") for port, entries in task.every_step}
         downloads = []
         for port, entries, io_id, io_slots in task.downloads:

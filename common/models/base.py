@@ -1,8 +1,8 @@
 """The model interface in two halves: a planner (numpy) and cells (torch).
 
 A `Planner` is what the manager needs: cell types, `describe`, `unfold` and `plan`, `observe`,
-`outputs`, `can_pad`, and `can_stream` with `partial_outputs`. A `Model` is a planner with cells: what workers build (`make_cells`),
-what tests and benchmarks compare with (`reference`), and the weights. This module imports
+`outputs`, `can_pad`, and `can_stream` with `partial_outputs`. A `Model` is a planner with cells: what workers build
+(`make_cells`), what tests and benchmarks compare with (`reference`), and the weights. This module imports
 torch only inside the methods that load or save weights, so that a manager serving the
 built-in models never loads it: their builder modules define `planner(config)` beside
 `build(config)` and hold no torch code (their cells live in `*_cells.py` modules), and the
@@ -315,7 +315,9 @@ def _import_builder(config: ModelConfig) -> tuple[ModuleType, Callable[[ModelCon
         ) from None
     builder = getattr(module, func_name, None)
     if not callable(builder):
-        raise ConfigError(f"{where} cannot import builder {config.builder!r}: {module.__file__} defines no function {func_name!r}")
+        raise ConfigError(
+            f"{where} cannot import builder {config.builder!r}: {module.__file__} defines no function {func_name!r}"
+        )
     return module, builder
 
 
@@ -366,7 +368,9 @@ def token_ids(inputs: Any, key: str, vocab_size: int, max_length: int) -> np.nda
     if is_tensor_map(raw):
         array = map_to_tensor(raw, key, rank=1)
         if array.dtype.kind not in "iu":
-            raise RequestError(INVALID_INPUT, f"{key} must be a 1-D integer tensor, got {array.dtype}{list(array.shape)}")
+            raise RequestError(
+                INVALID_INPUT, f"{key} must be a 1-D integer tensor, got {array.dtype}{list(array.shape)}"
+            )
     elif isinstance(raw, list):
         if len(raw) > max_length:  # before any scan of the list: refusing a long one costs nothing
             raise RequestError(INVALID_INPUT, f"{key} has {len(raw)} tokens; this model accepts at most {max_length}")

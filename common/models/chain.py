@@ -55,7 +55,10 @@ class ChainPlanner(Planner):
         params = config.params
         check_params(params, KEYS, self.name)
         if ("vocab_size" in params) == ("input_size" in params):
-            raise ConfigError(f"[models.{self.name}] give vocab_size (token inputs) or input_size (vector inputs x), not both or neither")
+            raise ConfigError(
+                f"[models.{self.name}] give vocab_size (token inputs) or input_size (vector inputs x), "
+                "not both or neither"
+            )
         if "input_size" in params and "embedding_size" in params:
             raise ConfigError(f"[models.{self.name}] embedding_size applies to token inputs (vocab_size) only")
         self.hidden_size = int_param(params, "hidden_size", self.name)
@@ -158,7 +161,9 @@ class ChainPlanner(Planner):
         if "h0" not in inputs and "c0" not in inputs:
             return {}
         if "c0" in inputs and "c" not in self.state_names:
-            raise RequestError(INVALID_INPUT, f"c0 is an LSTM's initial cell state; model {self.name!r} is a {self.kind} and has none")
+            raise RequestError(
+                INVALID_INPUT, f"c0 is an LSTM's initial cell state; model {self.name!r} is a {self.kind} and has none"
+            )
         return {
             name: float_rows(inputs[f"{name}0"], f"{name}0", self.hidden_size, rows=self.final_rows)
             for name in self.state_names
@@ -190,15 +195,22 @@ class ChainPlanner(Planner):
         the plan is compiled from rows that hold their own index."""
         labels = labelled(self.input_kind, 0, length + 1)
         count = length + (padded is not None and padded > length)
-        initial = {name: labelled(self.state_kind, count + i * self.final_rows, self.final_rows) for i, name in enumerate(given)}
-        unfolded = compile_graph(self._unfold(labels[:length], padded, initial, labels[length]), self.cell_types, self.name)
+        initial = {
+            name: labelled(self.state_kind, count + i * self.final_rows, self.final_rows)
+            for i, name in enumerate(given)
+        }
+        unfolded = compile_graph(
+            self._unfold(labels[:length], padded, initial, labels[length]), self.cell_types, self.name
+        )
         read = unfolded.externals[self.input_kind]
         if self.input_kind != self.state_kind and not np.array_equal(read.reshape(count, -1)[:, 0], np.arange(count)):
             raise AssertionError("a chain's plan reads its input rows in order: requests give them as they are")
         states = unfolded.externals.get(self.state_kind, np.zeros((0, self.hidden_size)))
         return unfolded.plan, states.reshape(-1, self.hidden_size)[:, 0].astype(np.int64)
 
-    def _unfold(self, rows: np.ndarray, padded_length: int | None, initial: dict[str, np.ndarray], padding: Any) -> CellGraph:
+    def _unfold(
+        self, rows: np.ndarray, padded_length: int | None, initial: dict[str, np.ndarray], padding: Any
+    ) -> CellGraph:
         """Layers of steps over the input rows, then padding steps on the `padding` row up to `padded_length`.
 
         The forward direction's padding continues its chain after the last step; the reverse
@@ -276,7 +288,9 @@ class ChainPlanner(Planner):
         names = self._step_names.get(length)
         if names is None:
             prefixes = ("y", "y_reverse")[: self.directions]
-            names = self._step_names[length] = tuple(tuple(f"{prefix}{t}" for t in range(length)) for prefix in prefixes)
+            names = self._step_names[length] = tuple(
+                tuple(f"{prefix}{t}" for t in range(length)) for prefix in prefixes
+            )
         return names
 
     def outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -310,7 +324,9 @@ class ChainPlanner(Planner):
     def can_stream(self) -> bool:  # type: ignore[override]
         return self.per_step
 
-    def partial_outputs(self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray], start: int) -> dict[str, Any] | None:
+    def partial_outputs(
+        self, graph: CellGraph | Unfolded, results: dict[str, np.ndarray], start: int
+    ) -> dict[str, Any] | None:
         """With `per_step`: the rows of `y` (and `logits`) from `start` up to the first step not yet final. A
         step's row is final once all its results are read: both directions' outputs (with their head parts); a
         bidirectional model's first rows wait for the reverse direction to reach them."""

@@ -105,7 +105,11 @@ class ChainModel(ChainPlanner, Model):
 
     def _weight_suffixes(self) -> list[str]:
         """The state_dict suffix of each layer and direction, in h_n order: _l0, _l0_reverse, _l1, ..."""
-        return [f"_l{layer}{direction}" for layer in range(self.num_layers) for direction in ("", "_reverse")[: self.directions]]
+        return [
+            f"_l{layer}{direction}"
+            for layer in range(self.num_layers)
+            for direction in ("", "_reverse")[: self.directions]
+        ]
 
     def make_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
         fold = self.vocab_size is not None and self.folds(table_bytes(self.vocab_size, self.gates * self.hidden_size))
@@ -135,7 +139,9 @@ class ChainModel(ChainPlanner, Model):
             cells[key] = StepHead(cells[key], head)
 
     def _layer_weights(self, state: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
-        return {name: state[f"{self.rnn_name}.{name}{suffix}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+        return {
+            name: state[f"{self.rnn_name}.{name}{suffix}"] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        }
 
     def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
         embedding = None

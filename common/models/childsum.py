@@ -23,8 +23,8 @@ Weights file keys (H = hidden_size, E = embedding_size, V = vocab_size):
 * `classifier.weight` [num_classes, H], `classifier.bias` [num_classes], when num_classes > 0
 
 This module is the planner. In common/models/childsum_cells.py, ChildSumCell is the cell
-`torch_nn_cells` returns (and a training script would train); workers serve ChildSumKernel (common/models/kernels.py), whose word projection is a folded
-table with a first row for "no word" (the bias alone).
+`torch_nn_cells` returns (and a training script would train); workers serve ChildSumKernel (common/models/kernels.py),
+whose word projection is a folded table with a first row for "no word" (the bias alone).
 """
 
 from __future__ import annotations

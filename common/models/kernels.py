@@ -127,7 +127,9 @@ def lstm_input(
     `embedding` is given (a table when `fold`), of a vector (or two, split at `split`) otherwise."""
     weight = doubled(weight_ih, LSTM_GATES, LSTM_TANH)
     bias = doubled(bias_ih + bias_hh, LSTM_GATES, LSTM_TANH)
-    return vector_projection(weight, bias, split) if embedding is None else token_projection(embedding, weight, bias, fold)
+    return (
+        vector_projection(weight, bias, split) if embedding is None else token_projection(embedding, weight, bias, fold)
+    )
 
 
 def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +154,9 @@ class LSTMKernel(nn.Module):
 class PairLSTMKernel(LSTMKernel):
     """(x_forward, x_reverse, h, c) -> (h, c): a layer above a bidirectional one (a PairProjection)."""
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return lstm_update(self.projection(a, b).addmm_(h, self.recurrent_t), c)
 
 
@@ -162,7 +166,9 @@ def gru_input(
     """A GRU layer's input projection with b_ih and the n rows doubled (b_hh stays with h: r scales it)."""
     weight = doubled(weight_ih, GRU_GATES, GRU_TANH)
     bias = doubled(bias_ih, GRU_GATES, GRU_TANH)
-    return vector_projection(weight, bias, split) if embedding is None else token_projection(embedding, weight, bias, fold)
+    return (
+        vector_projection(weight, bias, split) if embedding is None else token_projection(embedding, weight, bias, fold)
+    )
 
 
 class GRUKernel(nn.Module):
@@ -201,7 +207,9 @@ def row_argmax(scores: torch.Tensor) -> torch.Tensor:
     return scores.argmax(dim=1)
 
 
-def tree_state(i: torch.Tensor, o: torch.Tensor, u: torch.Tensor, carried: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_state(
+    i: torch.Tensor, o: torch.Tensor, u: torch.Tensor, carried: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The end of a TreeLSTM node from its gates after the sigmoid (u from doubled rows):
     c = i tanh(u) + what the forget gates carried over, h = o tanh(c)."""
     c = torch.addcmul(-i if carried is None else carried - i, i, u, value=2)

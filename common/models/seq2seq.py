@@ -234,7 +234,9 @@ class Seq2SeqPlanner(Planner):
             x = previous
             for layer, key in enumerate(self.decoder_keys):
                 h, c = finals[layer]
-                node = graph.add_node(key, x, h, c, *(memory if layer == top else ()), after=after if layer == 0 else ())
+                node = graph.add_node(
+                    key, x, h, c, *(memory if layer == top else ()), after=after if layer == 0 else ()
+                )
                 finals[layer] = NodeOutput(node, 0), NodeOutput(node, 1)
                 x = finals[layer][0]
             previous = NodeOutput(node, 2)

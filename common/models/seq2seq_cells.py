@@ -77,7 +77,9 @@ class DecoderCell(nn.Module):
         self.projection = projection
         self.attention = attention
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, *memory: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, *memory: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         h, c = self.step(x, h, c)
         attended = h if self.attention is None else self.attention(h, *memory)
         return h, c, row_argmax(self.projection(attended))
@@ -94,7 +96,9 @@ class Seq2SeqModel(Seq2SeqPlanner, Model):
             return None
         return LuongAttention(state["decoder.attention.weight"], state["decoder.combine.weight"])
 
-    def _cells(self, state: dict[str, torch.Tensor], steps: dict[str, list[nn.Module]], projection: nn.Module) -> dict[str, nn.Module]:
+    def _cells(
+        self, state: dict[str, torch.Tensor], steps: dict[str, list[nn.Module]], projection: nn.Module
+    ) -> dict[str, nn.Module]:
         """Cells by key from each part's layer steps: the top decoder layer wrapped to project."""
         keys = {"encoder": self.encoder_keys, "decoder": self.decoder_keys}
         cells = {key: step for part, layers in steps.items() for key, step in zip(keys[part], layers, strict=True)}
@@ -110,7 +114,9 @@ class Seq2SeqModel(Seq2SeqPlanner, Model):
             return LSTMKernel(lstm_input(embedding, w["weight_ih"], w["bias_ih"], w["bias_hh"], fold), w["weight_hh"])
 
         steps = {part: [step(part, layer) for layer in range(self.num_layers)] for part in ("encoder", "decoder")}
-        return self._cells(state, steps, Projection(state["decoder.projection.weight"], state["decoder.projection.bias"]))
+        return self._cells(
+            state, steps, Projection(state["decoder.projection.weight"], state["decoder.projection.bias"])
+        )
 
     def torch_nn_cells(self, state: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
         steps: dict[str, list[nn.Module]] = {}
@@ -126,7 +132,9 @@ class Seq2SeqModel(Seq2SeqPlanner, Model):
 
     def _projection(self, state: dict[str, torch.Tensor]) -> nn.Linear:
         projection = nn.Linear(self.hidden_size, self.tgt_vocab_size)
-        projection.load_state_dict({"weight": state["decoder.projection.weight"], "bias": state["decoder.projection.bias"]})
+        projection.load_state_dict(
+            {"weight": state["decoder.projection.weight"], "bias": state["decoder.projection.bias"]}
+        )
         return projection
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

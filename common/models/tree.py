@@ -387,7 +387,9 @@ class TreePlanner(Planner):
             registers[self._cell_types[self.keys[CLASSIFIER]].outputs[0]] = np.array([2 * count])
             lanes.append((self.keys[CLASSIFIER], total))
         results = ("h", "c", "logits") if classes else ("h", "c")
-        return Unfolded(plan_of(lanes, depth, node_inputs, outputs, ragged, registers, copies, results), {TOKEN: externals})
+        return Unfolded(
+            plan_of(lanes, depth, node_inputs, outputs, ragged, registers, copies, results), {TOKEN: externals}
+        )
 
     @abstractmethod
     def plan_inputs(

@@ -201,7 +201,9 @@ def _prefix_renames(
     pairing keys by their longest common dotted suffix (same shape first); empty when none does."""
     renames: dict[str, str] = {}
     for key in missing:
-        candidates = [(_common_suffix(key, found), tuple(state[found].shape) == expected[key], found) for found in unexpected]
+        candidates = [
+            (_common_suffix(key, found), tuple(state[found].shape) == expected[key], found) for found in unexpected
+        ]
         candidates = [c for c in candidates if c[0]]
         if not candidates:
             return {}
@@ -214,16 +216,28 @@ def _prefix_renames(
 
 def _common_suffix(a: str, b: str) -> str:
     """The longest run of whole dotted components both keys end with ("" if the last differs)."""
-    parts = list(itertools.takewhile(lambda pair: pair[0] == pair[1], zip(reversed(a.split(".")), reversed(b.split(".")))))
+    parts = list(
+        itertools.takewhile(lambda pair: pair[0] == pair[1], zip(reversed(a.split(".")), reversed(b.split("."))))
+    )
     return ".".join(part for part, _ in reversed(parts))
 
 
 def _check_shapes(model: Model, where: str, path: Path, state: dict, expected: dict[str, tuple[int, ...]]) -> None:
-    wrong = [(key, tuple(state[key].shape), shape) for key, shape in expected.items() if tuple(state[key].shape) != shape]
+    wrong = [
+        (key, tuple(state[key].shape), shape) for key, shape in expected.items() if tuple(state[key].shape) != shape
+    ]
     if not wrong:
         return
-    sizes = ", ".join(f"{key} = {value}" for key, value in sorted(model.config.params.items()) if isinstance(value, int))
-    details = "; ".join(f"{key} is {found} in the file, the config needs {shape}" for key, found, shape in wrong[:SHOWN_KEYS])
+    sizes = ", ".join(
+        f"{key} = {value}" for key, value in sorted(model.config.params.items()) if isinstance(value, int)
+    )
+    details = "; ".join(
+        f"{key} is {found} in the file, the config needs {shape}" for key, found, shape in wrong[:SHOWN_KEYS]
+    )
     other_kind = _other_kind(model, path, state, expected)
-    remedy = f"\n{other_kind}" if other_kind else f" Set the sizes in [models.{model.name}] to those the weights were trained with."
+    remedy = (
+        f"\n{other_kind}"
+        if other_kind
+        else f" Set the sizes in [models.{model.name}] to those the weights were trained with."
+    )
     raise ConfigError(f"{where} weights file {path} does not fit the config's sizes ({sizes}): {details}.{remedy}")

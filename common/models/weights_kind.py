@@ -135,7 +135,10 @@ def _seq2seq(shapes: Shapes) -> Kind | None:
     attention = "decoder.attention.weight" in shapes
     if attention:
         settings["attention"] = "luong"
-    what = f"a {layers}-layer LSTM encoder-decoder of hidden size {hidden} {'with' if attention else 'without'} attention"
+    what = (
+        f"a {layers}-layer LSTM encoder-decoder of hidden size {hidden} "
+        f"{'with' if attention else 'without'} attention"
+    )
     return Kind(f"{BUILDERS}.seq2seq:build", what, settings)
 
 

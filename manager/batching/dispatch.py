@@ -121,14 +121,18 @@ class Dispatcher:
         table, store, spec = self._table, self._store, task.spec
         step_nodes = waves.step_nodes()
         step_sizes = [spec.padded_size(count) for count in step_nodes]
-        layout = Layout.one_step(step_nodes[0], step_sizes[0]) if len(step_sizes) == 1 else Layout(step_nodes, step_sizes)
+        layout = (
+            Layout.one_step(step_nodes[0], step_sizes[0]) if len(step_sizes) == 1 else Layout(step_nodes, step_sizes)
+        )
         rows, counts, first, _ = waves
         nodes = consecutive(first, counts)
         node_rows = np.repeat(rows, counts) if len(nodes) != len(rows) else rows
         reg_base = table.reg_base[node_rows]
         node_data = store.nodes.arrays["data"][nodes]  # the task's rows of the node matrix
         registers = store.registers.arrays
-        out_where = [reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port] for port in range(len(spec.outputs))]
+        out_where = [
+            reg_base + node_data[:, NodeColumns.INPUTS + store.ports + port] for port in range(len(spec.outputs))
+        ]
         reads = Reads(registers, out_where, layout, worker.worker_id)
         inputs: list[list[TaskInput]] = [[] for _ in step_sizes]
         for port, kind in enumerate(spec.inputs):
@@ -231,7 +235,9 @@ class Dispatcher:
             return [None] * len(step_slots)
         return [self._remote(np.arange(len(s)), o, s, worker, kind) for s, o in zip(step_slots, step_owners)]
 
-    def _remote(self, positions: np.ndarray, owners: np.ndarray, slots: np.ndarray, worker: WorkerHandle, kind: ValueKind) -> list[RemoteRows] | None:
+    def _remote(
+        self, positions: np.ndarray, owners: np.ndarray, slots: np.ndarray, worker: WorkerHandle, kind: ValueKind
+    ) -> list[RemoteRows] | None:
         """Inputs whose value lives on another worker of its host (whose task has completed): read from its arena."""
         elsewhere = owners != worker.worker_id
         if not elsewhere.any():
@@ -262,7 +268,9 @@ class Dispatcher:
         slots, owners = reads.at(table.reg_base[node_rows][node_of] + refs, node_of)
         slots[refs == ZERO_REF] = ZERO_SLOT
         if layout.steps == 1:
-            return [TaskInput(arena, slots, node_of, self._remote(np.arange(len(flat)), owners, slots, worker, kind), None)]
+            return [
+                TaskInput(arena, slots, node_of, self._remote(np.arange(len(flat)), owners, slots, worker, kind), None)
+            ]
         step_of = layout.step_of[node_of]
         segments = layout.position[node_of] - layout.offset[step_of]
         bounds = np.searchsorted(step_of, np.arange(layout.steps + 1))
@@ -271,7 +279,9 @@ class Dispatcher:
         remote = self._remote_per_step(step_slots, np.split(owners, cut), worker, kind)
         return [TaskInput(arena, s, g, r, None) for s, g, r in zip(step_slots, np.split(segments, cut), remote)]
 
-    def _downloads(self, task: Task, nodes, node_data, node_rows, outputs, layout: Layout, worker: WorkerHandle) -> list[list[SlotCopy]]:
+    def _downloads(
+        self, task: Task, nodes, node_data, node_rows, outputs, layout: Layout, worker: WorkerHandle
+    ) -> list[list[SlotCopy]]:
         """Rows the host reads at completion (results, watched values): an io row each, copied by the
         step that computes them (a later step may overwrite the value)."""
         copied = np.flatnonzero(node_data[:, NodeColumns.HAS_COPIES])

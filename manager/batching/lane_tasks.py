@@ -111,7 +111,9 @@ class LaneTasks:
         ]
         batch = np.bincount(step_of)
         downloads = self._downloads(task, spec, rows, nodes, node_data, lane_of, worker)
-        task.message = LaneTaskMessage(task.task_id, cell_index, steps, inputs, outputs, list(every_step.items()), downloads)
+        task.message = LaneTaskMessage(
+            task.task_id, cell_index, steps, inputs, outputs, list(every_step.items()), downloads
+        )
         task.step_nodes = batch.tolist()
         task.step_sizes = spec.padded_sizes(batch)
         task.batch_size = int(steps.sum())

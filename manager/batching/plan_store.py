@@ -162,7 +162,9 @@ class PlanStore:
         ragged = self.ragged.take(len(plan.ragged_refs))
         self.ragged.live -= len(plan.ragged_refs)
         if len(plan.ragged_refs):
-            self.ragged.arrays["refs"][ragged : ragged + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = plan.ragged_refs
+            self.ragged.arrays["refs"][ragged : ragged + len(plan.ragged_refs), : plan.ragged_refs.shape[1]] = (
+                plan.ragged_refs
+            )
         stored = self._plans[id(plan)] = _Stored(plan, base, ragged)
         return stored
 

@@ -102,7 +102,9 @@ class RequestProcessor:
             self._answer(answered)
             self._answer(self._policy.task_ended(rows))
         drained = rows[(table.inflight[rows] == 0) & ~table.runnable[rows]]
-        self._forget([request for request in map(table.requests.__getitem__, drained.tolist()) if request and request.done])
+        self._forget(
+            [request for request in map(table.requests.__getitem__, drained.tolist()) if request and request.done]
+        )
 
     def _answer(self, requests: list[Request]) -> None:
         """Answer requests together: one pass over the table for them all, then an outcome each."""

@@ -15,8 +15,8 @@ flight; with several workers, a request with nothing in flight may move (affinit
 the paper's) to another worker of the same host, and reads the values it needs from the first
 worker's arena: a request with values on a host stays on that host (a replay starts afresh, on
 any), and moves only to a worker that said it can read the arenas of every worker holding its
-values (GPUs without peer access may not). With affinity "request" it stays on the worker of its first task. Readiness, placement,
-the arena's room and the batch size are checked for all lanes of a queue at once; nothing here
+values (GPUs without peer access may not). With affinity "request" it stays on the worker of its first task.
+Readiness, placement, the arena's room and the batch size are checked for all lanes of a queue at once; nothing here
 loops over cells.
 
 Lane tasks (docs/architecture.md, "Lanes"): lanes that are chains (common.lanes) run several steps a
@@ -240,7 +240,9 @@ class Scheduler:
         if waves.per_step:
             self._dispatcher.add_steps(task, waves, worker)
 
-    def _wave_steps(self, queue: CellTypeQueue, lanes: np.ndarray, rows: np.ndarray, steps: int, io_free: dict) -> Waves:
+    def _wave_steps(
+        self, queue: CellTypeQueue, lanes: np.ndarray, rows: np.ndarray, steps: int, io_free: dict
+    ) -> Waves:
         """Up to `steps` more steps, a wave of each lane still going at a time."""
         spec, table, dispatcher = queue.spec, self._table, self._dispatcher
         found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -341,7 +343,9 @@ class Scheduler:
         task = self._dispatcher.make_task(queue.spec, taken.rows, taken.sizes, taken.first, worker)
         self._advance(queue, taken)
         count_passes(queue, taken)
-        task.joining = self._table.task_issued(taken.rows, taken.sizes, worker.worker_id, worker.host_number, task.submitted)
+        task.joining = self._table.task_issued(
+            taken.rows, taken.sizes, worker.worker_id, worker.host_number, task.submitted
+        )
         if self._request_affinity:
             self._table.bind(taken.rows, worker.worker_id)
         return task

@@ -90,7 +90,9 @@ def session_fields(message: dict[str, Any]) -> SessionFields | None:
                 raise RequestError(BAD_REQUEST, f"'{extra}' needs 'session' (the session's name)")
         return None
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_SESSION_CHARS:
-        raise RequestError(BAD_REQUEST, f"'session' must be a string of 1 to {MAX_SESSION_CHARS} characters, got {echo(name)}")
+        raise RequestError(
+            BAD_REQUEST, f"'session' must be a string of 1 to {MAX_SESSION_CHARS} characters, got {echo(name)}"
+        )
     start, end = message.get("session_start", False), message.get("session_end", False)
     for key, value in (("session_start", start), ("session_end", end)):
         if not isinstance(value, bool):
@@ -240,7 +242,9 @@ class SessionStore:
         Returns the session's name and step; `session_end` forgets it here."""
         session = self._running.pop(key)
         session.step += 1
-        session.state = {f"{name[:-2]}0": np.array(value, np.float32) for name, value in outputs.items() if name.endswith("_n")}
+        session.state = {
+            f"{name[:-2]}0": np.array(value, np.float32) for name, value in outputs.items() if name.endswith("_n")
+        }
         if session.ending:
             del self._live[session.name]
         else:

@@ -36,7 +36,8 @@ def check_registration(message: dict[str, Any], max_rows: dict[str, int]) -> Non
             raise RequestError(BAD_REQUEST, f"malformed arenas in the registration: {echo(arena)}")
         if not _is_int(rows) or not FIRST_FREE_SLOT < rows <= limit:
             raise RequestError(
-                BAD_REQUEST, f"an arena of {echo(rows)} rows was announced; {arena['space']} arenas have at most {limit}"
+                BAD_REQUEST,
+                f"an arena of {echo(rows)} rows was announced; {arena['space']} arenas have at most {limit}",
             )
 
 

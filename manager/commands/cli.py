@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--running-batch", choices=RUNNING_BATCH, help="who decides each step (manager, worker), overriding the config"
     )
     serve.add_argument(
-        "--metrics-address", metavar="HOST:PORT", help='Prometheus /metrics address, overriding the config ("" for none)'
+        "--metrics-address",
+        metavar="HOST:PORT",
+        help='Prometheus /metrics address, overriding the config ("" for none)',
     )
     serve.add_argument("--http", metavar="HOST:PORT", help="serve the Open Inference Protocol over HTTP there")
     serve.add_argument("--grpc", metavar="HOST:PORT", help="serve the Open Inference Protocol over gRPC there")

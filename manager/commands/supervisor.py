@@ -118,7 +118,9 @@ class Supervisor:
         command = [sys.executable, "-m", module, "--config", str(self.config.path), "--parent-pid", str(os.getpid())]
         # A process group of their own: a terminal's Ctrl-C reaches only the supervisor, which stops them in order.
         # _die_with_parent makes one system call and takes no lock, so it is safe after fork in a threaded parent.
-        return subprocess.Popen([*command, *args], preexec_fn=_die_with_parent, process_group=0, env=env)  # noqa: PLW1509
+        return subprocess.Popen(
+            [*command, *args], preexec_fn=_die_with_parent, process_group=0, env=env  # noqa: PLW1509
+        )
 
     def _spawn_worker(self, slot: WorkerSlot) -> None:
         slot.process = self._spawn(
@@ -207,7 +209,9 @@ class Supervisor:
         """Restart workers that die; return 0 when asked to stop, 1 if the manager dies."""
         while not self._stopping:
             if self.manager is not None and self.manager.poll() is not None:
-                log.error("the manager (pid %d) exited with status %s; stopping", self.manager.pid, self.manager.returncode)
+                log.error(
+                    "the manager (pid %d) exited with status %s; stopping", self.manager.pid, self.manager.returncode
+                )
                 return 1
             door = next((door for door in self.doors if door.poll() is not None), None)
             if door is not None:
@@ -223,13 +227,20 @@ class Supervisor:
         process = slot.process
         if process is not None and process.poll() is not None:
             log.warning("worker %d (pid %d) exited with status %s", slot.index, process.pid, process.returncode)
-            self._tell_manager({"op": "worker_exited", "pid": process.pid, "status": process.returncode, "token": self._token})
+            self._tell_manager(
+                {"op": "worker_exited", "pid": process.pid, "status": process.returncode, "token": self._token}
+            )
             slot.process = None
             while slot.restarts and now - slot.restarts[0] > RESTART_WINDOW_S:
                 slot.restarts.popleft()
             if len(slot.restarts) >= self.config.server.restart_budget:
                 slot.given_up = True
-                log.error("worker %d restarted %d times within %.0f s; not restarting it", slot.index, len(slot.restarts), RESTART_WINDOW_S)
+                log.error(
+                    "worker %d restarted %d times within %.0f s; not restarting it",
+                    slot.index,
+                    len(slot.restarts),
+                    RESTART_WINDOW_S,
+                )
             else:
                 slot.restart_at = now + slot.backoff
                 slot.backoff = min(slot.backoff * 2, MAX_RESTART_BACKOFF_S)

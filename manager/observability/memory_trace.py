@@ -24,7 +24,13 @@ EVERY_ENV = "BATCHMAKER_TRACE_MEMORY_EVERY_S"
 DEFAULT_EVERY_S = 60.0
 FRAMES = 8  # of each allocation's call stack kept, so a site shows who asked for it
 TOP = 25  # allocation sites reported
-IGNORED = (tracemalloc.__file__, linecache.__file__, "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>", "<unknown>")
+IGNORED = (
+    tracemalloc.__file__,
+    linecache.__file__,
+    "<frozen importlib._bootstrap>",
+    "<frozen importlib._bootstrap_external>",
+    "<unknown>",
+)
 
 
 class MemoryTrace:
@@ -54,7 +60,9 @@ class MemoryTrace:
     def start(self) -> None:
         tracemalloc.start(FRAMES)
         self._thread.start()
-        log.warning("tracing memory (serving is slower meanwhile): growth after %g s written to %s", self.every_s, self.path)
+        log.warning(
+            "tracing memory (serving is slower meanwhile): growth after %g s written to %s", self.every_s, self.path
+        )
 
     def stop(self) -> None:
         """Write the last report and stop tracing."""
@@ -83,6 +91,8 @@ def growth(first: tracemalloc.Snapshot, now: tracemalloc.Snapshot) -> str:
     after = sum(stat.size for stat in now.statistics("filename"))
     lines = [f"traced: {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB ({(after - before) / 2**20:+.2f} MiB)"]
     for stat in now.compare_to(first, "traceback")[:TOP]:
-        lines.append(f"\n{stat.size_diff / 1024:+.1f} KiB in {stat.count_diff:+d} blocks (now {stat.size / 1024:.1f} KiB)")
+        lines.append(
+            f"\n{stat.size_diff / 1024:+.1f} KiB in {stat.count_diff:+d} blocks (now {stat.size / 1024:.1f} KiB)"
+        )
         lines += stat.traceback.format(most_recent_first=True)
     return "\n".join(lines) + "\n"

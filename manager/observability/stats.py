@@ -196,7 +196,9 @@ class Stats:
             "worker_losses": self.worker_losses,
             "replayed_requests": self.replayed,
             "partial_replies": self.partial_replies,
-            "batch_sizes": {key: {str(size): n for size, n in sorted(c.items())} for key, c in self.batch_sizes.items()},
+            "batch_sizes": {
+                key: {str(size): n for size, n in sorted(c.items())} for key, c in self.batch_sizes.items()
+            },
             "latency": {name: {k: float(v) for k, v in values.items()} for name, values in latency.items()},
             "latency_window": len(self._latency),
         }
