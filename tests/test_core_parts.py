@@ -11,11 +11,10 @@ import pytest
 from batchmaker.common.graph import ZERO, CellGraph, CellTypeSpec, NodeOutput, ValueKind
 from batchmaker.common.plan import ZERO_REF, Unfolded, compile_graph, external_ref
 from batchmaker.common.protocol import INTERNAL, RequestError
-from batchmaker.common.slots import FIRST_FREE_SLOT
+from batchmaker.common.slots import FIRST_FREE_SLOT, SlotAllocator
 from batchmaker.manager.batching.plan_store import NodeColumns, make_tables
 from batchmaker.manager.batching.records import Request
 from batchmaker.manager.batching.request_table import RequestTable
-from batchmaker.manager.batching.slot_allocator import SlotAllocator
 
 TOKEN = ValueKind("int64", ())
 STATE = ValueKind("float32", (4,))

@@ -28,14 +28,13 @@ from torch import nn
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import Plan, Unfolded
-from batchmaker.common.slots import ZERO_SLOT
-from batchmaker.manager.batching.slot_allocator import SlotAllocator
-from batchmaker.manager.batching.waves import consecutive
+from batchmaker.common.ranges import consecutive
+from batchmaker.common.slots import ZERO_SLOT, SlotAllocator
 from batchmaker.worker.batched_task import KernelClock
+from batchmaker.worker.node_columns import Nodes, Template, ports_by_kind
 
 Rows = np.ndarray  # arena rows, int64
 Observe = Callable[[Unfolded, int, np.ndarray], bool]  # a model's `observe`: True once the request is complete
-COLUMNS = ("request", "cell", "need", "pending", "local", "copied", "inputs", "outputs", "ragged_start", "ragged_count")
 
 
 @dataclass
@@ -59,82 +58,6 @@ class Finished(NamedTuple):
     error: str | None
 
 
-@dataclass(frozen=True)
-class Template:
-    """A plan's nodes in a running batch's columns, the same for every request of the plan: cell indices, the
-    registers each input reads (-1: the zero row; an external value of the port's kind is -2 - its index among
-    those of its kind) and each output writes (-1: none), and the registers of ragged inputs."""
-
-    cell: np.ndarray
-    inputs: np.ndarray  # [nodes, ports]
-    kind: np.ndarray  # [nodes, ports]: the index of the port's kind of value
-    outputs: np.ndarray  # [nodes, outputs]
-    ragged: np.ndarray  # [ragged values, ports]
-
-    @staticmethod
-    def of(plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int],
-           ports: int, outputs: int) -> Template:  # fmt: skip
-        """The template of `plan` for node arrays of `ports` inputs and `outputs` outputs a node."""
-        count = plan.nodes
-        cell = np.empty(count, np.int64)
-        inputs = np.full((count, ports), -1, np.int64)
-        kind = np.zeros((count, ports), np.int64)
-        written = np.full((count, outputs), -1, np.int64)
-        ragged = np.full((len(plan.ragged_refs), ports), -1, np.int64)
-        for lane, key in enumerate(plan.lane_cells):
-            start, end = int(plan.lane_bounds[lane]), int(plan.lane_bounds[lane + 1])
-            cell[start:end] = cell_of[key]
-            spec = specs[cell_of[key]]
-            for port, port_kind in enumerate(spec.inputs):
-                if port in spec.ragged_inputs:
-                    at = consecutive(plan.ragged_start[start:end], plan.ragged_count[start:end])
-                    ragged[at, port] = np.maximum(plan.ragged_refs[at, port], -1)
-                else:
-                    inputs[start:end, port] = plan.inputs[start:end, port]
-                    kind[start:end, port] = kind_index[port_kind]
-            written[start:end, : len(spec.outputs)] = plan.outputs[start:end, : len(spec.outputs)]
-        return Template(cell, inputs, kind, written, ragged)
-
-
-class Nodes:
-    """The nodes of every request held, as columns; rows `[0, count)` are used, in the order requests joined.
-    A ragged input's rows are `ragged[ragged_start : ragged_start + ragged_count, port]`."""
-
-    def __init__(self, ports: int, outputs: int, capacity: int = 1024):
-        self.count = 0
-        self.request = np.zeros(capacity, np.int64)  # the slot of the node's request
-        self.cell = np.zeros(capacity, np.int64)
-        self.need = np.zeros(capacity, np.int64)
-        self.pending = np.zeros(capacity, bool)
-        self.local = np.zeros(capacity, np.int64)  # the node's index in its request's plan
-        self.copied = np.zeros(capacity, bool)  # the host reads one of its outputs
-        self.inputs = np.zeros((capacity, ports), np.int64)  # arena rows, per input port
-        self.outputs = np.zeros((capacity, outputs), np.int64)
-        self.ragged_start = np.zeros(capacity, np.int64)
-        self.ragged_count = np.zeros(capacity, np.int64)
-        self.ragged = np.zeros((0, ports), np.int64)
-
-    def reserve(self, more: int) -> None:
-        if self.count + more <= len(self.request):
-            return
-        grown = max(self.count + more, 2 * len(self.request))
-        for name in COLUMNS:
-            old = getattr(self, name)
-            new = np.zeros((grown, *old.shape[1:]), old.dtype)
-            new[: self.count] = old[: self.count]
-            setattr(self, name, new)
-
-    def keep(self, kept: np.ndarray) -> None:
-        """Keep only the rows `kept` (ascending), moved to the front, with their ragged rows."""
-        flat = consecutive(self.ragged_start[kept], self.ragged_count[kept])
-        self.ragged = self.ragged[flat]
-        for name in COLUMNS:
-            column = getattr(self, name)
-            column[: len(kept)] = column[kept]
-        self.count = len(kept)
-        self.ragged_start[: self.count] = np.cumsum(self.ragged_count[: self.count]) - self.ragged_count[: self.count]
-
-
 class RunningBatch:
     """The requests a worker holds, their nodes' rows and values, and the step that runs the next batch."""
 
@@ -150,6 +73,8 @@ class RunningBatch:
         self._cell_of = {spec.key: index for index, spec in enumerate(specs)}
         self._kind_index = {kind: index for index, kind in enumerate(kinds)}
         self._layout = ("running batch", tuple(self._cell_of), tuple(kinds))  # its templates' key in a plan's cache
+        self._gathers = [ports_by_kind(spec.inputs, skip=spec.ragged_inputs) for spec in specs]
+        self._scatters = [ports_by_kind(spec.outputs) for spec in specs]
         self._priority = np.array([spec.priority for spec in specs], np.int64)
         self._max_batch = np.array([spec.max_batch for spec in specs], np.int64)
         self.arenas = {
@@ -308,26 +233,32 @@ class RunningBatch:
         return int(candidates[np.argmax(self._priority[candidates])])
 
     def _run(self, cell: int, chosen: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """Gather the chosen nodes' inputs, run the cell once, scatter its outputs to their rows."""
-        spec, nodes = self._specs[cell], self.nodes
-        ins, outs = len(spec.inputs), len(spec.outputs)
-        rows = np.concatenate([nodes.inputs[chosen, :ins].T.ravel(), nodes.outputs[chosen, :outs].T.ravel()])
-        index = self._tensor(rows)
-        views = index.split(len(chosen))
+        """Gather the chosen nodes' inputs (one gather per kind of value: a tree's two children's h and c at
+        once), run the cell once, scatter its outputs to their rows (one scatter per kind)."""
+        spec, nodes, size = self._specs[cell], self.nodes, len(chosen)
+        inputs = nodes.inputs[chosen]
+        read: dict[int, torch.Tensor] = {}
+        for kind, ports in self._gathers[cell]:
+            values = self.arenas[kind].index_select(0, self._tensor(inputs[:, ports].T.ravel()))
+            if len(ports) > 1:
+                values = values.view(len(ports), size, *kind.shape).unbind(0)
+            read.update(zip(ports, values if len(ports) > 1 else [values]))
         args = []
         for port, kind in enumerate(spec.inputs):
             if port in spec.ragged_inputs:
                 counts = nodes.ragged_count[chosen]
                 rows = nodes.ragged[consecutive(nodes.ragged_start[chosen], counts), port]
                 args.append(self.arenas[kind].index_select(0, self._tensor(rows)))
-                args.append(self._tensor(np.repeat(np.arange(len(chosen)), counts)))
+                args.append(self._tensor(np.repeat(np.arange(size), counts)))
             else:
-                args.append(self.arenas[kind].index_select(0, views[port]))
+                args.append(read[port])
         results = self._cells[cell](*args) if self._clock is None else self._clock.call(self._cells[cell], *args)
         if isinstance(results, torch.Tensor):
             results = (results,)
-        for port, kind in enumerate(spec.outputs):
-            self.arenas[kind].index_copy_(0, views[ins + port], results[port])
+        outputs = nodes.outputs[chosen]
+        for kind, ports in self._scatters[cell]:
+            written = results[ports[0]] if len(ports) == 1 else torch.cat([results[port] for port in ports])
+            self.arenas[kind].index_copy_(0, self._tensor(outputs[:, ports].T.ravel()), written)
         return tuple(results)
 
     def _read_copies(self, copied: np.ndarray, chosen: np.ndarray, outputs: tuple[torch.Tensor, ...]) -> list[int]:

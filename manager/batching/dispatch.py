@@ -19,6 +19,7 @@ import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import ZERO_REF
+from batchmaker.common.ranges import consecutive
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
 from batchmaker.common.task import (
     InlineValues,
@@ -32,7 +33,7 @@ from batchmaker.common.task import (
 from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
 from batchmaker.manager.batching.records import Request, Task
 from batchmaker.manager.batching.request_table import RequestTable
-from batchmaker.manager.batching.waves import Layout, Reads, Waves, consecutive
+from batchmaker.manager.batching.waves import Layout, Reads, Waves
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 

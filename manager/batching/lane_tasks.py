@@ -21,13 +21,13 @@ import numpy as np
 
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.lanes import SEQUENCE, LaneLayout
+from batchmaker.common.ranges import consecutive
 from batchmaker.common.task import LaneInput, LaneTaskMessage, SlotList, StepDownload, TaskInput
 from batchmaker.manager.batching.cell_queues import CellTypeQueue, Ready
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.plan_store import NodeColumns, PlanStore
 from batchmaker.manager.batching.records import Task
 from batchmaker.manager.batching.request_table import RequestTable
-from batchmaker.manager.batching.waves import consecutive
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 

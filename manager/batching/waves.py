@@ -10,15 +10,6 @@ from typing import NamedTuple
 import numpy as np
 
 
-def consecutive(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """first[i], first[i] + 1, ..., first[i] + counts[i] - 1 for every i, concatenated."""
-    if len(counts) == len(first) and (counts == 1).all():
-        return first
-    total = int(counts.sum())
-    starts = np.cumsum(counts) - counts
-    return np.repeat(first - starts, counts) + np.arange(total)
-
-
 class Waves(NamedTuple):
     """Consecutive steps of a task, one after the other: step s takes, for each of its `per_step[s]`
     entries i (in order), `counts[i]` nodes from node `first[i]` of the request at `rows[i]`."""

@@ -12,10 +12,9 @@ import numpy as np
 from batchmaker.common.graph import ValueKind
 from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, RequestError, echo
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.slots import FIRST_FREE_SLOT
+from batchmaker.common.slots import FIRST_FREE_SLOT, SlotAllocator
 from batchmaker.common.task import IoRows
 from batchmaker.manager.batching.records import Task
-from batchmaker.manager.batching.slot_allocator import SlotAllocator
 
 
 def check_registration(message: dict[str, Any], max_rows: dict[str, int]) -> None:
