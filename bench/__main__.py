@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=RUNNING_BATCH,
         help="presets: who decides the cellular policy's steps (default: the config's, the manager)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="presets: CPU workers of the cellular policy's server (default 1); DyNet runs in as many processes",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     parser.add_argument(
         "--from",
@@ -85,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"http: tokens a request in Triton's direct sequence setup (default: {triton_setups.TOKENS_PER_REQUEST})",
     )
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.preset == "results":
         page = args.page or args.source / "results.md"
         try:
@@ -159,13 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     wrong = []
     outputs = []
     for name in names:
-        result = run_preset(PRESETS[name], sweep, progress, args.running_batch)
+        result = run_preset(PRESETS[name], sweep, progress, args.running_batch, args.workers)
         result["summary"] = report.summarize(result)
         result["targets"] = report.targets(result, result["summary"])
         if name == "treelstm":
             try:
                 summary = result["summary"]
-                result["dynet"] = dynet_baseline.section(PRESETS[name], summary, args.quick, args.running_batch)
+                result["dynet"] = dynet_baseline.section(
+                    PRESETS[name], summary, args.quick, args.running_batch, args.workers
+                )
             except dynet_baseline.DyNetError as exc:
                 result["dynet"] = {"error": str(exc)}
         path = args.out / f"{name}.json"

@@ -27,6 +27,7 @@ import numpy as np
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import closed_loop, request_frames
 from batchmaker.bench.presets import Preset
+from batchmaker.bench.results import threads
 from batchmaker.bench.run import ROOT, serve_options, write_config
 from batchmaker.bench.sweep import ServedPolicy
 from batchmaker.bench.verify import compare_replies, verify
@@ -71,26 +72,45 @@ def offline(
     state: dict,
     trees: list[dict[str, Any]],
     variants: tuple[tuple[str, int], ...] = VARIANTS,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """DyNet's trees/s on `trees` in each of `variants` (gates, trees a graph), each one's first roots checked
     against the reference: every run under `runs`, the fastest's gates, batch and trees/s at the top, and
-    `verify` over every run's roots."""
+    `verify` over every run's roots. With several `processes` (one thread each, as many as the server compared
+    has workers), each runs an equal share of the trees at the same time and a run's trees/s is their sum."""
     with tempfile.TemporaryDirectory(prefix="batchmaker-dynet-") as tmp:
-        weights, spec, out = Path(tmp) / "weights.npz", Path(tmp) / "trees.json", Path(tmp) / "out.json"
+        weights = Path(tmp) / "weights.npz"
         np.savez(weights, **{key: value.numpy() for key, value in state.items()})
         asked = [{"gates": gates, "batch": batch} for gates, batch in variants]
         rows = [tree_rows(model, tree) for tree in trees]
-        spec.write_text(json.dumps({"variants": asked, "check": CHECKED, "trees": rows}))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        try:
-            command = [python, str(SCRIPT), str(weights), str(spec), str(out)]
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-        except OSError as exc:
-            raise DyNetError(f"{PYTHON_ENV}={python} cannot be run: {exc}") from None
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DyNetError(f"{PYTHON_ENV}={python} failed to run the DyNet TreeLSTM: {last}")
-        result = json.loads(out.read_text())
+        shares = [rows[len(rows) * k // processes : len(rows) * (k + 1) // processes] for k in range(processes)]
+        running = []
+        for k, share in enumerate(shares):
+            spec, out = Path(tmp) / f"trees{k}.json", Path(tmp) / f"out{k}.json"
+            spec.write_text(json.dumps({"variants": asked, "check": CHECKED if k == 0 else 0, "trees": share}))
+            try:
+                command = [python, str(SCRIPT), str(weights), str(spec), str(out)]
+                running.append((out, subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)))
+            except OSError as exc:
+                raise DyNetError(f"{PYTHON_ENV}={python} cannot be run: {exc}") from None
+        results = []
+        for out, process in running:
+            try:
+                _, stderr = process.communicate(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise DyNetError(f"the DyNet TreeLSTM took over {TIMEOUT_S} s") from None
+            if process.returncode != 0:
+                last = (stderr.strip().splitlines() or ["no output"])[-1]
+                raise DyNetError(f"{PYTHON_ENV}={python} failed to run the DyNet TreeLSTM: {last}")
+            results.append(json.loads(out.read_text()))
+    result = results[0]
+    for other in results[1:]:
+        result["trees"] += other["trees"]
+        for run, share in zip(result["runs"], other["runs"]):
+            run["trees_per_s"] += share["trees_per_s"]
+            run["seconds"] = max(run["seconds"], share["seconds"])
     expected = [model.reference(state, tree) for tree in trees[:CHECKED]]
     for run in result["runs"]:
         roots = run.pop("roots")
@@ -104,11 +124,17 @@ def offline(
         "ok": all(check["ok"] for check in checks.values()),
     }
     best = {key: fastest[key] for key in ("gates", "batch", "seconds", "trees_per_s")}
-    return {"dynet": result["dynet"], "trees": result["trees"], **best, "verify": verify_all, "runs": result["runs"]}
+    return {
+        "dynet": result["dynet"], "trees": result["trees"], "processes": processes, **best, "verify": verify_all,
+        "runs": result["runs"],
+    }  # fmt: skip
 
 
-def section(preset: Preset, summary: dict[str, Any], quick: bool, running_batch: str | None = None) -> dict[str, Any]:
-    """The `dynet` section of a tree preset's result: DyNet offline, our closed loop, and the ratios."""
+def section(
+    preset: Preset, summary: dict[str, Any], quick: bool, running_batch: str | None = None, workers: int = 1
+) -> dict[str, Any]:
+    """The `dynet` section of a tree preset's result: DyNet offline (in as many processes as the server has
+    `workers`), our closed loop, and the ratios."""
     python = interpreter()
     if python is None:
         return {"skipped": f"DyNet not found (set {PYTHON_ENV} to a Python with dynet 2.1.2)"}
@@ -119,8 +145,8 @@ def section(preset: Preset, summary: dict[str, Any], quick: bool, running_batch:
         config = load_config(config_path)
         model = build_model(config.models[preset.model])
         state = model.load_weights()
-        dynet = offline(python, model, state, trees)
-        options = serve_options("cellular", running_batch)
+        dynet = offline(python, model, state, trees, processes=workers)
+        options = serve_options("cellular", running_batch, workers)
         with ServedPolicy(config_path, config.server.address, "cellular", preset.model, *options) as served:
             frames = request_frames(preset.model, trees)
             closed_loop(served.address, frames[:WINDOW], WINDOW)  # warm up
@@ -165,7 +191,8 @@ def lines(result: dict[str, Any]) -> list[str]:
     ]
     offline_line = (
         f"dynet {dynet['dynet']} offline at its fastest ({dynet['gates']} gates, {dynet['batch']} trees a graph, "
-        f"agenda autobatching, one thread): {dynet['trees_per_s']:,.0f} trees/s on {dynet['trees']} trees; roots "
+        f"agenda autobatching, {threads(dynet.get('processes', 1))}): {dynet['trees_per_s']:,.0f} trees/s on "
+        f"{dynet['trees']} trees; roots "
         f"{dynet['verify']['checked']} checked over every run, max abs error {dynet['verify']['max_abs_error']:.1e}"
     )
     ratio_line = (

@@ -118,6 +118,11 @@ def commit_of(result: dict[str, Any]) -> str:
     return result.get("describe") or result.get("commit") or "unknown"
 
 
+def threads(processes: int) -> str:
+    """How DyNet ran: one thread, or processes of one thread sharing the trees."""
+    return "one thread" if processes == 1 else f"{processes} processes of one thread, each on a share of the trees"
+
+
 def peers(result: dict[str, Any]) -> list[Row]:
     """The other systems a preset's JSON reports: its `peers` entries, and the treelstm preset's DyNet section."""
     entries = list(result.get("peers", []))
@@ -129,8 +134,9 @@ def peers(result: dict[str, Any]) -> list[Row]:
                 "name": f"DyNet {offline['dynet']}",
                 "setup": (f"{offline['gates']} gates, " if "gates" in offline else "")
                 + f"{offline['batch']} trees a graph",
-                "setting": "offline, agenda autobatching, one thread; "
-                f"cellular batching served closed loop, {closed['window']} trees outstanding",
+                "setting": f"offline, agenda autobatching, {threads(offline.get('processes', 1))}; "
+                f"cellular batching served closed loop, {closed['window']} trees outstanding"
+                + (f", {result['cpu_workers']} workers" if result.get("cpu_workers", 1) > 1 else ""),
                 "requests_per_s": offline["trees_per_s"],
                 "cellular_requests_per_s": closed["trees_per_s"],
             }

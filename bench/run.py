@@ -110,13 +110,19 @@ def moderate_loads(
     return moderate
 
 
-def serve_options(policy: str, running_batch: str | None) -> tuple[str, ...]:
-    """`batchmaker serve` options of a policy's server: the cellular policy's with `running_batch` if given."""
-    return ("--running-batch", running_batch) if running_batch is not None and policy == "cellular" else ()
+def serve_options(policy: str, running_batch: str | None, workers: int = 1) -> tuple[str, ...]:
+    """`batchmaker serve` options of a policy's server: the cellular policy's with `running_batch` if given and
+    `workers` CPU workers (the baselines keep one: a second only competes with their manager for the cores)."""
+    if policy != "cellular":
+        return ()
+    return (*(("--running-batch", running_batch) if running_batch is not None else ()), "--workers", str(workers))
 
 
-def run_preset(preset: Preset, sweep: Sweep, progress: Progress, running_batch: str | None = None) -> dict[str, Any]:
-    """`running_batch`: who decides the cellular policy's steps (`[scheduler] running_batch`; None: the default)."""
+def run_preset(
+    preset: Preset, sweep: Sweep, progress: Progress, running_batch: str | None = None, workers: int = 1
+) -> dict[str, Any]:
+    """`running_batch`: who decides the cellular policy's steps (`[scheduler] running_batch`; None: the default);
+    `workers`: the cellular policy's CPU workers."""
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="batchmaker-bench-") as tmp:
         config_path = write_config(preset.model_toml, Path(tmp))
@@ -133,7 +139,7 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress, running_batch: 
         policies: dict[str, Any] = {}
         moderate_rates: list[float] = []
         for policy in preset.policies:  # the reference policy comes first: it sets the moderate loads
-            options = serve_options(policy, running_batch)
+            options = serve_options(policy, running_batch, workers)
             with ServedPolicy(config_path, config.server.address, policy, preset.model, *options) as served:
                 points = []
                 beyond = 0
@@ -181,6 +187,7 @@ def run_preset(preset: Preset, sweep: Sweep, progress: Progress, running_batch: 
         "reference_policy": preset.reference,
         "max_tasks_to_submit": config.scheduler.max_tasks_to_submit,
         "running_batch": running_batch or config.scheduler.running_batch,
+        "cpu_workers": workers,
         "kernel": kernels["served"],
         "torch_nn_kernel": kernels["torch_nn"],
         "policies": policies,

@@ -13,10 +13,12 @@ import pytest
 import zmq
 
 from batchmaker.bench import overload, plots, report
+from batchmaker.bench.__main__ import main as bench_main
 from batchmaker.bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from batchmaker.bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from batchmaker.bench.kernel import ideal
 from batchmaker.bench.presets import PRESETS, presets_named
+from batchmaker.bench.run import serve_options
 from batchmaker.bench.sweep import point, saturated
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
@@ -290,3 +292,15 @@ def test_the_capacity_config_is_the_default_config_without_refusal_by_expected_w
     monkeypatch.setattr(overload, "DEFAULT_CONFIG", odd)
     with pytest.raises(SystemExit, match="could not be copied with max_queue_delay_ms = 0"):
         overload.capacity_config(tmp_path)
+
+
+def test_only_the_cellular_policys_server_gets_the_running_batch_and_workers_asked_for():
+    assert serve_options("cellular", None) == ("--workers", "1")
+    assert serve_options("cellular", "worker", 2) == ("--running-batch", "worker", "--workers", "2")
+    assert serve_options("padded", "worker", 2) == () and serve_options("graph", None, 2) == ()
+
+
+def test_a_preset_run_needs_a_worker(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        bench_main(["lstm", "--workers", "0"])
+    assert "--workers must be at least 1, got 0" in capsys.readouterr().err

@@ -98,6 +98,19 @@ def test_dynet_computes_the_same_trees_in_every_variant_and_reports_the_fastest(
 
 
 @pytest.mark.skipif(not DYNET, reason=f"DyNet not installed ({dynet_baseline.PYTHON_ENV} not set)")
+def test_dynet_in_two_processes_shares_the_trees_and_sums_their_rates(tree_model):
+    model, state = tree_model
+    alone = dynet_baseline.offline(DYNET, model, state, DATASETS["sst"]()[:41], (("fused", 16),))
+    shared = dynet_baseline.offline(DYNET, model, state, DATASETS["sst"]()[:41], (("fused", 16),), processes=2)
+    assert (alone["processes"], shared["processes"], shared["trees"]) == (1, 2, 41)
+    assert shared["verify"]["ok"] and shared["verify"]["checked"] == 16  # the first share's roots
+    assert "2 processes of one thread" in dynet_baseline.lines(
+        {"dynet": shared, "closed_loop": {"window": 1, "trees_per_s": 1.0}, "closed_loop_over_dynet": 1.0,
+         "sustained_trees_per_s": 1.0, "sustained_over_dynet": 1.0}
+    )[-2]  # fmt: skip
+
+
+@pytest.mark.skipif(not DYNET, reason=f"DyNet not installed ({dynet_baseline.PYTHON_ENV} not set)")
 def test_an_unknown_gate_variant_is_a_clear_error(tree_model):
     model, state = tree_model
     with pytest.raises(dynet_baseline.DyNetError, match="no gate variant 'packed' \\(only split, fused\\)"):
