@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from batchmaker.clients.text import Vocabulary, load_sentences
-from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
 
 SST_DIR = Path(__file__).resolve().parents[1] / "data" / "sst"
 FIXED_LENGTH = 24

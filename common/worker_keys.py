@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from batchmaker.common.auth import CurveClient
-from batchmaker.common.config import ConfigError, ServerConfig
+from batchmaker.common.config import ConfigError
+from batchmaker.common.server_config import ServerConfig
 
 
 def worker_curve(server: ServerConfig, files: Sequence[str] | None = None) -> CurveClient | None:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from batchmaker.common.config import CellTypeConfig, ModelConfig
 from batchmaker.common.models.base import save_weights
-from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
 from batchmaker.common.models.treelstm_cells import TreeLSTMModel
 
 SST = ROOT / "data" / "sst"

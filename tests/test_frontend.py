@@ -10,8 +10,8 @@ import pytest
 import zmq
 from conftest import free_port
 
-from batchmaker.common.config import ServerConfig
 from batchmaker.common.protocol import OVERLOADED, RequestError
+from batchmaker.common.server_config import ServerConfig
 from batchmaker.manager.loop.frontend import READ_S, ClientFrontend, Incoming
 
 NOTHING_MS = 200  # long enough for a sent reply to arrive on this machine, even a busy one

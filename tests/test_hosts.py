@@ -32,7 +32,7 @@ from batchmaker.bench.trees import random_tree
 from batchmaker.clients import AsyncClient
 from batchmaker.common.config import Config
 from batchmaker.common.models import build_model
-from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
 
 TOLERANCE = 1e-5
 OTHER_HOST = "second-host"

@@ -14,7 +14,7 @@ from conftest import ROOT, RunningServer, start_server, stop_server, wait_idle, 
 from batchmaker.bench.trees import random_tree
 from batchmaker.clients import AsyncClient, ServerError
 from batchmaker.common.models import build_model
-from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
 from batchmaker.common.protocol import INVALID_INPUT
 
 SST = ROOT / "data" / "sst"

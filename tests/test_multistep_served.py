@@ -25,7 +25,7 @@ from conftest import (
 from batchmaker.clients import AsyncClient, Partial, ServerError
 from batchmaker.common.models import build_model
 from batchmaker.common.models.seq2seq import decoding_mismatch
-from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
 from batchmaker.common.protocol import CANCELLED, DEADLINE_EXCEEDED
 
 TOLERANCE = 1e-5

@@ -14,7 +14,7 @@ from test_integration_seq2seq import assert_same_decoding
 
 from batchmaker.clients import AsyncClient
 from batchmaker.common.models import build_model
-from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
 
 SST = ROOT / "data" / "sst"
 

@@ -37,7 +37,7 @@ from batchmaker.common.config import Config
 from batchmaker.common.models import build_model
 from batchmaker.common.models.base import save_weights
 from batchmaker.common.models.seq2seq import decoding_mismatch
-from batchmaker.common.models.tree import load_vocabulary, ptb_to_tree
+from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
 from batchmaker.manager.loop.server import Manager
 from batchmaker.manager.observability.tracing import SPAN_NAME, RequestTracing
 

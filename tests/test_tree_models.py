@@ -17,7 +17,8 @@ from batchmaker.common.config import CellTypeConfig, ModelConfig
 from batchmaker.common.graph import CellGraph, External, NodeOutput, Ragged, Zero
 from batchmaker.common.models.base import save_weights
 from batchmaker.common.models.childsum_cells import ChildSumTreeLSTMModel
-from batchmaker.common.models.tree import NO_WORD, UNK_ID, load_vocabulary, parse_tree, ptb_to_tree
+from batchmaker.common.models.sst import UNK_ID, load_vocabulary, ptb_to_tree
+from batchmaker.common.models.tree import NO_WORD, parse_tree
 from batchmaker.common.models.tree_cells import TreeModel
 from batchmaker.common.models.treelstm_cells import TreeLSTMModel
 from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, RequestError, tensor_to_map

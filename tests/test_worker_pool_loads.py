@@ -10,8 +10,9 @@ import pytest
 from conftest import SMALL_LSTM, wait_until, write_config
 from test_worker_pool import Pool
 
-from batchmaker.common.config import ServerConfig, model_to_wire
+from batchmaker.common.config import model_to_wire
 from batchmaker.common.protocol import decode, encode
+from batchmaker.common.server_config import ServerConfig
 from batchmaker.manager.loop.server import load_models
 from batchmaker.manager.loop.worker_pool import WorkerPool
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from batchmaker.common.config import CROSS_GPU_READS
 from batchmaker.common.graph import CellTypeSpec, ValueKind
+from batchmaker.common.server_config import CROSS_GPU_READS
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.task import LaneTaskMessage, TaskMessage
 from batchmaker.worker.backend import TORCH_DTYPES, ArenaInfo, Backend, arena_ids

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import torch
 
-from batchmaker.common.config import ConfigError, ModelConfig, ServerConfig
+from batchmaker.common.config import ConfigError, ModelConfig
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import build_planner
+from batchmaker.common.server_config import ServerConfig
 from batchmaker.worker.backend import Backend
 from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.loading import build_cells

@@ -35,8 +35,8 @@ import zmq
 
 from batchmaker.common.addresses import is_loopback
 from batchmaker.common.auth import CurveServer
-from batchmaker.common.config import ServerConfig
 from batchmaker.common.protocol import BAD_REQUEST, RequestError, check_request_fields, decode, encode
+from batchmaker.common.server_config import ServerConfig
 from batchmaker.common.sockets import MORE, NOW, receive
 from batchmaker.manager.loop.connections import ClientConnections
 from batchmaker.manager.loop.error_frames import ErrorFrames
