@@ -17,7 +17,7 @@ from typing import Any
 
 from batchmaker.common.config_values import ConfigError, check_keys, positive_int, string, subtable
 from batchmaker.common.frontdoor_config import GrpcConfig, HttpConfig, parse_door_tables
-from batchmaker.common.server_config import ServerConfig, _parse_server
+from batchmaker.common.server_config import ServerConfig, parse_server
 from batchmaker.common.tracing_config import TracingConfig, parse_tracing
 
 DEFAULT_CONFIG = "configs/default.toml"
@@ -94,7 +94,7 @@ def parse_config(raw: dict[str, Any], path: Path) -> Config:
         raise ConfigError(
             f"{path}: unknown table(s) {sorted(unknown)}; expected server, scheduler, models, tracing, http, grpc"
         )
-    server = _parse_server(subtable(raw, "server", path), path)
+    server = parse_server(subtable(raw, "server", path), path)
     scheduler = _parse_scheduler(subtable(raw, "scheduler", path), path)
     models_raw = subtable(raw, "models", path)
     if not models_raw:

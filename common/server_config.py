@@ -69,7 +69,7 @@ class ServerConfig:
     insecure_workers: bool = False  # a worker_address other machines can reach, without worker_curve
 
 
-def _parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
+def parse_server(table: dict[str, Any], path: Path) -> ServerConfig:
     defaults = ServerConfig()
     check_keys(table, set(ServerConfig.__dataclass_fields__), "server", path)
     metrics_address = table.get("metrics_address", defaults.metrics_address)
