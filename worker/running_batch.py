@@ -75,8 +75,8 @@ class RunningBatch:
         self._layout = ("running batch", tuple(self._cell_of), tuple(kinds))  # its templates' key in a plan's cache
         self._gathers = [ports_by_kind(spec.inputs, skip=spec.ragged_inputs) for spec in specs]
         self._scatters = [ports_by_kind(spec.outputs) for spec in specs]
-        self._priority = np.array([spec.priority for spec in specs], np.int64)
-        self._max_batch = np.array([spec.max_batch for spec in specs], np.int64)
+        self._priority = [spec.priority for spec in specs]
+        self._max_batch = [spec.max_batch for spec in specs]
         self.arenas = {
             kind: torch.zeros((rows, *kind.shape), dtype=getattr(torch, kind.dtype), device=self._device)
             for kind in kinds
@@ -228,9 +228,9 @@ class RunningBatch:
     def _choose(self, counts: np.ndarray) -> int:
         """Algorithm 1's choice: a cell type with a full batch ready if any, else any with nodes ready; the
         higher priority first, then the lower index."""
-        full = counts >= self._max_batch
-        candidates = np.flatnonzero(full if full.any() else counts > 0)
-        return int(candidates[np.argmax(self._priority[candidates])])
+        ready = [(cell, count) for cell, count in enumerate(counts.tolist()) if count]  # a few cell types: Python
+        full = [cell for cell, count in ready if count >= self._max_batch[cell]]
+        return max(full or [cell for cell, _ in ready], key=self._priority.__getitem__)
 
     def _run(self, cell: int, chosen: np.ndarray) -> tuple[torch.Tensor, ...]:
         """Gather the chosen nodes' inputs (one gather per kind of value: a tree's two children's h and c at
@@ -292,14 +292,17 @@ class RunningBatch:
             return []
         unfinished = [slot for slot in slots if self._done[slot] < self._total[slot]]
         gone = []
+        rows: dict[ValueKind, list[Rows]] = {}
         for slot in slots:
             held = self._held[slot]
             self._held[slot] = None
             del self._slot_of[held.key]
             self._free_slots.append(slot)
             for kind, taken in held.rows.items():
-                self._free[kind].give(taken)
+                rows.setdefault(kind, []).append(taken)
             gone.append(Finished(held.key, held.unfolded, held.results, held.error))
+        for kind, given in rows.items():  # one give per kind for all the requests leaving
+            self._free[kind].give(np.concatenate(given) if len(given) > 1 else given[0])
         nodes = self.nodes
         if unfinished:
             dropped = nodes.pending[: nodes.count] & np.isin(nodes.request[: nodes.count], unfinished)
