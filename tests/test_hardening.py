@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import urllib.request
 from pathlib import Path
 
@@ -178,19 +180,33 @@ LOAD = 2000  # requests of 50 tokens: enough work that scrapes taken meanwhile s
 
 def test_metrics_are_scraped_during_load(tmp_path: Path):
     port = free_port()
-    config = write_config(tmp_path, SMALL_LSTM, server=f'metrics_address = "127.0.0.1:{port}"')
+    # Workers stopped while the load starts keep its work in flight until a scrape has seen it: long timeouts, so
+    # that they are not written off meanwhile.
+    server_table = f'metrics_address = "127.0.0.1:{port}"\nheartbeat_timeout_ms = 120000\nhang_timeout_ms = 120000'
+    config = write_config(tmp_path, SMALL_LSTM, server=server_table)
     server = start_server(config, workers=2)
+    workers = [slot.process.pid for slot in server.supervisor.slots]
     try:
         rng = np.random.default_rng(2)
 
         async def load():
             async with AsyncClient(server.address, timeout=60) as client:
-                tasks = [client.infer("lstm", {"tokens": rng.integers(0, 1000, size=50).tolist()}) for _ in range(LOAD)]
-                answers = asyncio.gather(*tasks)
-                busy_seen = False
-                while not (busy_seen or answers.done()):  # scraped while the load runs, until work shows
-                    during = await asyncio.get_running_loop().run_in_executor(None, scrape, port)
-                    busy_seen = busy(during) > 0
+                for pid in workers:
+                    os.kill(pid, signal.SIGSTOP)
+                try:
+                    tasks = [
+                        client.infer("lstm", {"tokens": rng.integers(0, 1000, size=50).tolist()}) for _ in range(LOAD)
+                    ]
+                    answers = asyncio.gather(*tasks)
+                    busy_seen = False
+                    for _ in range(600):  # scraped while the load is held, until work shows
+                        during = await asyncio.get_running_loop().run_in_executor(None, scrape, port)
+                        if busy_seen := busy(during) > 0:
+                            break
+                        await asyncio.sleep(0.05)
+                finally:
+                    for pid in workers:
+                        os.kill(pid, signal.SIGCONT)
                 return await answers, busy_seen
 
         _, busy_seen = asyncio.run(load())
