@@ -181,6 +181,12 @@ class RunningBatch:
         tensor = torch.from_numpy(array)
         return tensor if self._device.type == "cpu" else tensor.to(self._device)
 
+    def _indices(self, rows: list[np.ndarray]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+        """Index arrays on the arenas' device: as they are on the CPU, in one copy to a GPU."""
+        if self._device.type == "cpu":
+            return [torch.from_numpy(array) for array in rows]
+        return torch.from_numpy(np.concatenate(rows)).to(self._device).split([len(array) for array in rows])
+
     def remove(self, key: Any) -> bool:
         """Let a request go before its end (cancelled, or its deadline passed): its nodes never run."""
         slot = self._slot_of.get(key)
@@ -236,10 +242,13 @@ class RunningBatch:
         """Gather the chosen nodes' inputs (one gather per kind of value: a tree's two children's h and c at
         once), run the cell once, scatter its outputs to their rows (one scatter per kind)."""
         spec, nodes, size = self._specs[cell], self.nodes, len(chosen)
-        inputs = nodes.inputs[chosen]
+        gathers, scatters = self._gathers[cell], self._scatters[cell]
+        inputs, outputs = nodes.inputs[chosen], nodes.outputs[chosen]
+        rows = [inputs[:, ports].T.ravel() for _, ports in gathers]
+        index = self._indices(rows + [outputs[:, ports].T.ravel() for _, ports in scatters])
         read: dict[int, torch.Tensor] = {}
-        for kind, ports in self._gathers[cell]:
-            values = self.arenas[kind].index_select(0, self._tensor(inputs[:, ports].T.ravel()))
+        for (kind, ports), at in zip(gathers, index):
+            values = self.arenas[kind].index_select(0, at)
             if len(ports) > 1:
                 values = values.view(len(ports), size, *kind.shape).unbind(0)
             read.update(zip(ports, values if len(ports) > 1 else [values]))
@@ -255,10 +264,9 @@ class RunningBatch:
         results = self._cells[cell](*args) if self._clock is None else self._clock.call(self._cells[cell], *args)
         if isinstance(results, torch.Tensor):
             results = (results,)
-        outputs = nodes.outputs[chosen]
-        for kind, ports in self._scatters[cell]:
+        for (kind, ports), at in zip(scatters, index[len(gathers) :]):
             written = results[ports[0]] if len(ports) == 1 else torch.cat([results[port] for port in ports])
-            self.arenas[kind].index_copy_(0, self._tensor(outputs[:, ports].T.ravel()), written)
+            self.arenas[kind].index_copy_(0, at, written)
         return tuple(results)
 
     def _read_copies(self, copied: np.ndarray, chosen: np.ndarray, outputs: tuple[torch.Tensor, ...]) -> list[int]:
