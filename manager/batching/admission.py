@@ -13,6 +13,10 @@ batches) the workers' own timing of full tasks at warm-up stands in for it (warm
 cold server offered a flood bounds its queue from the first request. Without either there is no
 estimate and requests are admitted: a missing measurement must not turn clients away.
 See docs/protocol.md (errors) for what clients are told.
+
+The checks of a request's envelope that need no plan (the in-flight limit, its deadline, `stream` and `priority`)
+are here too, for both paths (the batching core's and the workers' running batches), and the `Burst`: the requests
+of one burst checked and planned, whose records the batching core makes together.
 """
 
 from __future__ import annotations
@@ -23,7 +27,18 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError, optional_int
+from batchmaker.common.models.base import Planner
+from batchmaker.common.protocol import (
+    BAD_REQUEST,
+    DEADLINE_EXCEEDED,
+    INVALID_INPUT,
+    OVERLOADED,
+    RequestError,
+    echo,
+    optional_int,
+)
+from batchmaker.manager.batching.records import Request
+from batchmaker.manager.batching.versions import served_name
 
 WINDOW_S = 1.0  # completions older than this no longer count towards the measured throughput
 MAX_SPREAD_S = 1.0  # how far past the queue's own excess the quotes of earlier refusals may delay a new one's
@@ -36,6 +51,20 @@ def check_room(in_flight: int, limit: int) -> None:
     """Refuse a request beyond `max_queued_requests` (`limit`) requests in flight."""
     if in_flight >= limit:
         raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
+
+
+MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
+
+def stream_and_priority(message: dict[str, Any], model: Planner) -> tuple[bool, int]:
+    """The request's `stream` (which its model must be able to do) and `priority` (0 when absent)."""
+    stream = message.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(BAD_REQUEST, f"'stream' must be true or false, got {echo(stream)}")
+    if stream and not model.can_stream:
+        name = served_name(model.name)
+        why = f"model {name!r} ({model.kind}) cannot stream its outputs; send the request without 'stream'"
+        raise RequestError(INVALID_INPUT, why)
+    return stream, optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
 
 
 def deadline_of(message: dict[str, Any], default_ms: int) -> int | None:
@@ -231,3 +260,23 @@ def warm_up_capacity(timings: Iterable[Any], max_batch: Mapping[str, int]) -> fl
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
+
+
+class Burst:
+    """Requests of one burst checked and planned, whose records are made together."""
+
+    def __init__(self, routed: int = 0) -> None:
+        self.routed = routed  # requests in flight routed to workers whole
+        self.requests: list[Request] = []
+        self.keys: set[tuple[bytes, Any]] = set()  # (client, id) of each
+        self.nodes = 0  # their cells
+
+    def add(self, request: Request) -> None:
+        self.requests.append(request)
+        self.keys.add((request.client, request.request_id))
+        self.nodes += request.unfolded.plan.nodes
+
+    def clear(self) -> None:
+        self.requests = []
+        self.keys.clear()
+        self.nodes = 0

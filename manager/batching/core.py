@@ -28,16 +28,20 @@ from batchmaker.common.protocol import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
-    INVALID_INPUT,
     OVERLOADED,
     UNAVAILABLE,
     WORKER_LOST,
     RequestError,
-    echo,
-    optional_int,
 )
 from batchmaker.common.task import CompletionNotice, LaneTaskMessage
-from batchmaker.manager.batching.admission import Admission, check_room, deadline_of, warm_up_capacity
+from batchmaker.manager.batching.admission import (
+    Admission,
+    Burst,
+    check_room,
+    deadline_of,
+    stream_and_priority,
+    warm_up_capacity,
+)
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.outcomes import Answered, Outcome, Partial, Refused, Replayed
 from batchmaker.manager.batching.plan_store import make_tables
@@ -45,11 +49,10 @@ from batchmaker.manager.batching.policies import make_policy, make_scheduler
 from batchmaker.manager.batching.records import Request, Task
 from batchmaker.manager.batching.request_processor import RequestProcessor
 from batchmaker.manager.batching.sessions import SessionStore, Waiting, session_fields
-from batchmaker.manager.batching.versions import Versions, served_name
+from batchmaker.manager.batching.versions import Versions
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
-MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
 BurstMessage = tuple[bytes, Any, dict[str, Any], float]  # an `infer` message: client, id, message, arrival
 
 
@@ -97,7 +100,7 @@ class BatchingCore:
         Each is checked and planned in turn, the cheap checks first, so that refusing under load costs no
         plan; the limits count the burst's requests before it. Those admitted get their records together,
         in order: one update of the request table, the plan store and the queues for the burst."""
-        burst = _Burst(routed)
+        burst = Burst(routed)
         results: list[Request | RequestError | None] = []
         for client, request_id, message, arrival in messages:
             try:
@@ -110,27 +113,22 @@ class BatchingCore:
         self._record(burst)
         return results
 
-    def _take(self, burst: _Burst, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> Request | None:
+    def _take(
+        self, burst: Burst, client: bytes, request_id: Any, message: dict[str, Any], arrival: float
+    ) -> Request | None:
         fields = session_fields(message)
         pinned = None if fields is None or fields.start else self.sessions.model_of(fields.name)
         model = self.versions.resolve(message.get("model"), message.get("version"), pinned)
-        name = served_name(model.name)
         if "inputs" not in message:
             raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
         model.check_input_names(message["inputs"])
-        stream = message.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RequestError(BAD_REQUEST, f"'stream' must be true or false, got {echo(stream)}")
-        if stream and not model.can_stream:
-            raise RequestError(
-                INVALID_INPUT, f"model {name!r} ({model.kind}) cannot stream its outputs; send the request without 'stream'"
-            )
+        stream, priority = stream_and_priority(message, model)
         self.check_id(client, request_id, burst.keys)
         deadline_ms = deadline_of(message, self._server.default_deadline_ms)
-        priority = optional_int(message, "priority", minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY) or 0
         check_room(self.in_flight + len(burst.requests) + burst.routed, self._server.max_queued_requests)
         if fields is None:
-            return self._plan(burst, client, request_id, model, message["inputs"], arrival, deadline_ms, priority, stream)
+            inputs = message["inputs"]
+            return self._plan(burst, client, request_id, model, inputs, arrival, deadline_ms, priority, stream)
         self._record(burst)  # a session's request follows the burst's requests before it
         waiting = Waiting(client, request_id, model, message["inputs"], fields, arrival, deadline_ms, priority, stream)
         self.sessions.check(model, waiting.inputs)
@@ -155,7 +153,7 @@ class BatchingCore:
         now. What it asks of the session (the step it continues, a start) is checked here, at its turn."""
         session = self.sessions.turn(waiting.model, waiting.fields)
         inputs = self.sessions.inputs(session, waiting.inputs)
-        burst = _Burst()
+        burst = Burst()
         request = self._plan(
             burst, waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms,
             waiting.priority, waiting.stream,
@@ -165,7 +163,7 @@ class BatchingCore:
         return request
 
     def _plan(
-        self, burst: _Burst, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float,
+        self, burst: Burst, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float,
         deadline_ms: int | None, priority: int, stream: bool,
     ) -> Request:
         """A request checked against the expected wait and the queued cells (the burst's included) and
@@ -174,14 +172,15 @@ class BatchingCore:
         unfolded = self.policy.unfold(model, inputs)
         queued = self.processor.unsubmitted_nodes + burst.nodes
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
-            raise RequestError(OVERLOADED, f"{queued} cells queued (limit {self._server.max_queued_nodes}); retry later")
+            limit = self._server.max_queued_nodes
+            raise RequestError(OVERLOADED, f"{queued} cells queued (limit {limit}); retry later")
         request = Request(client, request_id, model, inputs, unfolded, arrival)
         request.priority, request.stream = priority, stream
         request.deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
         burst.add(request)
         return request
 
-    def _record(self, burst: _Burst) -> None:
+    def _record(self, burst: Burst) -> None:
         """The burst's requests so far get their records (table rows, plans, queued lanes)."""
         if burst.requests:
             self.processor.admit(burst.requests)
@@ -300,7 +299,9 @@ class BatchingCore:
             task = worker.finish(task_id)
             if task is not None:
                 steps = len(task.step_sizes)
-                busy = self.admission.measure_task(task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps)
+                busy = self.admission.measure_task(
+                    task.nodes, task.spec.max_batch, worker.worker_id, task.submitted, steps
+                )
                 by_worker = isinstance(task.message, LaneTaskMessage) and task_id in timed
                 if by_worker:
                     busy = timed[task_id] / 1e6
@@ -377,23 +378,3 @@ class BatchingCore:
             else:
                 outcomes += [outcome, *self._resume(self.sessions.failed(key, now))]
         return outcomes
-
-
-class _Burst:
-    """Requests of one burst checked and planned, whose records are made together."""
-
-    def __init__(self, routed: int = 0) -> None:
-        self.routed = routed  # requests in flight routed to workers whole
-        self.requests: list[Request] = []
-        self.keys: set[tuple[bytes, Any]] = set()  # (client, id) of each
-        self.nodes = 0  # their cells
-
-    def add(self, request: Request) -> None:
-        self.requests.append(request)
-        self.keys.add((request.client, request.request_id))
-        self.nodes += request.unfolded.plan.nodes
-
-    def clear(self) -> None:
-        self.requests = []
-        self.keys.clear()
-        self.nodes = 0
