@@ -337,3 +337,24 @@ def test_a_replayed_request_has_a_replay_event_and_its_lost_task(tmp_path: Path)
         assert all(t.start_time >= max(l.end_time for l in lost) for t in rerun)
     finally:
         server.close()
+
+
+def test_a_request_routed_to_a_running_batch_names_its_worker(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM, scheduler='running_batch = "worker"')
+    server = TracedServer(config, workers=1)
+    try:
+        tokens = list(range(3, 40))
+        with server.client() as client, CALLER.start_as_current_span("caller") as caller:
+            worker_id = client.health()["workers"][0]["id"]
+            reply = client.infer("lstm", {"tokens": tokens})
+            with pytest.raises(ServerError):
+                client.call({"id": "unknown model", "op": "infer", "model": "nope", "inputs": {"tokens": [1]}})
+        assert_close(reply, reference(config, "lstm", {"tokens": tokens}))
+        span = server.span_in(caller.get_span_context().trace_id)
+        assert span.attributes["batchmaker.outcome"] == "ok" and span.attributes["batchmaker.worker.id"] == worker_id
+        assert span.attributes["batchmaker.replays"] == 0 and span.attributes["batchmaker.queue_us"] == 0
+        assert server.tasks_of(span) == []  # the worker decided its steps: no task of the manager's
+        refused, _ = server.spans_of("unknown model")
+        assert refused.status.status_code == StatusCode.ERROR and refused.attributes["error.type"] == "UNKNOWN_MODEL"
+    finally:
+        server.close()

@@ -33,6 +33,7 @@ from batchmaker.manager.loop.frontend import Incoming
 from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.manager.observability.stats import request_timing
 
+Refusal = tuple[Incoming, RequestError, int | None]  # a request refused, why, and when to come back (ms)
 CORE_ONLY = ("session", "session_start", "session_end", "session_step", "stream", "priority")
 
 
@@ -47,13 +48,13 @@ class Router:
         self._models = set(config.models)  # those the workers built at start: they plan these
         self.table = RoutedRequests(config.server.max_queue_delay_ms)
 
-    def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[tuple[Incoming, RequestError, int | None]]]:
+    def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[Incoming], list[Refusal]]:
         """Route the burst's requests that may run in a worker's running batch; returns the others, for the
-        batching core, and the refused ones with their errors and, for those OVERLOADED by the expected wait, when
-        to come back (ms)."""
+        batching core, those routed, and the refused ones with their errors and, for those OVERLOADED by the
+        expected wait, when to come back (ms)."""
         if not self.enabled or not self._core.workers:
-            return burst, []
-        rest, refused = [], []
+            return burst, [], []
+        rest, routed, refused = [], [], []
         for_core: set[tuple[bytes, Any]] = set()  # the ids of the burst's requests left to the core so far
         for incoming in burst:
             message = incoming.message
@@ -81,10 +82,12 @@ class Router:
             inputs = message["inputs"]
             request = Routed(incoming.client, incoming.request_id, planner, inputs, incoming.arrival, deadline)
             self.table.route(request, list(self._core.workers))
+            routed.append(incoming)
         self.flush()
         overloaded = sum(error.code == OVERLOADED for _, error in refused)
         quotes = iter(self.table.retry_after_ms(overloaded) if overloaded else ())
-        return rest, [(i, error, next(quotes, None) if error.code == OVERLOADED else None) for i, error in refused]
+        refusals = [(i, error, next(quotes, None) if error.code == OVERLOADED else None) for i, error in refused]
+        return rest, routed, refusals
 
     def flush(self) -> None:
         """Send the workers the requests routed to them and the ones they should let go."""

@@ -372,7 +372,10 @@ class Manager:
 
     def _infer(self, burst: list[Incoming]) -> None:
         """Admit a burst of requests; refuse those the core refuses, in their order."""
-        burst, routing_refused = self.router.admit(burst)
+        burst, routed, routing_refused = self.router.admit(burst)
+        if self.tracing is not None and (routed or routing_refused):
+            self.tracing.received([*routed, *(i for i, _, _ in routing_refused)],
+                                  [*(None for _ in routed), *(error for _, error, _ in routing_refused)])  # fmt: skip
         for incoming, error, retry_after_ms in routing_refused:
             self._refuse(incoming, error, retry_after_ms)
         if not burst:

@@ -31,6 +31,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from batchmaker.common.protocol import CANCELLED, DEADLINE_EXCEEDED, RequestError
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Refused, Replayed
 from batchmaker.manager.batching.records import Request, Task
+from batchmaker.manager.batching.routed import Routed
 from batchmaker.manager.loop.frontend import Incoming
 
 SPAN_NAME = "batchmaker/infer"  # {rpc.service}/{rpc.method}, as the RPC semantic conventions name server spans
@@ -96,7 +97,8 @@ class RequestTracing:
 
     # -- events of the event loop ---------------------------------------------------------------
     def received(self, burst: Sequence[Incoming], results: Sequence[Request | RequestError | None]) -> None:
-        """A burst of `infer` requests went through admission: `results` are what the core made of each."""
+        """A burst of `infer` requests went through admission: `results` are what was made of each (None: admitted
+        without a record yet, waiting for its session or routed whole to a worker)."""
         now = time.perf_counter()
         for incoming, result in zip(burst, results):
             trace_ = self._sample(incoming)
@@ -209,13 +211,17 @@ class RequestTracing:
         return _Trace(parent, incoming.arrival, attributes)
 
     def _end(
-        self, trace_: _Trace, now: float, request: Request | None, error: RequestError | None,
+        self, trace_: _Trace, now: float, request: Request | Routed | None, error: RequestError | None,
         timing: dict[str, int] | None = None,
     ) -> None:  # fmt: skip
-        """Build the request's span and its tasks' spans, and hand them to the processors."""
+        """Build the request's span and its tasks' spans, and hand them to the processors. A request routed whole
+        to a worker's running batch has no tasks: its span names the worker that ran it."""
         attributes = trace_.attributes
-        if request is not None:
+        if isinstance(request, Request):
             attributes["batchmaker.request.cells"] = request.unfolded.plan.nodes
+        elif request is not None:
+            attributes["batchmaker.worker.id"] = request.worker_id
+        if request is not None:
             attributes["batchmaker.replays"] = request.failures
         if timing is not None:
             attributes["batchmaker.queue_us"] = timing["queue_us"]
