@@ -35,9 +35,11 @@ from typing import Any
 
 import torch
 
+from batchmaker.bench import stages_running
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.idle import lone_sentence
-from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.bench.run import git, machine
+from batchmaker.bench.stage_parts import ROWS, TimedCell, stage_config
 from batchmaker.common.config import load_config
 from batchmaker.common.models import init_missing_weights
 from batchmaker.common.protocol import RequestError, decode, encode
@@ -62,7 +64,6 @@ STAGES = (
     "decode", "plan", "admit", "schedule", "encode", "worker decode", "resolve", "cell", "run beyond the cell",
     "notice", "complete", "reply",
 )  # fmt: skip
-ROWS = 65536
 BURST = 32  # requests the manager reads and admits at once (it admits whatever waits on its socket)
 WORKLOADS = {  # name: (model, hidden size, largest batch, dataset, requests, whether each runs alone)
     "LSTM H=256, WMT": ("lstm", 256, 64, "wmt", 256, False),
@@ -70,43 +71,6 @@ WORKLOADS = {  # name: (model, hidden size, largest batch, dataset, requests, wh
     "TreeLSTM H=256, SST": ("treelstm", 256, 64, "sst", 256, False),
     "LSTM H=256, one 22-token request at a time": ("lstm", 256, 64, "lone", 64, True),
 }
-
-
-def _config(model: str, hidden: int, batch: int) -> str:
-    sizes = [size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if size <= batch]
-    vocab = "vocab_size = 8737\nnum_classes = 5" if model == "treelstm" else "vocab_size = 8192\nmax_length = 400"
-    return f"""
-[server]
-arena_rows = {ROWS}
-io_rows = {ROWS}
-max_queue_delay_ms = 0  # every request admitted: a refusal would leave it unanswered here
-
-[scheduler]
-max_tasks_to_submit = 64
-idle_tasks = 64
-
-[models.{model}]
-builder = "batchmaker.common.models.{model}:build"
-weights = "{ROOT / "weights"}/stages-{model}-h{hidden}.pt"
-{vocab}
-hidden_size = {hidden}
-batch_sizes = {sizes}
-"""
-
-
-class _Timed(torch.nn.Module):
-    """A cell whose forward calls add their seconds to `clock["cell"]`."""
-
-    def __init__(self, cell: torch.nn.Module, clock: dict[str, float]):
-        super().__init__()
-        self.cell = cell
-        self.clock = clock
-
-    def forward(self, *args: torch.Tensor) -> Any:
-        began = time.perf_counter()
-        out = self.cell(*args)
-        self.clock["cell"] += time.perf_counter() - began
-        return out
 
 
 class _Worker:
@@ -143,13 +107,13 @@ def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count:
 
     with tempfile.TemporaryDirectory(prefix="batchmaker-stages-") as tmp:
         path = Path(tmp) / "stages.toml"
-        path.write_text(_config(model, hidden, batch))
+        path.write_text(stage_config(model, hidden, batch))
         config = load_config(path)
         init_missing_weights(config)
         models, specs, kinds = load_models(config)
         _, cells, _ = load_cells(config)
         seconds = _warm_up_seconds(cells, specs)
-        timed = [_Timed(cell, clock) for cell in cells]
+        timed = [TimedCell(cell, clock) for cell in cells]
         planner = models[model]
         inputs = lone_sentence() if dataset == "lone" else DATASETS[dataset]()
         frames = [encode({"id": i, "model": model, "inputs": inputs[i % len(inputs)]}) for i in range(count)]
@@ -258,6 +222,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         "describe": git("describe", "--always", "--dirty"),
         "machine": machine(),
         "rows": rows,
+        "running_batch": stages_running.run(quick),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "stages.json").write_text(json.dumps(result, indent=1))
@@ -286,4 +251,7 @@ def table(result: dict[str, Any]) -> str:
         beyond = sum(seconds.get(s, 0.0) for s in ("worker decode", "resolve", "run beyond the cell"))
         lines.append(f"| manager in all | {manager * 1e6 / requests:,.1f} | {manager * 1e6 / tasks:,.1f} |")
         lines.append(f"| worker beyond the cell | {beyond * 1e6 / requests:,.1f} | {beyond * 1e6 / tasks:,.1f} |")
+    if result.get("running_batch"):
+        lines += ["", "a worker's part of the requests routed to its running batch (µs per request / per step):"]
+        lines += stages_running.table(result["running_batch"])
     return "\n".join(lines)
