@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import gc
 import json
-import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +37,7 @@ from batchmaker.bench import stages_running
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.idle import lone_sentence
 from batchmaker.bench.run import git, machine
-from batchmaker.bench.stage_parts import ROWS, TimedCell, stage_config
-from batchmaker.common.config import load_config
-from batchmaker.common.models import init_missing_weights
+from batchmaker.bench.stage_parts import ROWS, TimedCell, served_model, stage_timer
 from batchmaker.common.protocol import RequestError, decode, encode
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.task import (
@@ -55,10 +51,8 @@ from batchmaker.common.task import (
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered
 from batchmaker.manager.batching.worker_handle import WorkerHandle
-from batchmaker.manager.loop.server import load_models
 from batchmaker.worker.batched_task import resolve, run_steps
 from batchmaker.worker.lanes import resolve_lanes, run_lanes
-from batchmaker.worker.main import load_cells
 
 STAGES = (
     "decode", "plan", "admit", "schedule", "encode", "worker decode", "resolve", "cell", "run beyond the cell",
@@ -98,20 +92,8 @@ def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count:
     """Stage seconds summed over `count` requests admitted at once and run to their answers, or (`alone`)
     each admitted once the one before has its answer, as on an idle server."""
     clock: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def stage(what: str) -> Iterator[None]:
-        began = time.perf_counter()
-        yield
-        clock[what] += time.perf_counter() - began
-
-    with tempfile.TemporaryDirectory(prefix="batchmaker-stages-") as tmp:
-        path = Path(tmp) / "stages.toml"
-        path.write_text(stage_config(model, hidden, batch))
-        config = load_config(path)
-        init_missing_weights(config)
-        models, specs, kinds = load_models(config)
-        _, cells, _ = load_cells(config)
+    stage = stage_timer(clock)
+    with served_model(model, hidden, batch) as (config, models, specs, kinds, cells):
         seconds = _warm_up_seconds(cells, specs)
         timed = [TimedCell(cell, clock) for cell in cells]
         planner = models[model]

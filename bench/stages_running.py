@@ -14,27 +14,17 @@ share of all of them: what the worker would reach with nothing else to do.
 
 from __future__ import annotations
 
-import tempfile
-import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from batchmaker.bench.datasets import DATASETS
-from batchmaker.bench.stage_parts import ROWS, TimedCell, stage_config
-from batchmaker.common.config import load_config
-from batchmaker.common.models import init_missing_weights
+from batchmaker.bench.stage_parts import ROWS, Stage, TimedCell, served_model, stage_timer
 from batchmaker.common.models.base import Planner
 from batchmaker.common.protocol import decode, encode
-from batchmaker.manager.loop.server import load_models
-from batchmaker.worker.main import load_cells
 from batchmaker.worker.running_batch import RunningBatch
 
-Stage = Callable[[str], AbstractContextManager[None]]  # times what runs within it as the named stage
 STAGES = ("decode", "plan", "join", "cell", "step beyond the cell", "answer")
 HELD = 128  # requests in the running batch at once: two full batches of nodes and more, as under load
 WORKLOADS = {  # name: (model, hidden size, largest batch, dataset, requests)
@@ -46,20 +36,8 @@ WORKLOADS = {  # name: (model, hidden size, largest batch, dataset, requests)
 def measure(name: str, model: str, hidden: int, batch: int, dataset: str, count: int) -> dict[str, Any]:
     """Stage seconds summed over `count` requests run through a running batch that holds `HELD` at a time."""
     clock: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def stage(what: str) -> Iterator[None]:
-        began = time.perf_counter()
-        yield
-        clock[what] += time.perf_counter() - began
-
-    with tempfile.TemporaryDirectory(prefix="batchmaker-stages-") as tmp:
-        path = Path(tmp) / "stages.toml"
-        path.write_text(stage_config(model, hidden, batch))
-        config = load_config(path)
-        init_missing_weights(config)
-        planners, specs, kinds = load_models(config)
-        _, cells, _ = load_cells(config)
+    stage = stage_timer(clock)
+    with served_model(model, hidden, batch) as (config, planners, specs, kinds, cells):
         planner = planners[model]
         running = RunningBatch(specs, [TimedCell(cell, clock) for cell in cells], kinds, ROWS)
         inputs = DATASETS[dataset]()
