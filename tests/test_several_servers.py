@@ -79,7 +79,7 @@ async def kill_one_drain_another(
 ) -> None:
     killed, drained, _ = servers
     await progress.reach(count // 4)
-    await owes_answers(client, killed)
+    await stopped_owing(client, killed)
     killed.kill_all()
     await progress.reach(count // 2)
     drained.process.send_signal(signal.SIGTERM)
@@ -88,6 +88,21 @@ async def kill_one_drain_another(
 async def owes_answers(client: AsyncClient, server: ServerProcess) -> None:
     while client.outstanding()[server.address] == 0:  # fault it while it owes answers
         await asyncio.sleep(0.001)
+
+
+async def stopped_owing(client: AsyncClient, server: ServerProcess) -> None:
+    """Return with the server's processes stopped while the client waits for answers from it: stopped as soon as
+    it owes some, and let go again if the replies it had sent by then settle all it owed."""
+    while True:
+        await owes_answers(client, server)
+        processes = server.processes()
+        for process in processes:
+            process.suspend()
+        await asyncio.sleep(0.05)  # replies already on their way arrive
+        if client.outstanding()[server.address] > 0:
+            return
+        for process in processes:
+            process.resume()
 
 
 async def run_load(
