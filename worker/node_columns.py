@@ -12,6 +12,7 @@ from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import Plan
 from batchmaker.common.ranges import consecutive
 
+PortGroups = list[tuple[ValueKind, list[int]]]  # ports by kind of value, in order of first appearance
 COLUMNS = ("request", "cell", "need", "pending", "local", "copied", "inputs", "outputs", "ragged_start", "ragged_count")
 
 
@@ -91,7 +92,7 @@ class Nodes:
         self.ragged_start[: self.count] = np.cumsum(self.ragged_count[: self.count]) - self.ragged_count[: self.count]
 
 
-def ports_by_kind(kinds: tuple[ValueKind, ...], skip: frozenset[int] = frozenset()) -> list[tuple[ValueKind, list[int]]]:
+def ports_by_kind(kinds: tuple[ValueKind, ...], skip: frozenset[int] = frozenset()) -> PortGroups:
     """The ports of each kind of value, in order of first appearance (ports in `skip` left out): one gather or
     scatter per kind."""
     groups: dict[ValueKind, list[int]] = {}
