@@ -249,9 +249,8 @@ class RunningBatch:
         read: dict[int, torch.Tensor] = {}
         for (kind, ports), at in zip(gathers, index):
             values = self.arenas[kind].index_select(0, at)
-            if len(ports) > 1:
-                values = values.view(len(ports), size, *kind.shape).unbind(0)
-            read.update(zip(ports, values if len(ports) > 1 else [values]))
+            by_port = values.view(len(ports), size, *kind.shape).unbind(0) if len(ports) > 1 else (values,)
+            read.update(zip(ports, by_port))
         args = []
         for port, kind in enumerate(spec.inputs):
             if port in spec.ragged_inputs:

@@ -45,6 +45,7 @@ MAX_SPREAD_S = 1.0  # how far past the queue's own excess the quotes of earlier 
 CELLS_SMOOTHING = 0.1  # weight of each admitted burst in the running mean of cells per request
 MIN_BUSY_S = 0.02  # a throughput measured over less busy time than this is noise, not an estimate
 FULL_FILL = 0.75  # a task this full shows what the server can do, not just what it was offered
+MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
 
 
 def check_room(in_flight: int, limit: int) -> None:
@@ -53,7 +54,13 @@ def check_room(in_flight: int, limit: int) -> None:
         raise RequestError(OVERLOADED, f"{in_flight} requests in flight (limit {limit}); retry later")
 
 
-MAX_PRIORITY = 2**31 - 1  # a request's priority lies within +-MAX_PRIORITY
+def inputs_of(message: dict[str, Any], model: Planner) -> Any:
+    """The request's `inputs`, whose names its model knows (their values are the model's to check, in its plan)."""
+    if "inputs" not in message:
+        raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
+    model.check_input_names(message["inputs"])
+    return message["inputs"]
+
 
 def stream_and_priority(message: dict[str, Any], model: Planner) -> tuple[bool, int]:
     """The request's `stream` (which its model must be able to do) and `priority` (0 when absent)."""

@@ -39,6 +39,7 @@ from batchmaker.manager.batching.admission import (
     Burst,
     check_room,
     deadline_of,
+    inputs_of,
     stream_and_priority,
     warm_up_capacity,
 )
@@ -119,18 +120,15 @@ class BatchingCore:
         fields = session_fields(message)
         pinned = None if fields is None or fields.start else self.sessions.model_of(fields.name)
         model = self.versions.resolve(message.get("model"), message.get("version"), pinned)
-        if "inputs" not in message:
-            raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
-        model.check_input_names(message["inputs"])
+        inputs = inputs_of(message, model)
         stream, priority = stream_and_priority(message, model)
         self.check_id(client, request_id, burst.keys)
         deadline_ms = deadline_of(message, self._server.default_deadline_ms)
         check_room(self.in_flight + len(burst.requests) + burst.routed, self._server.max_queued_requests)
         if fields is None:
-            inputs = message["inputs"]
             return self._plan(burst, client, request_id, model, inputs, arrival, deadline_ms, priority, stream)
         self._record(burst)  # a session's request follows the burst's requests before it
-        waiting = Waiting(client, request_id, model, message["inputs"], fields, arrival, deadline_ms, priority, stream)
+        waiting = Waiting(client, request_id, model, inputs, fields, arrival, deadline_ms, priority, stream)
         self.sessions.check(model, waiting.inputs)
         if self.sessions.busy(fields.name):
             self.sessions.wait(waiting)

@@ -15,7 +15,6 @@ from typing import Any
 
 from batchmaker.common.config import Config
 from batchmaker.common.protocol import (
-    BAD_REQUEST,
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
@@ -24,7 +23,7 @@ from batchmaker.common.protocol import (
     WORKER_LOST,
     RequestError,
 )
-from batchmaker.manager.batching.admission import check_room, deadline_of
+from batchmaker.manager.batching.admission import check_room, deadline_of, inputs_of
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Replayed
 from batchmaker.manager.batching.routed import Routed, RoutedRequests
@@ -69,9 +68,7 @@ class Router:
                     rest.append(incoming)
                     continue
                 self._core.check_id(*key, self.table, for_core)
-                if "inputs" not in message:
-                    raise RequestError(BAD_REQUEST, "request lacks 'inputs' (a map)")
-                planner.check_input_names(message["inputs"])
+                inputs = inputs_of(message, planner)
                 deadline_ms = deadline_of(message, self._server.default_deadline_ms)
                 check_room(self._core.in_flight + len(self.table), self._server.max_queued_requests)
                 self.table.check(deadline_ms)
@@ -79,7 +76,6 @@ class Router:
                 refused.append((incoming, error))
                 continue
             deadline = incoming.arrival + deadline_ms / 1e3 if deadline_ms is not None else None
-            inputs = message["inputs"]
             request = Routed(incoming.client, incoming.request_id, planner, inputs, incoming.arrival, deadline)
             self.table.route(request, list(self._core.workers))
             routed.append(incoming)
