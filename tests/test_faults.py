@@ -234,7 +234,7 @@ def test_sigterm_under_load_answers_everything_then_exits(tmp_path: Path):
                     asyncio.create_task(client.infer("lstm", {"tokens": rng.integers(0, 1000, size=200).tolist()}))
                     for _ in range(1500)
                 ]
-                await wait_until_async(lambda: _running(client), "the load starting")
+                await wait_until_async(lambda: _all_read(client, len(accepted)), "the manager reading the whole load")
                 process.send_signal(signal.SIGTERM)
                 await wait_until_async(lambda: _draining(client), "the manager draining")
                 late = await asyncio.gather(client.infer("lstm", {"tokens": [1, 2]}), return_exceptions=True)
@@ -254,8 +254,10 @@ def test_sigterm_under_load_answers_everything_then_exits(tmp_path: Path):
             process.kill()
 
 
-async def _running(client: AsyncClient) -> bool:
-    return (await client.stats())["tasks"] > 0
+async def _all_read(client: AsyncClient, count: int) -> bool:
+    """Whether the manager has read `count` requests (answered or in flight): none left for the client to send."""
+    stats = await client.stats()
+    return stats["requests_in_flight"] + sum(stats["requests"].values()) >= count
 
 
 async def _draining(client: AsyncClient) -> bool:
