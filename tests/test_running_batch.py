@@ -236,3 +236,54 @@ def test_plans_of_a_running_batch_need_no_rows_left_behind(served):
     assert requests.batch.step() == []
     assert all(free.available == ROWS - 2 for free in requests.batch._free.values())
 
+
+
+def _recording(batch: RunningBatch) -> list[tuple[str, list]]:
+    """Record each step's cell type and the keys of the requests its nodes belong to, in node order."""
+    steps: list[tuple[str, list]] = []
+    original = batch._run
+
+    def recording(cell, chosen):
+        steps.append((batch._specs[cell].key, [batch._held[slot].key for slot in batch.nodes.request[chosen]]))
+        return original(cell, chosen)
+
+    batch._run = recording
+    return steps
+
+
+def test_higher_priorities_take_a_steps_places_first_then_the_oldest(served):
+    planners, specs, cells, kinds, models, weights = served
+    batch = RunningBatch(specs, cells, kinds, ROWS)
+    lstm = planners["lstm"]
+    for handle in range(10):
+        batch.admit(f"low{handle}", lstm.plan({"tokens": [handle + 1]}))
+    batch.admit("urgent", lstm.plan({"tokens": [1]}), priority=5)
+    batch.admit("later", lstm.plan({"tokens": [2]}), priority=-1)
+    steps = _recording(batch)
+    finished = {}
+    with torch.inference_mode():
+        while batch.requests:
+            finished.update((done.key, done) for done in batch.step())
+    _, first = steps[0]
+    assert first == ["low0", "low1", "low2", "low3", "low4", "low5", "low6", "urgent"]  # "later", at -1, left out
+    for name, done in finished.items():
+        tokens = [2] if name == "later" else [1] if name == "urgent" else [int(name[3:]) + 1]
+        expected = models["lstm"].reference(weights["lstm"], {"tokens": tokens})
+        assert differences(expected, lstm.outputs(done.unfolded, done.results))[1] is None
+
+
+def test_a_request_passed_over_eight_times_for_higher_priorities_goes_first(served):
+    planners, specs, cells, kinds, _, _ = served
+    batch = RunningBatch(specs, cells, kinds, ROWS)
+    lstm = planners["lstm"]
+    batch.admit("patient", lstm.plan({"tokens": [7]}))
+    for handle in range(8):  # eight long requests fill every batch of eight before it
+        batch.admit(handle, lstm.plan({"tokens": list(range(1, 40))}), priority=3)
+    steps = _recording(batch)
+    with torch.inference_mode():
+        while "patient" in batch._slot_of:
+            batch.step()
+    first = next(i for i, (_, ran) in enumerate(steps) if "patient" in ran)
+    passed = [ran for key, ran in steps[:first] if key == steps[first][0]]
+    assert len(passed) == 8 and all(ran == list(range(8)) for ran in passed)  # left out eight times, then it ran
+    assert steps[first][1] == ["patient", *range(7)]

@@ -1,6 +1,7 @@
 """A real server whose workers run their own batches (`[scheduler] running_batch = "worker"`): requests routed
-whole answer as their references, errors come back as the manager's own would, sessions and streams keep the
-manager's path, and cancels, deadlines and a lost worker end or replay routed requests, each with one reply.
+whole (with their priorities) answer as their references, errors come back as the manager's own would, sessions
+and streams keep the manager's path, and cancels, deadlines and a lost worker end or replay routed requests, each
+with one reply.
 
 Nothing here is timed: the tests wait for what the server reports."""
 
@@ -138,7 +139,8 @@ def test_one_id_twice_in_a_burst_across_both_paths_is_refused_once(server):
     raw = Raw(running.address)
     os.kill(manager.pid, signal.SIGSTOP)  # both frames wait in its socket and arrive in one burst
     try:
-        raw.send({"id": "twice", "model": "lstm", "inputs": {"tokens": [1, 2]}, "priority": 1})  # the core's path
+        core = {"session": "twice", "session_end": True}  # a session keeps the core's path
+        raw.send({"id": "twice", "model": "lstm", "inputs": {"tokens": [1, 2]}, **core})
         raw.send({"id": "twice", "model": "lstm", "inputs": {"tokens": [3]}})  # a worker's
     finally:
         os.kill(manager.pid, signal.SIGCONT)
@@ -176,7 +178,7 @@ def test_a_cancel_ends_a_routed_request_with_one_reply(server):
         raw.close()
 
 
-def test_sessions_streams_and_priorities_keep_the_managers_path(server):
+def test_sessions_and_streams_keep_the_managers_path(server):
     running, models, weights = server
     lstm = models["lstm"]
     with running.client() as client:
@@ -189,11 +191,32 @@ def test_sessions_streams_and_priorities_keep_the_managers_path(server):
         assert (first.session_step, second.session_step) == (1, 2)
         whole = lstm.reference(weights["lstm"], {"tokens": [1, 2, 3]})
         assert np.abs(second.outputs["h"] - whole["h"]).max() < 1e-5
-        urgent = client.infer("lstm", {"tokens": [1, 2]}, priority=5)
-        assert differences(lstm.reference(weights["lstm"], {"tokens": [1, 2]}), urgent.outputs)[1] is None
         stats = client.stats()
-        assert stats["requests"]["ok"] == before + 4
+        assert stats["requests"]["ok"] == before + 3
         assert stats["routed"]["requests_in_flight"] == 0
+
+
+def test_requests_with_a_priority_are_routed_and_a_bad_priority_refused(server):
+    running, models, weights = server
+    workers = [slot.process for slot in running.supervisor.slots]
+    raw = Raw(running.address)
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGSTOP)  # what they hold stays in flight
+    try:
+        with running.client() as client:
+            raw.send({"id": "urgent", "model": "lstm", "inputs": {"tokens": [1, 2]}, "priority": 5})
+            raw.send({"id": "later", "model": "lstm", "inputs": {"tokens": [3]}, "priority": -5})
+            wait_until(lambda: client.stats()["routed"]["requests_in_flight"] == 2, "both routed to the workers")
+        raw.send({"id": "bad", "model": "lstm", "inputs": {"tokens": [1]}, "priority": "high"})
+        assert raw.collect(["bad"])["bad"]["error"]["code"] == BAD_REQUEST
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGCONT)
+        check(models, weights, {"urgent": ("lstm", {"tokens": [1, 2]}), "later": ("lstm", {"tokens": [3]})},
+              raw.collect(["urgent", "later"]))  # fmt: skip
+    finally:
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGCONT)
+        raw.close()
 
 
 def test_workers_whose_config_says_otherwise_run_the_batch_the_manager_routes(tmp_path: Path):

@@ -31,13 +31,14 @@ class HeldRequests:
         self._planners = planners
         self.batch = RunningBatch(specs, cells, kinds, rows, device, clock)
         self._planner_of: dict[int, Planner] = {}
-        self._waiting: collections.OrderedDict[int, Unfolded] = collections.OrderedDict()  # planned, without rows yet
+        # planned, waiting for rows, with their priorities:
+        self._waiting: collections.OrderedDict[int, tuple[Unfolded, int]] = collections.OrderedDict()
 
     @property
     def busy(self) -> bool:
         return bool(self._planner_of)
 
-    def take(self, handle: int, model: str, inputs: Any) -> list[Answer]:
+    def take(self, handle: int, model: str, inputs: Any, priority: int = 0) -> list[Answer]:
         """A routed request: planned and held; answered at once with its error if it cannot be planned."""
         planner = self._planners.get(model)
         try:
@@ -49,7 +50,7 @@ class HeldRequests:
         except Exception as exc:  # a model's bug costs its request, never the worker
             return [[handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"]]]
         self._planner_of[handle] = planner
-        self._waiting[handle] = unfolded
+        self._waiting[handle] = unfolded, priority
         return self._join()
 
     def drop(self, handles: list[int]) -> None:
@@ -62,7 +63,7 @@ class HeldRequests:
         """Waiting requests join the running batch, in order, while their rows fit."""
         answers = []
         while self._waiting:
-            handle, unfolded = next(iter(self._waiting.items()))
+            handle, (unfolded, priority) = next(iter(self._waiting.items()))
             if not self.batch.fits(unfolded):
                 if self.batch.requests:
                     break  # it joins when others leave
@@ -71,7 +72,7 @@ class HeldRequests:
                 continue
             del self._waiting[handle]
             planner = self._planner_of[handle]
-            self.batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None)
+            self.batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None, priority)
         return answers
 
     def step(self) -> list[Answer]:

@@ -256,8 +256,8 @@ class Worker:
             elif kind == b"requests" and self._held is not None:  # routed whole, a frame each
                 answers = []
                 for frame in (payload, *more):
-                    handle, model, inputs = decode(frame)
-                    answers += self._held.take(handle, model, inputs)
+                    handle, model, inputs, priority = decode(frame)
+                    answers += self._held.take(handle, model, inputs, priority)
                 self._answer(answers)
             elif kind == b"drop" and self._held is not None:
                 self._held.drop(decode(payload))

@@ -13,7 +13,10 @@ from batchmaker.common.plan import Plan
 from batchmaker.common.ranges import consecutive
 
 PortGroups = list[tuple[ValueKind, list[int]]]  # ports by kind of value, in order of first appearance
-COLUMNS = ("request", "cell", "need", "pending", "local", "copied", "inputs", "outputs", "ragged_start", "ragged_count")
+COLUMNS = (
+    "request", "cell", "need", "pending", "local", "copied", "priority", "inputs", "outputs", "ragged_start",
+    "ragged_count",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Nodes:
         self.pending = np.zeros(capacity, bool)
         self.local = np.zeros(capacity, np.int64)  # the node's index in its request's plan
         self.copied = np.zeros(capacity, bool)  # the host reads one of its outputs
+        self.priority = np.zeros(capacity, np.int64)  # its request's
         self.inputs = np.zeros((capacity, ports), np.int64)  # arena rows, per input port
         self.outputs = np.zeros((capacity, outputs), np.int64)
         self.ragged_start = np.zeros(capacity, np.int64)

@@ -2,8 +2,10 @@
 
 Every step the worker decides what runs next, as the paper's Algorithm 1: it picks a cell type (one with a full
 batch of ready nodes, else any with ready nodes, the higher priority first) and runs up to its largest batch of
-ready nodes of that type, from every request held, oldest first. A request admitted between two steps joins the
-next step of its cell types; a request whose last node ran, or whose model saw its end in a watched value (a
+ready nodes of that type, from every request held: those of requests of a higher `priority` first, then the
+oldest, and a request passed over `STARVED` steps in a row for higher-priority ones before every other (the
+protocol's Priority, as the batching core's tasks take their lanes). A request admitted between two steps joins
+the next step of its cell types; a request whose last node ran, or whose model saw its end in a watched value (a
 decoder's EOS), leaves at once with its results. The decision costs a few array operations over the nodes held,
 whatever the number of requests: the nodes of every request held are rows of flat arrays (their cell type, how
 many nodes of their request must run first, the arena rows each input reads and each output writes), so Python
@@ -35,6 +37,7 @@ from batchmaker.worker.node_columns import Nodes, Template, ports_by_kind
 
 Rows = np.ndarray  # arena rows, int64
 Observe = Callable[[Unfolded, int, np.ndarray], bool]  # a model's `observe`: True once the request is complete
+STARVED = 8  # steps a request may be passed over for higher-priority ones before it goes first
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Held:
     unfolded: Unfolded
     observe: Observe | None
     rows: dict[ValueKind, np.ndarray]  # every arena row it holds, per kind
+    priority: int
     results: dict[str, np.ndarray] = field(default_factory=dict)
     error: str | None = None  # why it ended before its results were all in (its cell or its model failed)
 
@@ -86,6 +90,8 @@ class RunningBatch:
         self._held: list[Held | None] = []
         self._done = np.zeros(0, np.int64)  # nodes run, per request slot
         self._total = np.zeros(0, np.int64)  # nodes, per request slot
+        self._passes = np.zeros(0, np.int64)  # steps in a row that passed it over for higher priorities, per slot
+        self._prioritized = 0  # requests held with a priority other than 0: steps order their nodes by it
         self._free_slots: list[int] = []
         self._slot_of: dict[Any, int] = {}
         self.steps = 0  # run so far
@@ -104,7 +110,7 @@ class RunningBatch:
             wanted[kind] = wanted.get(kind, 0) + len(values)
         return all(self._free[kind].available >= count for kind, count in wanted.items())
 
-    def admit(self, key: Any, unfolded: Unfolded, observe: Observe | None = None) -> None:
+    def admit(self, key: Any, unfolded: Unfolded, observe: Observe | None = None, priority: int = 0) -> None:
         """Hold a planned request (`key` names it): its values get rows, its nodes join the next steps of their
         cell types. `observe` sees its watched values in order; callers ask `fits` first."""
         plan = unfolded.plan
@@ -120,6 +126,7 @@ class RunningBatch:
         nodes.pending[span] = True
         nodes.local[span] = np.arange(plan.nodes)
         nodes.copied[span] = plan.has_copies
+        nodes.priority[span] = priority
         refs = template.inputs
         inputs = register_row[np.where(refs >= 0, refs, -1)]  # the zero row where no register is read
         external = refs <= -2
@@ -132,9 +139,10 @@ class RunningBatch:
         if len(template.ragged):
             nodes.ragged = np.concatenate([nodes.ragged, register_row[template.ragged]])
         nodes.count += plan.nodes
-        self._held[slot] = Held(key, unfolded, observe, rows)
+        self._held[slot] = Held(key, unfolded, observe, rows, priority)
         self._slot_of[key] = slot
-        self._done[slot] = 0
+        self._done[slot] = self._passes[slot] = 0
+        self._prioritized += priority != 0
         self._total[slot] = plan.nodes
 
     def _template(self, plan: Plan) -> Template:
@@ -174,6 +182,7 @@ class RunningBatch:
         self._held.append(None)
         self._done = np.append(self._done, 0)
         self._total = np.append(self._total, 0)
+        self._passes = np.append(self._passes, 0)
         return len(self._held) - 1
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -205,9 +214,13 @@ class RunningBatch:
         if not counts.any():
             return []
         cell = self._choose(counts)
-        chosen = np.flatnonzero(ready & (nodes.cell[:count] == cell))[: self._max_batch[cell]]
+        chosen = np.flatnonzero(ready & (nodes.cell[:count] == cell))
+        if len(chosen) > self._max_batch[cell]:
+            chosen = self._first(chosen, self._max_batch[cell])
         ran = np.bincount(nodes.request[chosen], minlength=len(self._done))  # nodes run, per request slot
         touched = np.flatnonzero(ran)
+        if self._prioritized:
+            self._passes[touched] = 0  # a request that runs in this step starts counting its passes again
         self.steps += 1
         self._ran[cell, len(chosen)] += 1
         try:
@@ -237,6 +250,18 @@ class RunningBatch:
         ready = [(cell, count) for cell, count in enumerate(counts.tolist()) if count]  # a few cell types: Python
         full = [cell for cell, count in ready if count >= self._max_batch[cell]]
         return max(full or [cell for cell, _ in ready], key=self._priority.__getitem__)
+
+    def _first(self, ready: np.ndarray, size: int) -> np.ndarray:
+        """The `size` nodes of `ready` (ascending: oldest request first) that run: by priority when any request
+        held has one, a request passed over `STARVED` times first; the result ascending."""
+        if not self._prioritized:
+            return ready[:size]
+        nodes = self.nodes
+        requests, priority = nodes.request[ready], nodes.priority[ready]
+        order = np.lexsort((ready, -priority, self._passes[requests] < STARVED))
+        chosen, left = np.sort(ready[order[:size]]), order[size:]
+        self._passes[requests[left][priority[left] < priority[order[:size]].max()]] += 1
+        return chosen
 
     def _run(self, cell: int, chosen: np.ndarray) -> tuple[torch.Tensor, ...]:
         """Gather the chosen nodes' inputs (one gather per kind of value: a tree's two children's h and c at
@@ -305,6 +330,7 @@ class RunningBatch:
             self._held[slot] = None
             del self._slot_of[held.key]
             self._free_slots.append(slot)
+            self._prioritized -= held.priority != 0
             for kind, taken in held.rows.items():
                 rows.setdefault(kind, []).append(taken)
             gone.append(Finished(held.key, held.unfolded, held.results, held.error))

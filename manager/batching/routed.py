@@ -36,6 +36,7 @@ class Routed:
     inputs: Any
     arrival: float
     deadline: float | None
+    priority: int = 0
     worker_id: int = -1
     handle: int = 0
     failures: int = 0  # workers lost while it ran on them
@@ -115,7 +116,8 @@ class RoutedRequests:
                 heapq.heappush(self._deadlines, (request.deadline, request.handle))
         self._by_handle[request.handle] = request
         self._held[request.worker_id] += 1
-        self._outbox[request.worker_id].append(encode([request.handle, request.model.name, request.inputs]))
+        frame = encode([request.handle, request.model.name, request.inputs, request.priority])
+        self._outbox[request.worker_id].append(frame)
 
     def take_sends(self) -> tuple[dict[int, list[bytes]], dict[int, list[int]]]:
         """What to send since the last call: request frames per worker, and handles each worker should let go."""

@@ -1,9 +1,9 @@
 """The event loop's side of requests routed whole to the workers' running batches (manager.batching.routed).
 
 With `[scheduler] running_batch = "worker"`, an `infer` request that needs nothing only the manager's batching
-core gives (a session, a streamed reply, a priority, a model version loaded at run time) is checked, refused
-from the expected wait or routed to the worker holding the fewest requests, one message per worker and burst;
-the rest go to the batching core as before. Workers answer on the control socket; this module turns those
+core gives (a session, a streamed reply, a model version loaded at run time) is checked, refused from the
+expected wait or routed to the worker holding the fewest requests, one message per worker and burst; the rest go
+to the batching core as before. Workers answer on the control socket; this module turns those
 answers, and the ends a request meets before its answer (cancel, deadline, client gone, shutdown, its worker
 lost), into the outcomes the event loop replies with and counts.
 """
@@ -23,7 +23,7 @@ from batchmaker.common.protocol import (
     WORKER_LOST,
     RequestError,
 )
-from batchmaker.manager.batching.admission import check_room, deadline_of, inputs_of
+from batchmaker.manager.batching.admission import check_room, deadline_of, inputs_of, stream_and_priority
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Replayed
 from batchmaker.manager.batching.routed import Routed, RoutedRequests
@@ -33,7 +33,7 @@ from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.manager.observability.stats import request_timing
 
 Refusal = tuple[Incoming, RequestError, int | None]  # a request refused, why, and when to come back (ms)
-CORE_ONLY = ("session", "session_start", "session_end", "session_step", "stream", "priority")
+CORE_ONLY = ("session", "session_start", "session_end", "session_step", "stream")
 
 
 class Router:
@@ -69,6 +69,7 @@ class Router:
                     continue
                 self._core.check_id(*key, self.table, for_core)
                 inputs = inputs_of(message, planner)
+                _, priority = stream_and_priority(message, planner)
                 deadline_ms = deadline_of(message, self._server.default_deadline_ms)
                 check_room(self._core.in_flight + len(self.table), self._server.max_queued_requests)
                 self.table.check(deadline_ms)
@@ -76,7 +77,8 @@ class Router:
                 refused.append((incoming, error))
                 continue
             deadline = incoming.arrival + deadline_ms / 1e3 if deadline_ms is not None else None
-            request = Routed(incoming.client, incoming.request_id, planner, inputs, incoming.arrival, deadline)
+            client, request_id = key
+            request = Routed(client, request_id, planner, inputs, incoming.arrival, deadline, priority)
             self.table.route(request, list(self._core.workers))
             routed.append(incoming)
         self.flush()
