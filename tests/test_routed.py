@@ -1,13 +1,21 @@
-"""The manager's table of requests routed whole to workers: placement, the expected wait, answers, ends, deadlines
-and a lost worker's requests, on a clock the tests move."""
+"""The manager's table of requests routed whole to workers: placement, the expected wait, answers, ends, deadlines,
+a lost worker's requests and streams' partials, on a clock the tests move."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError, decode
+from batchmaker.common.protocol import (
+    DEADLINE_EXCEEDED,
+    OVERLOADED,
+    RequestError,
+    decode,
+    map_to_tensor,
+    tensor_to_map,
+)
 from batchmaker.manager.batching.routed import MIN_ANSWERS, RATE_WINDOW_S, Routed, RoutedRequests
 
 
@@ -23,8 +31,8 @@ class Model:
     name = "lstm"
 
 
-def request(i: int, deadline: float | None = None, client: bytes = b"c") -> Routed:
-    return Routed(client, i, Model(), {"tokens": [i]}, 100.0, deadline)  # type: ignore[arg-type]
+def request(i: int, deadline: float | None = None, client: bytes = b"c", priority: int = 0, stream: bool = False):
+    return Routed(client, i, Model(), {"tokens": [i]}, 100.0, deadline, priority, stream)  # type: ignore[arg-type]
 
 
 def table(max_queue_delay_ms: int = 100) -> tuple[RoutedRequests, Clock]:
@@ -34,15 +42,16 @@ def table(max_queue_delay_ms: int = 100) -> tuple[RoutedRequests, Clock]:
 
 def test_requests_go_to_the_worker_holding_fewest_with_one_frame_each():
     routed, _ = table()
-    requests = [request(i) for i in range(5)]
+    requests = [request(i, priority=i - 2, stream=i == 1) for i in range(5)]
     for each in requests:
         routed.route(each, [3, 7])
     assert [each.worker_id for each in requests] == [3, 7, 3, 7, 3]
     sends, drops = routed.take_sends()
     assert {worker: [decode(frame) for frame in frames] for worker, frames in sends.items()} == {
-        3: [[1, "lstm", {"tokens": [0]}], [3, "lstm", {"tokens": [2]}], [5, "lstm", {"tokens": [4]}]],
-        7: [[2, "lstm", {"tokens": [1]}], [4, "lstm", {"tokens": [3]}]],
-    }
+        3: [[1, "lstm", {"tokens": [0]}, -2, False], [3, "lstm", {"tokens": [2]}, 0, False],
+            [5, "lstm", {"tokens": [4]}, 2, False]],
+        7: [[2, "lstm", {"tokens": [1]}, -1, True], [4, "lstm", {"tokens": [3]}, 1, False]],
+    }  # fmt: skip
     assert drops == {} and routed.take_sends() == ({}, {})
     assert routed.snapshot()["by_worker"] == {"3": 3, "7": 2}
     assert (b"c", 4) in routed and routed.get(b"c", 4) is requests[4] and len(routed) == 5
@@ -146,3 +155,45 @@ def test_a_worker_holding_requests_without_steps_is_stalled():
     routed.route(request(3), [0])
     clock.now += 11
     assert routed.stalled(10) == {0: 11, 1: 17}  # counted from when work arrived at the idle one
+
+
+def tokens(*values: int) -> dict:
+    return {"tokens": tensor_to_map(np.array(values, np.int64))}
+
+
+def sent_tokens(partial: tuple[dict, bool]) -> tuple[list[int], bool]:
+    outputs, restarted = partial
+    return (map_to_tensor(outputs["tokens"]).tolist() if outputs else []), restarted
+
+
+def test_a_streams_partials_wait_for_its_client_and_go_out_joined_once_a_turn():
+    routed, _ = table()
+    streamed, plain = request(1, stream=True), request(2, client=b"d")
+    routed.route(streamed, [0])
+    routed.route(plain, [0])
+    routed.partial(0, streamed.handle, tokens(4))
+    routed.partial(0, streamed.handle, tokens(5, 6))
+    routed.partial(0, plain.handle, tokens(9))  # not a stream: nothing to send
+    routed.partial(1, streamed.handle, tokens(7))  # not its worker: a message of a worker it left
+    routed.partial(0, streamed.handle, {"tokens": [1]})  # not a tensor map: dropped
+    assert routed.partials(lambda client: client == b"c") == []  # its client has replies waiting: it keeps them
+    [(request_, outputs, restarted)] = routed.partials(lambda client: False)
+    assert request_ is streamed and sent_tokens((outputs, restarted)) == ([4, 5, 6], False)
+    assert routed.partials(lambda client: False) == [] and routed.last_partial(streamed) is None
+
+
+def test_a_stream_that_lost_its_worker_says_restarted_in_its_next_partial():
+    routed, _ = table()
+    streamed, quiet = request(1, stream=True), request(2, stream=True)
+    routed.route(streamed, [0])
+    routed.route(quiet, [0])
+    routed.partial(0, streamed.handle, tokens(4))
+    lost = routed.lost(0)
+    assert routed.partials(lambda client: False) == []  # what the lost worker sent is void
+    for each in lost:
+        routed.route(each, [1])
+    routed.partial(0, streamed.handle, tokens(8))  # late, from the lost worker
+    routed.partial(1, streamed.handle, tokens(5))
+    [(request_, outputs, restarted)] = routed.partials(lambda client: False)
+    assert request_ is streamed and sent_tokens((outputs, restarted)) == ([5], True)
+    assert sent_tokens(routed.last_partial(quiet)) == ([], True)  # answered before a new partial: an empty one

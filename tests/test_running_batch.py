@@ -103,7 +103,7 @@ def run_all(requests: HeldRequests, arrivals: list[tuple[str, dict]], seed: int)
             if pending:
                 handle, (model, inputs) = pending.pop(0)
                 answers.update((a[0], a) for a in requests.take(handle, model, inputs))
-        answers.update((a[0], a) for a in requests.step())
+        answers.update((a[0], a) for a in requests.step().answers)
     return answers
 
 
@@ -161,7 +161,7 @@ def test_removed_request_never_answers_and_others_go_on(served):
     requests.step()
     requests.drop([2, 5])
     while requests.busy:
-        answers.update((a[0], a) for a in requests.step())
+        answers.update((a[0], a) for a in requests.step().answers)
     assert sorted(answers) == [0, 1, 3, 4, 6, 7]
     for handle in answers:
         model, inputs = arrivals[handle]
@@ -184,7 +184,7 @@ def test_a_request_waits_for_rows_and_one_larger_than_the_arena_is_refused(serve
     assert requests.batch.requests == 1
     answered = {}
     while requests.busy:
-        answered.update((a[0], a) for a in requests.step())
+        answered.update((a[0], a) for a in requests.step().answers)
     assert sorted(answered) == [1, 2] and all(a[2] is None for a in answered.values())
     [(_, _, error)] = requests.take(3, "bin", binary_tree(random.Random(1), 30))
     assert "more arena rows than the worker has" in error[1]
@@ -204,7 +204,7 @@ def test_a_failing_cell_ends_the_requests_of_its_batch_only(served):
     assert requests.take(2, "lstm", {"tokens": [4, 5]}) == []
     answers = {}
     while requests.busy:
-        answers.update((a[0], a) for a in requests.step())
+        answers.update((a[0], a) for a in requests.step().answers)
     assert answers[1][2][0] == INTERNAL and "device on fire" in answers[1][2][1]
     assert answers[2][2] is None
 
@@ -220,7 +220,7 @@ def test_a_failing_observe_ends_its_request_with_the_error(served):
         requests.take(2, "lstm", {"tokens": [1, 2, 3]})
         answers = {}
         while requests.busy:
-            answers.update((a[0], a) for a in requests.step())
+            answers.update((a[0], a) for a in requests.step().answers)
     finally:
         model.observe = original  # type: ignore[method-assign]
     assert "ZeroDivisionError in observe" in answers[1][2][1]

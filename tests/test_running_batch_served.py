@@ -1,6 +1,6 @@
 """A real server whose workers run their own batches (`[scheduler] running_batch = "worker"`): requests routed
-whole (with their priorities) answer as their references, errors come back as the manager's own would, sessions
-and streams keep the manager's path, and cancels, deadlines and a lost worker end or replay routed requests, each
+whole (with their priorities and streams) answer as their references, errors come back as the manager's own would,
+sessions keep the manager's path, and cancels, deadlines and a lost worker end or replay routed requests, each
 with one reply.
 
 Nothing here is timed: the tests wait for what the server reports."""
@@ -178,21 +178,25 @@ def test_a_cancel_ends_a_routed_request_with_one_reply(server):
         raw.close()
 
 
-def test_sessions_and_streams_keep_the_managers_path(server):
+def test_streams_are_routed_and_sessions_keep_the_managers_path(server):
     running, models, weights = server
     lstm = models["lstm"]
     with running.client() as client:
-        before = client.stats()["requests"]["ok"]
-        *_, final = client.stream("seq2seq", {"tokens": [3, 4, 5]})
+        before = client.stats()
+        *partials, final = client.stream("seq2seq", {"tokens": [3, 4, 5]})
         expected = models["seq2seq"].reference(weights["seq2seq"], {"tokens": [3, 4, 5]})
         assert differences(expected, final.outputs)[1] is None
+        streamed = [p.outputs["tokens"] for p in partials]
+        assert np.array_equal(np.concatenate(streamed or [np.zeros(0, np.int64)]), final.outputs["tokens"])
+        assert client.stats()["tasks"] == before["tasks"]  # no task: its worker ran every step
         first = client.infer("lstm", {"tokens": [1, 2]}, session="s")
         second = client.infer("lstm", {"tokens": [3]}, session="s", session_end=True)
         assert (first.session_step, second.session_step) == (1, 2)
         whole = lstm.reference(weights["lstm"], {"tokens": [1, 2, 3]})
         assert np.abs(second.outputs["h"] - whole["h"]).max() < 1e-5
         stats = client.stats()
-        assert stats["requests"]["ok"] == before + 3
+        assert stats["tasks"] > before["tasks"]  # the session's requests ran in the manager's tasks
+        assert stats["requests"]["ok"] == before["requests"]["ok"] + 3
         assert stats["routed"]["requests_in_flight"] == 0
 
 

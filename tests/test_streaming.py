@@ -43,10 +43,16 @@ MODELS = SMALL_SEQ2SEQ.replace("max_decode_length = 60", f"max_decode_length = {
 NEAR_TIE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, object, dict]]:
+RUNNING_BATCH = ["manager", "worker"]  # who decides each step: the manager's batching core, or each worker
+
+
+@pytest.fixture(scope="module", params=RUNNING_BATCH)
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[RunningServer, object, dict]]:
     """A Seq2Seq model (and an LSTM, which cannot stream) served by one worker, with the model and weights."""
-    config = write_config(tmp_path_factory.mktemp("streaming"), MODELS)
+    scheduler = f'running_batch = "{request.param}"'
+    config = write_config(tmp_path_factory.mktemp("streaming"), MODELS, scheduler=scheduler)
     server = start_server(config, workers=1)
     model = build_model(config.models["seq2seq"])
     yield server, model, model.load_weights()
@@ -150,9 +156,9 @@ def test_the_models_reply_says_which_models_stream(served):
     assert models["seq2seq"]["stream"] is True and "stream" not in models["lstm"]
 
 
-def start_endless(directory: Path, workers: int) -> RunningServer:
+def start_endless(directory: Path, workers: int, running_batch: str) -> RunningServer:
     """Seq2Seq whose projection never picks EOS: every request decodes its whole `max_len`."""
-    config = write_config(directory, MODELS)
+    config = write_config(directory, MODELS, scheduler=f'running_batch = "{running_batch}"')
     model = build_model(config.models["seq2seq"])
     state = model.load_weights()
     state["decoder.projection.bias"][model.eos_id] = -1e4
@@ -160,9 +166,9 @@ def start_endless(directory: Path, workers: int) -> RunningServer:
     return start_server(config, workers=workers)
 
 
-@pytest.fixture
-def endless(tmp_path: Path) -> Iterator[RunningServer]:
-    server = start_endless(tmp_path, workers=1)
+@pytest.fixture(params=RUNNING_BATCH)
+def endless(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    server = start_endless(tmp_path, 1, request.param)
     yield server
     stop_server(server)
 
@@ -320,16 +326,19 @@ def test_cli_stream_refuses_a_model_that_cannot_stream(served, capsys):
     assert "INVALID_INPUT" in capsys.readouterr().err
 
 
-def test_a_stream_replayed_after_its_worker_is_lost_restarts_and_says_so(tmp_path: Path):
+@pytest.mark.parametrize("running_batch", RUNNING_BATCH)
+def test_a_stream_replayed_after_its_worker_is_lost_restarts_and_says_so(tmp_path: Path, running_batch: str):
     """The worker holding a stream's values is killed after its first partial: the request is replayed
     on the other worker, and its next partial says `restarted`; what follows adds up to the answer."""
-    server = start_endless(tmp_path, workers=2)
+    server = start_endless(tmp_path, 2, running_batch)
     try:
         with server.client(timeout=120) as client:
             stream = client.stream("seq2seq", {"tokens": [3, 1, 4], "max_len": LONG_DECODE})
             assert isinstance(next(stream), Partial)
-            workers = client.stats()["workers"].values()
-            victim = next(w["pid"] for w in workers if w["slots_in_use"] > 0)
+            stats = client.stats()
+            routed = stats["routed"]["by_worker"]  # a request routed whole holds no slot of the manager's
+            holding = [w for i, w in stats["workers"].items() if w["slots_in_use"] > 0 or routed.get(i, 0) > 0]
+            victim = holding[0]["pid"]
             os.kill(victim, signal.SIGKILL)
             *partials, final = stream
             restarts = [i for i, p in enumerate(partials) if p.restarted]

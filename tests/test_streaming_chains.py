@@ -27,10 +27,17 @@ MODELS = {
 COMMON = "vocab_size = 100\nembedding_size = 12\nhidden_size = 16\nmax_length = 60\nbatch_sizes = [1, 2, 4, 8, 16]"
 
 
-@pytest.fixture(scope="module", params=["cellular", "padded"])
+SCHEDULERS = {
+    "cellular": 'policy = "cellular"\nbucket_width = 8',
+    "running batch": 'policy = "cellular"\nrunning_batch = "worker"',  # each worker decides its steps
+    "padded": 'policy = "padded"\nbucket_width = 8',
+}
+
+
+@pytest.fixture(scope="module", params=list(SCHEDULERS))
 def served(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[tuple[Any, dict]]:
     tables = "".join(f'\n[models.{name}]\nweights = "{name}.pt"\n{body}\n{COMMON}\n' for name, body in MODELS.items())
-    scheduler = f'policy = "{request.param}"\nbucket_width = 8'
+    scheduler = SCHEDULERS[request.param]
     config = write_config(tmp_path_factory.mktemp("chains"), tables, scheduler=scheduler)
     server = start_server(config, workers=1)
     models = {name: build_model(config.models[name]) for name in MODELS}

@@ -1,13 +1,15 @@
 """Requests the manager routed to this worker whole: planned here, run in the running batch, answered from here.
 
 An answer is `[handle, outputs, None]` or `[handle, None, [code, message]]`: a request whose inputs its model
-refuses is answered with the model's error, as the manager's own planning would have.
+refuses is answered with the model's error, as the manager's own planning would have. A streamed request's
+outputs that became final at a step go out as a partial, `[handle, outputs]` (the model's `partial_outputs` from
+the rows sent so far on), its last one just before its answer.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +21,14 @@ from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.running_batch import RunningBatch
 
 Answer = list[Any]
+Partial = list[Any]
+
+
+class Replies(NamedTuple):
+    """What a step or a message of routed requests gives the manager: partials, to be sent before the answers."""
+
+    partials: list[Partial]
+    answers: list[Answer]
 
 
 class HeldRequests:
@@ -33,13 +43,15 @@ class HeldRequests:
         self._planner_of: dict[int, Planner] = {}
         # planned, waiting for rows, with their priorities:
         self._waiting: collections.OrderedDict[int, tuple[Unfolded, int]] = collections.OrderedDict()
+        self._streamed: dict[int, int] = {}  # per streamed request held: the rows of its outputs sent so far
 
     @property
     def busy(self) -> bool:
         return bool(self._planner_of)
 
-    def take(self, handle: int, model: str, inputs: Any, priority: int = 0) -> list[Answer]:
-        """A routed request: planned and held; answered at once with its error if it cannot be planned."""
+    def take(self, handle: int, model: str, inputs: Any, priority: int = 0, stream: bool = False) -> list[Answer]:
+        """A routed request: planned and held; answered at once with its error if it cannot be planned. With
+        `stream`, its outputs go out in partials as they become final (its model can stream: the manager checked)."""
         planner = self._planners.get(model)
         try:
             if planner is None:
@@ -51,11 +63,14 @@ class HeldRequests:
             return [[handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"]]]
         self._planner_of[handle] = planner
         self._waiting[handle] = unfolded, priority
+        if stream:
+            self._streamed[handle] = 0
         return self._join()
 
     def drop(self, handles: list[int]) -> None:
         """Requests the manager ended (cancelled, expired, their client gone): let them go unanswered."""
         for handle in handles:
+            self._streamed.pop(handle, None)
             if self._planner_of.pop(handle, None) is not None and self._waiting.pop(handle, None) is None:
                 self.batch.remove(handle)
 
@@ -68,6 +83,7 @@ class HeldRequests:
                 if self.batch.requests:
                     break  # it joins when others leave
                 del self._waiting[handle], self._planner_of[handle]
+                self._streamed.pop(handle, None)
                 answers.append([handle, None, [INTERNAL, "the request needs more arena rows than the worker has"]])
                 continue
             del self._waiting[handle]
@@ -75,20 +91,50 @@ class HeldRequests:
             self.batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None, priority)
         return answers
 
-    def step(self) -> list[Answer]:
-        """One step of the running batch: the answers of the requests it finished."""
-        answers = []
+    def step(self) -> Replies:
+        """One step of the running batch: the partials of the streamed requests whose outputs grew, and the
+        answers of the requests it finished."""
+        replies = Replies([], [])
         with torch.inference_mode():
             finished = self.batch.step()
+        if self._streamed:
+            for handle in self.batch.updated():
+                if handle in self._streamed:
+                    held = self.batch.get(handle)
+                    error = self._partial(handle, held.unfolded, held.results, replies.partials)
+                    if error is not None:
+                        self.batch.remove(handle)
+                        replies.answers.append(self._failed(handle, error))
         for handle, unfolded, results, error in finished:
-            planner = self._planner_of.pop(handle)
+            if error is None and handle in self._streamed:
+                error = self._partial(handle, unfolded, results, replies.partials)  # its last rows, before the answer
             if error is not None:
-                answers.append([handle, None, [INTERNAL, error]])
+                replies.answers.append(self._failed(handle, error))
                 continue
+            planner = self._planner_of.pop(handle)
+            self._streamed.pop(handle, None)
             try:
-                answers.append([handle, planner.outputs(unfolded, results), None])
+                replies.answers.append([handle, planner.outputs(unfolded, results), None])
             except Exception as exc:  # a model's bug costs its request, never the worker
-                answers.append([handle, None, [INTERNAL, f"{type(exc).__name__} in {planner.name}: {exc}"]])
+                replies.answers.append([handle, None, [INTERNAL, f"{type(exc).__name__} in {planner.name}: {exc}"]])
         if finished:
-            answers += self._join()
-        return answers
+            replies.answers.extend(self._join())
+        return replies
+
+    def _partial(self, handle: int, unfolded: Unfolded, results: dict, partials: list[Partial]) -> str | None:
+        """The streamed request's outputs final since its last partial, added to `partials` if any; the model's
+        error if it fails."""
+        planner = self._planner_of[handle]
+        try:
+            outputs = planner.partial_outputs(unfolded, results, self._streamed[handle])
+        except Exception as exc:  # a model's bug costs its request, never the worker
+            return f"{type(exc).__name__} in {planner.name}: {exc}"
+        if outputs:
+            partials.append([handle, outputs])
+            self._streamed[handle] += len(next(iter(outputs.values())))
+        return None
+
+    def _failed(self, handle: int, error: str) -> Answer:
+        del self._planner_of[handle]
+        self._streamed.pop(handle, None)
+        return [handle, None, [INTERNAL, error]]

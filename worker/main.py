@@ -230,19 +230,23 @@ class Worker:
                 self._last_heard = time.monotonic()
                 self._drain(socket)
             if busy:
-                self._answer(self._held.step())
+                self._answer(*self._held.step())
             self._check_alive()
 
-    def _answer(self, answers: list[list[Any]]) -> None:
-        """Send the manager answers of routed requests, with the steps the running batch ran since the last ones;
-        with none, the steps alone once PROGRESS_S has passed, so that a batch that runs is not taken for hung."""
+    def _answer(self, partials: list[list[Any]], answers: list[list[Any]]) -> None:
+        """Send the manager partials and answers of routed requests, with the steps the running batch ran since the
+        last ones; with none, the steps alone once PROGRESS_S has passed, so that a batch that runs is not taken for
+        hung."""
         now = time.monotonic()
-        if not answers and now - self._reported_at < PROGRESS_S:
+        if not answers and not partials and now - self._reported_at < PROGRESS_S:
             return
         ran = self._held.batch.take_ran() if self._held is not None else {}
-        if answers or ran:
+        if answers or partials or ran:
             self._reported_at = now
-            self._socket.send(encode({"op": "answers", "answers": answers, "ran": ran}))
+            message = {"op": "answers", "answers": answers, "ran": ran}
+            if partials:
+                message["partials"] = partials
+            self._socket.send(encode(message))
 
     def _drain(self, socket: zmq.Socket) -> None:
         while not self._stop:
@@ -256,9 +260,9 @@ class Worker:
             elif kind == b"requests" and self._held is not None:  # routed whole, a frame each
                 answers = []
                 for frame in (payload, *more):
-                    handle, model, inputs, priority = decode(frame)
-                    answers += self._held.take(handle, model, inputs, priority)
-                self._answer(answers)
+                    handle, model, inputs, priority, stream = decode(frame)
+                    answers += self._held.take(handle, model, inputs, priority, stream)
+                self._answer([], answers)
             elif kind == b"drop" and self._held is not None:
                 self._held.drop(decode(payload))
             elif kind == b"peers":

@@ -94,6 +94,7 @@ class RunningBatch:
         self._prioritized = 0  # requests held with a priority other than 0: steps order their nodes by it
         self._free_slots: list[int] = []
         self._slot_of: dict[Any, int] = {}
+        self._read = np.zeros(0, np.int64)  # the request slots whose values the last step read, a slot a node
         self.steps = 0  # run so far
         self._ran: collections.Counter[tuple[int, int]] = collections.Counter()  # steps by (cell, batch) since taken
         self.dead = 0  # rows of the node arrays whose nodes ran or were dropped (until the next compaction)
@@ -101,6 +102,13 @@ class RunningBatch:
     @property
     def requests(self) -> int:
         return len(self._slot_of)
+
+    def get(self, key: Any) -> Held:
+        return self._held[self._slot_of[key]]
+
+    def updated(self) -> list[Any]:
+        """The requests still held whose results or watched values the last step read (their outputs grew)."""
+        return [held.key for slot in np.unique(self._read).tolist() if (held := self._held[slot]) is not None]
 
     # -- joining ---------------------------------------------------------------------------------
     def fits(self, unfolded: Unfolded) -> bool:
@@ -228,6 +236,7 @@ class RunningBatch:
         except Exception as exc:  # the cell failed on this batch: its requests end with the error, the rest go on
             for slot in touched.tolist():
                 self._held[slot].error = f"{self._specs[cell].key} failed: {type(exc).__name__}: {exc}"
+            self._read = self._read[:0]
             return self._leave(touched.tolist(), finished=True)
         nodes.pending[chosen] = False
         self.dead += len(chosen)
@@ -297,11 +306,12 @@ class RunningBatch:
         """The results and watched values among the step's outputs, to their requests, in node order (Python per
         copied node only); returns the slots whose model saw their end in a watched value."""
         ended: list[int] = []
+        self._read = requests = self.nodes.request[copied]
         if not len(copied):
             return ended
         at = self._tensor(np.searchsorted(chosen, copied))
         values = [output.index_select(0, at).cpu().numpy() for output in outputs]  # a copy: the rows are the host's
-        requests, local = self.nodes.request[copied], self.nodes.local[copied]
+        local = self.nodes.local[copied]
         for row, (node, slot) in enumerate(zip(local.tolist(), requests.tolist())):
             held = self._held[slot]
             for key, port in held.unfolded.plan.copies[node]:

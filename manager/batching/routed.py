@@ -8,6 +8,10 @@ is lost is sent again to another one. It does no I/O: what to send to which work
 
 The expected wait is the requests in flight over the rate requests were answered at over the last second (the
 manager's own count of answers), so refusing costs no plan and no per-cell work.
+
+A streamed request's partials come from its worker as its outputs grow; the table keeps those not yet sent, so
+that a request gets at most one partial a turn of the event loop and none while its client has replies waiting
+unread (what they carry then goes in one partial once it has caught up), and the last before its answer.
 """
 
 from __future__ import annotations
@@ -16,11 +20,22 @@ import collections
 import heapq
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from batchmaker.common.models.base import Planner
-from batchmaker.common.protocol import DEADLINE_EXCEEDED, OVERLOADED, RequestError, encode
+from batchmaker.common.protocol import (
+    DEADLINE_EXCEEDED,
+    OVERLOADED,
+    RequestError,
+    encode,
+    is_tensor_map,
+    map_to_tensor,
+    tensor_to_map,
+)
 
 RATE_WINDOW_S = 1.0  # answers older than this no longer count towards the measured rate
 MIN_ANSWERS = 32  # fewer answers in the window than this measure nothing: no request is refused for the wait
@@ -37,9 +52,22 @@ class Routed:
     arrival: float
     deadline: float | None
     priority: int = 0
+    stream: bool = False
     worker_id: int = -1
     handle: int = 0
     failures: int = 0  # workers lost while it ran on them
+    unsent: list[dict[str, Any]] = field(default_factory=list)  # partials its worker sent that are not sent on yet
+    restarted: bool = False  # streamed: it started over on another worker since its last partial
+
+
+def joined(partials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Partials' outputs (tensor maps) as one: each output's rows in order."""
+    if len(partials) <= 1:
+        return partials[0] if partials else {}
+    return {
+        name: tensor_to_map(np.concatenate([map_to_tensor(partial[name], name) for partial in partials]))
+        for name in partials[0]
+    }
 
 
 class RoutedRequests:
@@ -57,6 +85,7 @@ class RoutedRequests:
         self._next_handle = 1
         self._outbox: dict[int, list[bytes]] = collections.defaultdict(list)  # worker id -> request frames
         self._dropped: dict[int, list[int]] = collections.defaultdict(list)  # worker id -> handles to let go
+        self._streams_changed: dict[Routed, None] = {}  # streamed requests with partials not sent on, in order
 
     def __len__(self) -> int:
         return len(self._by_handle)
@@ -116,7 +145,7 @@ class RoutedRequests:
                 heapq.heappush(self._deadlines, (request.deadline, request.handle))
         self._by_handle[request.handle] = request
         self._held[request.worker_id] += 1
-        frame = encode([request.handle, request.model.name, request.inputs, request.priority])
+        frame = encode([request.handle, request.model.name, request.inputs, request.priority, request.stream])
         self._outbox[request.worker_id].append(frame)
 
     def take_sends(self) -> tuple[dict[int, list[bytes]], dict[int, list[int]]]:
@@ -125,6 +154,35 @@ class RoutedRequests:
         self._outbox.clear()
         self._dropped.clear()
         return sends, drops
+
+    # -- streams ---------------------------------------------------------------------------------
+    def partial(self, worker_id: int, handle: Any, outputs: Any) -> None:
+        """A worker's partial of a streamed request (its outputs final since its last one), kept to be sent on."""
+        request = self._by_handle.get(handle) if isinstance(handle, int) else None
+        if request is None or request.worker_id != worker_id or not request.stream:
+            return  # it ended meanwhile, or was sent again after its worker was written off
+        if isinstance(outputs, dict) and outputs and all(map(is_tensor_map, outputs.values())):
+            request.unsent.append(outputs)
+            self._streams_changed[request] = None
+
+    def partials(self, client_waiting: Callable[[bytes], bool]) -> list[tuple[Routed, dict[str, Any], bool]]:
+        """A partial for each streamed request with news whose client reads its replies (the others keep it for a
+        later turn): its outputs and whether it restarted since its last one."""
+        partials = []
+        for request in [request for request in self._streams_changed if not client_waiting(request.client)]:
+            news = self.last_partial(request)
+            if news is not None:
+                partials.append((request, *news))
+        return partials
+
+    def last_partial(self, request: Routed) -> tuple[dict[str, Any], bool] | None:
+        """The request's news in one partial, sent now; None when it has none (no outputs, no restart to tell)."""
+        self._streams_changed.pop(request, None)
+        if not request.unsent and not request.restarted:
+            return None
+        outputs, restarted = joined(request.unsent), request.restarted
+        request.unsent, request.restarted = [], False
+        return outputs, restarted
 
     # -- ends ------------------------------------------------------------------------------------
     def progressed(self, worker_id: int) -> None:
@@ -184,6 +242,9 @@ class RoutedRequests:
         lost = [request for request in self._by_handle.values() if request.worker_id == worker_id]
         for request in lost:
             del self._by_handle[request.handle]
+            self._streams_changed.pop(request, None)
+            request.unsent.clear()  # void: it starts over, and its next partial says so
+            request.restarted = request.stream
         self._held.pop(worker_id, None)
         self._progress_at.pop(worker_id, None)
         self._outbox.pop(worker_id, None)
@@ -196,6 +257,7 @@ class RoutedRequests:
 
     def _forget(self, request: Routed) -> None:
         del self._by_handle[request.handle]
+        self._streams_changed.pop(request, None)
         del self._by_key[(request.client, request.request_id)]
         self._held[request.worker_id] -= 1
 

@@ -1,9 +1,9 @@
 """The event loop's side of requests routed whole to the workers' running batches (manager.batching.routed).
 
 With `[scheduler] running_batch = "worker"`, an `infer` request that needs nothing only the manager's batching
-core gives (a session, a streamed reply, a model version loaded at run time) is checked, refused from the
-expected wait or routed to the worker holding the fewest requests, one message per worker and burst; the rest go
-to the batching core as before. Workers answer on the control socket; this module turns those
+core gives (a session, a model version loaded at run time) is checked, refused from the expected wait or routed
+to the worker holding the fewest requests, one message per worker and burst; the rest go to the batching core as
+before. Workers answer on the control socket; this module turns those
 answers, and the ends a request meets before its answer (cancel, deadline, client gone, shutdown, its worker
 lost), into the outcomes the event loop replies with and counts.
 """
@@ -11,6 +11,7 @@ lost), into the outcomes the event loop replies with and counts.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from batchmaker.common.config import Config
@@ -25,7 +26,7 @@ from batchmaker.common.protocol import (
 )
 from batchmaker.manager.batching.admission import check_room, deadline_of, inputs_of, stream_and_priority
 from batchmaker.manager.batching.core import BatchingCore
-from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Replayed
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
 from batchmaker.manager.batching.routed import Routed, RoutedRequests
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.loop.frontend import Incoming
@@ -33,7 +34,7 @@ from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.manager.observability.stats import request_timing
 
 Refusal = tuple[Incoming, RequestError, int | None]  # a request refused, why, and when to come back (ms)
-CORE_ONLY = ("session", "session_start", "session_end", "session_step", "stream")
+CORE_ONLY = ("session", "session_start", "session_end", "session_step")
 
 
 class Router:
@@ -69,7 +70,7 @@ class Router:
                     continue
                 self._core.check_id(*key, self.table, for_core)
                 inputs = inputs_of(message, planner)
-                _, priority = stream_and_priority(message, planner)
+                stream, priority = stream_and_priority(message, planner)
                 deadline_ms = deadline_of(message, self._server.default_deadline_ms)
                 check_room(self._core.in_flight + len(self.table), self._server.max_queued_requests)
                 self.table.check(deadline_ms)
@@ -78,7 +79,7 @@ class Router:
                 continue
             deadline = incoming.arrival + deadline_ms / 1e3 if deadline_ms is not None else None
             client, request_id = key
-            request = Routed(client, request_id, planner, inputs, incoming.arrival, deadline, priority)
+            request = Routed(client, request_id, planner, inputs, incoming.arrival, deadline, priority, stream)
             self.table.route(request, list(self._core.workers))
             routed.append(incoming)
         self.flush()
@@ -96,11 +97,16 @@ class Router:
             if worker_id in self._core.workers:
                 self._pool.drop(self._core.workers[worker_id], handles)
 
-    def answers(self, worker: WorkerHandle, answers: list[Any]) -> list[Outcome]:
-        """A worker's answers ([handle, outputs, error] each) as outcomes; those of requests ended meanwhile dropped."""
+    def answers(self, worker: WorkerHandle, answers: list[Any], partials: list[Any]) -> list[Outcome]:
+        """A worker's answers ([handle, outputs, error] each) as outcomes, after its streamed requests' partials
+        ([handle, outputs] each, kept to be sent once a turn); those of requests ended meanwhile dropped. A streamed
+        request's news goes out in one partial just before its answer."""
         outcomes: list[Outcome] = []
         now = time.perf_counter()
         self.table.progressed(worker.worker_id)
+        for partial in partials:
+            if isinstance(partial, list) and len(partial) == 2:
+                self.table.partial(worker.worker_id, *partial)
         for answer in answers:
             if not isinstance(answer, list) or len(answer) != 3:
                 continue
@@ -109,11 +115,19 @@ class Router:
             if request is None:
                 continue
             if error is None:
+                news = self.table.last_partial(request) if request.stream else None
+                if news is not None:
+                    outcomes.append(Partial(request, *news))
                 timing = request_timing(request.arrival, request.arrival, now)
                 outcomes.append(Answered(request, outputs, timing, False))
             else:
                 outcomes.append(Failed(request, RequestError(*error)))
         return outcomes
+
+    def partials(self, client_waiting: Callable[[bytes], bool]) -> list[Outcome]:
+        """One partial for each streamed request whose outputs grew since its last one and whose client reads its
+        replies."""
+        return [Partial(*partial) for partial in self.table.partials(client_waiting)]
 
     def stalled(self) -> dict[int, float]:
         """Workers holding routed requests whose running batch has not advanced for `hang_timeout_ms`."""

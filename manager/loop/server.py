@@ -167,7 +167,8 @@ class Manager:
                     self._conclude(self.core.clients_gone(departed) + self.router.clients_gone(departed))
                 self._conclude(self.core.expire() + self.router.expire())
                 self._watch_workers()
-                self._conclude(self.core.partials(self.frontend.has_backlog))  # one per streamed request and turn
+                waiting = self.frontend.has_backlog
+                self._conclude(self.core.partials(waiting) + self.router.partials(waiting))  # one a stream and turn
                 self._reload_if_asked()
                 self._schedule_idle_workers()
                 idle = not self.core.requests and not self.router.table
@@ -258,9 +259,9 @@ class Manager:
     # -- workers -------------------------------------------------------------------------------
     def _worker_control(self) -> None:
         restarted, exited, health_checks, registered, loads, answers = self.pool.control_messages()
-        for worker, answered, ran in answers:
+        for worker, answered, partials, ran in answers:
             self.stats.steps_run(ran)
-            self._conclude(self.router.answers(worker, answered))
+            self._conclude(self.router.answers(worker, answered, partials))
         self.core.workers_changed()
         for worker in registered:
             self.control.worker_joined(worker)

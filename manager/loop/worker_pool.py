@@ -40,6 +40,17 @@ log = logging.getLogger("batchmaker.manager")
 MANAGER_SILENCE_S = 10.0  # a worker that hears nothing from the manager this long exits
 
 
+class WorkerAnswers(NamedTuple):
+    """A worker's message about the requests routed to it: those it ended ([handle, outputs, error] each), the
+    outputs its streamed ones gained ([handle, outputs] each, before those answers), and the steps its running batch
+    ran (per cell type, by batch size)."""
+
+    worker: WorkerHandle
+    answers: list[Any]
+    partials: list[Any]
+    ran: dict[str, dict[int, int]]
+
+
 class ControlMessages(NamedTuple):
     """What the control socket brought, for the event loop to act on."""
 
@@ -48,8 +59,7 @@ class ControlMessages(NamedTuple):
     health_checks: list[bytes]  # identities that asked for the manager's health: answer with `answer_health`
     registered: list[WorkerHandle]  # every worker that registered (restarts included): it lacks later versions
     loads: list[tuple[WorkerHandle, str, str | None]]  # a worker loaded a version (its internal name), or why not
-    answers: list[tuple[WorkerHandle, list[Any], dict[str, dict[int, int]]]]  # per message: routed requests it
-    # ended ([handle, outputs, error] each), and the steps its running batch ran (per cell type, by batch size)
+    answers: list[WorkerAnswers]  # a worker's messages about the requests routed to it
 
 
 class WorkerPool:
@@ -150,7 +160,7 @@ class WorkerPool:
         health_checks: list[bytes] = []
         registered: list[WorkerHandle] = []
         loads: list[tuple[WorkerHandle, str, str | None]] = []
-        answers: list[tuple[WorkerHandle, list[Any], dict[str, dict[int, int]]]] = []
+        answers: list[WorkerAnswers] = []
         while True:
             try:
                 identity, frame = self.control.recv_multipart(zmq.NOBLOCK)
@@ -169,11 +179,12 @@ class WorkerPool:
             op = message.get("op")
             if op == "answers":
                 worker = self._worker_of(identity)
-                batch, ran = message.get("answers"), message.get("ran", {})
-                if worker is None or not isinstance(batch, list) or not _steps_by_size(ran):
+                batch, partials, ran = message.get("answers"), message.get("partials", []), message.get("ran", {})
+                well_formed = isinstance(batch, list) and isinstance(partials, list) and _steps_by_size(ran)
+                if worker is None or not well_formed:
                     self._drop("a malformed answers message on the worker control socket")
                     continue
-                answers.append((worker, batch, ran))
+                answers.append(WorkerAnswers(worker, batch, partials, ran))
             elif op == "health":  # the supervisor's readiness check, on the private socket
                 health_checks.append(identity)
             elif op == "worker_exited":  # from the supervisor, which saw a process of this host end
