@@ -56,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--running-batch",
         choices=RUNNING_BATCH,
-        help="presets: who decides the cellular policy's steps (default: the config's, the manager)",
+        help="presets and overload: who decides the cellular policy's steps (default: the config's, the manager)",
     )
     parser.add_argument(
         "--workers",
         type=int,
         default=1,
         metavar="N",
-        help="presets: CPU workers of the cellular policy's server (default 1); DyNet runs in as many processes",
+        help="presets and overload: CPU workers of the cellular policy's server (default 1); DyNet runs in as many "
+        "processes",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="directory for JSON and PNG files")
     parser.add_argument(
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.preset == "servers":
             return 0
     if args.preset == "overload":
-        return 0 if overload.main(args.quick, args.out) else 1
+        return 0 if overload.main(args.quick, args.out, args.running_batch, args.workers) else 1
     if args.preset == "chaos":
         return 0 if chaos.main(args.quick, args.out) else 1
     if args.preset == "startup":

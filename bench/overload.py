@@ -17,6 +17,9 @@ exceeds `max_queue_delay_ms` = 250) on WMT sentence lengths, and:
    the goodput (accepted requests answered per second) over the capacity and the requests lost
    (sent and never answered), against the goals below, with the CPU time each process used; and
    checks a sample of answers on each server against the reference model afterwards.
+
+`--running-batch worker` and `--workers N` serve the same config with its workers deciding their own steps and N
+CPU workers (`batchmaker serve --running-batch`, `--workers`), the capacity measured on that server too.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import Replies, closed_loop, open_loop, poisson_schedule, request_frames
 from batchmaker.bench.progress import Progress
 from batchmaker.bench.report import finite, target, target_lines
-from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.bench.run import ROOT, git, machine, serve_options
 from batchmaker.bench.sweep import ServedPolicy
 from batchmaker.bench.verify import verify
 from batchmaker.clients.loadgen import percentiles
@@ -71,9 +74,9 @@ FULL = Length(capacity_requests=20000, seconds=30.0)
 QUICK = Length(capacity_requests=2000, seconds=3.0)
 
 
-def _serve(config: Path, policy: str) -> ServedPolicy:
+def _serve(config: Path, policy: str, options: tuple[str, ...]) -> ServedPolicy:
     address = f"tcp://127.0.0.1:{free_port_on('127.0.0.1')}"
-    return ServedPolicy(config, address, policy, MODEL, "--address", address)
+    return ServedPolicy(config, address, policy, MODEL, "--address", address, *options)
 
 
 def capacity_config(directory: Path) -> Path:
@@ -185,8 +188,9 @@ def offer(
     }
 
 
-def run(quick: bool, progress: Progress) -> dict[str, Any]:
-    """Capacity, then every factor on a fresh server; the result as written to overload.json."""
+def run(quick: bool, progress: Progress, running_batch: str | None = None, workers: int = 1) -> dict[str, Any]:
+    """Capacity, then every factor on a fresh server; the result as written to overload.json. `running_batch`:
+    who decides each step (None: the config's); `workers`: CPU workers."""
     length = QUICK if quick else FULL
     started = time.time()
     config = load_config(DEFAULT_CONFIG)
@@ -195,10 +199,11 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
     state = model.load_weights()
     inputs = DATASETS[DATASET]()
     policy = config.scheduler.policy
+    options = serve_options(policy, running_batch, workers)
     progress.note("overload: measuring capacity")
     with (
         tempfile.TemporaryDirectory(prefix="batchmaker-overload-") as tmp,
-        _serve(capacity_config(Path(tmp)), policy) as baseline,
+        _serve(capacity_config(Path(tmp)), policy, options) as baseline,
     ):
         capacity = measure_capacity(baseline, inputs, length.capacity_requests)
         progress.advance()
@@ -206,7 +211,7 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         for seed, factor in enumerate(FACTORS):
             rate = factor * capacity["requests_per_s"]
             progress.note(f"overload: {factor:g}x capacity, {rate:.0f} req/s for {length.seconds:g} s")
-            with _serve(DEFAULT_CONFIG, policy) as served:
+            with _serve(DEFAULT_CONFIG, policy, options) as served:
                 measured = offer(served, inputs, rate, length.seconds, seed)
                 measured["verify"] = verify(served.address, model, state, inputs[:CHECKED])
             measured["factor"] = factor
@@ -222,6 +227,8 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         "machine": machine(),
         "config": str(DEFAULT_CONFIG.relative_to(ROOT)),
         "max_queue_delay_ms": config.server.max_queue_delay_ms,
+        "running_batch": running_batch or config.scheduler.running_batch,
+        "cpu_workers": workers,
         "dataset": {"name": DATASET, "requests": len(inputs)},
         "capacity": capacity,
         "capacity_after": capacity_after,
@@ -300,15 +307,16 @@ def problems(result: dict[str, Any]) -> list[str]:
     return found
 
 
-def main(quick: bool, out: Path) -> bool:
+def main(quick: bool, out: Path, running_batch: str | None = None, workers: int = 1) -> bool:
     """Run, write out/overload.json, print the table and the goals; False if a request was lost or wrong."""
     progress = Progress(1 + len(FACTORS))
-    result = run(quick, progress)
+    result = run(quick, progress, running_batch, workers)
     progress.close()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "overload.json"
     path.write_text(json.dumps(finite(result), indent=1))
     print(f"\n## overload: {result['description']}  ({result['seconds']:.0f} s)\n")
+    print(f"steps decided by the {result['running_batch']}, {result['cpu_workers']} CPU worker(s)\n")
     print(table(result))
     for line in target_lines(result):
         print(line)
