@@ -1,4 +1,5 @@
-"""Models loaded, reloaded and unloaded while a real server serves a steady load through the project's client."""
+"""Models loaded, reloaded and unloaded while a real server serves a steady load through the project's client, with
+the manager deciding each step and with the workers running their own batches."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from batchmaker.common.models.base import save_weights
 from batchmaker.common.protocol import BAD_REQUEST, INVALID_INPUT, UNKNOWN_MODEL, map_to_tensor
 
 TOLERANCE = 1e-5
+RUNNING_BATCH = pytest.mark.parametrize("running_batch", ["manager", "worker"])  # who decides each step
 
 
 def weights_file(config: Config, name: str, seed: int) -> Path:
@@ -90,8 +92,9 @@ class SteadyLoad:
                 self.failures.append(exc)
 
 
-def test_a_reload_under_load_fails_nothing_and_sessions_finish_on_their_version(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM)
+@RUNNING_BATCH
+def test_a_reload_under_load_fails_nothing_and_sessions_finish_on_their_version(tmp_path: Path, running_batch: str):
+    config = write_config(tmp_path, SMALL_LSTM, scheduler=f'running_batch = "{running_batch}"')
     old, new = config.models["lstm"].weights, weights_file(config, "lstm-retrained.pt", seed=11)
     references = {1: reference(config, old), 2: reference(config, new)}
     server = start_server(config, workers=2)
@@ -127,8 +130,9 @@ def test_a_reload_under_load_fails_nothing_and_sessions_finish_on_their_version(
         stop_server(server)
 
 
-def test_unloading_under_load_finishes_what_was_admitted_and_refuses_the_rest(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM)
+@RUNNING_BATCH
+def test_unloading_under_load_finishes_what_was_admitted_and_refuses_the_rest(tmp_path: Path, running_batch: str):
+    config = write_config(tmp_path, SMALL_LSTM, scheduler=f'running_batch = "{running_batch}"')
     answer = reference(config, config.models["lstm"].weights)
     server = start_server(config, workers=1)
     try:
@@ -156,9 +160,12 @@ def test_unloading_under_load_finishes_what_was_admitted_and_refuses_the_rest(tm
             assert again.value.code == UNKNOWN_MODEL
             reloaded = client.call({"op": "load", "model": "lstm"})  # its last table, its weights read again
             assert reloaded["version"] == 2
+            tasks = client.stats()["tasks"]
             reply = client.infer("lstm", {"tokens": [3, 4]})
             assert reply.version == 2
             assert_matches(reply.outputs, answer({"tokens": [3, 4]}))
+            if running_batch == "worker":  # the version loaded at run time runs in the workers' batches too
+                assert client.stats()["tasks"] == tasks
     finally:
         stop_server(server)
 
@@ -203,8 +210,11 @@ def test_weights_that_do_not_fit_are_refused_and_the_old_version_serves_on(tmp_p
         stop_server(server)
 
 
-def test_requests_replayed_after_a_worker_loss_replay_on_their_own_version(tmp_path: Path):
-    config = write_config(tmp_path, with_faults(tmp_path, SMALL_LSTM), server="hang_timeout_ms = 1500")
+@RUNNING_BATCH
+def test_requests_replayed_after_a_worker_loss_replay_on_their_own_version(tmp_path: Path, running_batch: str):
+    scheduler = f'running_batch = "{running_batch}"'
+    models, server = with_faults(tmp_path, SMALL_LSTM), "hang_timeout_ms = 1500"
+    config = write_config(tmp_path, models, server=server, scheduler=scheduler)
     old, new = config.models["lstm"].weights, weights_file(config, "lstm-retrained.pt", seed=13)
     references = {1: reference(config, old), 2: reference(config, new)}
     server = start_server(config, workers=2)

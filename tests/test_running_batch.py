@@ -121,12 +121,12 @@ def test_every_model_answers_as_its_reference_whatever_joins_between_steps(serve
 
 def test_rows_and_slots_go_back_when_requests_leave(served):
     requests = held(served)
-    available = {kind: free.available for kind, free in requests.batch._free.items()}
+    available = {kind: free.available for kind, free in requests.batch.types.free.items()}
     run_all(requests, mixed_requests(24, seed=3), seed=4)
     ran = requests.batch.take_ran()
     assert sum(steps for sizes in ran.values() for steps in sizes.values()) == requests.batch.steps
     assert requests.batch.take_ran() == {}
-    assert {kind: free.available for kind, free in requests.batch._free.items()} == available
+    assert {kind: free.available for kind, free in requests.batch.types.free.items()} == available
     assert requests.batch.requests == 0 and not requests.busy
 
 
@@ -234,7 +234,7 @@ def test_plans_of_a_running_batch_need_no_rows_left_behind(served):
     requests.drop(list(range(12)))
     assert not requests.busy
     assert requests.batch.step() == []
-    assert all(free.available == ROWS - 2 for free in requests.batch._free.values())
+    assert all(free.available == ROWS - 2 for free in requests.batch.types.free.values())
 
 
 
@@ -244,7 +244,7 @@ def _recording(batch: RunningBatch) -> list[tuple[str, list]]:
     original = batch._run
 
     def recording(cell, chosen):
-        steps.append((batch._specs[cell].key, [batch._held[slot].key for slot in batch.nodes.request[chosen]]))
+        steps.append((batch.types.specs[cell].key, [batch._held[slot].key for slot in batch.nodes.request[chosen]]))
         return original(cell, chosen)
 
     batch._run = recording
@@ -287,3 +287,31 @@ def test_a_request_passed_over_eight_times_for_higher_priorities_goes_first(serv
     passed = [ran for key, ran in steps[:first] if key == steps[first][0]]
     assert len(passed) == 8 and all(ran == list(range(8)) for ran in passed)  # left out eight times, then it ran
     assert steps[first][1] == ["patient", *range(7)]
+
+
+def test_a_model_loaded_while_requests_are_held_joins_and_one_unloaded_leaves(served):
+    planners, specs, cells, kinds, models, weights = served
+    chosen = [i for i, spec in enumerate(specs) if spec.key.startswith("lstm/")]
+    lstm_kinds = [kind for kind in kinds if any(kind in specs[i].inputs + specs[i].outputs for i in chosen)]
+    requests = HeldRequests({"lstm": planners["lstm"]}, [specs[i] for i in chosen], [cells[i] for i in chosen],
+                            lstm_kinds, ROWS)  # fmt: skip
+    [(_, _, error)] = requests.take(1, "bin", binary_tree(random.Random(2), 5))
+    assert "does not serve model 'bin'" in error[1]
+    sent = {2: ("lstm", {"tokens": list(range(1, 20))})}
+    requests.take(2, *sent[2])
+    requests.step()
+    loaded = [i for i, spec in enumerate(specs) if spec.key.startswith("bin/")]
+    wider = max(len(specs[i].inputs) for i in loaded) > requests.batch.nodes.inputs.shape[1]
+    assert set(kinds) - set(lstm_kinds) and wider  # a tree's cells: kinds of value not seen yet, more inputs a node
+    requests.add_model(planners["bin"], [specs[i] for i in loaded], [cells[i] for i in loaded], kinds)
+    sent[3] = ("bin", binary_tree(random.Random(2), 9))
+    answers = {answer[0]: answer for answer in requests.take(3, *sent[3])}
+    while requests.busy:
+        answers.update((a[0], a) for a in requests.step().answers)
+    for handle, (model, inputs) in sent.items():
+        assert differences(models[model].reference(weights[model], inputs), answers[handle][1])[1] is None
+    requests.unload([specs[i].key for i in loaded])
+    assert requests.batch.types.cells[-1] is None
+    [(_, _, error)] = requests.take(4, "bin", binary_tree(random.Random(2), 5))
+    assert "does not serve model 'bin'" in error[1]
+    assert requests.take(5, "lstm", {"tokens": [1]}) == []

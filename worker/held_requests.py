@@ -67,6 +67,21 @@ class HeldRequests:
             self._streamed[handle] = 0
         return self._join()
 
+    def add_model(self, planner: Planner, specs: list[CellTypeSpec], cells: list[torch.nn.Module],
+                  kinds: list[ValueKind]) -> None:  # fmt: skip
+        """A version the manager loaded while this worker runs: its requests are routed here from now on."""
+        self.batch.add_cell_types(specs, cells, kinds)
+        self._planners[planner.name] = planner
+
+    def unload(self, keys: list[str]) -> None:
+        """The cell types of a version the manager unloaded (none of its requests is held): their modules go, and
+        the planner of a model none of whose cell types is left."""
+        self.batch.types.drop(keys)
+        gone = set(keys)
+        for name, planner in list(self._planners.items()):
+            if set(planner.cell_types) <= gone:
+                del self._planners[name]
+
     def drop(self, handles: list[int]) -> None:
         """Requests the manager ended (cancelled, expired, their client gone): let them go unanswered."""
         for handle in handles:

@@ -44,7 +44,7 @@ from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
 from batchmaker.worker.held_requests import HeldRequests
-from batchmaker.worker.loading import build_cells, load_version
+from batchmaker.worker.loading import build_cells, load_version, unload_version
 from batchmaker.worker.notices import InProgressFIFO, Poller
 from batchmaker.worker.startup import EXIT_CONFIG_ERROR, start
 
@@ -271,10 +271,10 @@ class Worker:
                 self._backend.detach_peer(decode(payload)["worker_id"])
             elif kind == b"load":  # before any task sent after it: those may run the version it loads
                 message = decode(payload)
-                error = load_version(self._backend, message)
+                error = load_version(self._backend, message, self._held)
                 self._socket.send(encode({"op": "loaded", "model": message["model"]["name"], "error": error}))
             elif kind == b"unload":
-                self._backend.drop_cells(decode(payload)["cells"])
+                unload_version(self._backend, decode(payload)["cells"], self._held)
             elif kind == b"stop":
                 log.info("the manager told this worker to stop")
                 self._stop = True

@@ -85,6 +85,14 @@ class Nodes:
             new[: self.count] = old[: self.count]
             setattr(self, name, new)
 
+    def widen(self, ports: int, outputs: int) -> None:
+        """Room for nodes of up to `ports` inputs and `outputs` outputs (a cell type added while nodes are held)."""
+        grow = {"inputs": ports, "outputs": outputs, "ragged": ports}
+        for name, width in grow.items():
+            old = getattr(self, name)
+            if old.shape[1] < width:
+                setattr(self, name, np.concatenate([old, np.zeros((len(old), width - old.shape[1]), np.int64)], 1))
+
     def keep(self, kept: np.ndarray) -> None:
         """Keep only the rows `kept` (ascending), moved to the front, with their ragged rows."""
         flat = consecutive(self.ragged_start[kept], self.ragged_count[kept])

@@ -31,9 +31,10 @@ from torch import nn
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import Plan, Unfolded
 from batchmaker.common.ranges import consecutive
-from batchmaker.common.slots import ZERO_SLOT, SlotAllocator
+from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.worker.batched_task import KernelClock
-from batchmaker.worker.node_columns import Nodes, Template, ports_by_kind
+from batchmaker.worker.cell_types import CellTypes
+from batchmaker.worker.node_columns import Nodes, Template
 
 Rows = np.ndarray  # arena rows, int64
 Observe = Callable[[Unfolded, int, np.ndarray], bool]  # a model's `observe`: True once the request is complete
@@ -72,21 +73,9 @@ class RunningBatch:
         """`rows` per kind of value, on `device` (the cells' own); `clock`, if given, times the cells' calls."""
         self._device = torch.device(device)
         self._clock = clock
-        self._specs = specs
-        self._cells = cells
-        self._cell_of = {spec.key: index for index, spec in enumerate(specs)}
-        self._kind_index = {kind: index for index, kind in enumerate(kinds)}
-        self._layout = ("running batch", tuple(self._cell_of), tuple(kinds))  # its templates' key in a plan's cache
-        self._gathers = [ports_by_kind(spec.inputs, skip=spec.ragged_inputs) for spec in specs]
-        self._scatters = [ports_by_kind(spec.outputs) for spec in specs]
-        self._priority = [spec.priority for spec in specs]
-        self._max_batch = [spec.max_batch for spec in specs]
-        self.arenas = {
-            kind: torch.zeros((rows, *kind.shape), dtype=getattr(torch, kind.dtype), device=self._device)
-            for kind in kinds
-        }
-        self._free = {kind: SlotAllocator(rows) for kind in kinds}
-        self.nodes = Nodes(max(len(spec.inputs) for spec in specs), max(len(spec.outputs) for spec in specs))
+        self.types = CellTypes(rows, self._device)
+        self.types.add(specs, cells, kinds)
+        self.nodes = Nodes(*self.types.widths)
         self._held: list[Held | None] = []
         self._done = np.zeros(0, np.int64)  # nodes run, per request slot
         self._total = np.zeros(0, np.int64)  # nodes, per request slot
@@ -110,13 +99,18 @@ class RunningBatch:
         """The requests still held whose results or watched values the last step read (their outputs grew)."""
         return [held.key for slot in np.unique(self._read).tolist() if (held := self._held[slot]) is not None]
 
+    def add_cell_types(self, specs: list[CellTypeSpec], cells: list[nn.Module], kinds: list[ValueKind]) -> None:
+        """A version the manager loaded while the batch runs: its requests may join from now on."""
+        self.types.add(specs, cells, kinds)
+        self.nodes.widen(*self.types.widths)
+
     # -- joining ---------------------------------------------------------------------------------
     def fits(self, unfolded: Unfolded) -> bool:
         """Whether the arenas have the rows the request's registers and external values take."""
         wanted = {kind: len(registers) for kind, registers in unfolded.plan.register_groups.items()}
         for kind, values in unfolded.externals.items():
             wanted[kind] = wanted.get(kind, 0) + len(values)
-        return all(self._free[kind].available >= count for kind, count in wanted.items())
+        return all(self.types.free[kind].available >= count for kind, count in wanted.items())
 
     def admit(self, key: Any, unfolded: Unfolded, observe: Observe | None = None, priority: int = 0) -> None:
         """Hold a planned request (`key` names it): its values get rows, its nodes join the next steps of their
@@ -155,11 +149,11 @@ class RunningBatch:
 
     def _template(self, plan: Plan) -> Template:
         """What the plan's nodes hold whatever the request, in this batch's columns: made once per plan."""
-        template = plan.cache.get(self._layout)
+        template = plan.cache.get(self.types.layout)
         if template is None:
             widths = self.nodes.inputs.shape[1], self.nodes.outputs.shape[1]
-            template = Template.of(plan, self._specs, self._cell_of, self._kind_index, *widths)
-            plan.cache[self._layout] = template
+            template = Template.of(plan, self.types.specs, self.types.index, self.types.kind_index, *widths)
+            plan.cache[self.types.layout] = template
         return template
 
     def _take_rows(self, unfolded: Unfolded) -> tuple[Rows, Rows, np.ndarray, dict[ValueKind, Rows]]:
@@ -171,16 +165,16 @@ class RunningBatch:
         register_row[-1] = ZERO_SLOT
         rows = {}
         for kind, registers in plan.register_groups.items():
-            rows[kind] = register_row[registers] = self._free[kind].take(len(registers))
+            rows[kind] = register_row[registers] = self.types.free[kind].take(len(registers))
         external_rows = []
-        base = np.zeros(len(self._kind_index), np.int64)
+        base = np.zeros(len(self.types.kind_index), np.int64)
         start = 0
-        for kind in sorted(unfolded.externals, key=self._kind_index.__getitem__):
+        for kind in sorted(unfolded.externals, key=self.types.kind_index.__getitem__):
             values = unfolded.externals[kind]
-            taken = self._free[kind].take(len(values))
-            self.arenas[kind][self._tensor(taken)] = self._tensor(np.ascontiguousarray(values))
+            taken = self.types.free[kind].take(len(values))
+            self.types.arenas[kind][self._tensor(taken)] = self._tensor(np.ascontiguousarray(values))
             external_rows.append(taken)
-            base[self._kind_index[kind]], start = start, start + len(taken)
+            base[self.types.kind_index[kind]], start = start, start + len(taken)
             rows[kind] = np.concatenate([rows[kind], taken]) if kind in rows else taken
         return register_row, np.concatenate(external_rows) if external_rows else register_row[:0], base, rows
 
@@ -218,13 +212,14 @@ class RunningBatch:
         nodes = self.nodes
         count = nodes.count
         ready = nodes.pending[:count] & (self._done[nodes.request[:count]] >= nodes.need[:count])
-        counts = np.bincount(nodes.cell[:count][ready], minlength=len(self._specs))
+        counts = np.bincount(nodes.cell[:count][ready], minlength=len(self.types.specs))
         if not counts.any():
             return []
         cell = self._choose(counts)
         chosen = np.flatnonzero(ready & (nodes.cell[:count] == cell))
-        if len(chosen) > self._max_batch[cell]:
-            chosen = self._first(chosen, self._max_batch[cell])
+        size = self.types.specs[cell].max_batch
+        if len(chosen) > size:
+            chosen = self._first(chosen, size)
         ran = np.bincount(nodes.request[chosen], minlength=len(self._done))  # nodes run, per request slot
         touched = np.flatnonzero(ran)
         if self._prioritized:
@@ -235,7 +230,7 @@ class RunningBatch:
             outputs = self._run(cell, chosen)
         except Exception as exc:  # the cell failed on this batch: its requests end with the error, the rest go on
             for slot in touched.tolist():
-                self._held[slot].error = f"{self._specs[cell].key} failed: {type(exc).__name__}: {exc}"
+                self._held[slot].error = f"{self.types.specs[cell].key} failed: {type(exc).__name__}: {exc}"
             self._read = self._read[:0]
             return self._leave(touched.tolist(), finished=True)
         nodes.pending[chosen] = False
@@ -249,7 +244,7 @@ class RunningBatch:
         """The steps run since the last call: per cell type, how many at each batch size."""
         ran: dict[str, dict[int, int]] = {}
         for (cell, size), steps in self._ran.items():
-            ran.setdefault(self._specs[cell].key, {})[size] = steps
+            ran.setdefault(self.types.specs[cell].key, {})[size] = steps
         self._ran.clear()
         return ran
 
@@ -257,8 +252,9 @@ class RunningBatch:
         """Algorithm 1's choice: a cell type with a full batch ready if any, else any with nodes ready; the
         higher priority first, then the lower index."""
         ready = [(cell, count) for cell, count in enumerate(counts.tolist()) if count]  # a few cell types: Python
-        full = [cell for cell, count in ready if count >= self._max_batch[cell]]
-        return max(full or [cell for cell, _ in ready], key=self._priority.__getitem__)
+        specs = self.types.specs
+        full = [cell for cell, count in ready if count >= specs[cell].max_batch]
+        return max(full or [cell for cell, _ in ready], key=lambda cell: specs[cell].priority)
 
     def _first(self, ready: np.ndarray, size: int) -> np.ndarray:
         """The `size` nodes of `ready` (ascending: oldest request first) that run: by priority when any request
@@ -275,14 +271,14 @@ class RunningBatch:
     def _run(self, cell: int, chosen: np.ndarray) -> tuple[torch.Tensor, ...]:
         """Gather the chosen nodes' inputs (one gather per kind of value: a tree's two children's h and c at
         once), run the cell once, scatter its outputs to their rows (one scatter per kind)."""
-        spec, nodes, size = self._specs[cell], self.nodes, len(chosen)
-        gathers, scatters = self._gathers[cell], self._scatters[cell]
+        types, nodes, size = self.types, self.nodes, len(chosen)
+        spec, arenas, gathers, scatters = types.specs[cell], types.arenas, types.gathers[cell], types.scatters[cell]
         inputs, outputs = nodes.inputs[chosen], nodes.outputs[chosen]
         rows = [inputs[:, ports].T.ravel() for _, ports in gathers]
         index = self._indices(rows + [outputs[:, ports].T.ravel() for _, ports in scatters])
         read: dict[int, torch.Tensor] = {}
         for (kind, ports), at in zip(gathers, index):
-            values = self.arenas[kind].index_select(0, at)
+            values = arenas[kind].index_select(0, at)
             by_port = values.view(len(ports), size, *kind.shape).unbind(0) if len(ports) > 1 else (values,)
             read.update(zip(ports, by_port))
         args = []
@@ -290,16 +286,16 @@ class RunningBatch:
             if port in spec.ragged_inputs:
                 counts = nodes.ragged_count[chosen]
                 rows = nodes.ragged[consecutive(nodes.ragged_start[chosen], counts), port]
-                args.append(self.arenas[kind].index_select(0, self._tensor(rows)))
+                args.append(arenas[kind].index_select(0, self._tensor(rows)))
                 args.append(self._tensor(np.repeat(np.arange(size), counts)))
             else:
                 args.append(read[port])
-        results = self._cells[cell](*args) if self._clock is None else self._clock.call(self._cells[cell], *args)
+        results = types.cells[cell](*args) if self._clock is None else self._clock.call(types.cells[cell], *args)
         if isinstance(results, torch.Tensor):
             results = (results,)
         for (kind, ports), at in zip(scatters, index[len(gathers) :]):
             written = results[ports[0]] if len(ports) == 1 else torch.cat([results[port] for port in ports])
-            self.arenas[kind].index_copy_(0, at, written)
+            arenas[kind].index_copy_(0, at, written)
         return tuple(results)
 
     def _read_copies(self, copied: np.ndarray, chosen: np.ndarray, outputs: tuple[torch.Tensor, ...]) -> list[int]:
@@ -345,7 +341,7 @@ class RunningBatch:
                 rows.setdefault(kind, []).append(taken)
             gone.append(Finished(held.key, held.unfolded, held.results, held.error))
         for kind, given in rows.items():  # one give per kind for all the requests leaving
-            self._free[kind].give(np.concatenate(given) if len(given) > 1 else given[0])
+            self.types.free[kind].give(np.concatenate(given) if len(given) > 1 else given[0])
         nodes = self.nodes
         if unfinished:
             dropped = nodes.pending[: nodes.count] & np.isin(nodes.request[: nodes.count], unfinished)

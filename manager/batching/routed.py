@@ -234,6 +234,10 @@ class RoutedRequests:
             return longest
         return max(0, min(longest, int((self._deadlines[0][0] - self._clock()) * 1e3) + 1))
 
+    def uses(self, model: Planner) -> bool:
+        """Whether a request in flight runs on this model's version (it cannot be unloaded yet)."""
+        return any(request.model is model for request in self._by_handle.values())
+
     def all(self) -> list[Routed]:
         return list(self._by_handle.values())
 

@@ -27,6 +27,7 @@ from batchmaker.common.config import Config, ConfigError, ModelConfig, load_conf
 from batchmaker.common.models.base import build_planner, cell_layout
 from batchmaker.common.protocol import BAD_REQUEST, RequestError, echo
 from batchmaker.manager.batching.core import BatchingCore
+from batchmaker.manager.batching.routed import RoutedRequests
 from batchmaker.manager.batching.versions import FAILED, LIVE, LOADING, READY, UNLOADED, Version
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.loop.frontend import Incoming
@@ -52,15 +53,18 @@ class ModelControl:
         self,
         config: Config,
         core: BatchingCore,
+        routed: RoutedRequests,
         pool: WorkerPool,
         reply: Reply,
         reread: Callable[[], Config],
         served: Callable[[str], None],
     ):
-        """`reply` answers a call once its loads are done; `reread` reads the config file again; `served` is
+        """`routed`: the requests routed whole to workers, which hold versions in use as the core's do; `reply`
+        answers a call once its loads are done; `reread` reads the config file again; `served` is
         told of each model that serves a new version (the metrics label its requests from then on)."""
         self._config = config
         self._core = core
+        self._routed = routed
         self._versions = core.versions
         self._pool = pool
         self._reply = reply
@@ -250,7 +254,7 @@ class ModelControl:
         for version in self._versions.loading():
             self._settle(version)
         for version, by_sessions in self._versions.draining():
-            if not self._core.in_use(version.planner, by_sessions):
+            if not self._core.in_use(version.planner, by_sessions) and not self._routed.uses(version.planner):
                 version.retire(UNLOADED)
                 self._drop(version)
                 log.info("version %d of model %s unloaded", version.number, version.model)

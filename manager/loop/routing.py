@@ -1,11 +1,10 @@
 """The event loop's side of requests routed whole to the workers' running batches (manager.batching.routed).
 
-With `[scheduler] running_batch = "worker"`, an `infer` request that needs nothing only the manager's batching
-core gives (a session, a model version loaded at run time) is checked, refused from the expected wait or routed
-to the worker holding the fewest requests, one message per worker and burst; the rest go to the batching core as
-before. Workers answer on the control socket; this module turns those
-answers, and the ends a request meets before its answer (cancel, deadline, client gone, shutdown, its worker
-lost), into the outcomes the event loop replies with and counts.
+With `[scheduler] running_batch = "worker"`, an `infer` request that is not part of a session (which only the
+manager's batching core serves) is checked, refused from the expected wait or routed to the worker holding the
+fewest requests, one message per worker and burst; the rest go to the batching core as before. Workers answer on the
+control socket; this module turns those answers, and the ends a request meets before its answer (cancel, deadline,
+client gone, shutdown, its worker lost), into the outcomes the event loop replies with and counts.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ class Router:
         self._server = config.server
         self._core = core
         self._pool = pool
-        self._models = set(config.models)  # those the workers built at start: they plan these
         self.table = RoutedRequests(config.server.max_queue_delay_ms)
 
     def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[Incoming], list[Refusal]]:
@@ -63,7 +61,7 @@ class Router:
                 planner = None
                 if not any(field in message for field in CORE_ONLY):
                     planner = self._core.versions.resolve(message.get("model"), message.get("version"), None)
-                if planner is None or planner.name not in self._models:
+                if planner is None:
                     self._core.check_id(*key, self.table)  # the core checks those of its own path
                     for_core.add(key)
                     rest.append(incoming)

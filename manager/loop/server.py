@@ -116,8 +116,8 @@ class Manager:
         self.router = Router(config, self.core, self.pool)
         self.versions = self.core.versions
         self.control = ModelControl(
-            config, self.core, self.pool, self._control_reply, reread or (lambda: load_config(config.path)),
-            self.stats.model_served,
+            config, self.core, self.router.table, self.pool, self._control_reply,
+            reread or (lambda: load_config(config.path)), self.stats.model_served,
         )  # fmt: skip
         log.info("serving %s on %s", ", ".join(models), client_address)
 
