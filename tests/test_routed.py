@@ -35,9 +35,12 @@ def request(i: int, deadline: float | None = None, client: bytes = b"c", priorit
     return Routed(client, i, Model(), {"tokens": [i]}, 100.0, deadline, priority, stream)  # type: ignore[arg-type]
 
 
+WINDOW = 16  # requests a worker's running batch holds at once
+
+
 def table(max_queue_delay_ms: int = 100) -> tuple[RoutedRequests, Clock]:
     clock = Clock()
-    return RoutedRequests(max_queue_delay_ms, clock), clock
+    return RoutedRequests(max_queue_delay_ms, WINDOW, clock), clock
 
 
 def test_requests_go_to_the_worker_holding_fewest_with_one_frame_each():
@@ -75,7 +78,7 @@ def test_an_answer_from_another_worker_or_for_an_ended_request_is_ignored():
 def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
     routed, clock = table(max_queue_delay_ms=500)
     assert routed.expected_wait_s() is None
-    routed.check(None)  # nothing measured: nothing refused
+    routed.check(None, 1)  # nothing measured: nothing refused
     answered = [request(i) for i in range(MIN_ANSWERS)]
     for each in answered:
         routed.route(each, [0])
@@ -83,14 +86,14 @@ def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
     for i in range(10):
         routed.route(request(100 + i), [0])
     assert routed.expected_wait_s() == pytest.approx(10 / (MIN_ANSWERS / RATE_WINDOW_S))
-    routed.check(None)
+    routed.check(None, 1)
     for i in range(10):
         routed.route(request(200 + i), [0])
     with pytest.raises(RequestError) as refused:
-        routed.check(None)
+        routed.check(None, 1)
     assert refused.value.code == OVERLOADED and "exceeds the server's limit of 500 ms" in refused.value.message
     with pytest.raises(RequestError) as late:
-        routed.check(5)
+        routed.check(5, 1)
     assert late.value.code == DEADLINE_EXCEEDED and "deadline_ms 5" in late.value.message
     wait = routed.expected_wait_s()
     spacing_ms = RATE_WINDOW_S / MIN_ANSWERS * 1e3
@@ -99,6 +102,22 @@ def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
     clock.now += 2 * RATE_WINDOW_S  # the answers leave the window: no estimate
     assert routed.retry_after_ms(3) == []
     assert routed.expected_wait_s() is None
+
+
+def test_before_the_rate_is_measured_the_workers_running_batches_bound_the_requests_in_flight():
+    routed, clock = table(max_queue_delay_ms=500)
+    for i in range(2 * WINDOW - 1):
+        routed.route(request(i), [0, 1])
+    routed.check(None, 2)  # one more fits in two workers' windows
+    routed.route(request(99), [0, 1])
+    with pytest.raises(RequestError) as refused:
+        routed.check(None, 2)
+    assert refused.value.code == OVERLOADED and "rate is not measured yet" in refused.value.message
+    routed.check(None, 3)  # a third worker holds more
+    unbounded, _ = table(max_queue_delay_ms=0)  # no refusal by the wait: none by the window either
+    for i in range(2 * WINDOW):
+        unbounded.route(request(i), [0])
+    unbounded.check(None, 1)
 
 
 def test_deadlines_expire_in_order_and_bound_the_loops_sleep():

@@ -15,6 +15,7 @@ from batchmaker.bench.trees import random_tree
 from batchmaker.bench.verify import differences
 from batchmaker.common.models import build_model
 from batchmaker.common.protocol import INTERNAL, INVALID_INPUT
+from batchmaker.common.window import window
 from batchmaker.manager.loop.server import load_models
 from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.main import load_cells
@@ -315,3 +316,25 @@ def test_a_model_loaded_while_requests_are_held_joins_and_one_unloaded_leaves(se
     [(_, _, error)] = requests.take(4, "bin", binary_tree(random.Random(2), 5))
     assert "does not serve model 'bin'" in error[1]
     assert requests.take(5, "lstm", {"tokens": [1]}) == []
+
+
+def test_a_running_batch_holds_a_window_of_requests_the_rest_join_as_others_leave_the_higher_priority_first(served):
+    _, specs, _, _, models, weights = served
+    requests = held(served)
+    held_at_once = window(specs)
+    sent = {handle: ("lstm", {"tokens": [handle % 99 + 1] * (1 + handle % 7)}) for handle in range(held_at_once + 10)}
+    for handle, (model, inputs) in sent.items():
+        assert requests.take(handle, model, inputs) == []
+    sent["urgent"] = ("lstm", {"tokens": [5, 6]})
+    requests.take("urgent", *sent["urgent"], priority=2)
+    assert requests.batch.requests == held_at_once  # the others wait, planned
+    joined = []
+    admit = requests.batch.admit
+    requests.batch.admit = lambda key, *rest: joined.append(key) or admit(key, *rest)
+    answers = {}
+    while requests.busy:
+        answers.update((a[0], a) for a in requests.step().answers)
+        assert requests.batch.requests <= held_at_once
+    assert joined == ["urgent", *range(held_at_once, held_at_once + 10)]
+    for handle, (model, inputs) in sent.items():
+        assert differences(models[model].reference(weights[model], inputs), answers[handle][1])[1] is None

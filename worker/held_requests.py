@@ -4,6 +4,10 @@ An answer is `[handle, outputs, None]` or `[handle, None, [code, message]]`: a r
 refuses is answered with the model's error, as the manager's own planning would have. A streamed request's
 outputs that became final at a step go out as a partial, `[handle, outputs]` (the model's `partial_outputs` from
 the rows sent so far on), its last one just before its answer.
+
+A running batch holds at most its window of requests at once (common.window); those beyond it wait here, planned,
+and join as others leave, the higher priority first: in the batch they would wait for a place in a step all the
+same.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import Planner
 from batchmaker.common.plan import Unfolded
 from batchmaker.common.protocol import INTERNAL, RequestError
+from batchmaker.common.window import window
 from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.running_batch import RunningBatch
 
@@ -41,8 +46,10 @@ class HeldRequests:
         self._planners = planners
         self.batch = RunningBatch(specs, cells, kinds, rows, device, clock)
         self._planner_of: dict[int, Planner] = {}
-        # planned, waiting for rows, with their priorities:
+        # planned, waiting to join (for rows, or for room in the window), with their priorities:
         self._waiting: collections.OrderedDict[int, tuple[Unfolded, int]] = collections.OrderedDict()
+        self._waiting_prioritized = 0  # of them, those with a priority other than 0
+        self._window = window(specs)
         self._streamed: dict[int, int] = {}  # per streamed request held: the rows of its outputs sent so far
 
     @property
@@ -63,6 +70,7 @@ class HeldRequests:
             return [[handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"]]]
         self._planner_of[handle] = planner
         self._waiting[handle] = unfolded, priority
+        self._waiting_prioritized += priority != 0
         if stream:
             self._streamed[handle] = 0
         return self._join()
@@ -72,6 +80,7 @@ class HeldRequests:
         """A version the manager loaded while this worker runs: its requests are routed here from now on."""
         self.batch.add_cell_types(specs, cells, kinds)
         self._planners[planner.name] = planner
+        self._window = max(self._window, window(specs))
 
     def unload(self, keys: list[str]) -> None:
         """The cell types of a version the manager unloaded (none of its requests is held): their modules go, and
@@ -86,25 +95,41 @@ class HeldRequests:
         """Requests the manager ended (cancelled, expired, their client gone): let them go unanswered."""
         for handle in handles:
             self._streamed.pop(handle, None)
-            if self._planner_of.pop(handle, None) is not None and self._waiting.pop(handle, None) is None:
+            if self._planner_of.pop(handle, None) is not None and not self._unwait(handle):
                 self.batch.remove(handle)
 
     def _join(self) -> list[Answer]:
-        """Waiting requests join the running batch, in order, while their rows fit."""
+        """Waiting requests join the running batch while it holds fewer than its window and their rows fit: the
+        higher priority first, then in the order they came."""
         answers = []
-        while self._waiting:
-            handle, (unfolded, priority) = next(iter(self._waiting.items()))
+        while self._waiting and self.batch.requests < self._window:
+            handle = self._next()
+            unfolded, priority = self._waiting[handle]
             if not self.batch.fits(unfolded):
                 if self.batch.requests:
                     break  # it joins when others leave
-                del self._waiting[handle], self._planner_of[handle]
+                self._unwait(handle)
+                del self._planner_of[handle]
                 self._streamed.pop(handle, None)
                 answers.append([handle, None, [INTERNAL, "the request needs more arena rows than the worker has"]])
                 continue
-            del self._waiting[handle]
+            self._unwait(handle)
             planner = self._planner_of[handle]
             self.batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None, priority)
         return answers
+
+    def _next(self) -> int:
+        """The waiting request to join next: the first of the highest priority."""
+        if not self._waiting_prioritized:
+            return next(iter(self._waiting))
+        return max(self._waiting, key=lambda handle: self._waiting[handle][1])  # the first of equals wins
+
+    def _unwait(self, handle: int) -> bool:
+        """Take the request off the waiting ones; False if it was not waiting."""
+        waited = self._waiting.pop(handle, None)
+        if waited is not None:
+            self._waiting_prioritized -= waited[1] != 0
+        return waited is not None
 
     def step(self) -> Replies:
         """One step of the running batch: the partials of the streamed requests whose outputs grew, and the

@@ -7,7 +7,8 @@ record of them: who asked, on which worker each runs, its deadline, and its inpu
 is lost is sent again to another one. It does no I/O: what to send to which worker it returns as data.
 
 The expected wait is the requests in flight over the rate requests were answered at over the last second (the
-manager's own count of answers), so refusing costs no plan and no per-cell work.
+manager's own count of answers), so refusing costs no plan and no per-cell work. Until that rate is measured, the
+requests in flight are bounded by what the workers' running batches hold at once.
 
 A streamed request's partials come from its worker as its outputs grow; the table keeps those not yet sent, so
 that a request gets at most one partial a turn of the event loop and none while its client has replies waiting
@@ -73,8 +74,10 @@ def joined(partials: list[dict[str, Any]]) -> dict[str, Any]:
 class RoutedRequests:
     """Routed requests by handle and by (client, id), their deadlines, and each worker's share of them."""
 
-    def __init__(self, max_queue_delay_ms: int, clock=time.perf_counter):
+    def __init__(self, max_queue_delay_ms: int, window: int, clock=time.perf_counter):
+        """`window`: the requests a worker's running batch holds at once (common.window)."""
         self._max_wait_s = max_queue_delay_ms / 1e3
+        self._window = window
         self._clock = clock
         self._by_handle: dict[int, Routed] = {}
         self._by_key: dict[tuple[bytes, Any], Routed] = {}
@@ -106,11 +109,19 @@ class RoutedRequests:
             return None
         return len(self._by_handle) / (len(self._answered) / RATE_WINDOW_S)
 
-    def check(self, deadline_ms: int | None) -> None:
+    def check(self, deadline_ms: int | None, workers: int) -> None:
         """Refuse a request the server is not expected to start in time (OVERLOADED, or DEADLINE_EXCEEDED when
-        its own deadline is nearer than the wait)."""
+        its own deadline is nearer than the wait). Until the rate is measured (a server that just started, or one
+        idle for a second), a request beyond what the `workers`' running batches hold at once is refused: a burst
+        into a cold server would otherwise all be let in."""
         wait = self.expected_wait_s()
         if wait is None:
+            held = len(self._by_handle)
+            if self._max_wait_s and held >= workers * self._window:
+                raise RequestError(
+                    OVERLOADED, f"{held} requests in flight, as many as the workers' running batches hold at once, "
+                    "and the server's rate is not measured yet; retry later",
+                )  # fmt: skip
             return
         if deadline_ms is not None and wait * 1e3 > deadline_ms:
             raise RequestError(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchmaker.common.config import Config
+from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.protocol import (
     CANCELLED,
     DEADLINE_EXCEEDED,
@@ -23,6 +24,7 @@ from batchmaker.common.protocol import (
     WORKER_LOST,
     RequestError,
 )
+from batchmaker.common.window import window
 from batchmaker.manager.batching.admission import check_room, deadline_of, inputs_of, stream_and_priority
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
@@ -39,12 +41,13 @@ CORE_ONLY = ("session", "session_start", "session_end", "session_step")
 class Router:
     """Routes requests to the workers' running batches and concludes them; idle unless the config asks for it."""
 
-    def __init__(self, config: Config, core: BatchingCore, pool: WorkerPool):
+    def __init__(self, config: Config, core: BatchingCore, pool: WorkerPool, specs: list[CellTypeSpec]):
+        """`specs`: the cell types the workers started with (their running batches' window)."""
         self.enabled = config.scheduler.running_batch == "worker"
         self._server = config.server
         self._core = core
         self._pool = pool
-        self.table = RoutedRequests(config.server.max_queue_delay_ms)
+        self.table = RoutedRequests(config.server.max_queue_delay_ms, window(specs))
 
     def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[Incoming], list[Refusal]]:
         """Route the burst's requests that may run in a worker's running batch; returns the others, for the
@@ -71,7 +74,7 @@ class Router:
                 stream, priority = stream_and_priority(message, planner)
                 deadline_ms = deadline_of(message, self._server.default_deadline_ms)
                 check_room(self._core.in_flight + len(self.table), self._server.max_queued_requests)
-                self.table.check(deadline_ms)
+                self.table.check(deadline_ms, len(self._core.workers))
             except RequestError as error:
                 refused.append((incoming, error))
                 continue

@@ -113,7 +113,7 @@ class Manager:
         self.frontend = ClientFrontend(self._context, client_address, server)
 
         self.core = BatchingCore(config, models, self.specs, self.kinds, self.workers)
-        self.router = Router(config, self.core, self.pool)
+        self.router = Router(config, self.core, self.pool, self.specs)
         self.versions = self.core.versions
         self.control = ModelControl(
             config, self.core, self.router.table, self.pool, self._control_reply,
