@@ -109,9 +109,7 @@ class HeldRequests:
                 if self.batch.requests:
                     break  # it joins when others leave
                 self._unwait(handle)
-                del self._planner_of[handle]
-                self._streamed.pop(handle, None)
-                answers.append([handle, None, [INTERNAL, "the request needs more arena rows than the worker has"]])
+                answers.append(self._failed(handle, "the request needs more arena rows than the worker has"))
                 continue
             self._unwait(handle)
             planner = self._planner_of[handle]

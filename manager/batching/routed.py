@@ -180,7 +180,8 @@ class RoutedRequests:
         """A partial for each streamed request with news whose client reads its replies (the others keep it for a
         later turn): its outputs and whether it restarted since its last one."""
         partials = []
-        for request in [request for request in self._streams_changed if not client_waiting(request.client)]:
+        ready = [request for request in self._streams_changed if not client_waiting(request.client)]
+        for request in ready:
             news = self.last_partial(request)
             if news is not None:
                 partials.append((request, *news))

@@ -60,8 +60,8 @@ class ModelControl:
         served: Callable[[str], None],
     ):
         """`routed`: the requests routed whole to workers, which hold versions in use as the core's do; `reply`
-        answers a call once its loads are done; `reread` reads the config file again; `served` is
-        told of each model that serves a new version (the metrics label its requests from then on)."""
+        answers a call once its loads are done; `reread` reads the config file again; `served` is told of each model
+        that serves a new version (the metrics label its requests from then on)."""
         self._config = config
         self._core = core
         self._routed = routed
