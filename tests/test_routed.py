@@ -105,7 +105,7 @@ def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
 
 
 def test_before_the_rate_is_measured_the_workers_running_batches_bound_the_requests_in_flight():
-    routed, clock = table(max_queue_delay_ms=500)
+    routed, _ = table(max_queue_delay_ms=500)
     for i in range(2 * WINDOW - 1):
         routed.route(request(i), [0, 1])
     routed.check(None, 2)  # one more fits in two workers' windows
