@@ -1,5 +1,6 @@
 """Server-held sessions through a real server: a session's chunks equal one unchunked torch.nn run,
-sessions interleave, a session's requests run in order, and every way a session ends or is refused."""
+sessions interleave, a session's requests run in order, and every way a session ends or is refused, with the
+manager deciding each step and with the workers running their own batches."""
 
 from __future__ import annotations
 
@@ -53,9 +54,16 @@ batch_sizes = [1, 2, 4, 8]
 """ + SMALL_SEQ2SEQ
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any]]]:
-    config = write_config(tmp_path_factory.mktemp("sessions"), MODELS, server=f"max_sessions = {MAX_SESSIONS}")
+RUNNING_BATCH = ["manager", "worker"]  # who decides each step: the manager's batching core, or each worker
+
+
+@pytest.fixture(scope="module", params=RUNNING_BATCH)
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[Any, dict[str, Any]]]:
+    scheduler = f'running_batch = "{request.param}"'
+    server = f"max_sessions = {MAX_SESSIONS}"
+    config = write_config(tmp_path_factory.mktemp("sessions"), MODELS, server=server, scheduler=scheduler)
     server = start_server(config, workers=2)
     models = {}
     for name in ("lstm2", "gru"):
@@ -105,7 +113,10 @@ def test_a_session_over_several_chunks_equals_one_unchunked_run(served, name):
             reply = client.infer(name, {"tokens": part}, session=f"chunks-{name}", session_end=step == len(parts))
             assert reply.session_step == step
             assert_reference(models, name, seen, reply.outputs)
+        stats = client.stats()
     assert sessions_live(server) == 0
+    if stats["running_batch"] == "worker":
+        assert stats["tasks"] == 0  # every request of the sessions ran in a worker's running batch
 
 
 def test_interleaved_sessions_keep_their_own_state(served):
@@ -191,7 +202,9 @@ def test_a_worker_killed_under_a_sessions_request_costs_nothing(served):
 
             async def busy_worker() -> int | None:
                 stats = await client.stats()
-                busy = [w["pid"] for w in stats["workers"].values() if w["tasks_in_flight"] > 0]
+                routed = stats["routed"]["by_worker"]  # with the running batch in the workers: no task, no slot
+                workers = stats["workers"].items()
+                busy = [w["pid"] for i, w in workers if w["tasks_in_flight"] > 0 or routed.get(i, 0) > 0]
                 return busy[0] if busy and stats["requests_in_flight"] == 1 else None
 
             os.kill(await wait_until_async(busy_worker, "the long chunk running on a worker"), signal.SIGKILL)
@@ -306,10 +319,11 @@ def test_a_waiting_request_that_fails_leaves_the_session_as_it_was(served):
     assert stats["requests_waiting_for_their_session"] == 0
 
 
-@pytest.fixture
-def short_lived(tmp_path) -> Iterator[Any]:
+@pytest.fixture(params=RUNNING_BATCH)
+def short_lived(tmp_path, request: pytest.FixtureRequest) -> Iterator[Any]:
     """A server whose sessions expire after 300 ms idle."""
-    config = write_config(tmp_path, MODELS, server="session_ttl_ms = 300")
+    scheduler = f'running_batch = "{request.param}"'
+    config = write_config(tmp_path, MODELS, server="session_ttl_ms = 300", scheduler=scheduler)
     server = start_server(config, workers=1)
     yield server
     stop_server(server)

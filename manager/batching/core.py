@@ -7,7 +7,7 @@ reply) or as the tasks to send, and the event loop (manager.loop.server) turns t
 and one stats event each. The parts it is made
 of: the request table, which holds every live request and indexes the unanswered ones by
 client with their deadlines, and the plan store (manager.batching.request_table, manager.batching.plan_store),
-the session store (manager.batching.sessions),
+the session store and the turns its requests take (manager.batching.sessions, manager.batching.session_turns),
 the batching policy over the scheduler (manager.batching.policies, manager.batching.scheduler), the dispatcher
 (manager.batching.dispatch), admission control (manager.batching.admission) and the request processor
 (manager.batching.request_processor), which follows requests from admission to their answer.
@@ -44,11 +44,12 @@ from batchmaker.manager.batching.admission import (
     warm_up_capacity,
 )
 from batchmaker.manager.batching.dispatch import Dispatcher
-from batchmaker.manager.batching.outcomes import Answered, Outcome, Partial, Refused, Replayed
+from batchmaker.manager.batching.outcomes import Outcome, Refused
 from batchmaker.manager.batching.plan_store import make_tables
 from batchmaker.manager.batching.policies import make_policy, make_scheduler
 from batchmaker.manager.batching.records import Request, Task
 from batchmaker.manager.batching.request_processor import RequestProcessor
+from batchmaker.manager.batching.session_turns import SessionTurns
 from batchmaker.manager.batching.sessions import SessionStore, Waiting, session_fields
 from batchmaker.manager.batching.versions import Versions
 from batchmaker.manager.batching.worker_handle import WorkerHandle
@@ -81,6 +82,7 @@ class BatchingCore:
         self.policy = make_policy(config, models, self.scheduler, self.table)
         self.processor = RequestProcessor(self.table, self.store, self.dispatcher, self.policy)
         self.sessions = SessionStore(self._server.session_ttl_ms, self._server.max_sessions)
+        self._turns = SessionTurns(self.sessions, self._run_in_session)
 
     # -- requests ------------------------------------------------------------------------------
     def admit(self, client: bytes, request_id: Any, message: dict[str, Any], arrival: float) -> Request | None:
@@ -129,11 +131,7 @@ class BatchingCore:
             return self._plan(burst, client, request_id, model, inputs, arrival, deadline_ms, priority, stream)
         self._record(burst)  # a session's request follows the burst's requests before it
         waiting = Waiting(client, request_id, model, inputs, fields, arrival, deadline_ms, priority, stream)
-        self.sessions.check(model, waiting.inputs)
-        if self.sessions.busy(fields.name):
-            self.sessions.wait(waiting)
-            return None
-        return self._admit_in_session(waiting)
+        return self._turns.arrive(waiting)
 
     def check_id(self, client: bytes, request_id: Any, *others: Container[tuple[bytes, Any]]) -> None:
         """Refuse a request whose id is in flight on its connection: here, or in any of `others` (routed, a burst's)."""
@@ -146,18 +144,14 @@ class BatchingCore:
         """Requests admitted and unanswered, and those waiting for their session."""
         return len(self.requests) + self.sessions.waiting
 
-    def _admit_in_session(self, waiting: Waiting) -> Request:
-        """Admit a session's request whose turn came, with the session's state as its initial state; it runs
-        now. What it asks of the session (the step it continues, a start) is checked here, at its turn."""
-        session = self.sessions.turn(waiting.model, waiting.fields)
-        inputs = self.sessions.inputs(session, waiting.inputs)
+    def _run_in_session(self, waiting: Waiting, inputs: dict[str, Any]) -> Request:
+        """Admit a session's request whose turn came, on `inputs` (its session's state its initial state)."""
         burst = Burst()
         request = self._plan(
             burst, waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms,
             waiting.priority, waiting.stream,
         )  # fmt: skip
         self._record(burst)
-        self.sessions.started(session, waiting.fields, waiting.model.name, (waiting.client, waiting.request_id))
         return request
 
     def _plan(
@@ -184,18 +178,6 @@ class BatchingCore:
             self.processor.admit(burst.requests)
             self.admission.admitted(len(burst.requests), burst.nodes)
             burst.clear()
-
-    def _resume(self, name: str) -> list[Outcome]:
-        """Admit the requests waiting for session `name` in turn, until one runs or none is left;
-        returns the refusals of those that cannot be admitted now."""
-        refused: list[Outcome] = []
-        while (waiting := self.sessions.next_waiting(name)) is not None:
-            try:
-                self._admit_in_session(waiting)
-                break
-            except RequestError as error:
-                refused.append(Refused(waiting.client, waiting.request_id, error))
-        return refused
 
     def cancel(self, client: bytes, request_id: Any) -> list[Outcome] | None:
         """End a client's request at its asking; None if no such request is in flight."""
@@ -360,19 +342,6 @@ class BatchingCore:
         return [Refused(each.client, each.request_id, error) for each in waiting]
 
     def _outcomes(self) -> list[Outcome]:
-        """What the processor concluded since the last call (the request table is up to date with it);
-        the sessions follow it. A session's answered request leaves its final state to the session, and
-        the session's next request is admitted."""
-        outcomes: list[Outcome] = []
-        now = time.perf_counter()
-        for outcome in self.processor.take_outcomes():
-            request = outcome.request
-            key = (request.client, request.request_id)
-            if isinstance(outcome, (Replayed, Partial)) or not self.sessions.is_running(key):
-                outcomes.append(outcome)
-            elif isinstance(outcome, Answered):
-                name, step = self.sessions.answered(key, outcome.outputs, now)
-                outcomes += [outcome._replace(session_step=step), *self._resume(name)]
-            else:
-                outcomes += [outcome, *self._resume(self.sessions.failed(key, now))]
-        return outcomes
+        """What the processor concluded since the last call (the request table is up to date with it), the
+        sessions following it (manager.batching.session_turns)."""
+        return self._turns.follow(self.processor.take_outcomes())

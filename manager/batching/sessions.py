@@ -33,6 +33,8 @@ from batchmaker.common.protocol import (
     SESSION_LOST,
     RequestError,
     echo,
+    is_tensor_map,
+    map_to_tensor,
     optional_int,
 )
 from batchmaker.manager.batching.deadlines import Deadlines
@@ -242,8 +244,10 @@ class SessionStore:
         Returns the session's name and step; `session_end` forgets it here."""
         session = self._running.pop(key)
         session.step += 1
-        session.state = {
-            f"{name[:-2]}0": np.array(value, np.float32) for name, value in outputs.items() if name.endswith("_n")
+        session.state = {  # a worker's answer relayed as it came holds tensor maps
+            f"{name[:-2]}0": np.array(map_to_tensor(value) if is_tensor_map(value) else value, np.float32)
+            for name, value in outputs.items()
+            if name.endswith("_n")
         }
         if session.ending:
             del self._live[session.name]

@@ -1,10 +1,11 @@
 """The event loop's side of requests routed whole to the workers' running batches (manager.batching.routed).
 
-With `[scheduler] running_batch = "worker"`, an `infer` request that is not part of a session (which only the
-manager's batching core serves) is checked, refused from the expected wait or routed to the worker holding the
-fewest requests, one message per worker and burst; the rest go to the batching core as before. Workers answer on the
-control socket; this module turns those answers, and the ends a request meets before its answer (cancel, deadline,
-client gone, shutdown, its worker lost), into the outcomes the event loop replies with and counts.
+With `[scheduler] running_batch = "worker"`, every `infer` request is checked, refused from the expected wait or
+routed to the worker holding the fewest requests, one message per worker and burst; a session's requests take their
+turns as in the batching core (manager.batching.session_turns, on the core's session store), each routed with its
+session's state once the one before it is answered. Workers answer on the control socket; this module turns those
+answers, and the ends a request meets before its answer (cancel, deadline, client gone, shutdown, its worker lost),
+into the outcomes the event loop replies with and counts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from batchmaker.common.config import Config
 from batchmaker.common.graph import CellTypeSpec
+from batchmaker.common.models.base import Planner
 from batchmaker.common.protocol import (
     CANCELLED,
     DEADLINE_EXCEEDED,
@@ -29,13 +31,14 @@ from batchmaker.manager.batching.admission import check_room, deadline_of, input
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
 from batchmaker.manager.batching.routed import Routed, RoutedRequests
+from batchmaker.manager.batching.session_turns import SessionTurns
+from batchmaker.manager.batching.sessions import Waiting, session_fields
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.loop.frontend import Incoming
 from batchmaker.manager.loop.worker_pool import WorkerPool
 from batchmaker.manager.observability.stats import request_timing
 
 Refusal = tuple[Incoming, RequestError, int | None]  # a request refused, why, and when to come back (ms)
-CORE_ONLY = ("session", "session_start", "session_end", "session_step")
 
 
 class Router:
@@ -48,46 +51,57 @@ class Router:
         self._core = core
         self._pool = pool
         self.table = RoutedRequests(config.server.max_queue_delay_ms, window(specs))
+        self._turns = SessionTurns(core.sessions, self._run_in_session)  # the core's record of every session
 
     def admit(self, burst: list[Incoming]) -> tuple[list[Incoming], list[Incoming], list[Refusal]]:
-        """Route the burst's requests that may run in a worker's running batch; returns the others, for the
-        batching core, those routed, and the refused ones with their errors and, for those OVERLOADED by the
-        expected wait, when to come back (ms)."""
+        """Route the burst's requests (a session's in its turn: it may wait for the one before it); returns the
+        others, for the batching core (all of them when the workers do not run their own batches), those routed or
+        waiting for their turn, and the refused ones with their errors and, for those OVERLOADED by the expected
+        wait, when to come back (ms)."""
         if not self.enabled or not self._core.workers:
             return burst, [], []
-        rest, routed, refused = [], [], []
-        for_core: set[tuple[bytes, Any]] = set()  # the ids of the burst's requests left to the core so far
+        routed, refused = [], []
         for incoming in burst:
-            message = incoming.message
-            key = (incoming.client, incoming.request_id)
+            message, client, request_id = incoming.message, incoming.client, incoming.request_id
             try:
-                planner = None
-                if not any(field in message for field in CORE_ONLY):
-                    planner = self._core.versions.resolve(message.get("model"), message.get("version"), None)
-                if planner is None:
-                    self._core.check_id(*key, self.table)  # the core checks those of its own path
-                    for_core.add(key)
-                    rest.append(incoming)
-                    continue
-                self._core.check_id(*key, self.table, for_core)
+                fields = session_fields(message)
+                pinned = None if fields is None or fields.start else self._core.sessions.model_of(fields.name)
+                planner = self._core.versions.resolve(message.get("model"), message.get("version"), pinned)
+                self._core.check_id(client, request_id, self.table)
                 inputs = inputs_of(message, planner)
                 stream, priority = stream_and_priority(message, planner)
                 deadline_ms = deadline_of(message, self._server.default_deadline_ms)
                 check_room(self._core.in_flight + len(self.table), self._server.max_queued_requests)
-                self.table.check(deadline_ms, len(self._core.workers))
+                checked = (client, request_id, planner, inputs)
+                if fields is None:
+                    self._route(*checked, incoming.arrival, deadline_ms, priority, stream)
+                else:  # routed now, or when the session's request before it is answered
+                    self._turns.arrive(Waiting(*checked, fields, incoming.arrival, deadline_ms, priority, stream))
             except RequestError as error:
                 refused.append((incoming, error))
                 continue
-            deadline = incoming.arrival + deadline_ms / 1e3 if deadline_ms is not None else None
-            client, request_id = key
-            request = Routed(client, request_id, planner, inputs, incoming.arrival, deadline, priority, stream)
-            self.table.route(request, list(self._core.workers))
             routed.append(incoming)
         self.flush()
         overloaded = sum(error.code == OVERLOADED for _, error in refused)
         quotes = iter(self.table.retry_after_ms(overloaded) if overloaded else ())
         refusals = [(i, error, next(quotes, None) if error.code == OVERLOADED else None) for i, error in refused]
-        return rest, routed, refusals
+        return [], routed, refusals
+
+    def _route(
+        self, client: bytes, request_id: Any, planner: Planner, inputs: Any, arrival: float, deadline_ms: int | None,
+        priority: int, stream: bool,
+    ) -> None:  # fmt: skip
+        """Route a checked request to the worker holding the fewest, unless the expected wait refuses it (a session's
+        request is checked so when its turn comes)."""
+        self.table.check(deadline_ms, len(self._core.workers))
+        deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
+        routed = Routed(client, request_id, planner, inputs, arrival, deadline, priority, stream)
+        self.table.route(routed, list(self._core.workers))
+
+    def _run_in_session(self, waiting: Waiting, inputs: dict[str, Any]) -> None:
+        """A session's request whose turn came, on its session's state."""
+        self._route(waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms,
+                    waiting.priority, waiting.stream)  # fmt: skip
 
     def flush(self) -> None:
         """Send the workers the requests routed to them and the ones they should let go."""
@@ -123,7 +137,7 @@ class Router:
                 outcomes.append(Answered(request, outputs, timing, False))
             else:
                 outcomes.append(Failed(request, RequestError(*error)))
-        return outcomes
+        return self._followed(outcomes)
 
     def partials(self, client_waiting: Callable[[bytes], bool]) -> list[Outcome]:
         """One partial for each streamed request whose outputs grew since its last one and whose client reads its
@@ -151,7 +165,11 @@ class Router:
         return self._fail(self.table.all(), error)
 
     def _fail(self, requests: list[Routed], error: RequestError) -> list[Outcome]:
-        outcomes: list[Outcome] = [Failed(request, error) for request in self.table.end(requests)]
+        return self._followed([Failed(request, error) for request in self.table.end(requests)])
+
+    def _followed(self, outcomes: list[Outcome]) -> list[Outcome]:
+        """The outcomes, the sessions following them (their next requests routed), and what they route sent."""
+        outcomes = self._turns.follow(outcomes)
         self.flush()
         return outcomes
 
@@ -173,5 +191,4 @@ class Router:
                 continue
             self.table.forget_lost(request)
             outcomes.append(Failed(request, error))
-        self.flush()
-        return outcomes
+        return self._followed(outcomes)
