@@ -251,18 +251,21 @@ def test_the_registration_reply_says_whether_requests_are_routed_whole(pool: Poo
 def test_answers_of_a_worker_come_back_per_message_and_malformed_ones_are_dropped(pool: Pool):
     worker, reply = pool.register("host-a")
     answers: list = []
-    batch = [[1, {"h": 1}, None], [2, None, ["INTERNAL", "x"]]]
+    batch, partials = [[1, {"h": 1}, None], [2, None, ["INTERNAL", "x"]]], [[3, {"tokens": 1}]]
     worker.send(encode({"op": "answers", "answers": batch, "ran": {"lstm/layer0": {64: 3, 5: 1}}}))
-    wait_until(lambda: answers.extend(pool.pool.control_messages().answers) or answers, "the answers")
-    assert [(handle.worker_id, got, ran) for handle, got, ran in answers] == [
-        (reply["worker_id"], batch, {"lstm/layer0": {64: 3, 5: 1}})
+    worker.send(encode({"op": "answers", "answers": [], "partials": partials, "ran": {}}))
+    wait_until(lambda: answers.extend(pool.pool.control_messages().answers) or len(answers) == 2, "the answers")
+    assert [(each.worker.worker_id, each.answers, each.partials, each.ran) for each in answers] == [
+        (reply["worker_id"], batch, [], {"lstm/layer0": {64: 3, 5: 1}}),
+        (reply["worker_id"], [], partials, {}),
     ]
     dropped = pool.pool.dropped_messages
     worker.send(encode({"op": "answers", "answers": "all"}))
     worker.send(encode({"op": "answers"}))
     worker.send(encode({"op": "answers", "answers": [], "ran": {"lstm/layer0": {"64": 3}}}))
+    worker.send(encode({"op": "answers", "answers": [], "partials": "some"}))
     pool.dealer().send(encode({"op": "answers", "answers": []}))  # from a socket that never registered
-    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages == dropped + 4, "the drops")
+    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages == dropped + 5, "the drops")
 
 
 def test_only_a_worker_of_this_host_is_written_off_by_pid(pool: Pool):
