@@ -281,12 +281,13 @@ batch_sizes = [1, 2, 4, 8]
 """
 
 
-@pytest.fixture(scope="session")
-def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+@pytest.fixture(scope="session", params=["manager", "worker"])
+def door(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Any]:
     """A server of every model kind behind the OIP front door (tests/oip_server.py), shared by the front
-    door's test modules: they must not change it."""
+    door's test modules: they must not change it. Served twice: with the manager deciding each step, and with
+    the workers running their own batches (`running_batch`)."""
     from oip_server import start_door
 
-    running = start_door(tmp_path_factory.mktemp("oip"))
+    running = start_door(tmp_path_factory.mktemp("oip"), scheduler=f'running_batch = "{request.param}"')
     yield running
     stop_server(running.server)

@@ -81,10 +81,10 @@ class Door:
         return self._reference_models[model]
 
 
-def start_door(directory: Path, models: str = MODELS, server: str = "", **tables: str) -> Door:
+def start_door(directory: Path, models: str = MODELS, server: str = "", scheduler: str = "", **tables: str) -> Door:
     """A server with its front door; `tables` go to door_tables (`host`: where both listen; clients call loopback)."""
     http, grpc = free_port(), free_port()
-    config = write_config(directory, models + door_tables(http, grpc, **tables), server=server)
+    config = write_config(directory, models + door_tables(http, grpc, **tables), server=server, scheduler=scheduler)
     return Door(start_server(config, workers=1), config, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}")
 
 
