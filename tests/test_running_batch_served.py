@@ -10,7 +10,7 @@ import os
 import random
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import pytest
@@ -110,25 +110,39 @@ def test_errors_come_back_as_the_managers_own(server):
         raw.close()
 
 
+class StoppedWorkers:
+    """The server's workers stopped (SIGSTOP), so that what they hold stays in flight, until `resume` or the end."""
+
+    def __init__(self, running: Any):
+        self._pids = [slot.process.pid for slot in running.supervisor.slots]
+
+    def __enter__(self) -> Self:
+        for pid in self._pids:
+            os.kill(pid, signal.SIGSTOP)
+        return self
+
+    def resume(self) -> None:
+        for pid in self._pids:
+            os.kill(pid, signal.SIGCONT)
+
+    def __exit__(self, *_: object) -> None:
+        self.resume()
+
+
 def test_a_duplicate_id_in_flight_is_refused(server):
     running, _, _ = server
-    workers = [slot.process for slot in running.supervisor.slots]
     raw = Raw(running.address)
-    for worker in workers:
-        os.kill(worker.pid, signal.SIGSTOP)  # what they hold stays in flight
     try:
-        with running.client() as client:
-            raw.send({"id": "held", "model": "lstm", "inputs": {"tokens": [1, 2, 3]}})
-            wait_until(lambda: client.stats()["routed"]["requests_in_flight"] == 1, "the request in flight")
-        raw.send({"id": "held", "model": "lstm", "inputs": {"tokens": [1]}})
-        [refused] = _all(raw, "held", 1)
-        assert refused["error"]["code"] == BAD_REQUEST and "already in flight" in refused["error"]["message"]
-        for worker in workers:
-            os.kill(worker.pid, signal.SIGCONT)
-        assert _all(raw, "held", 2)[1]["ok"]
+        with StoppedWorkers(running) as stopped:
+            with running.client() as client:
+                raw.send({"id": "held", "model": "lstm", "inputs": {"tokens": [1, 2, 3]}})
+                wait_until(lambda: client.stats()["routed"]["requests_in_flight"] == 1, "the request in flight")
+            raw.send({"id": "held", "model": "lstm", "inputs": {"tokens": [1]}})
+            [refused] = _all(raw, "held", 1)
+            assert refused["error"]["code"] == BAD_REQUEST and "already in flight" in refused["error"]["message"]
+            stopped.resume()
+            assert _all(raw, "held", 2)[1]["ok"]
     finally:
-        for worker in workers:
-            os.kill(worker.pid, signal.SIGCONT)
         raw.close()
 
 
@@ -200,24 +214,19 @@ def test_streams_and_sessions_are_routed(server):
 
 def test_requests_with_a_priority_are_routed_and_a_bad_priority_refused(server):
     running, models, weights = server
-    workers = [slot.process for slot in running.supervisor.slots]
     raw = Raw(running.address)
-    for worker in workers:
-        os.kill(worker.pid, signal.SIGSTOP)  # what they hold stays in flight
     try:
-        with running.client() as client:
-            raw.send({"id": "urgent", "model": "lstm", "inputs": {"tokens": [1, 2]}, "priority": 5})
-            raw.send({"id": "later", "model": "lstm", "inputs": {"tokens": [3]}, "priority": -5})
-            wait_until(lambda: client.stats()["routed"]["requests_in_flight"] == 2, "both routed to the workers")
-        raw.send({"id": "bad", "model": "lstm", "inputs": {"tokens": [1]}, "priority": "high"})
-        assert raw.collect(["bad"])["bad"]["error"]["code"] == BAD_REQUEST
-        for worker in workers:
-            os.kill(worker.pid, signal.SIGCONT)
-        check(models, weights, {"urgent": ("lstm", {"tokens": [1, 2]}), "later": ("lstm", {"tokens": [3]})},
-              raw.collect(["urgent", "later"]))  # fmt: skip
+        with StoppedWorkers(running) as stopped:
+            with running.client() as client:
+                raw.send({"id": "urgent", "model": "lstm", "inputs": {"tokens": [1, 2]}, "priority": 5})
+                raw.send({"id": "later", "model": "lstm", "inputs": {"tokens": [3]}, "priority": -5})
+                wait_until(lambda: client.stats()["routed"]["requests_in_flight"] == 2, "both routed to the workers")
+            raw.send({"id": "bad", "model": "lstm", "inputs": {"tokens": [1]}, "priority": "high"})
+            assert raw.collect(["bad"])["bad"]["error"]["code"] == BAD_REQUEST
+            stopped.resume()
+            check(models, weights, {"urgent": ("lstm", {"tokens": [1, 2]}), "later": ("lstm", {"tokens": [3]})},
+                  raw.collect(["urgent", "later"]))  # fmt: skip
     finally:
-        for worker in workers:
-            os.kill(worker.pid, signal.SIGCONT)
         raw.close()
 
 
