@@ -6,27 +6,16 @@ sends a cancel to the server holding its target."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_until
 from test_clients_failover import FAST, FakeServer, answered_by, infer_many, servers, start
 
 from batchmaker.clients import AsyncClient, ServerError, ServerLost
 from batchmaker.common.protocol import OVERLOADED
 
 __all__ = ["servers"]  # the fixture, shared with tests/test_clients_failover.py
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Wait for an event the test causes; the timeout only turns a hang into a failure."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 # -- AsyncClient -------------------------------------------------------------------------------
@@ -39,7 +28,7 @@ def test_async_spreads_by_fewest_outstanding(servers: list[FakeServer]) -> None:
         async with AsyncClient([a.address, b.address, c.address], timeout=20, **FAST) as client:
             calls = asyncio.gather(infer_many(client, range(30)))
             received = lambda: len(a.infer_ids) + len(b.infer_ids) + len(c.infer_ids)
-            await asyncio.to_thread(wait_for, lambda: received() == 30, "all 30 requests")
+            await asyncio.to_thread(wait_until, lambda: received() == 30, "all 30 requests", 20.0)
             assert (len(a.infer_ids), len(b.infer_ids), len(c.infer_ids)) == (10, 10, 10)
             for server in (a, b, c):
                 server.release()
@@ -54,9 +43,9 @@ def test_async_resends_the_requests_of_a_closed_server(servers: list[FakeServer]
     async def run() -> list[Any]:
         async with AsyncClient([a.address, b.address, c.address], timeout=20, **FAST) as client:
             calls = asyncio.gather(infer_many(client, range(30)))
-            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 10, "a's share")
+            await asyncio.to_thread(wait_until, lambda: len(a.infer_ids) == 10, "a's share", 20.0)
             a.close()
-            await asyncio.to_thread(wait_for, lambda: len(b.infer_ids) + len(c.infer_ids) == 30, "the resends")
+            await asyncio.to_thread(wait_until, lambda: len(b.infer_ids) + len(c.infer_ids) == 30, "the resends", 20.0)
             b.release()
             c.release()
             results = (await calls)[0]
@@ -74,12 +63,12 @@ def test_async_sets_aside_a_silent_server_drops_its_late_replies_and_takes_it_ba
     async def run() -> tuple[list[Any], list[Any]]:
         async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
             calls = asyncio.gather(infer_many(client, range(10)))
-            await asyncio.to_thread(wait_for, lambda: len(b.infer_ids) == 10, "a's requests resent to b")
+            await asyncio.to_thread(wait_until, lambda: len(b.infer_ids) == 10, "a's requests resent to b", 20.0)
             b.release()
             first = (await calls)[0]
             assert client.resent == 5
             a.mode = "answer"  # a reads its backlog: the late replies must not be delivered again
-            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 5, "a reading its backlog")
+            await asyncio.to_thread(wait_until, lambda: len(a.infer_ids) == 5, "a reading its backlog", 20.0)
             later: list[Any] = []
             while "s0" not in [r.outputs["server"] for r in later]:
                 later.append(await client.infer("m", {"n": 100 + len(later)}))
@@ -120,9 +109,10 @@ def test_async_resends_what_a_draining_server_accepted_when_it_dies(servers: lis
     async def run() -> list[Any]:
         async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
             accepted = asyncio.gather(infer_many(client, range(0, 20, 2)))  # b answers its share at once
-            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 5, "a's share")
+            await asyncio.to_thread(wait_until, lambda: len(a.infer_ids) == 5, "a's share", 20.0)
             a.mode = "draining"  # quiet while it owes answers: a probe finds it draining
-            await asyncio.to_thread(wait_for, lambda: any(m.get("op") == "health" for m in a.messages), "a probe")
+            probed = lambda: any(m.get("op") == "health" for m in a.messages)
+            await asyncio.to_thread(wait_until, probed, "a probe", 20.0)
             later = [await client.infer("m", {"n": n}) for n in range(100, 104)]
             assert all(r.outputs["server"] == "s1" for r in later)
             a.close()  # dies before answering what it accepted
@@ -152,7 +142,8 @@ def test_async_without_resend_fails_a_lost_servers_requests(servers: list[FakeSe
     async def run() -> list[Any]:
         async with AsyncClient([a.address, b.address], timeout=20, resend=False, **FAST) as client:
             calls = asyncio.gather(infer_many(client, range(4)))
-            await asyncio.to_thread(wait_for, lambda: len(a.infer_ids) == 2 and len(b.infer_ids) == 2, "the spread")
+            spread = lambda: len(a.infer_ids) == 2 and len(b.infer_ids) == 2
+            await asyncio.to_thread(wait_until, spread, "the spread", 20.0)
             a.close()
             b.release()
             return (await calls)[0]
@@ -187,7 +178,7 @@ def test_async_cancel_goes_to_the_server_holding_the_target(servers: list[FakeSe
     async def run() -> None:
         async with AsyncClient([a.address, b.address], timeout=20, **FAST) as client:
             target = asyncio.ensure_future(client.call({"id": "t", "op": "infer", "model": "m", "inputs": {"n": 1}}))
-            await asyncio.to_thread(wait_for, lambda: "t" in a.infer_ids + b.infer_ids, "the target")
+            await asyncio.to_thread(wait_until, lambda: "t" in a.infer_ids + b.infer_ids, "the target", 20.0)
             holder = a if "t" in a.infer_ids else b
             assert (await client.cancel("t"))["cancelled"] is True
             assert next(m for m in holder.messages if m.get("op") == "cancel")["target"] == "t"

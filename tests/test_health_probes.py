@@ -7,12 +7,12 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
-from conftest import SMALL_LSTM, free_port, start_server, stop_server, write_config
+from conftest import SMALL_LSTM, free_port, start_server, stop_server, wait_until, write_config
 
 from batchmaker.common.protocol import decode, encode
 from batchmaker.manager.observability.metrics import Metrics
@@ -24,15 +24,6 @@ def probe(port: int, path: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait for an event the test causes; the timeout only turns a hang into a failure."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -83,15 +74,17 @@ def test_served_manager_is_ready_then_not_while_draining(tmp_path: Path) -> None
     socket.setsockopt(zmq.LINGER, 0)
     client = server.client()
     try:
-        wait_for(lambda: probe(port, "/readyz") == (200, "ready\n"), "readiness once the worker registered")
+        wait_until(
+            lambda: probe(port, "/readyz") == (200, "ready\n"), "readiness once the worker registered", 30.0, 0.02
+        )
         assert probe(port, "/healthz") == (200, "ok\n")
 
         os.kill(worker.pid, signal.SIGSTOP)  # keeps the request below in flight, so the drain lasts
         socket.connect(server.address)
         socket.send(encode({"id": 1, "model": "lstm", "inputs": {"tokens": [5, 6, 7]}}))
-        wait_for(lambda: client.stats()["requests_in_flight"] == 1, "the request to be in flight")
+        wait_until(lambda: client.stats()["requests_in_flight"] == 1, "the request to be in flight", 30.0, 0.02)
         os.kill(server.supervisor.manager.pid, signal.SIGTERM)
-        wait_for(lambda: probe(port, "/readyz")[0] == 503, "not ready while draining")
+        wait_until(lambda: probe(port, "/readyz")[0] == 503, "not ready while draining", 30.0, 0.02)
         assert probe(port, "/readyz")[1].startswith("draining")
         assert probe(port, "/healthz") == (200, "ok\n")  # draining, yet its loop turns
 
