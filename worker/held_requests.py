@@ -13,6 +13,7 @@ same.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -102,8 +103,9 @@ class HeldRequests:
         """Waiting requests join the running batch while it holds fewer than its window and their rows fit: the
         higher priority first, then in the order they came."""
         answers = []
-        while self._waiting and self.batch.requests < self._window:
-            handle = self._next()
+        for handle in self._in_turn():
+            if self.batch.requests >= self._window:
+                break
             unfolded, priority = self._waiting[handle]
             if not self.batch.fits(unfolded):
                 if self.batch.requests:
@@ -116,11 +118,14 @@ class HeldRequests:
             self.batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None, priority)
         return answers
 
-    def _next(self) -> int:
-        """The waiting request to join next: the first of the highest priority."""
+    def _in_turn(self) -> Iterator[int]:
+        """The waiting requests in the order they join, each taken off the waiting ones before the next is asked
+        for: in the order they came, or, when any has a priority, sorted once by it (the first of equals first)."""
         if not self._waiting_prioritized:
-            return next(iter(self._waiting))
-        return max(self._waiting, key=lambda handle: self._waiting[handle][1])  # the first of equals wins
+            while self._waiting:
+                yield next(iter(self._waiting))
+            return
+        yield from sorted(self._waiting, key=lambda handle: -self._waiting[handle][1])
 
     def _unwait(self, handle: int) -> bool:
         """Take the request off the waiting ones; False if it was not waiting."""
