@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--running-batch",
         choices=RUNNING_BATCH,
-        help="presets and overload: who decides the cellular policy's steps (default: the config's, the manager)",
+        help="presets, overload, ceiling and idle: who decides the cellular policy's steps (default: the config's)",
     )
     parser.add_argument(
         "--workers",
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sweep = QUICK if args.quick else FULL
     if args.preset in ("ceiling", "all"):
-        result = ceiling.run(args.quick, args.out, args.trace_to)
+        result = ceiling.run(args.quick, args.out, args.trace_to, args.running_batch)
         print(ceiling.table(result))
         if not all(row["verify"]["ok"] for row in result["rows"]):
             print("ceiling: answers differ from the reference model", file=sys.stderr)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.preset == "stages":
             return 0
     if args.preset in ("idle", "all"):
-        if not idle.main(args.quick, args.out):
+        if not idle.main(args.quick, args.out, args.running_batch):
             print("idle: answers differ from the reference model", file=sys.stderr)
             return 1
         if args.preset == "idle":

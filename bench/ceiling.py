@@ -8,8 +8,8 @@ alone first, against an echo server that answers every request at once with a re
 the server's, so the table shows it is not the bottleneck. A sample of every row's replies is
 checked against the model's reference. Each row also reports the manager's CPU time (user and
 system, read from the operating system around the measured run) per request and per task it formed:
-the control plane's own cost, whatever else shares the machine; and the worker's CPU time per task,
-whole and beyond its cells: less the time the run's steps spent in the cells' forward calls (each
+the control plane's own cost, whatever else shares the machine; and the worker's CPU time per request
+(and per task), whole and beyond its cells: less the time the run's steps spent in the cells' forward calls (each
 (cell type, batch size) the server's stats counted, times that forward timed in this process on one
 thread, as the worker runs it), an estimate of the task's cost to the worker beyond the model.
 """
@@ -33,7 +33,7 @@ import zmq
 
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import Replies, closed_loop, request_frames
-from batchmaker.bench.run import ROOT, git, machine
+from batchmaker.bench.run import ROOT, git, machine, serve_options
 from batchmaker.bench.sweep import ServedPolicy
 from batchmaker.bench.verify import verify
 from batchmaker.common.config import load_config
@@ -165,24 +165,28 @@ def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
 def measure(served: ServedPolicy, frames: list[bytes], model: Model | None = None) -> tuple[Replies, dict[str, float]]:
     """One closed-loop run of `frames`, and the manager's CPU µs per request and per task during it (the
     task count from the server's stats, read before the CPU time and after it, so the stats op is not
-    counted); with the served `model`, also the worker's CPU µs per task beyond its cells (`beyond_cells`)."""
+    counted; NaN per task when the workers' running batches ran every step: no tasks); with the served
+    `model`, also the worker's CPU µs per request and per task, whole and beyond its cells."""
     before = served.stats()
     cpu = served.cpu_seconds()
     replies = closed_loop(served.address, frames, WINDOW)
     used = served.cpu_seconds()
     after = served.stats()
-    tasks = max(1, after["tasks"] - before["tasks"])
+    tasks = after["tasks"] - before["tasks"]
     manager = used["manager"] - cpu["manager"]
     measured = {
-        "tasks": after["tasks"] - before["tasks"],
+        "tasks": tasks,
+        "steps": after["steps"] - before["steps"],
         "manager_cpu_us_per_request": manager * 1e6 / len(frames),
-        "manager_cpu_us_per_task": manager * 1e6 / tasks,
+        "manager_cpu_us_per_task": manager * 1e6 / tasks if tasks else math.nan,
     }
     if model is not None:
         worker = used.get("worker", 0.0) - cpu.get("worker", 0.0)
-        cells = beyond_cells(model, before["batch_sizes"], after["batch_sizes"])
-        measured["worker_cpu_us_per_task"] = worker * 1e6 / tasks
-        measured["worker_cpu_us_per_task_beyond_cells"] = (worker - cells) * 1e6 / tasks
+        beyond = worker - beyond_cells(model, before["batch_sizes"], after["batch_sizes"])
+        measured["worker_cpu_us_per_request"] = worker * 1e6 / len(frames)
+        measured["worker_cpu_us_per_request_beyond_cells"] = beyond * 1e6 / len(frames)
+        measured["worker_cpu_us_per_task"] = worker * 1e6 / tasks if tasks else math.nan
+        measured["worker_cpu_us_per_task_beyond_cells"] = beyond * 1e6 / tasks if tasks else math.nan
     return replies, measured
 
 
@@ -224,9 +228,9 @@ def _forward_seconds(cell: torch.nn.Module, spec: CellTypeSpec, batch: int) -> f
     return statistics.median(runs)
 
 
-def run(quick: bool, out: Path, trace_to: str | None = None) -> dict[str, Any]:
+def run(quick: bool, out: Path, trace_to: str | None = None, running_batch: str | None = None) -> dict[str, Any]:
     """`trace_to`: an OTLP/HTTP endpoint; every request is traced and its spans exported there (the manager's
-    cost of tracing shows in its CPU µs per request)."""
+    cost of tracing shows in its CPU µs per request). `running_batch`: who decides each step (None: the default)."""
     scale = QUICK_SCALE if quick else 1
     tracing = f'[tracing]\nendpoint = "{trace_to}"\nsample_rate = 1.0\n' if trace_to else ""
     with tempfile.TemporaryDirectory(prefix="batchmaker-ceiling-") as tmp:
@@ -252,7 +256,9 @@ max_queue_delay_ms = 0
         models = {name: build_model(model_config) for name, model_config in config.models.items()}
         states = {name: model.load_weights() for name, model in models.items()}
         rows = []
-        with ServedPolicy(config_path, address, "cellular", "lstm") as served:
+        options = serve_options("cellular", running_batch)
+        with ServedPolicy(config_path, address, "cellular", "lstm", *options) as served:
+            running_batch = served.stats()["running_batch"]
             for row in ROWS:
                 inputs = row.inputs()
                 count = row.requests // scale
@@ -287,6 +293,7 @@ max_queue_delay_ms = 0
         "describe": git("describe", "--always", "--dirty"),
         "machine": machine(),
         "window": WINDOW,
+        "running_batch": running_batch,
         "traced_to": trace_to,
         "generator_alone_requests_per_s": generator,
         "rows": rows,
@@ -298,12 +305,13 @@ max_queue_delay_ms = 0
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        f"ceiling at {result['describe']} (hidden 8, one CPU worker, {result['window']} requests outstanding"
+        f"ceiling at {result['describe']} (hidden 8, one CPU worker, each step decided by the "
+        f"{result.get('running_batch', 'manager')}, {result['window']} requests outstanding"
         + (f"; every request traced to {result['traced_to']})" if result.get("traced_to") else ")"),
         f"load generator alone (echo server): {result['generator_alone_requests_per_s']:,.0f} requests/s",
         (
             "| workload | requests/s | cells/s | cells per request | manager CPU µs per request | per task "
-            "| worker CPU µs per task | beyond its cells | answers checked |"
+            "| worker CPU µs per request | beyond its cells | answers checked |"
         ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -314,8 +322,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['row']} | {row['requests_per_s']:,.0f} | {row['cells_per_s']:,.0f} | "
             f"{row['cells_per_request']:.1f} | {row['manager_cpu_us_per_request']:.1f} | "
-            f"{row['manager_cpu_us_per_task']:.1f} | {row.get('worker_cpu_us_per_task', math.nan):.1f} | "
-            f"{row.get('worker_cpu_us_per_task_beyond_cells', math.nan):.1f} | {ok}{failed} |"
+            f"{row['manager_cpu_us_per_task']:.1f} | {row.get('worker_cpu_us_per_request', math.nan):.1f} | "
+            f"{row.get('worker_cpu_us_per_request_beyond_cells', math.nan):.1f} | {ok}{failed} |"
         )
     return "\n".join(lines)
 

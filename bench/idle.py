@@ -27,7 +27,7 @@ import torch
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.presets import GRU, LSTM, SEQ2SEQ, SEQ2SEQ_ATTENTION, TAGGER, TREELSTM
 from batchmaker.bench.progress import Progress
-from batchmaker.bench.run import git, machine, write_config
+from batchmaker.bench.run import git, machine, serve_options, write_config
 from batchmaker.bench.sweep import ServedPolicy
 from batchmaker.bench.verify import compare_replies
 from batchmaker.clients import Client
@@ -121,8 +121,9 @@ def measure_row(client: Client, row: Row, forward: Callable[[Any], dict[str, Any
     }
 
 
-def run(quick: bool, out: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, Any]:
-    """Every row on one server serving the rows' models; writes OUT/idle.json."""
+def run(quick: bool, out: Path, rows: tuple[Row, ...] = ROWS, running_batch: str | None = None) -> dict[str, Any]:
+    """Every row on one server serving the rows' models; writes OUT/idle.json. `running_batch`: who decides each
+    step (None: the default)."""
     plan = QUICK if quick else FULL
     started = time.time()
     load_before = os.getloadavg()
@@ -138,9 +139,11 @@ def run(quick: bool, out: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, Any]:
             forwards[name] = model.reference_forward(model.load_weights())
         progress.note("starting the server")
         ready_timeout = READY_TIMEOUT_S_PER_MODEL * len(config.models)
+        options = serve_options("cellular", running_batch)
         with ServedPolicy(
-            config_path, config.server.address, "cellular", rows[0].model, ready_timeout=ready_timeout
+            config_path, config.server.address, "cellular", rows[0].model, *options, ready_timeout=ready_timeout
         ) as served:
+            running_batch = served.stats()["running_batch"]
             progress.advance()
             results = []
             with Client(served.address, timeout=120) as client:
@@ -157,6 +160,7 @@ def run(quick: bool, out: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, Any]:
         "machine": machine(),
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "plan": {"requests": plan.requests, "warmup": plan.warmup},
+        "running_batch": running_batch,
         "goal": f"served p50 <= {GOAL}x in-process p50",
         "models": models_toml.strip(),
         "rows": results,
@@ -170,7 +174,8 @@ def run(quick: bool, out: Path, rows: tuple[Row, ...] = ROWS) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     header = (
         f"idle at {result['describe']}: one request at a time, served and in process side by side "
-        f"({result['plan']['requests']} requests a row; load average {result['load_average']['before'][0]:.1f}); "
+        f"({result['plan']['requests']} requests a row; each step decided by the "
+        f"{result.get('running_batch', 'manager')}; load average {result['load_average']['before'][0]:.1f}); "
         f"goal: served p50 <= {GOAL}x in process"
     )
     lines = [
@@ -195,8 +200,8 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool, out: Path) -> bool:
+def main(quick: bool, out: Path, running_batch: str | None = None) -> bool:
     """Run, print the table; False if any served answer differs from the reference."""
-    result = run(quick, out)
+    result = run(quick, out, running_batch=running_batch)
     print(table(result))
     return all(row["verify"]["ok"] for row in result["rows"])

@@ -3,6 +3,7 @@ is read from its process around a closed-loop run, and shown in the table."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,18 @@ def test_a_run_reports_the_managers_cpu_per_request_and_per_task_and_the_workers
     )
 
 
+
+def test_with_the_workers_deciding_the_steps_there_is_no_task_and_the_worker_is_measured_per_request(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM)
+    frames = request_frames("lstm", [{"tokens": list(range(1, 23))}] * 300)
+    options = ("--running-batch", "worker")
+    with ServedPolicy(config.path, config.server.address, "cellular", "lstm", *options) as served:
+        replies, measured = ceiling.measure(served, frames, build_model(config.models["lstm"]))
+    assert replies.lost == 0 and all(reply["ok"] for reply in replies.replies)
+    assert measured["tasks"] == 0 and measured["steps"] > 0
+    assert math.isnan(measured["manager_cpu_us_per_task"]) and math.isnan(measured["worker_cpu_us_per_task"])
+    assert 0 < measured["worker_cpu_us_per_request_beyond_cells"] < measured["worker_cpu_us_per_request"]
+
 def test_the_table_shows_the_managers_cpu_per_request_and_per_task():
     row = {
         "row": "LSTM, WMT lengths",
@@ -37,12 +50,19 @@ def test_the_table_shows_the_managers_cpu_per_request_and_per_task():
         "cells_per_request": 21.7,
         "manager_cpu_us_per_request": 41.0,
         "manager_cpu_us_per_task": 120.5,
-        "worker_cpu_us_per_task": 300.0,
-        "worker_cpu_us_per_task_beyond_cells": 60.25,
+        "worker_cpu_us_per_request": 30.0,
+        "worker_cpu_us_per_request_beyond_cells": 6.25,
         "failed": 0,
         "verify": {"ok": True, "checked": 40, "wrong": []},
     }
-    result = {"describe": "abc", "window": 2000, "generator_alone_requests_per_s": 50000.0, "rows": [row]}
+    result = {
+        "describe": "abc",
+        "window": 2000,
+        "running_batch": "worker",
+        "generator_alone_requests_per_s": 50000.0,
+        "rows": [row],
+    }
     table = ceiling.table(result)
-    assert "| manager CPU µs per request | per task | worker CPU µs per task | beyond its cells |" in table
-    assert "| LSTM, WMT lengths | 12,000 | 260,000 | 21.7 | 41.0 | 120.5 | 300.0 | 60.2 | 40 ok |" in table
+    assert "each step decided by the worker" in table
+    assert "| manager CPU µs per request | per task | worker CPU µs per request | beyond its cells |" in table
+    assert "| LSTM, WMT lengths | 12,000 | 260,000 | 21.7 | 41.0 | 120.5 | 30.0 | 6.2 | 40 ok |" in table

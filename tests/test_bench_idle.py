@@ -20,9 +20,11 @@ ATTENTION = SMALL_SEQ2SEQ.replace("[models.seq2seq", "[models.attention").replac
 )
 
 
-def test_a_lone_request_is_served_and_run_in_process_and_checked(tmp_path: Path):
+@pytest.mark.parametrize("running_batch", ["manager", "worker"])
+def test_a_lone_request_is_served_and_run_in_process_and_checked(tmp_path: Path, running_batch: str):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    result = idle.run(quick=True, out=tmp_path, rows=idle.ROWS[:1])
+    result = idle.run(quick=True, out=tmp_path, rows=idle.ROWS[:1], running_batch=running_batch)
+    assert result["running_batch"] == running_batch
     (row,) = result["rows"]
     assert row["row"] == "LSTM, one 22-token request" and row["requests"] == idle.QUICK.requests
     assert row["verify"] == {"checked": idle.QUICK.requests, "max_abs_error": row["verify"]["max_abs_error"],
@@ -85,7 +87,7 @@ def test_the_table_gives_both_latencies_the_ratios_and_the_goal():
 
 
 def test_a_wrong_answer_fails_the_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(idle, "run", lambda quick, out: synthetic_result(synthetic_row("slow", 6.0, 1.0)))
+    monkeypatch.setattr(idle, "run", lambda quick, out, running_batch: synthetic_result(synthetic_row("slow", 6.0, 1.0)))
     assert idle.main(True, tmp_path)  # a missed goal is reported, not an error
-    monkeypatch.setattr(idle, "run", lambda quick, out: synthetic_result(synthetic_row("wrong", 1.0, 1.0, ok=False)))
+    monkeypatch.setattr(idle, "run", lambda quick, out, running_batch: synthetic_result(synthetic_row("wrong", 1.0, 1.0, ok=False)))
     assert not idle.main(True, tmp_path)
