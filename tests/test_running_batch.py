@@ -17,6 +17,7 @@ from batchmaker.common.models import build_model
 from batchmaker.common.protocol import INTERNAL, INVALID_INPUT
 from batchmaker.common.window import window
 from batchmaker.manager.loop.server import load_models
+from batchmaker.worker.chain_runs import ChainBounds
 from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.main import load_cells
 from batchmaker.worker.running_batch import RunningBatch
@@ -139,17 +140,11 @@ def test_a_step_runs_one_cell_type_at_most_its_largest_batch_a_full_one_first(se
         batch.admit(handle, lstm.plan({"tokens": [1, 2, 3]}))
     tree = planners["bin"].plan(binary_tree(random.Random(0), 8))
     batch.admit(3, tree)
-    ran = []
-    original = batch._run
-
-    def recording(cell, chosen):
-        ran.append((specs[cell].key, len(chosen)))
-        return original(cell, chosen)
-
-    batch._run = recording
+    ran = _recording(batch)
     batch.step()
     leaf = next(spec for spec in specs if spec.key.startswith("bin") and "leaf" in spec.key)
-    assert ran == [(leaf.key, leaf.max_batch)]  # eight leaves ready: a full batch of four goes before three lanes
+    assert [(key, len(keys)) for key, keys in ran] == [(leaf.key, leaf.max_batch)]  # eight leaves ready: a full
+    # batch of four goes before three lanes
 
 
 def test_removed_request_never_answers_and_others_go_on(served):
@@ -240,15 +235,15 @@ def test_plans_of_a_running_batch_need_no_rows_left_behind(served):
 
 
 def _recording(batch: RunningBatch) -> list[tuple[str, list]]:
-    """Record each step's cell type and the keys of the requests its nodes belong to, in node order."""
+    """Record each wave's cell type and the keys of the requests its nodes belong to, in the order they run."""
     steps: list[tuple[str, list]] = []
-    original = batch._run
+    original = batch._runner.run
 
-    def recording(cell, chosen):
-        steps.append((batch.types.specs[cell].key, [batch._held[slot].key for slot in batch.nodes.request[chosen]]))
-        return original(cell, chosen)
+    def recording(cell, rows, *rest):
+        steps.append((batch.types.specs[cell].key, [batch._held[slot].key for slot in batch.nodes.request[rows]]))
+        return original(cell, rows, *rest)
 
-    batch._run = recording
+    batch._runner.run = recording
     return steps
 
 
@@ -275,7 +270,7 @@ def test_higher_priorities_take_a_steps_places_first_then_the_oldest(served):
 
 def test_a_request_passed_over_eight_times_for_higher_priorities_goes_first(served):
     planners, specs, cells, kinds, _, _ = served
-    batch = RunningBatch(specs, cells, kinds, ROWS)
+    batch = RunningBatch(specs, cells, kinds, ROWS, chains=ChainBounds(1, 0))  # a wave a step: passes count waves
     lstm = planners["lstm"]
     batch.admit("patient", lstm.plan({"tokens": [7]}))
     for handle in range(8):  # eight long requests fill every batch of eight before it

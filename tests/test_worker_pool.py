@@ -242,10 +242,10 @@ def test_a_peers_report_from_a_socket_that_never_registered_is_dropped(pool: Poo
     )
 
 
-def test_the_registration_reply_says_whether_requests_are_routed_whole(pool: Pool):
-    assert pool.register("host-a")[1]["running_batch"] is False
-    pool.pool._running_batch = True
-    assert pool.register("host-a")[1]["running_batch"] is True
+def test_the_registration_reply_says_whether_requests_are_routed_whole_with_the_bounds_of_chain_runs(pool: Pool):
+    assert pool.register("host-a")[1]["running_batch"] is None
+    pool.pool._running_batch = {"max_steps": 16, "max_join_delay_us": 500}
+    assert pool.register("host-a")[1]["running_batch"] == {"max_steps": 16, "max_join_delay_us": 500}
 
 
 def test_answers_of_a_worker_come_back_per_message_and_malformed_ones_are_dropped(pool: Pool):

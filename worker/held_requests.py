@@ -24,6 +24,7 @@ from batchmaker.common.plan import Unfolded
 from batchmaker.common.protocol import INTERNAL, RequestError
 from batchmaker.common.window import window
 from batchmaker.worker.batched_task import KernelClock
+from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
 from batchmaker.worker.running_batch import RunningBatch
 
 Answer = list[Any]
@@ -43,9 +44,10 @@ class HeldRequests:
     def __init__(
         self, planners: dict[str, Planner], specs: list[CellTypeSpec], cells: list[torch.nn.Module],
         kinds: list[ValueKind], rows: int, device: str = "cpu", clock: KernelClock | None = None,
+        chains: ChainBounds = DEFAULT_BOUNDS,
     ):  # fmt: skip
         self._planners = planners
-        self.batch = RunningBatch(specs, cells, kinds, rows, device, clock)
+        self.batch = RunningBatch(specs, cells, kinds, rows, device, clock, chains)
         self._planner_of: dict[int, Planner] = {}
         # planned, waiting to join (for rows, or for room in the window), with their priorities:
         self._waiting: collections.OrderedDict[int, tuple[Unfolded, int]] = collections.OrderedDict()

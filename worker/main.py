@@ -43,6 +43,7 @@ from batchmaker.common.sockets import NOW, receive, server_context
 from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
+from batchmaker.worker.chain_runs import ChainBounds
 from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.loading import build_cells, load_version, unload_version
 from batchmaker.worker.notices import InProgressFIFO, Poller
@@ -81,7 +82,7 @@ class Worker:
         parent_pid: int | None,
         host: str,
         curve: CurveClient | None = None,
-        make_held: Callable[[], HeldRequests] | None = None,
+        make_held: Callable[[ChainBounds], HeldRequests] | None = None,
     ):
         """`make_held` builds the worker's running batch when the manager says at registration that it routes
         requests whole."""
@@ -168,7 +169,7 @@ class Worker:
                 self._local = reply["local"]
                 self._notice_key = reply["notice_key"]
                 if reply.get("running_batch") and self._make_held is not None:
-                    self._held = self._make_held()
+                    self._held = self._make_held(ChainBounds(**reply["running_batch"]))
                 return reply["worker_id"]
             self._check_alive()
         hint = " (check that this worker has the manager's public key)" if self._curve is not None else ""

@@ -11,11 +11,12 @@ import numpy as np
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import Plan
 from batchmaker.common.ranges import consecutive
+from batchmaker.worker.chain_runs import chain_columns
 
 PortGroups = list[tuple[ValueKind, list[int]]]  # ports by kind of value, in order of first appearance
 COLUMNS = (
     "request", "cell", "need", "pending", "local", "copied", "priority", "inputs", "outputs", "ragged_start",
-    "ragged_count",
+    "ragged_count", "chain", "carry",
 )  # fmt: skip
 
 
@@ -23,13 +24,16 @@ COLUMNS = (
 class Template:
     """A plan's nodes in a running batch's columns, the same for every request of the plan: cell indices, the
     registers each input reads (-1: the zero row; an external value of the port's kind is -2 - its index among
-    those of its kind) and each output writes (-1: none), and the registers of ragged inputs."""
+    those of its kind) and each output writes (-1: none), the registers of ragged inputs, and the chains its nodes
+    run in (worker.chain_runs)."""
 
     cell: np.ndarray
     inputs: np.ndarray  # [nodes, ports]
     kind: np.ndarray  # [nodes, ports]: the index of the port's kind of value
     outputs: np.ndarray  # [nodes, outputs]
     ragged: np.ndarray  # [ragged values, ports]
+    chain: np.ndarray  # the nodes its chain goes on for, itself included
+    carry: np.ndarray  # its link's carry code
 
     @staticmethod
     def of(plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int],
@@ -41,10 +45,12 @@ class Template:
         kind = np.zeros((count, ports), np.int64)
         written = np.full((count, outputs), -1, np.int64)
         ragged = np.full((len(plan.ragged_refs), ports), -1, np.int64)
+        chains = np.zeros(count, bool)  # of a cell type that may run as a chain: one without ragged inputs
         for lane, key in enumerate(plan.lane_cells):
             start, end = int(plan.lane_bounds[lane]), int(plan.lane_bounds[lane + 1])
             cell[start:end] = cell_of[key]
             spec = specs[cell_of[key]]
+            chains[start:end] = not spec.ragged_inputs
             for port, port_kind in enumerate(spec.inputs):
                 if port in spec.ragged_inputs:
                     at = consecutive(plan.ragged_start[start:end], plan.ragged_count[start:end])
@@ -53,7 +59,8 @@ class Template:
                     inputs[start:end, port] = plan.inputs[start:end, port]
                     kind[start:end, port] = kind_index[port_kind]
             written[start:end, : len(spec.outputs)] = plan.outputs[start:end, : len(spec.outputs)]
-        return Template(cell, inputs, kind, written, ragged)
+        chain, carry = chain_columns(cell, plan.need, inputs, written, chains)
+        return Template(cell, inputs, kind, written, ragged, chain, carry)
 
 
 class Nodes:
@@ -73,6 +80,8 @@ class Nodes:
         self.outputs = np.zeros((capacity, outputs), np.int64)
         self.ragged_start = np.zeros(capacity, np.int64)
         self.ragged_count = np.zeros(capacity, np.int64)
+        self.chain = np.ones(capacity, np.int64)  # the nodes of its request its chain goes on for (chain_runs)
+        self.carry = np.zeros(capacity, np.int64)
         self.ragged = np.zeros((0, ports), np.int64)
 
     def reserve(self, more: int) -> None:

@@ -20,6 +20,7 @@ all the plan's register reuse asks for.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -30,11 +31,12 @@ from torch import nn
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import Plan, Unfolded
-from batchmaker.common.ranges import consecutive
 from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.cell_types import CellTypes
+from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
 from batchmaker.worker.node_columns import Nodes, Template
+from batchmaker.worker.step_runner import StepRunner
 
 Rows = np.ndarray  # arena rows, int64
 Observe = Callable[[Unfolded, int, np.ndarray], bool]  # a model's `observe`: True once the request is complete
@@ -68,14 +70,16 @@ class RunningBatch:
 
     def __init__(
         self, specs: list[CellTypeSpec], cells: list[nn.Module], kinds: list[ValueKind], rows: int,
-        device: str = "cpu", clock: KernelClock | None = None,
+        device: str = "cpu", clock: KernelClock | None = None, chains: ChainBounds = DEFAULT_BOUNDS,
     ):  # fmt: skip
-        """`rows` per kind of value, on `device` (the cells' own); `clock`, if given, times the cells' calls."""
-        self._device = torch.device(device)
-        self._clock = clock
-        self.types = CellTypes(rows, self._device)
+        """`rows` per kind of value, on `device` (the cells' own); `clock`, if given, times the cells' calls;
+        `chains`: how long a chain run may be."""
+        self.types = CellTypes(rows, torch.device(device))
         self.types.add(specs, cells, kinds)
         self.nodes = Nodes(*self.types.widths)
+        self._runner = StepRunner(self.types, self.nodes, torch.device(device), clock)
+        self.chains = chains
+        self._wave_s: dict[int, float] = {}  # per cell type: the measured seconds of a wave, a moving average
         self._held: list[Held | None] = []
         self._done = np.zeros(0, np.int64)  # nodes run, per request slot
         self._total = np.zeros(0, np.int64)  # nodes, per request slot
@@ -138,6 +142,8 @@ class RunningBatch:
         nodes.outputs[span] = register_row[template.outputs]
         nodes.ragged_start[span] = len(nodes.ragged) + plan.ragged_start
         nodes.ragged_count[span] = plan.ragged_count
+        nodes.chain[span] = template.chain
+        nodes.carry[span] = template.carry
         if len(template.ragged):
             nodes.ragged = np.concatenate([nodes.ragged, register_row[template.ragged]])
         nodes.count += plan.nodes
@@ -172,7 +178,7 @@ class RunningBatch:
         for kind in sorted(unfolded.externals, key=self.types.kind_index.__getitem__):
             values = unfolded.externals[kind]
             taken = self.types.free[kind].take(len(values))
-            self.types.arenas[kind][self._tensor(taken)] = self._tensor(np.ascontiguousarray(values))
+            self.types.arenas[kind][self._runner.tensor(taken)] = self._runner.tensor(np.ascontiguousarray(values))
             external_rows.append(taken)
             base[self.types.kind_index[kind]], start = start, start + len(taken)
             rows[kind] = np.concatenate([rows[kind], taken]) if kind in rows else taken
@@ -186,17 +192,6 @@ class RunningBatch:
         self._total = np.append(self._total, 0)
         self._passes = np.append(self._passes, 0)
         return len(self._held) - 1
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        """An index or value array on the arenas' device (a copy there, from the host, on a GPU)."""
-        tensor = torch.from_numpy(array)
-        return tensor if self._device.type == "cpu" else tensor.to(self._device)
-
-    def _indices(self, rows: list[np.ndarray]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
-        """Index arrays on the arenas' device: as they are on the CPU, in one copy to a GPU."""
-        if self._device.type == "cpu":
-            return [torch.from_numpy(array) for array in rows]
-        return torch.from_numpy(np.concatenate(rows)).to(self._device).split([len(array) for array in rows])
 
     def remove(self, key: Any) -> bool:
         """Let a request go before its end (cancelled, or its deadline passed): its nodes never run."""
@@ -220,25 +215,34 @@ class RunningBatch:
         size = self.types.specs[cell].max_batch
         if len(chosen) > size:
             chosen = self._first(chosen, size)
-        ran = np.bincount(nodes.request[chosen], minlength=len(self._done))  # nodes run, per request slot
+        waves, code = self._runner.waves(chosen, self._chain_steps(cell))
+        run = np.concatenate(waves) if len(waves) > 1 else chosen
+        ran = np.bincount(nodes.request[run], minlength=len(self._done))  # nodes run, per request slot
         touched = np.flatnonzero(ran)
         if self._prioritized:
             self._passes[touched] = 0  # a request that runs in this step starts counting its passes again
-        self.steps += 1
-        self._ran[cell, len(chosen)] += 1
+        self.steps += len(waves)
+        self._read = self._read[:0]
+        ended: list[int] = []
+        began = time.perf_counter()
         try:
-            outputs = self._run(cell, chosen)
+            outputs = None
+            for wave, rows in enumerate(waves):
+                self._ran[cell, len(rows)] += 1
+                ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0  # lanes from here on end their run
+                outputs = self._runner.run(cell, rows, code, outputs, ending)
+                self._read_copies(rows, outputs, ended)
         except Exception as exc:  # the cell failed on this batch: its requests end with the error, the rest go on
             for slot in touched.tolist():
                 self._held[slot].error = f"{self.types.specs[cell].key} failed: {type(exc).__name__}: {exc}"
-            self._read = self._read[:0]
             return self._leave(touched.tolist(), finished=True)
-        nodes.pending[chosen] = False
-        self.dead += len(chosen)
+        wave_s = (time.perf_counter() - began) / len(waves)
+        self._wave_s[cell] = wave_s if cell not in self._wave_s else 0.8 * self._wave_s[cell] + 0.2 * wave_s
+        nodes.pending[run] = False
+        self.dead += len(run)
         self._done += ran
-        ended = set(self._read_copies(chosen[nodes.copied[chosen]], chosen, outputs))
-        ended.update(touched[self._done[touched] == self._total[touched]].tolist())
-        return self._leave(sorted(ended), finished=True)
+        ended += touched[self._done[touched] == self._total[touched]].tolist()
+        return self._leave(sorted(set(ended)), finished=True)
 
     def take_ran(self) -> dict[str, dict[int, int]]:
         """The steps run since the last call: per cell type, how many at each batch size."""
@@ -256,6 +260,14 @@ class RunningBatch:
         full = [cell for cell, count in ready if count >= specs[cell].max_batch]
         return max(full or [cell for cell, _ in ready], key=lambda cell: specs[cell].priority)
 
+    def _chain_steps(self, cell: int) -> int:
+        """The most waves a chain run of `cell` may take: as many as fit in the join delay at the waves' measured
+        cost, within `max_steps` (1 until a wave of it was measured)."""
+        wave_s = self._wave_s.get(cell)
+        if wave_s is None:
+            return 1
+        return max(1, min(self.chains.max_steps, int(self.chains.max_join_delay_us * 1e-6 / max(wave_s, 1e-9))))
+
     def _first(self, ready: np.ndarray, size: int) -> np.ndarray:
         """The `size` nodes of `ready` (ascending: oldest request first) that run: by priority when any request
         held has one, a request passed over `STARVED` times first; the result ascending."""
@@ -268,47 +280,22 @@ class RunningBatch:
         self._passes[requests[left][priority[left] < priority[order[:size]].max()]] += 1
         return chosen
 
-    def _run(self, cell: int, chosen: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """Gather the chosen nodes' inputs (one gather per kind of value: a tree's two children's h and c at
-        once), run the cell once, scatter its outputs to their rows (one scatter per kind)."""
-        types, nodes, size = self.types, self.nodes, len(chosen)
-        spec, arenas, gathers, scatters = types.specs[cell], types.arenas, types.gathers[cell], types.scatters[cell]
-        inputs, outputs = nodes.inputs[chosen], nodes.outputs[chosen]
-        rows = [inputs[:, ports].T.ravel() for _, ports in gathers]
-        index = self._indices(rows + [outputs[:, ports].T.ravel() for _, ports in scatters])
-        read: dict[int, torch.Tensor] = {}
-        for (kind, ports), at in zip(gathers, index):
-            values = arenas[kind].index_select(0, at)
-            by_port = values.view(len(ports), size, *kind.shape).unbind(0) if len(ports) > 1 else (values,)
-            read.update(zip(ports, by_port))
-        args = []
-        for port, kind in enumerate(spec.inputs):
-            if port in spec.ragged_inputs:
-                counts = nodes.ragged_count[chosen]
-                rows = nodes.ragged[consecutive(nodes.ragged_start[chosen], counts), port]
-                args.append(arenas[kind].index_select(0, self._tensor(rows)))
-                args.append(self._tensor(np.repeat(np.arange(size), counts)))
-            else:
-                args.append(read[port])
-        results = types.cells[cell](*args) if self._clock is None else self._clock.call(types.cells[cell], *args)
-        if isinstance(results, torch.Tensor):
-            results = (results,)
-        for (kind, ports), at in zip(scatters, index[len(gathers) :]):
-            written = results[ports[0]] if len(ports) == 1 else torch.cat([results[port] for port in ports])
-            arenas[kind].index_copy_(0, at, written)
-        return tuple(results)
-
-    def _read_copies(self, copied: np.ndarray, chosen: np.ndarray, outputs: tuple[torch.Tensor, ...]) -> list[int]:
-        """The results and watched values among the step's outputs, to their requests, in node order (Python per
-        copied node only); returns the slots whose model saw their end in a watched value."""
-        ended: list[int] = []
-        self._read = requests = self.nodes.request[copied]
-        if not len(copied):
-            return ended
-        at = self._tensor(np.searchsorted(chosen, copied))
+    def _read_copies(self, rows: np.ndarray, outputs: tuple[torch.Tensor, ...], ended: list[int]) -> None:
+        """The results and watched values among the outputs of the nodes `rows`, to their requests, in node order
+        (Python per copied node only), but for requests already `ended`; adds to `ended` the slots whose model saw
+        their end in a watched value."""
+        positions = np.flatnonzero(self.nodes.copied[rows])
+        if not len(positions):
+            return
+        copied = rows[positions]
+        requests = self.nodes.request[copied]
+        self._read = np.concatenate([self._read, requests])
+        at = self._runner.tensor(positions)
         values = [output.index_select(0, at).cpu().numpy() for output in outputs]  # a copy: the rows are the host's
         local = self.nodes.local[copied]
         for row, (node, slot) in enumerate(zip(local.tolist(), requests.tolist())):
+            if slot in ended:
+                continue  # its end was seen at an earlier wave of this run: what its later nodes made is not read
             held = self._held[slot]
             for key, port in held.unfolded.plan.copies[node]:
                 value = values[port][row]
@@ -321,7 +308,6 @@ class RunningBatch:
                     held.error, done = f"{type(exc).__name__} in observe: {exc}", True
                 if done and slot not in ended:
                     ended.append(slot)
-        return ended
 
     def _leave(self, slots: list[int], finished: bool = False) -> list[Finished]:
         """Requests give back their rows and slots, their nodes left to run dropped; they go at the next

@@ -13,6 +13,7 @@ from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import build_planner
 from batchmaker.common.server_config import ServerConfig
 from batchmaker.worker.backend import Backend
+from batchmaker.worker.chain_runs import ChainBounds
 from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.loading import build_cells
 
@@ -48,7 +49,7 @@ def make_backend(
 
 def start(
     device: str, index: int, models: list[ModelConfig], server: ServerConfig
-) -> tuple[Backend, list[str], Callable[[], HeldRequests]] | int:
+) -> tuple[Backend, list[str], Callable[[ChainBounds], HeldRequests]] | int:
     """The warmed-up backend serving `models`, with its cell types' keys and what builds its running batch (for a
     manager that routes requests whole); or the exit status when it cannot start."""
     try:
@@ -70,7 +71,7 @@ def start(
     planners = {model.name: build_planner(model) for model in models}
     rows = server.arena_rows
 
-    def make_held() -> HeldRequests:
-        return HeldRequests(planners, specs, cells, kinds, rows, device, backend.kernel_clock())
+    def make_held(chains: ChainBounds) -> HeldRequests:
+        return HeldRequests(planners, specs, cells, kinds, rows, device, backend.kernel_clock(), chains)
 
     return backend, [spec.key for spec in specs], make_held

@@ -107,7 +107,9 @@ class Manager:
         self.tracing = tracing
         self._context = server_context()
         layout = [model_to_wire(model) for model in config.models.values()]
-        routes = config.scheduler.running_batch == "worker"
+        scheduler = config.scheduler
+        chains = {"max_steps": scheduler.max_steps_per_task, "max_join_delay_us": scheduler.max_join_delay_us}
+        routes = chains if scheduler.running_batch == "worker" else None
         self.pool = WorkerPool(worker_address, self.specs, self.kinds, server, supervisor_token, layout, routes)
         self.workers = self.pool.workers
         self.frontend = ClientFrontend(self._context, client_address, server)

@@ -71,13 +71,14 @@ class WorkerPool:
         server: ServerConfig,
         supervisor_token: bytes = b"",
         layout: list[dict[str, Any]] | None = None,
-        running_batch: bool = False,
+        running_batch: dict[str, int] | None = None,
     ):
         """`supervisor_token` is the secret the supervisor that started this process signs its
         messages with; without one, no message is taken as the supervisor's. `layout`: the tables of the
         models the manager started with (`model_to_wire`), sent to a worker that registers with other cells (its
         config file was edited since), which builds them and registers again. `running_batch`: requests are routed
-        to the workers whole, which they are told at registration (whatever their own config files say)."""
+        to the workers whole, which they are told at registration (whatever their own config files say), with these
+        bounds of their chain runs (`max_steps`, `max_join_delay_us`); None: the manager decides every step."""
         check_worker_address(address, server, "the worker address")
         self._supervisor_token = supervisor_token
         self._max_rows = {"device": server.arena_rows, "io": server.io_rows}
