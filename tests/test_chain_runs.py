@@ -137,3 +137,32 @@ def test_a_cell_failing_in_the_middle_of_a_run_ends_the_requests_of_its_lanes_on
     assert error is None
     assert differences(models["bin"].reference(weights["bin"], tree), outputs)[1] is None
     assert not requests.batch.nodes.pending[: requests.batch.nodes.count].any()  # nothing of it left to run
+
+
+def first_run(models: tuple, lengths: list[int]) -> list[int]:
+    """A sentence of 40 tokens runs a wave alone (its cost measured), then sentences of `lengths` join: the sizes
+    of the waves of the next step."""
+    planners, specs, cells, kinds, _, _ = models
+    batch = RunningBatch(specs, cells, kinds, 4096, chains=ChainBounds(64, 10**9))
+    lstm = planners["lstm"]
+    batch.admit("long", lstm.plan({"tokens": list(range(1, 41))}))
+    batch.step()
+    for handle, length in enumerate(lengths):
+        batch.admit(handle, lstm.plan({"tokens": list(range(1, length + 1))}))
+    waves = batch._runner.waves
+    runs = []
+
+    def recording(*args):
+        result = waves(*args)
+        runs.append([len(wave) for wave in result[0]])
+        return result
+
+    batch._runner.waves = recording
+    batch.step()
+    return runs[0]
+
+
+def test_a_run_lasts_as_long_as_half_its_lanes_or_more_go_on(served):  # noqa: F811
+    assert first_run(served, [1, 1]) == [3]  # one lane of three goes on: one wave
+    assert first_run(served, [10, 1]) == [3] + [2] * 9  # two go on: as long as the shorter of them
+    assert first_run(served, []) == [1] * 39  # a lone lane runs to its end

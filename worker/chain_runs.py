@@ -44,12 +44,12 @@ IN_PLACE = 56  # the carry code's bit of a carried output that stays in its row
 def chain_columns(cell: np.ndarray, need: np.ndarray, inputs: np.ndarray, outputs: np.ndarray,
                   chains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Per node of a plan's template (its cell types, needs, the registers each input reads (>= 0) and each output
-    writes (>= 0, else -1), and whether its cell type may run as a chain): the nodes its chain goes on for,
-    itself included, and its link's carry code (0: no link)."""
+    writes (>= 0, else -1), and whether its lane may run as a chain): the nodes its chain goes on for, itself
+    included, and its link's carry code (0: no link)."""
     count = len(cell)
     chain, carry = np.ones(count, np.int64), np.zeros(count, np.int64)
     ports, outs = inputs.shape[1], outputs.shape[1]
-    if count < 2 or outs > STRIDE or ports > STRIDE:
+    if count < 2 or outs > STRIDE or ports > STRIDE or not chains.any():
         return chain, carry
     before = outputs[:-1]
     match = (inputs[1:, :, None] == before[:, None, :]) & (before >= 0)[:, None, :]  # [links, inputs, outputs]

@@ -45,12 +45,13 @@ class Template:
         kind = np.zeros((count, ports), np.int64)
         written = np.full((count, outputs), -1, np.int64)
         ragged = np.full((len(plan.ragged_refs), ports), -1, np.int64)
-        chains = np.zeros(count, bool)  # of a cell type that may run as a chain: one without ragged inputs
+        chains = np.zeros(count, bool)  # in a lane the plan runs as a chain (common.lanes), without ragged inputs
         for lane, key in enumerate(plan.lane_cells):
             start, end = int(plan.lane_bounds[lane]), int(plan.lane_bounds[lane + 1])
             cell[start:end] = cell_of[key]
             spec = specs[cell_of[key]]
-            chains[start:end] = not spec.ragged_inputs
+            layout = plan.lane_layouts[lane] if plan.lane_layouts else None
+            chains[start:end] = layout is not None and end - start > 1 and not spec.ragged_inputs
             for port, port_kind in enumerate(spec.inputs):
                 if port in spec.ragged_inputs:
                     at = consecutive(plan.ragged_start[start:end], plan.ragged_count[start:end])

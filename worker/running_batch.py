@@ -9,7 +9,9 @@ the next step of its cell types; a request whose last node ran, or whose model s
 decoder's EOS), leaves at once with its results. The decision costs a few array operations over the nodes held,
 whatever the number of requests: the nodes of every request held are rows of flat arrays (their cell type, how
 many nodes of their request must run first, the arena rows each input reads and each output writes), so Python
-runs per step, and per node only for the nodes whose outputs the host reads (results, watched values).
+runs per step, and per node only for the nodes whose outputs the host reads (results, watched values). When the
+chosen nodes go on as chains (an LSTM's steps), the step runs several waves of them at once (worker.chain_runs,
+worker.step_runner), so that this cost is paid once for them all.
 
 A request's values live in rows of the running batch's own arenas, one per kind of value: its registers (a plan
 reuses them: common.plan) and its external values (copied in when it joins). A node is ready once every node of
@@ -203,7 +205,8 @@ class RunningBatch:
 
     # -- running ---------------------------------------------------------------------------------
     def step(self) -> list[Finished]:
-        """Run the next batch; the requests it finished (or ended with an error). Nothing runs when nothing is held."""
+        """Run the next batch, several waves of it when its nodes go on as chains (worker.chain_runs); the requests
+        it finished (or ended with an error). Nothing runs when nothing is held."""
         nodes = self.nodes
         count = nodes.count
         ready = nodes.pending[:count] & (self._done[nodes.request[:count]] >= nodes.need[:count])

@@ -31,13 +31,17 @@ class StepRunner:
 
     def waves(self, chosen: np.ndarray, limit: int) -> tuple[list[np.ndarray], int]:
         """The chosen nodes' waves: the nodes each step of the run runs, and their links' carry code. Without a
-        chain (or with `limit` 1), one wave of them; else their lanes, longest run first, wave after wave."""
+        chain (or with `limit` 1), one wave of them; else their lanes, longest run first, wave after wave, for as
+        many waves as half of them or more run (a few long chains do not hold up the others of their cell type)."""
         run = run_steps(self.nodes.chain[chosen], self.nodes.carry[chosen], limit) if limit > 1 else None
         if run is None:
             return [chosen], 0
         steps, code = run
         order = np.argsort(-steps, kind="stable")
         lanes, steps = chosen[order], steps[order]
+        steps = np.minimum(steps, steps[(len(steps) - 1) // 2])
+        if steps[0] == 1:
+            return [chosen], 0
         active = np.searchsorted(-steps, -np.arange(int(steps[0])), side="left").tolist()  # lanes running at wave j
         return [lanes[:running] + wave for wave, running in enumerate(active)], code
 
