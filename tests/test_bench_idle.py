@@ -87,7 +87,8 @@ def test_the_table_gives_both_latencies_the_ratios_and_the_goal():
 
 
 def test_a_wrong_answer_fails_the_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(idle, "run", lambda quick, out, running_batch: synthetic_result(synthetic_row("slow", 6.0, 1.0)))
+    slow, wrong = synthetic_row("slow", 6.0, 1.0), synthetic_row("wrong", 1.0, 1.0, ok=False)
+    monkeypatch.setattr(idle, "run", lambda quick, out, running_batch: synthetic_result(slow))
     assert idle.main(True, tmp_path)  # a missed goal is reported, not an error
-    monkeypatch.setattr(idle, "run", lambda quick, out, running_batch: synthetic_result(synthetic_row("wrong", 1.0, 1.0, ok=False)))
+    monkeypatch.setattr(idle, "run", lambda quick, out, running_batch: synthetic_result(wrong))
     assert not idle.main(True, tmp_path)

@@ -87,7 +87,7 @@ def test_a_lone_sentence_runs_many_waves_a_step_within_the_bounds(served):  # no
 
 
 @pytest.mark.parametrize("max_steps", [2, 5, 64])
-def test_chain_runs_answer_as_the_reference_whatever_joins_and_wherever_lanes_and_decoders_end(served, max_steps):  # noqa: F811
+def test_chain_runs_answer_as_the_reference_wherever_lanes_and_decoders_end(served, max_steps):  # noqa: F811
     planners, specs, cells, kinds, models, weights = served
     requests = HeldRequests(planners, specs, cells, kinds, 4096, chains=ChainBounds(max_steps, 10**9))
     waves = requests.batch._runner.waves

@@ -49,7 +49,7 @@ def chain_columns(cell: np.ndarray, need: np.ndarray, inputs: np.ndarray, output
     count = len(cell)
     chain, carry = np.ones(count, np.int64), np.zeros(count, np.int64)
     ports, outs = inputs.shape[1], outputs.shape[1]
-    if count < 2 or outs > STRIDE or ports > STRIDE or not chains.any():
+    if count < 2 or outs > STRIDE or ports > STRIDE:
         return chain, carry
     before = outputs[:-1]
     match = (inputs[1:, :, None] == before[:, None, :]) & (before >= 0)[:, None, :]  # [links, inputs, outputs]

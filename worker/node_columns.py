@@ -34,6 +34,7 @@ class Template:
     ragged: np.ndarray  # [ragged values, ports]
     chain: np.ndarray  # the nodes its chain goes on for, itself included
     carry: np.ndarray  # its link's carry code
+    chaining: frozenset[int] = frozenset()  # the cell types of its nodes whose chains go on
 
     @staticmethod
     def of(plan: Plan, specs: list[CellTypeSpec], cell_of: dict[str, int], kind_index: dict[ValueKind, int],
@@ -45,13 +46,13 @@ class Template:
         kind = np.zeros((count, ports), np.int64)
         written = np.full((count, outputs), -1, np.int64)
         ragged = np.full((len(plan.ragged_refs), ports), -1, np.int64)
-        chains = np.zeros(count, bool)  # in a lane the plan runs as a chain (common.lanes), without ragged inputs
+        chains = []  # the lanes the plan runs as chains (common.lanes) of more than a node, without ragged inputs
         for lane, key in enumerate(plan.lane_cells):
             start, end = int(plan.lane_bounds[lane]), int(plan.lane_bounds[lane + 1])
             cell[start:end] = cell_of[key]
             spec = specs[cell_of[key]]
-            layout = plan.lane_layouts[lane] if plan.lane_layouts else None
-            chains[start:end] = layout is not None and end - start > 1 and not spec.ragged_inputs
+            if plan.lane_layouts and plan.lane_layouts[lane] is not None and end - start > 1 and not spec.ragged_inputs:
+                chains.append((start, end))
             for port, port_kind in enumerate(spec.inputs):
                 if port in spec.ragged_inputs:
                     at = consecutive(plan.ragged_start[start:end], plan.ragged_count[start:end])
@@ -60,8 +61,14 @@ class Template:
                     inputs[start:end, port] = plan.inputs[start:end, port]
                     kind[start:end, port] = kind_index[port_kind]
             written[start:end, : len(spec.outputs)] = plan.outputs[start:end, : len(spec.outputs)]
-        chain, carry = chain_columns(cell, plan.need, inputs, written, chains)
-        return Template(cell, inputs, kind, written, ragged, chain, carry)
+        if not chains:
+            return Template(cell, inputs, kind, written, ragged, np.ones(count, np.int64), np.zeros(count, np.int64))
+        in_chains = np.zeros(count, bool)
+        for start, end in chains:
+            in_chains[start:end] = True
+        chain, carry = chain_columns(cell, plan.need, inputs, written, in_chains)
+        chaining = frozenset(np.unique(cell[chain > 1]).tolist())
+        return Template(cell, inputs, kind, written, ragged, chain, carry, chaining)
 
 
 class Nodes:

@@ -82,6 +82,7 @@ class RunningBatch:
         self._runner = StepRunner(self.types, self.nodes, torch.device(device), clock)
         self.chains = chains
         self._wave_s: dict[int, float] = {}  # per cell type: the measured seconds of a wave, a moving average
+        self._chaining: set[int] = set()  # the cell types some request held so far runs chains of
         self._held: list[Held | None] = []
         self._done = np.zeros(0, np.int64)  # nodes run, per request slot
         self._total = np.zeros(0, np.int64)  # nodes, per request slot
@@ -89,7 +90,7 @@ class RunningBatch:
         self._prioritized = 0  # requests held with a priority other than 0: steps order their nodes by it
         self._free_slots: list[int] = []
         self._slot_of: dict[Any, int] = {}
-        self._read = np.zeros(0, np.int64)  # the request slots whose values the last step read, a slot a node
+        self._read: list[np.ndarray] = []  # the request slots whose values the last step read, a slot a node
         self.steps = 0  # run so far
         self._ran: collections.Counter[tuple[int, int]] = collections.Counter()  # steps by (cell, batch) since taken
         self.dead = 0  # rows of the node arrays whose nodes ran or were dropped (until the next compaction)
@@ -103,7 +104,8 @@ class RunningBatch:
 
     def updated(self) -> list[Any]:
         """The requests still held whose results or watched values the last step read (their outputs grew)."""
-        return [held.key for slot in np.unique(self._read).tolist() if (held := self._held[slot]) is not None]
+        read = np.unique(np.concatenate(self._read)).tolist() if self._read else []
+        return [held.key for slot in read if (held := self._held[slot]) is not None]
 
     def add_cell_types(self, specs: list[CellTypeSpec], cells: list[nn.Module], kinds: list[ValueKind]) -> None:
         """A version the manager loaded while the batch runs: its requests may join from now on."""
@@ -146,6 +148,8 @@ class RunningBatch:
         nodes.ragged_count[span] = plan.ragged_count
         nodes.chain[span] = template.chain
         nodes.carry[span] = template.carry
+        if template.chaining:
+            self._chaining |= template.chaining
         if len(template.ragged):
             nodes.ragged = np.concatenate([nodes.ragged, register_row[template.ragged]])
         nodes.count += plan.nodes
@@ -218,16 +222,17 @@ class RunningBatch:
         size = self.types.specs[cell].max_batch
         if len(chosen) > size:
             chosen = self._first(chosen, size)
-        waves, code = self._runner.waves(chosen, self._chain_steps(cell))
+        chaining = cell in self._chaining
+        waves, code = self._runner.waves(chosen, self._chain_steps(cell)) if chaining else ([chosen], 0)
         run = np.concatenate(waves) if len(waves) > 1 else chosen
         ran = np.bincount(nodes.request[run], minlength=len(self._done))  # nodes run, per request slot
         touched = np.flatnonzero(ran)
         if self._prioritized:
             self._passes[touched] = 0  # a request that runs in this step starts counting its passes again
         self.steps += len(waves)
-        self._read = self._read[:0]
+        self._read = []
         ended: list[int] = []
-        began = time.perf_counter()
+        began = time.perf_counter() if chaining else 0.0
         try:
             outputs = None
             for wave, rows in enumerate(waves):
@@ -239,8 +244,9 @@ class RunningBatch:
             for slot in touched.tolist():
                 self._held[slot].error = f"{self.types.specs[cell].key} failed: {type(exc).__name__}: {exc}"
             return self._leave(touched.tolist(), finished=True)
-        wave_s = (time.perf_counter() - began) / len(waves)
-        self._wave_s[cell] = wave_s if cell not in self._wave_s else 0.8 * self._wave_s[cell] + 0.2 * wave_s
+        if chaining:
+            wave_s = (time.perf_counter() - began) / len(waves)
+            self._wave_s[cell] = wave_s if cell not in self._wave_s else 0.8 * self._wave_s[cell] + 0.2 * wave_s
         nodes.pending[run] = False
         self.dead += len(run)
         self._done += ran
@@ -292,7 +298,7 @@ class RunningBatch:
             return
         copied = rows[positions]
         requests = self.nodes.request[copied]
-        self._read = np.concatenate([self._read, requests])
+        self._read.append(requests)
         at = self._runner.tensor(positions)
         values = [output.index_select(0, at).cpu().numpy() for output in outputs]  # a copy: the rows are the host's
         local = self.nodes.local[copied]

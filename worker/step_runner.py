@@ -63,7 +63,8 @@ class StepRunner:
             read.update((port, state[output][:size]) for port, output in carried(code))
         for (kind, ports), where in zip(gathers, index):
             values = arenas[kind].index_select(0, where)
-            read.update(zip(ports, values.view(len(ports), size, *kind.shape).unbind(0) if len(ports) > 1 else [values]))
+            by_port = values.view(len(ports), size, *kind.shape).unbind(0) if len(ports) > 1 else [values]
+            read.update(zip(ports, by_port))
         args = []
         for port, kind in enumerate(spec.inputs):
             if port in spec.ragged_inputs:
@@ -101,7 +102,8 @@ class StepRunner:
         if groups is None:
             taken = {port for port, _ in carried(code)} if later else set()
             kept = in_place(code)
-            gathers = [(kind, rest) for kind, ports in self.types.gathers[cell] if (rest := [p for p in ports if p not in taken])]
+            gathers = [(kind, [p for p in ports if p not in taken]) for kind, ports in self.types.gathers[cell]]
+            gathers = [(kind, ports) for kind, ports in gathers if ports]
             scatters: Scatters = []
             for kind, ports in self.types.scatters[cell]:
                 scatters += [(kind, part, tail) for tail in (False, True)
