@@ -1,15 +1,15 @@
 """Chain runs: several steps of the same lanes in one step of the running batch (worker.running_batch), so that
 what a step costs beyond its cell (choosing its nodes, gathering, scattering, Python) is paid once for them all.
 
-A node's chain goes on to the next node of its request when that node is of the same cell type, is alone at its
-depth and so is the node (its `need` is one more: nothing else of the request runs between them), reads some of
-the node's outputs (the carried state: an LSTM's h and c, a decoder's previous token). Run in one go, the carried
-inputs are gathered at the first step only and handed from step to step as tensors; a carried output that each
-step writes to the same row (an LSTM's state in place) is written back once, when each lane's run ends, and
-every other output at each step, as a step of its own would write it (the lower layer of a stacked chain keeps
-each step's h for the layer above); the other inputs (a chain's tokens) are gathered at each step. As nothing
-else of the request runs in between, and nothing of another request reads its rows, the arenas end as they would
-after the same steps run one at a time.
+A node's chain goes on to the next node of its request in a lane the plan runs as a chain when that node is of the
+same cell type, the node is alone at its depth (the next one's `need` is one more: nothing else of the request runs
+between them), and the next one reads some of the node's outputs (the carried state: an LSTM's h and c, a decoder's
+previous token). Run in one go, the carried inputs are gathered at the first step only and handed from step to step
+as tensors; a carried output that each step writes to the same row (an LSTM's state in place) is written back once,
+when each lane's run ends, and every other output at each step, as a step of its own would write it (the lower layer
+of a stacked chain keeps each step's h for the layer above); the other inputs (a chain's tokens) are gathered at
+each step. As nothing else of the request runs in between, and nothing of another request reads its rows, the arenas
+end as they would after the same steps run one at a time.
 
 A plan's template says, once per plan, how many nodes each node's chain goes on for (`chain`, 1: none after it)
 and which outputs of a node its next node reads at which inputs (`carry`: bit `input * STRIDE + output`, and bit
