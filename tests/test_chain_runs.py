@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_config
-from test_running_batch import MODELS, binary_tree, held, mixed_requests, run_all, served  # noqa: F401 (a fixture)
+from test_lanes_core import CHAINS
+from test_running_batch import binary_tree, mixed_requests, run_all, served  # noqa: F401 (a fixture)
 
 from batchmaker.bench.verify import differences
 from batchmaker.common.protocol import INTERNAL
@@ -19,20 +20,6 @@ from batchmaker.worker.chain_runs import ChainBounds, carried
 from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.main import load_cells
 from batchmaker.worker.running_batch import RunningBatch
-
-TAGGER = """
-[models.tagger]
-builder = "batchmaker.common.models.lstm:build"
-weights = "tagger.pt"
-vocab_size = 100
-embedding_size = 16
-hidden_size = 16
-bidirectional = true
-per_step = true
-head_size = 5
-max_length = 200
-batch_sizes = [1, 2, 4, 8]
-"""
 
 
 def columns(batch: RunningBatch, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -55,7 +42,7 @@ def test_a_stacked_chains_layers_each_go_on_to_their_last_node_carrying_h_and_c(
 
 
 def test_a_bidirectional_layer_runs_no_chain(tmp_path):
-    config = write_config(tmp_path, TAGGER)
+    config = write_config(tmp_path, CHAINS["tagger"])
     planners, specs, kinds = load_models(config)
     _, cells, _ = load_cells(config)
     batch = RunningBatch(specs, cells, kinds, 4096)
