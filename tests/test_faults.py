@@ -219,25 +219,31 @@ def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
 
 
 def test_sigterm_under_load_answers_everything_then_exits(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM)
+    # Heartbeats and progress may stop for a minute: the workers are paused while the drain is watched.
+    config = write_config(tmp_path, SMALL_LSTM, server="heartbeat_timeout_ms = 60000\nhang_timeout_ms = 60000")
     command = [sys.executable, "-m", "batchmaker.manager.commands.cli", "serve", str(config.path), "--workers", "2"]
     process = subprocess.Popen(command)
     try:
         with Client(config.server.address, timeout=1) as client:
             wait_until(lambda: _ready(client), "the server becoming ready")
+            workers = [psutil.Process(w["pid"]) for w in client.health()["workers"]]
         tree = psutil.Process(process.pid).children(recursive=True)
 
         async def load_then_terminate():
             async with AsyncClient(config.server.address, timeout=60) as client:
                 rng = np.random.default_rng(5)
-                accepted = [  # enough work that the drain still runs when the late request comes
+                for worker in workers:  # the load stays in flight until the late request has had its answer
+                    worker.suspend()
+                accepted = [
                     asyncio.create_task(client.infer("lstm", {"tokens": rng.integers(0, 1000, size=200).tolist()}))
-                    for _ in range(1500)
+                    for _ in range(300)
                 ]
                 await wait_until_async(lambda: _all_read(client, len(accepted)), "the manager reading the whole load")
                 process.send_signal(signal.SIGTERM)
                 await wait_until_async(lambda: _draining(client), "the manager draining")
                 late = await asyncio.gather(client.infer("lstm", {"tokens": [1, 2]}), return_exceptions=True)
+                for worker in workers:
+                    worker.resume()
                 return await asyncio.gather(*accepted, return_exceptions=True), late[0]
 
         replies, late = asyncio.run(load_then_terminate())
