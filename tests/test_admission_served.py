@@ -74,10 +74,35 @@ def lengths(rng: np.random.Generator, count: int) -> list[dict[str, Any]]:
     return [{"inputs": {"tokens": rng.integers(0, 1000, size=int(n)).tolist()}} for n in rng.integers(30, 70, count)]
 
 
-def test_a_flood_is_refused_by_expected_wait_and_every_request_is_answered_once(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}")
+def check_replies(flood: Flood, config: Any, overloaded: re.Pattern[str]) -> dict[str, int]:
+    """Every request sent has exactly one reply: the reference model's answer, OVERLOADED with a message `overloaded`
+    matches, or DEADLINE_EXCEEDED for a request with a deadline; returns the count of each outcome."""
     model = build_model(config.models["lstm"])
     state = model.load_weights()
+    assert sorted(flood.replies) == sorted(flood.sent), "a reply to a request never sent"
+    doubled = [request_id for request_id, replies in flood.replies.items() if len(replies) > 1]
+    assert not doubled, f"requests answered more than once: {doubled[:5]}"
+    outcomes: dict[str, int] = {}
+    for request_id, (reply,) in flood.replies.items():
+        request = flood.sent[request_id]
+        code = "ok" if reply["ok"] else reply["error"]["code"]
+        outcomes[code] = outcomes.get(code, 0) + 1
+        if code == "ok":
+            expected = model.reference(state, {"tokens": request["inputs"]["tokens"]})
+            for name in ("h", "c"):
+                got = np.frombuffer(reply["outputs"][name]["data"], dtype="<f4")
+                assert np.abs(got - expected[name]).max() <= 1e-5, (request_id, name)
+        elif code == "OVERLOADED":
+            assert overloaded.search(reply["error"]["message"]), reply
+        elif code == "DEADLINE_EXCEEDED":
+            assert request.get("deadline_ms") == PROBE_DEADLINE_MS, reply
+        else:
+            raise AssertionError(f"unexpected reply {reply}")
+    return outcomes
+
+
+def test_a_flood_is_refused_by_expected_wait_and_every_request_is_answered_once(tmp_path: Path):
+    config = write_config(tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}")
     rng = np.random.default_rng(7)
     server = start_server(config, workers=1)
     flood = Flood(server.address)
@@ -105,27 +130,7 @@ def test_a_flood_is_refused_by_expected_wait_and_every_request_is_answered_once(
         stop_server(server)
 
     assert after["requests_in_flight"] == 0
-    assert sorted(flood.replies) == sorted(flood.sent), "a reply to a request never sent"
-    doubled = [request_id for request_id, replies in flood.replies.items() if len(replies) > 1]
-    assert not doubled, f"requests answered more than once: {doubled[:5]}"
-    outcomes: dict[str, int] = {}
-    for request_id, (reply,) in flood.replies.items():
-        request = flood.sent[request_id]
-        code = "ok" if reply["ok"] else reply["error"]["code"]
-        outcomes[code] = outcomes.get(code, 0) + 1
-        if code == "ok":
-            tokens = request["inputs"]["tokens"]
-            expected = model.reference(state, {"tokens": tokens})
-            for name in ("h", "c"):
-                got = np.frombuffer(reply["outputs"][name]["data"], dtype="<f4")
-                assert np.abs(got - expected[name]).max() <= 1e-5, (request_id, name)
-        elif code == "OVERLOADED":
-            wait = OVERLOADED_MESSAGE.search(reply["error"]["message"])
-            assert wait and int(wait.group(1)) >= LIMIT_MS, reply
-        elif code == "DEADLINE_EXCEEDED":
-            assert request.get("deadline_ms") == PROBE_DEADLINE_MS, reply
-        else:
-            raise AssertionError(f"unexpected reply {reply}")
+    outcomes = check_replies(flood, config, OVERLOADED_MESSAGE)
     refused_at_admission = [
         int(match.group(1))
         for (reply,) in flood.replies.values()
@@ -158,3 +163,39 @@ def test_a_cold_server_refuses_a_flood_by_expected_wait_from_its_first_request(t
     codes = [reply["error"]["code"] if not reply["ok"] else "ok" for (reply,) in flood.replies.values()]
     assert set(codes) == {"ok", "OVERLOADED"}
     assert codes.count("ok") < len(codes) / 2  # bounded from the start: most of ten times the limit is refused
+
+
+def test_a_flood_routed_to_running_batches_is_refused_by_expected_wait_before_any_other_check(tmp_path: Path):
+    """With the workers running their own batches the wait is the requests in flight over the answer rate; a request
+    it refuses is refused before its other fields are read, so a flood's malformed requests are refused alike."""
+    config = write_config(
+        tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}", scheduler='running_batch = "worker"'
+    )
+    rng = np.random.default_rng(9)
+    server = start_server(config, workers=1)
+    flood = Flood(server.address)
+    try:
+        flood.send(lengths(rng, 200))  # answers that measure the rate
+        flood.collect()
+        requests = lengths(rng, 3000)
+        for request in requests[::PROBE_EVERY]:
+            request["deadline_ms"] = PROBE_DEADLINE_MS
+        malformed = {"inputs": {"words": [1, 2]}}  # an input the model does not have
+        first = len(flood.sent)
+        flood.send(requests[:1500] + [malformed] * 200 + requests[1500:])
+        flood.collect()
+        after = flood.stats()
+    finally:
+        flood.close()
+        stop_server(server)
+    bad = {request_id for request_id, request in flood.sent.items() if request is malformed}
+    bad_codes = {reply["error"]["code"] for request_id, (reply,) in flood.replies.items() if request_id in bad}
+    assert "OVERLOADED" in bad_codes and bad_codes <= {"OVERLOADED", "INVALID_INPUT"}, bad_codes
+    for request_id in bad:
+        flood.sent.pop(request_id)
+        flood.replies.pop(request_id)
+    unmeasured = r"requests in flight, as many as the workers' running batches hold at once"
+    outcomes = check_replies(flood, config, re.compile(f"{OVERLOADED_MESSAGE.pattern}|{unmeasured}"))
+    flood_codes = {"ok" if r["ok"] else r["error"]["code"] for i, (r,) in flood.replies.items() if i >= first}
+    assert {"ok", "OVERLOADED"} <= flood_codes, outcomes
+    assert after["requests_in_flight"] == 0 and after["requests"]["OVERLOADED"] >= outcomes["OVERLOADED"]

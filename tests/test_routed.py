@@ -77,23 +77,28 @@ def test_an_answer_from_another_worker_or_for_an_ended_request_is_ignored():
 
 def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
     routed, clock = table(max_queue_delay_ms=500)
-    assert routed.expected_wait_s() is None
-    routed.check(None, 1)  # nothing measured: nothing refused
+    assert routed.expected_wait_s() is None and routed.answer_rate() is None
+    assert routed.overload(1, None) is None  # nothing measured: nothing refused
+    routed.check_deadline(5, None)
     answered = [request(i) for i in range(MIN_ANSWERS)]
     for each in answered:
         routed.route(each, [0])
         routed.answered(0, each.handle)
     for i in range(10):
         routed.route(request(100 + i), [0])
-    assert routed.expected_wait_s() == pytest.approx(10 / (MIN_ANSWERS / RATE_WINDOW_S))
-    routed.check(None, 1)
+    rate = routed.answer_rate()
+    assert rate == MIN_ANSWERS / RATE_WINDOW_S
+    assert routed.expected_wait_s() == pytest.approx(10 / rate)
+    assert routed.overload(1, rate) is None
     for i in range(10):
         routed.route(request(200 + i), [0])
-    with pytest.raises(RequestError) as refused:
-        routed.check(None, 1)
-    assert refused.value.code == OVERLOADED and "exceeds the server's limit of 500 ms" in refused.value.message
+    refused = routed.overload(1, rate)
+    assert refused is not None and refused.code == OVERLOADED
+    assert "exceeds the server's limit of 500 ms (20 requests in flight)" in refused.message
+    routed.check_deadline(None, rate)
+    routed.check_deadline(1000, rate)
     with pytest.raises(RequestError) as late:
-        routed.check(5, 1)
+        routed.check_deadline(5, rate)
     assert late.value.code == DEADLINE_EXCEEDED and "deadline_ms 5" in late.value.message
     wait = routed.expected_wait_s()
     spacing_ms = RATE_WINDOW_S / MIN_ANSWERS * 1e3
@@ -101,23 +106,22 @@ def test_the_expected_wait_is_the_requests_in_flight_over_the_answer_rate():
     assert routed.retry_after_ms(3) == [math.ceil(first + i * spacing_ms) for i in range(3)]
     clock.now += 2 * RATE_WINDOW_S  # the answers leave the window: no estimate
     assert routed.retry_after_ms(3) == []
-    assert routed.expected_wait_s() is None
+    assert routed.expected_wait_s() is None and routed.answer_rate() is None
 
 
 def test_before_the_rate_is_measured_the_workers_running_batches_bound_the_requests_in_flight():
     routed, _ = table(max_queue_delay_ms=500)
     for i in range(2 * WINDOW - 1):
         routed.route(request(i), [0, 1])
-    routed.check(None, 2)  # one more fits in two workers' windows
+    assert routed.overload(2, None) is None  # one more fits in two workers' windows
     routed.route(request(99), [0, 1])
-    with pytest.raises(RequestError) as refused:
-        routed.check(None, 2)
-    assert refused.value.code == OVERLOADED and "rate is not measured yet" in refused.value.message
-    routed.check(None, 3)  # a third worker holds more
+    refused = routed.overload(2, None)
+    assert refused is not None and refused.code == OVERLOADED and "rate is not measured yet" in refused.message
+    assert routed.overload(3, None) is None  # a third worker holds more
     unbounded, _ = table(max_queue_delay_ms=0)  # no refusal by the wait: none by the window either
     for i in range(2 * WINDOW):
         unbounded.route(request(i), [0])
-    unbounded.check(None, 1)
+    assert unbounded.overload(1, None) is None and unbounded.overload(1, 1.0) is None
 
 
 def test_deadlines_expire_in_order_and_bound_the_loops_sleep():

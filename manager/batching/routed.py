@@ -100,38 +100,50 @@ class RoutedRequests:
         return self._by_key.get((client, request_id))
 
     # -- admission -------------------------------------------------------------------------------
-    def expected_wait_s(self) -> float | None:
-        """The wait a new request is expected to have: requests in flight over the measured answer rate."""
+    def answer_rate(self) -> float | None:
+        """Answers a second over the last RATE_WINDOW_S; None while fewer than MIN_ANSWERS came in it."""
         now = self._clock()
         while self._answered and self._answered[0] < now - RATE_WINDOW_S:
             self._answered.popleft()
         if len(self._answered) < MIN_ANSWERS:
             return None
-        return len(self._by_handle) / (len(self._answered) / RATE_WINDOW_S)
+        return len(self._answered) / RATE_WINDOW_S
 
-    def check(self, deadline_ms: int | None, workers: int) -> None:
-        """Refuse a request the server is not expected to start in time (OVERLOADED, or DEADLINE_EXCEEDED when
-        its own deadline is nearer than the wait). Until the rate is measured (a server that just started, or one
-        idle for a second), a request beyond what the `workers`' running batches hold at once is refused: a burst
-        into a cold server would otherwise all be let in."""
-        wait = self.expected_wait_s()
-        if wait is None:
-            held = len(self._by_handle)
-            if self._max_wait_s and held >= workers * self._window:
-                raise RequestError(
-                    OVERLOADED, f"{held} requests in flight, as many as the workers' running batches hold at once, "
-                    "and the server's rate is not measured yet; retry later",
-                )  # fmt: skip
+    def expected_wait_s(self) -> float | None:
+        """The wait a new request is expected to have: requests in flight over the answer rate."""
+        rate = self.answer_rate()
+        return None if rate is None else len(self._by_handle) / rate
+
+    def overload(self, workers: int, rate: float | None) -> RequestError | None:
+        """Why a new request is refused (OVERLOADED): the server is not expected to start it within
+        `max_queue_delay_ms` at the answer `rate`; None when it is. Until the rate is measured (a server that just
+        started, or one idle for a second), a request beyond what the `workers`' running batches hold at once is
+        refused: a burst into a cold server would otherwise all be let in."""
+        if not self._max_wait_s:
+            return None
+        held = len(self._by_handle)
+        if rate is None:
+            if held < workers * self._window:
+                return None
+            return RequestError(
+                OVERLOADED, f"{held} requests in flight, as many as the workers' running batches hold at once, "
+                "and the server's rate is not measured yet; retry later",
+            )  # fmt: skip
+        if held <= self._max_wait_s * rate:
+            return None
+        return RequestError(
+            OVERLOADED, f"estimated wait {held / rate * 1e3:.0f} ms exceeds the server's limit of "
+            f"{self._max_wait_s * 1e3:.0f} ms ({held} requests in flight); retry later",
+        )  # fmt: skip
+
+    def check_deadline(self, deadline_ms: int | None, rate: float | None) -> None:
+        """Refuse a request (DEADLINE_EXCEEDED) whose deadline is nearer than its expected wait at the answer `rate`."""
+        if deadline_ms is None or rate is None:
             return
-        if deadline_ms is not None and wait * 1e3 > deadline_ms:
+        wait_ms = len(self._by_handle) / rate * 1e3
+        if wait_ms > deadline_ms:
             raise RequestError(
-                DEADLINE_EXCEEDED, f"estimated wait {wait * 1e3:.0f} ms exceeds the request's deadline_ms {deadline_ms}"
-            )
-        if self._max_wait_s and wait > self._max_wait_s:
-            raise RequestError(
-                OVERLOADED,
-                f"estimated wait {wait * 1e3:.0f} ms exceeds the server's limit of {self._max_wait_s * 1e3:.0f} ms "
-                f"({len(self._by_handle)} requests in flight); retry later",
+                DEADLINE_EXCEEDED, f"estimated wait {wait_ms:.0f} ms exceeds the request's deadline_ms {deadline_ms}"
             )
 
     def retry_after_ms(self, refused: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The event loop's side of requests routed whole to the workers' running batches (manager.batching.routed).
 
-With `[scheduler] running_batch = "worker"`, every `infer` request is checked, refused from the expected wait or
-routed to the worker holding the fewest requests, one message per worker and burst; a session's requests take their
+With `[scheduler] running_batch = "worker"`, every `infer` request is refused from the expected wait before any
+other check (refusing costs a comparison once the message is decoded), or checked and routed to the worker holding
+the fewest requests, one message per worker and burst; a session's requests take their
 turns as in the batching core (manager.batching.session_turns, on the core's session store), each routed with its
 session's state once the one before it is answered. Workers answer on the control socket; this module turns those
 answers, and the ends a request meets before its answer (cancel, deadline, client gone, shutdown, its worker lost),
@@ -61,8 +62,14 @@ class Router:
         if not self.enabled or not self._core.workers:
             return burst, [], []
         routed, refused = [], []
+        rate, workers = self.table.answer_rate(), len(self._core.workers)  # a burst brings no answers: read once
         for incoming in burst:
             message, client, request_id = incoming.message, incoming.client, incoming.request_id
+            # Refused from the expected wait before any other work; a session's request is checked when its turn comes.
+            overload = None if "session" in message else self.table.overload(workers, rate)
+            if overload is not None:
+                refused.append((incoming, overload))
+                continue
             try:
                 fields = session_fields(message)
                 pinned = None if fields is None or fields.start else self._core.sessions.model_of(fields.name)
@@ -74,6 +81,7 @@ class Router:
                 check_room(self._core.in_flight + len(self.table), self._server.max_queued_requests)
                 checked = (client, request_id, planner, inputs)
                 if fields is None:
+                    self.table.check_deadline(deadline_ms, rate)
                     self._route(*checked, incoming.arrival, deadline_ms, priority, stream)
                 else:  # routed now, or when the session's request before it is answered
                     self._turns.arrive(Waiting(*checked, fields, incoming.arrival, deadline_ms, priority, stream))
@@ -91,15 +99,18 @@ class Router:
         self, client: bytes, request_id: Any, planner: Planner, inputs: Any, arrival: float, deadline_ms: int | None,
         priority: int, stream: bool,
     ) -> None:  # fmt: skip
-        """Route a checked request to the worker holding the fewest, unless the expected wait refuses it (a session's
-        request is checked so when its turn comes)."""
-        self.table.check(deadline_ms, len(self._core.workers))
+        """Route a checked request to the worker holding the fewest."""
         deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
         routed = Routed(client, request_id, planner, inputs, arrival, deadline, priority, stream)
         self.table.route(routed, list(self._core.workers))
 
     def _run_in_session(self, waiting: Waiting, inputs: dict[str, Any]) -> None:
-        """A session's request whose turn came, on its session's state."""
+        """A session's request whose turn came, on its session's state, unless the expected wait refuses it."""
+        rate = self.table.answer_rate()
+        overload = self.table.overload(len(self._core.workers), rate)
+        if overload is not None:
+            raise overload
+        self.table.check_deadline(waiting.deadline_ms, rate)
         self._route(waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms,
                     waiting.priority, waiting.stream)  # fmt: skip
 
