@@ -2,11 +2,11 @@
 
 With `[scheduler] running_batch = "worker"`, every `infer` request is refused from the expected wait before any
 other check (refusing costs a comparison once the message is decoded), or checked and routed to the worker holding
-the fewest requests, one message per worker and burst; a session's requests take their
-turns as in the batching core (manager.batching.session_turns, on the core's session store), each routed with its
-session's state once the one before it is answered. Workers answer on the control socket; this module turns those
-answers, and the ends a request meets before its answer (cancel, deadline, client gone, shutdown, its worker lost),
-into the outcomes the event loop replies with and counts.
+the fewest requests, one message per worker and burst; a session's requests take their turns as in the batching
+core (manager.batching.session_turns, on the core's session store), each routed with its session's state once the
+one before it is answered. Workers answer on the control socket; this module turns those answers, and the ends a
+request meets before its answer (cancel, deadline, client gone, shutdown, its worker lost), into the outcomes the
+event loop replies with and counts.
 """
 
 from __future__ import annotations
