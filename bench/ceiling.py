@@ -34,7 +34,7 @@ import zmq
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import Replies, closed_loop, request_frames
 from batchmaker.bench.run import ROOT, git, machine, serve_options
-from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.bench.sweep import ServedPolicy, kernel_busy
 from batchmaker.bench.verify import verify
 from batchmaker.common.config import load_config
 from batchmaker.common.graph import CellTypeSpec
@@ -163,9 +163,9 @@ def _cells(model, inputs: dict[str, Any], reply: dict[str, Any]) -> int:
 
 
 def measure(served: ServedPolicy, frames: list[bytes], model: Model | None = None) -> tuple[Replies, dict[str, float]]:
-    """One closed-loop run of `frames`, and the manager's CPU µs per request and per task during it (the
-    task count from the server's stats, read before the CPU time and after it, so the stats op is not
-    counted; NaN per task when the workers' running batches ran every step: no tasks); with the served
+    """One closed-loop run of `frames`, how busy the workers' kernels were, and the manager's CPU µs per request and
+    per task during it (the task count from the server's stats, read before the CPU time and after it, so the stats
+    op is not counted; NaN per task when the workers' running batches ran every step: no tasks); with the served
     `model`, also the worker's CPU µs per request and per task, whole and beyond its cells."""
     before = served.stats()
     cpu = served.cpu_seconds()
@@ -177,6 +177,7 @@ def measure(served: ServedPolicy, frames: list[bytes], model: Model | None = Non
     measured = {
         "tasks": tasks,
         "steps": after["steps"] - before["steps"],
+        "kernel_busy": kernel_busy(before, after, float(np.nanmax(replies.received))),
         "manager_cpu_us_per_request": manager * 1e6 / len(frames),
         "manager_cpu_us_per_task": manager * 1e6 / tasks if tasks else math.nan,
     }
@@ -311,19 +312,20 @@ def table(result: dict[str, Any]) -> str:
         f"load generator alone (echo server): {result['generator_alone_requests_per_s']:,.0f} requests/s",
         (
             "| workload | requests/s | cells/s | cells per request | manager CPU µs per request | per task "
-            "| worker CPU µs per request | beyond its cells | answers checked |"
+            "| worker CPU µs per request | beyond its cells | kernels busy | answers checked |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         check = row["verify"]
         ok = f"{check['checked']} ok" if check["ok"] else f"WRONG: {'; '.join(check['wrong'])}"
         failed = f", {row['failed']} requests failed" if row["failed"] else ""
+        busy = "n/a" if row.get("kernel_busy") is None else f"{row['kernel_busy']:.2f}"
         lines.append(
             f"| {row['row']} | {row['requests_per_s']:,.0f} | {row['cells_per_s']:,.0f} | "
             f"{row['cells_per_request']:.1f} | {row['manager_cpu_us_per_request']:.1f} | "
             f"{row['manager_cpu_us_per_task']:.1f} | {row.get('worker_cpu_us_per_request', math.nan):.1f} | "
-            f"{row.get('worker_cpu_us_per_request_beyond_cells', math.nan):.1f} | {ok}{failed} |"
+            f"{row.get('worker_cpu_us_per_request_beyond_cells', math.nan):.1f} | {busy} | {ok}{failed} |"
         )
     return "\n".join(lines)
 

@@ -44,7 +44,7 @@ from batchmaker.bench.generator import Replies, closed_loop, open_loop, poisson_
 from batchmaker.bench.progress import Progress
 from batchmaker.bench.report import finite, target, target_lines
 from batchmaker.bench.run import ROOT, git, machine, serve_options
-from batchmaker.bench.sweep import ServedPolicy
+from batchmaker.bench.sweep import ServedPolicy, kernel_busy
 from batchmaker.bench.verify import verify
 from batchmaker.clients.loadgen import percentiles
 from batchmaker.common.config import load_config
@@ -111,7 +111,7 @@ def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: 
     closed_loop(served.address, frames[: 2 * CAPACITY_WINDOW], CAPACITY_WINDOW)  # warm-up: plans of common lengths
     before, cpu_before = served.stats(), served.cpu_seconds()
     run = closed_loop(served.address, frames, CAPACITY_WINDOW)
-    after, cpu_after = served.stats(), served.cpu_seconds()
+    cpu_after, after = served.cpu_seconds(), served.stats()
     seconds = float(np.nanmax(run.received))
     ok = sum(1 for reply in run.replies if reply is not None and reply["ok"])
     cells = after["nodes"] - before["nodes"]
@@ -127,6 +127,8 @@ def measure_capacity(served: ServedPolicy, inputs: list[dict[str, Any]], count: 
         "estimated_cells_per_s": after["admission"]["cells_per_s"],
         "warm_up_cells_per_s": after["admission"].get("warm_up_cells_per_s"),
         "cpu_s_per_s": {role: (cpu_after[role] - cpu_before[role]) / seconds for role in cpu_before},
+        "cpu_us_per_request": {role: (cpu_after[role] - cpu_before[role]) * 1e6 / count for role in cpu_before},
+        "kernel_busy": kernel_busy(before, after, seconds),
     }
 
 
@@ -140,7 +142,9 @@ def outcomes(run: Replies) -> np.ndarray:
 def offer(
     served: ServedPolicy, inputs: list[dict[str, Any]], rate: float, seconds: float, seed: int
 ) -> dict[str, Any]:
-    """Poisson arrivals at `rate` for `seconds` on `served`; what became of every request."""
+    """Poisson arrivals at `rate` for `seconds` on `served`; what became of every request, the CPU its processes
+    used (a second, and a request sent, refusals included) and how busy the workers' kernels were."""
+    before = served.stats()
     cpu_before = served.cpu_seconds()
     load_before = os.getloadavg()[0]
     rng = np.random.default_rng(seed)
@@ -162,7 +166,8 @@ def offer(
     span = max(seconds, float(np.nanmax(run.received, initial=0.0)))
     last_answer = float(np.nanmax(run.received[ok], initial=0.0))
     goodput = ok.sum() / last_answer if last_answer else 0.0
-    cpu = {role: (cpu_after[role] - cpu_before[role]) / span for role in cpu_before}
+    used = {role: cpu_after[role] - cpu_before[role] for role in cpu_before}
+    cpu = {role: seconds / span for role, seconds in used.items()}
     cpu["generator"] = run.cpu_seconds / span
     return {
         "offered_rps": rate,
@@ -181,6 +186,8 @@ def offer(
         "refusal_ms": percentiles_ms((run.received - run.sent)[refused] * 1e3),
         "generator_behind_ms": percentiles_ms((run.sent - due) * 1e3),
         "cpu_s_per_s": cpu,
+        "cpu_us_per_request": {role: seconds * 1e6 / len(outcome) for role, seconds in used.items()},
+        "kernel_busy": kernel_busy(before, stats, span),
         "load_average": [load_before, os.getloadavg()[0]],
         "refusal_message": refusal,
         "admission": stats["admission"],
@@ -269,9 +276,10 @@ def table(result: dict[str, Any]) -> str:
         (
             "| offered | req/s | accepted p50 ms | accepted p99 ms | p99 ms, first second | server p99 ms | refused "
             "| goodput / capacity "
-            "| lost | generator late p99 ms | CPU s/s manager, worker, generator |"
+            "| lost | generator late p99 ms | CPU s/s manager, worker, generator | manager CPU µs a request "
+            "| kernels busy |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for m in result["factors"]:
         cpu = m["cpu_s_per_s"]
@@ -281,9 +289,14 @@ def table(result: dict[str, Any]) -> str:
             f"| {m['first_second_latency_ms']['p99']:.0f} | {m['server_ms']['p99']:.0f} | {m['refused_share']:.0%} "
             f"| {m['goodput_over_capacity']:.2f} | {m['lost']} "
             f"| {m['generator_behind_ms']['p99']:.1f} "
-            f"| {cpu.get('manager', math.nan):.2f}, {cpu.get('worker', math.nan):.2f}, {cpu['generator']:.2f} |"
+            f"| {cpu.get('manager', math.nan):.2f}, {cpu.get('worker', math.nan):.2f}, {cpu['generator']:.2f} "
+            f"| {m.get('cpu_us_per_request', {}).get('manager', math.nan):.1f} | {_fraction(m.get('kernel_busy'))} |"
         )
     return "\n".join(lines)
+
+
+def _fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _cells(rate: float | None) -> str:

@@ -244,6 +244,7 @@ def overload_result(p99_ms: float, goodput: float, lost: int, wrong: bool = Fals
                 "first_second_latency_ms": first,
                 "generator_behind_ms": pct, "refused_share": 1 - 1 / value, "goodput_over_capacity": goodput,
                 "lost": lost, "duplicate_replies": 0, "cpu_s_per_s": {"manager": 0.7, "worker": 0.6, "generator": 0.2},
+                "cpu_us_per_request": {"manager": 31.5, "worker": 240.0}, "kernel_busy": 0.82,
                 "verify": {"ok": not wrong, "wrong": ["h differs"] if wrong else []}}
 
     capacity = {"requests_per_s": 1000.0, "cells_per_s": 22500.0, "mean_batch_size": 63.0, "window": 256,
@@ -260,6 +261,7 @@ def test_overload_goals_are_met_or_missed_per_factor():
     assert all(t["met"] for t in good["targets"]) and len(good["targets"]) == 4 * len(overload.FACTORS)
     assert not overload.problems(good)
     assert "| 10x | 10000 | 200 | 400 | 450 | 400 | 90% | 0.95 | 0 |" in overload.table(good)
+    assert "| 0.70, 0.60, 0.20 | 31.5 | 0.82 |" in overload.table(good)
     assert "again after the loads: 700 req/s (0.70x); the machine's other load changed" in overload.table(good)
     assert ("CPU s/s manager 0.60, worker 0.80); the server's estimate: 23,000 cells/s, timed at warm-up: "
             "26,000 cells/s") in overload.table(good)

@@ -7,12 +7,16 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_LSTM, write_config
+from conftest import SMALL_LSTM, wait_until, write_config
 
 from batchmaker.bench import ceiling
 from batchmaker.bench.generator import request_frames
 from batchmaker.bench.sweep import ServedPolicy
 from batchmaker.common.models import build_model
+
+
+def kernels_reported(served: ServedPolicy) -> bool:
+    return all(worker["kernel_busy_s"] is not None for worker in served.stats()["workers"].values())
 
 
 def test_a_run_reports_the_managers_cpu_per_request_and_per_task_and_the_workers_beyond_its_cells(tmp_path: Path):
@@ -36,9 +40,10 @@ def test_with_the_workers_deciding_the_steps_there_is_no_task_and_the_worker_is_
     frames = request_frames("lstm", [{"tokens": list(range(1, 23))}] * 300)
     options = ("--running-batch", "worker")
     with ServedPolicy(config.path, config.server.address, "cellular", "lstm", *options) as served:
+        wait_until(lambda: kernels_reported(served), "the worker's first report of its kernels' time")
         replies, measured = ceiling.measure(served, frames, build_model(config.models["lstm"]))
     assert replies.lost == 0 and all(reply["ok"] for reply in replies.replies)
-    assert measured["tasks"] == 0 and measured["steps"] > 0
+    assert measured["tasks"] == 0 and measured["steps"] > 0 and 0 < measured["kernel_busy"] <= 1
     assert math.isnan(measured["manager_cpu_us_per_task"]) and math.isnan(measured["worker_cpu_us_per_task"])
     assert 0 < measured["worker_cpu_us_per_request_beyond_cells"] < measured["worker_cpu_us_per_request"]
 
@@ -52,6 +57,7 @@ def test_the_table_shows_the_managers_cpu_per_request_and_per_task():
         "manager_cpu_us_per_task": 120.5,
         "worker_cpu_us_per_request": 30.0,
         "worker_cpu_us_per_request_beyond_cells": 6.25,
+        "kernel_busy": 0.74,
         "failed": 0,
         "verify": {"ok": True, "checked": 40, "wrong": []},
     }
@@ -64,5 +70,5 @@ def test_the_table_shows_the_managers_cpu_per_request_and_per_task():
     }
     table = ceiling.table(result)
     assert "each step decided by the worker" in table
-    assert "| manager CPU µs per request | per task | worker CPU µs per request | beyond its cells |" in table
-    assert "| LSTM, WMT lengths | 12,000 | 260,000 | 21.7 | 41.0 | 120.5 | 30.0 | 6.2 | 40 ok |" in table
+    assert "| manager CPU µs per request | per task | worker CPU µs per request | beyond its cells | kernels busy |" in table
+    assert "| LSTM, WMT lengths | 12,000 | 260,000 | 21.7 | 41.0 | 120.5 | 30.0 | 6.2 | 0.74 | 40 ok |" in table

@@ -236,15 +236,16 @@ class Worker:
 
     def _answer(self, partials: list[list[Any]], answers: list[list[Any]]) -> None:
         """Send the manager partials and answers of routed requests, with the steps the running batch ran since the
-        last ones; with none, the steps alone once PROGRESS_S has passed, so that a batch that runs is not taken for
-        hung."""
+        last ones and the kernels' busy time so far (a heartbeat's would be up to HEARTBEAT_S old); with none, the
+        steps alone once PROGRESS_S has passed, so that a batch that runs is not taken for hung."""
         now = time.monotonic()
         if not answers and not partials and now - self._reported_at < PROGRESS_S:
             return
         ran = self._held.batch.take_ran() if self._held is not None else {}
         if answers or partials or ran:
             self._reported_at = now
-            message = {"op": "answers", "answers": answers, "ran": ran}
+            kernels = self._backend.kernel_busy_us()
+            message = {"op": "answers", "answers": answers, "ran": ran, "kernel_busy_us": kernels}
             if partials:
                 message["partials"] = partials
             self._socket.send(encode(message))

@@ -154,12 +154,16 @@ class WorkerHandle:
     def heard_from(self, signal: int, now: float, kernel_busy_us: int | None) -> None:
         """A notice or heartbeat arrived, with the worker's counter and kernel busy time."""
         self.last_seen = now
-        # A CPU worker's stream sends its notices and its poller the heartbeats, on two sockets: a heartbeat
-        # may arrive after a notice sent later. The worker's total only grows, so the largest is the latest.
-        self.kernel_busy_us = None if kernel_busy_us is None else max(kernel_busy_us, self.kernel_busy_us or 0)
+        self.kernels_timed(kernel_busy_us)
         if signal != self.signal:
             self.signal = signal
             self.progress_at = now
+
+    def kernels_timed(self, kernel_busy_us: int | None) -> None:
+        """The worker's kernel busy time so far, from a notice, a heartbeat or its running batch's answers. They come
+        on different sockets (a CPU worker's stream sends its notices, its poller the heartbeats, its main thread the
+        answers), so one may arrive after one sent later: the total only grows, so the largest is the latest."""
+        self.kernel_busy_us = None if kernel_busy_us is None else max(kernel_busy_us, self.kernel_busy_us or 0)
 
     def store_rows(self, rows: list[IoRows]) -> None:
         """Write the result rows a worker on another host sent into the arrays standing in for its io

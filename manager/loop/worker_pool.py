@@ -181,10 +181,12 @@ class WorkerPool:
             if op == "answers":
                 worker = self._worker_of(identity)
                 batch, partials, ran = message.get("answers"), message.get("partials", []), message.get("ran", {})
+                kernels = message.get("kernel_busy_us")
                 well_formed = isinstance(batch, list) and isinstance(partials, list) and _steps_by_size(ran)
-                if worker is None or not well_formed:
+                if worker is None or not well_formed or not isinstance(kernels, (int, type(None))):
                     self._drop("a malformed answers message on the worker control socket")
                     continue
+                worker.kernels_timed(kernels)
                 answers.append(WorkerAnswers(worker, batch, partials, ran))
             elif op == "health":  # the supervisor's readiness check, on the private socket
                 health_checks.append(identity)
