@@ -152,7 +152,10 @@ def test_announced_arena_rows_out_of_bounds_or_ill_typed_are_refused_before_any_
 
 
 @pytest.mark.parametrize(
-    "field", [{"index": "0"}, {"pid": "1"}, {"device": 5}, {"arenas": "many"}, {"arenas": [1, 2]}], ids=repr
+    "field",
+    [{"index": "0"}, {"pid": "1"}, {"device": 5}, {"arenas": "many"}, {"arenas": [1, 2]}, {"kernel_busy_us": -1},
+     {"kernel_busy_us": 1.5}],
+    ids=repr,
 )
 def test_ill_typed_registrations_are_refused(pool: Pool, field: dict[str, Any]):
     socket = pool.dealer()
@@ -240,6 +243,16 @@ def test_a_peers_report_from_a_socket_that_never_registered_is_dropped(pool: Poo
     wait_until(
         lambda: pool.pool.control_messages() and pool.pool.dropped_messages > dropped, "the report being dropped"
     )
+
+
+def test_a_registration_brings_the_workers_kernel_time_so_far_its_warm_ups(pool: Pool):
+    socket = pool.dealer()
+    message = {"op": "register", "index": 0, "pid": 1, "device": "cpu", "cells": pool.cells, "host": "elsewhere"}
+    socket.send(encode(message | {"arenas": pool.arenas(local=False), "kernel_busy_us": 1234}))
+    reply = decode(pool.reply(socket, b"registered"))
+    assert reply["ok"] and pool.pool.workers[reply["worker_id"]].kernel_busy_us == 1234
+    _, untimed = pool.register("elsewhere")  # a GPU worker's kernels are not timed: it says nil, or nothing
+    assert pool.pool.workers[untimed["worker_id"]].kernel_busy_us is None
 
 
 def test_the_registration_reply_says_whether_requests_are_routed_whole_with_the_bounds_of_chain_runs(pool: Pool):

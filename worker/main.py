@@ -137,6 +137,7 @@ class Worker:
                         "arenas": [arena.to_wire() for arena in self._backend.arenas],
                         "signal": self._backend.signal_name,
                         "full_task_s": self._backend.full_task_seconds(),
+                        "kernel_busy_us": self._backend.kernel_busy_us(),  # its warm-up's, not counted as load
                     }
                 )
             )

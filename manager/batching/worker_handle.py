@@ -24,6 +24,9 @@ def check_registration(message: dict[str, Any], max_rows: dict[str, int]) -> Non
         raise RequestError(BAD_REQUEST, "the registration's index and pid must be integers")
     if not isinstance(message.get("device", ""), str):
         raise RequestError(BAD_REQUEST, "the registration's device must be a string")
+    kernels = message.get("kernel_busy_us")
+    if kernels is not None and not (_is_int(kernels) and kernels >= 0):
+        raise RequestError(BAD_REQUEST, "the registration's kernel_busy_us must be a non-negative integer or nil")
     arenas = message.get("arenas")
     if not isinstance(arenas, list) or len(arenas) > 2 * len(max_rows) * 1024:
         raise RequestError(BAD_REQUEST, "the registration's arenas must be a list")
@@ -99,6 +102,7 @@ class WorkerHandle:
         self.last_seen = now  # any message from the worker
         self.signal = 0  # its stream's counter, as last reported
         self.kernel_busy_us: int | None = None  # its cells' forward calls so far, as it reports them (None: untimed)
+        self.kernels_timed(registration.get("kernel_busy_us"))  # from its registration: its warm-up's
         self.progress_at = now  # when the counter last advanced, or work arrived while it was idle
         self.loads_pending = 0  # versions it was told to load and has not answered for: its tasks wait meanwhile
 
