@@ -33,6 +33,7 @@ import zmq
 
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import Replies, closed_loop, request_frames
+from batchmaker.bench.report import fraction
 from batchmaker.bench.run import ROOT, git, machine, serve_options
 from batchmaker.bench.sweep import ServedPolicy, kernel_busy
 from batchmaker.bench.verify import verify
@@ -320,12 +321,12 @@ def table(result: dict[str, Any]) -> str:
         check = row["verify"]
         ok = f"{check['checked']} ok" if check["ok"] else f"WRONG: {'; '.join(check['wrong'])}"
         failed = f", {row['failed']} requests failed" if row["failed"] else ""
-        busy = "n/a" if row.get("kernel_busy") is None else f"{row['kernel_busy']:.2f}"
         lines.append(
             f"| {row['row']} | {row['requests_per_s']:,.0f} | {row['cells_per_s']:,.0f} | "
             f"{row['cells_per_request']:.1f} | {row['manager_cpu_us_per_request']:.1f} | "
             f"{row['manager_cpu_us_per_task']:.1f} | {row.get('worker_cpu_us_per_request', math.nan):.1f} | "
-            f"{row.get('worker_cpu_us_per_request_beyond_cells', math.nan):.1f} | {busy} | {ok}{failed} |"
+            f"{row.get('worker_cpu_us_per_request_beyond_cells', math.nan):.1f} | {fraction(row.get('kernel_busy'))} | "
+            f"{ok}{failed} |"
         )
     return "\n".join(lines)
 

@@ -42,7 +42,7 @@ import numpy as np
 from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import Replies, closed_loop, open_loop, poisson_schedule, request_frames
 from batchmaker.bench.progress import Progress
-from batchmaker.bench.report import finite, target, target_lines
+from batchmaker.bench.report import finite, fraction, target, target_lines
 from batchmaker.bench.run import ROOT, git, machine, serve_options
 from batchmaker.bench.sweep import ServedPolicy, kernel_busy
 from batchmaker.bench.verify import verify
@@ -290,13 +290,9 @@ def table(result: dict[str, Any]) -> str:
             f"| {m['goodput_over_capacity']:.2f} | {m['lost']} "
             f"| {m['generator_behind_ms']['p99']:.1f} "
             f"| {cpu.get('manager', math.nan):.2f}, {cpu.get('worker', math.nan):.2f}, {cpu['generator']:.2f} "
-            f"| {m.get('cpu_us_per_request', {}).get('manager', math.nan):.1f} | {_fraction(m.get('kernel_busy'))} |"
+            f"| {m.get('cpu_us_per_request', {}).get('manager', math.nan):.1f} | {fraction(m.get('kernel_busy'))} |"
         )
     return "\n".join(lines)
-
-
-def _fraction(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _cells(rate: float | None) -> str:

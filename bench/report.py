@@ -42,6 +42,11 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     return summary
 
 
+def fraction(value: float | None) -> str:
+    """A table cell for a share such as the kernels' busy time: n/a where it was not measured."""
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def finite(value: Any) -> Any:
     """JSON has no NaN: missing measurements are written as null."""
     if isinstance(value, float) and not math.isfinite(value):

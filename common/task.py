@@ -372,10 +372,16 @@ def decode_notice(frame: bytes) -> CompletionNotice:
         raise ValueError("rows are not [io arena, slots, data] entries")
     if not isinstance(busy_us, list) or len(busy_us) not in (0, len(task_ids)) or not all(map(_is_int, busy_us)):
         raise ValueError("busy times are not an integer per task (or none)")
-    if kernel_busy_us is not None and not (_is_int(kernel_busy_us) and kernel_busy_us >= 0):
+    if not is_kernel_time(kernel_busy_us):
         raise ValueError("the kernel busy time is not an integer >= 0 (or nil)")
     io_rows = [IoRows(a, _view(s), data) for a, s, data in rows]
     return CompletionNotice(worker_id, task_ids, errors, signal, io_rows, key, busy_us, kernel_busy_us)
+
+
+def is_kernel_time(value: object) -> bool:
+    """Whether a worker's reported kernel busy time (in a notice, a heartbeat, its registration or its running
+    batch's answers) is well formed: microseconds, an integer >= 0, or nil where its kernels are not timed."""
+    return value is None or (_is_int(value) and value >= 0)
 
 
 def _is_int(value: object) -> bool:

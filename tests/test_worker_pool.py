@@ -276,12 +276,13 @@ def test_answers_of_a_worker_come_back_per_message_and_malformed_ones_are_droppe
     assert answers[0].worker.kernel_busy_us == 900  # the running batch's kernel time: the largest is the latest
     dropped = pool.pool.dropped_messages
     worker.send(encode({"op": "answers", "answers": [], "ran": {}, "kernel_busy_us": "a while"}))
+    worker.send(encode({"op": "answers", "answers": [], "ran": {}, "kernel_busy_us": -1}))
     worker.send(encode({"op": "answers", "answers": "all"}))
     worker.send(encode({"op": "answers"}))
     worker.send(encode({"op": "answers", "answers": [], "ran": {"lstm/layer0": {"64": 3}}}))
     worker.send(encode({"op": "answers", "answers": [], "partials": "some"}))
     pool.dealer().send(encode({"op": "answers", "answers": []}))  # from a socket that never registered
-    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages == dropped + 6, "the drops")
+    wait_until(lambda: pool.pool.control_messages() and pool.pool.dropped_messages == dropped + 7, "the drops")
 
 
 def test_only_a_worker_of_this_host_is_written_off_by_pid(pool: Pool):

@@ -13,7 +13,7 @@ from batchmaker.common.graph import ValueKind
 from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, RequestError, echo
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.slots import FIRST_FREE_SLOT, SlotAllocator
-from batchmaker.common.task import IoRows
+from batchmaker.common.task import IoRows, is_kernel_time
 from batchmaker.manager.batching.records import Task
 
 
@@ -24,8 +24,7 @@ def check_registration(message: dict[str, Any], max_rows: dict[str, int]) -> Non
         raise RequestError(BAD_REQUEST, "the registration's index and pid must be integers")
     if not isinstance(message.get("device", ""), str):
         raise RequestError(BAD_REQUEST, "the registration's device must be a string")
-    kernels = message.get("kernel_busy_us")
-    if kernels is not None and not (_is_int(kernels) and kernels >= 0):
+    if not is_kernel_time(message.get("kernel_busy_us")):
         raise RequestError(BAD_REQUEST, "the registration's kernel_busy_us must be a non-negative integer or nil")
     arenas = message.get("arenas")
     if not isinstance(arenas, list) or len(arenas) > 2 * len(max_rows) * 1024:

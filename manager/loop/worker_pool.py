@@ -31,7 +31,7 @@ from batchmaker.common.hosts import default_host_id
 from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, echo, encode
 from batchmaker.common.server_config import ServerConfig, check_worker_address
 from batchmaker.common.sockets import NOW, send, server_context
-from batchmaker.common.task import CompletionNotice, decode_notice, encode_task
+from batchmaker.common.task import CompletionNotice, decode_notice, encode_task, is_kernel_time
 from batchmaker.manager.batching.records import Task
 from batchmaker.manager.batching.worker_handle import WorkerHandle, check_registration
 
@@ -183,7 +183,7 @@ class WorkerPool:
                 batch, partials, ran = message.get("answers"), message.get("partials", []), message.get("ran", {})
                 kernels = message.get("kernel_busy_us")
                 well_formed = isinstance(batch, list) and isinstance(partials, list) and _steps_by_size(ran)
-                if worker is None or not well_formed or not isinstance(kernels, (int, type(None))):
+                if worker is None or not well_formed or not is_kernel_time(kernels):
                     self._drop("a malformed answers message on the worker control socket")
                     continue
                 worker.kernels_timed(kernels)
