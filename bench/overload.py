@@ -43,7 +43,7 @@ from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.generator import Replies, closed_loop, open_loop, poisson_schedule, request_frames
 from batchmaker.bench.progress import Progress
 from batchmaker.bench.report import finite, fraction, target, target_lines
-from batchmaker.bench.run import ROOT, git, machine, serve_options
+from batchmaker.bench.run import ROOT, git, machine, serve_options, steps_decided_by
 from batchmaker.bench.sweep import ServedPolicy, kernel_busy
 from batchmaker.bench.verify import verify
 from batchmaker.clients.loadgen import percentiles
@@ -234,7 +234,7 @@ def run(quick: bool, progress: Progress, running_batch: str | None = None, worke
         "machine": machine(),
         "config": str(DEFAULT_CONFIG.relative_to(ROOT)),
         "max_queue_delay_ms": config.server.max_queue_delay_ms,
-        "running_batch": running_batch or config.scheduler.running_batch,
+        "running_batch": steps_decided_by(config, running_batch, workers),
         "cpu_workers": workers,
         "dataset": {"name": DATASET, "requests": len(inputs)},
         "capacity": capacity,

@@ -21,7 +21,7 @@ from batchmaker.bench.presets import Preset, Sweep
 from batchmaker.bench.progress import Progress
 from batchmaker.bench.sweep import ServedPolicy, saturated
 from batchmaker.bench.verify import verify
-from batchmaker.common.config import load_config
+from batchmaker.common.config import Config, load_config, resolve_running_batch
 from batchmaker.common.models import build_model, init_missing_weights
 from batchmaker.common.models.base import Model
 from batchmaker.manager.commands.launcher import free_port_on
@@ -118,6 +118,12 @@ def serve_options(policy: str, running_batch: str | None, workers: int = 1) -> t
     return (*(("--running-batch", running_batch) if running_batch is not None else ()), "--workers", str(workers))
 
 
+def steps_decided_by(config: Config, running_batch: str | None, workers: int) -> str:
+    """Who decides the steps of the cellular policy's server (its JSON's `running_batch`): as given, else what the
+    config's `running_batch` resolves to on the benchmarks' CPU workers."""
+    return running_batch or resolve_running_batch(config, ["cpu"] * workers).scheduler.running_batch
+
+
 def run_preset(
     preset: Preset, sweep: Sweep, progress: Progress, running_batch: str | None = None, workers: int = 1
 ) -> dict[str, Any]:
@@ -186,7 +192,7 @@ def run_preset(
         "sweep": {"fractions_of_ideal": list(sweep.fractions), "seconds_per_load": sweep.seconds},
         "reference_policy": preset.reference,
         "max_tasks_to_submit": config.scheduler.max_tasks_to_submit,
-        "running_batch": running_batch or config.scheduler.running_batch,
+        "running_batch": steps_decided_by(config, running_batch, workers),
         "cpu_workers": workers,
         "kernel": kernels["served"],
         "torch_nn_kernel": kernels["torch_nn"],

@@ -23,7 +23,7 @@ from batchmaker.common.tracing_config import TracingConfig, parse_tracing
 DEFAULT_CONFIG = "configs/default.toml"
 POLICIES = ("cellular", "padded", "graph")
 AFFINITIES = ("subgraph", "request")
-RUNNING_BATCH = ("manager", "worker")
+RUNNING_BATCH = ("auto", "manager", "worker")
 VERSION_MARK = "@"  # a model's later versions are served internally as models named "NAME@2", "NAME@3", ...
 
 
@@ -62,7 +62,8 @@ class SchedulerConfig:
     max_steps_per_task: int = 64
     max_join_delay_us: int = 2000  # a multi-step task's expected duration at a light load (manager.batching.join_delay)
     latency_target_ms: int = 100  # the latency wanted under load: a fifth of it bounds a multi-step task's duration
-    running_batch: str = "manager"  # who decides each step: "manager" (tasks) or "worker" (requests routed whole)
+    # who decides each step: "manager" (tasks) or "worker" (requests routed whole); "auto": resolve_running_batch
+    running_batch: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ def with_policy(config: Config, policy: str) -> Config:
     """The config with its scheduler policy replaced (`batchmaker serve --policy`)."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    checked_running_batch(config.scheduler.running_batch, policy)
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
 
 
@@ -205,6 +207,16 @@ def with_running_batch(config: Config, running_batch: str) -> Config:
     """The config with who decides each step replaced (`batchmaker serve --running-batch`)."""
     checked_running_batch(running_batch, config.scheduler.policy)
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, running_batch=running_batch))
+
+
+def resolve_running_batch(config: Config, devices: list[str]) -> Config:
+    """The config with `running_batch = "auto"` made definite for the devices its workers run on: the workers decide
+    the steps of the cellular policy on CPU workers (the manager's per-step work would cost more than their cells);
+    the manager decides them on GPUs (its tasks reach the stream ahead of time) and for the baseline policies."""
+    if config.scheduler.running_batch != "auto":
+        return config
+    on_cpu = config.scheduler.policy == "cellular" and all(device == "cpu" for device in devices)
+    return with_running_batch(config, "worker" if on_cpu else "manager")
 
 
 def with_door_addresses(config: Config, http: str | None, grpc: str | None) -> Config:

@@ -4,13 +4,24 @@ tables. tests/test_config_models.py checks the [models.x] tables, model building
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from batchmaker.common.addresses import is_loopback
-from batchmaker.common.config import AFFINITIES, POLICIES, ConfigError, load_config, with_policy, with_running_batch
+from batchmaker.common.config import (
+    AFFINITIES,
+    POLICIES,
+    Config,
+    ConfigError,
+    load_config,
+    resolve_running_batch,
+    with_policy,
+    with_running_batch,
+)
 from batchmaker.common.models import build_model
 from batchmaker.common.models.chain_cells import LSTMModel
 
@@ -202,21 +213,40 @@ def test_multi_step_keys(tmp_path: Path) -> None:
 
 
 def test_running_batch_key(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, MODEL)).scheduler.running_batch == "manager"
+    assert load_config(write(tmp_path, MODEL)).scheduler.running_batch == "auto"
     text = '[scheduler]\nrunning_batch = "worker"\n' + MODEL
     assert load_config(write(tmp_path, text)).scheduler.running_batch == "worker"
     for bad in ('"workers"', "1", "true"):
         text = f"[scheduler]\nrunning_batch = {bad}\n" + MODEL
-        config_error(tmp_path, text, "running_batch must be one of manager, worker")
+        config_error(tmp_path, text, "running_batch must be one of auto, manager, worker")
     for policy in ("padded", "graph"):
         text = f'[scheduler]\npolicy = "{policy}"\nrunning_batch = "worker"\n' + MODEL
         config_error(tmp_path, text, f"the {policy} policy's batches are formed by the manager")
     config = load_config(write(tmp_path, MODEL))
     assert with_running_batch(config, "worker").scheduler.running_batch == "worker"
-    with pytest.raises(ConfigError, match="running_batch must be one of manager, worker"):
+    with pytest.raises(ConfigError, match="running_batch must be one of auto, manager, worker"):
         with_running_batch(config, "both")
     with pytest.raises(ConfigError, match="the graph policy's batches are formed by the manager"):
         with_running_batch(with_policy(config, "graph"), "worker")
+    with pytest.raises(ConfigError, match="the padded policy's batches are formed by the manager"):
+        with_policy(with_running_batch(config, "worker"), "padded")
+
+
+def test_running_batch_auto_is_the_workers_on_cpu_workers_only(tmp_path: Path) -> None:
+    """The workers decide the cellular policy's steps on CPU workers; the manager on GPUs and for the baselines;
+    a value set in the file or on the command line stays as it is."""
+    config = load_config(write(tmp_path, MODEL))
+
+    def resolved(config: Config, devices: list[str]) -> str:
+        return resolve_running_batch(config, devices).scheduler.running_batch
+
+    assert resolved(config, ["cpu"]) == resolved(config, ["cpu", "cpu"]) == "worker"
+    assert resolved(config, ["cuda:0"]) == resolved(config, ["cpu", "cuda:1"]) == "manager"
+    for policy in ("padded", "graph"):
+        assert resolved(with_policy(config, policy), ["cpu"]) == "manager"
+    for chosen in ("manager", "worker"):
+        assert resolved(with_running_batch(config, chosen), ["cpu"]) == chosen
+        assert resolved(with_running_batch(config, chosen), ["cuda:0"]) == chosen
 
 
 # -- [server] cuda_graphs -----------------------------------------------------------------------------------
@@ -321,3 +351,13 @@ def test_the_bundled_configs_name_their_random_weights_as_random():
             assert model.weights.stem.endswith("-random"), (path.name, model.name, model.weights.name)
     manifests = (ROOT / "deploy" / "k8s" / "configmap.yaml").read_text()
     assert re.findall(r'weights = "([^"]+)"', manifests) == ["/weights/lstm-h256-random.pt"]
+
+
+def test_a_manager_started_alone_needs_running_batch_resolved(tmp_path: Path) -> None:
+    """Only `batchmaker serve` knows the workers' devices that `auto` is resolved from."""
+    command = [sys.executable, "-m", "batchmaker.manager", "--config", str(write(tmp_path, MODEL))]
+    sockets = ["--address", f"ipc://{tmp_path}/clients", "--worker-address", f"ipc://{tmp_path}/workers"]
+    command += [*sockets, "--metrics-address", ""]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "a manager started alone needs --running-batch manager or worker" in done.stderr

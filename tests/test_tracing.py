@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from batchmaker.clients import Client, Partial, Reply, ServerError
-from batchmaker.common.config import Config
+from batchmaker.common.config import Config, resolve_running_batch
 from batchmaker.common.models import build_model
 from batchmaker.common.models.base import save_weights
 from batchmaker.common.models.seq2seq import decoding_mismatch
@@ -47,6 +47,7 @@ SST = ROOT / "data" / "sst"
 MODELS = (
     SMALL_LSTM + SST_TREELSTM + SMALL_SEQ2SEQ.replace("max_decode_length = 60", f"max_decode_length = {LONG_DECODE}")
 )
+MANAGER_STEPS = 'running_batch = "manager"'  # the tasks a request's cells ran in have spans of their own
 CALLER = trace.get_tracer("test-caller", tracer_provider=TracerProvider())  # the client's own spans
 
 
@@ -54,6 +55,7 @@ class TracedServer:
     """A manager run in this process with spans exported to memory, and its workers as processes."""
 
     def __init__(self, config: Config, workers: int, sample_rate: float = 1.0):
+        config = resolve_running_batch(config, ["cpu"] * workers)  # as `batchmaker serve` would
         self.config = config
         self.address = config.server.address
         self.exporter = InMemorySpanExporter()
@@ -112,7 +114,7 @@ class TracedServer:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedServer]:
     """LSTM, TreeLSTM and a Seq2Seq whose decoder never emits EOS (it stops at max_len), one worker."""
-    config = write_config(tmp_path_factory.mktemp("tracing"), MODELS)
+    config = write_config(tmp_path_factory.mktemp("tracing"), MODELS, scheduler=MANAGER_STEPS)
     seq2seq = build_model(config.models["seq2seq"])
     state = seq2seq.load_weights()
     state["decoder.projection.bias"][seq2seq.eos_id] = -1e4
@@ -296,7 +298,9 @@ def test_a_caller_that_does_not_sample_is_not_traced(served: TracedServer):
 
 def test_a_replayed_request_has_a_replay_event_and_its_lost_task(tmp_path: Path):
     """The request's first worker hangs with its task in flight and is killed; a second worker runs it again."""
-    config = write_config(tmp_path, with_faults(tmp_path, SMALL_LSTM), server="heartbeat_timeout_ms = 1000")
+    config = write_config(
+        tmp_path, with_faults(tmp_path, SMALL_LSTM), server="heartbeat_timeout_ms = 1000", scheduler=MANAGER_STEPS
+    )
     server = TracedServer(config, workers=1)
     try:
         with server.client() as client:
@@ -340,7 +344,7 @@ def test_a_replayed_request_has_a_replay_event_and_its_lost_task(tmp_path: Path)
 
 
 def test_a_request_routed_to_a_running_batch_names_its_worker(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM, scheduler='running_batch = "worker"')
+    config = write_config(tmp_path, SMALL_LSTM)  # CPU workers: they decide the steps by default
     server = TracedServer(config, workers=1)
     try:
         tokens = list(range(3, 40))

@@ -28,6 +28,7 @@ import zmq
 from batchmaker.common.auth import connect_socket
 from batchmaker.common.config import (
     Config,
+    resolve_running_batch,
     with_door_addresses,
     with_metrics_address,
     with_policy,
@@ -95,9 +96,9 @@ class WorkerSlot:
 
 class Supervisor:
     def __init__(self, config: Config, address: str | None = None, workers: int | None = None):
-        self.config = config
-        self.address = address or config.server.address
         self.devices = resolve_devices(config, workers)
+        self.config = resolve_running_batch(config, self.devices)
+        self.address = address or config.server.address
         self._private_dir: str | None = None
         if config.server.worker_address == "auto":
             self._private_dir = tempfile.mkdtemp(prefix="batchmaker-")
@@ -348,9 +349,10 @@ def serve(
             log.error("the server did not become ready; see the messages above")
             return 1
         devices = ", ".join(supervisor.devices)
+        steps = "the workers'" if supervisor.config.scheduler.running_batch == "worker" else "the manager's"
         log.info(
-            "ready: serving %s on %s with workers on %s (%s batching)",
-            ", ".join(config.models), supervisor.address, devices, config.scheduler.policy,
+            "ready: serving %s on %s with workers on %s (%s batching, %s steps)",
+            ", ".join(config.models), supervisor.address, devices, config.scheduler.policy, steps,
         )
         doors = (("HTTP", config.http), ("gRPC", config.grpc))
         listeners = [f"{name} on {table.address}" for name, table in doors if table is not None]

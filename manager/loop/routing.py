@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batchmaker.common.config import Config
+from batchmaker.common.config import Config, ConfigError
 from batchmaker.common.graph import CellTypeSpec
 from batchmaker.common.models.base import Planner
 from batchmaker.common.protocol import (
@@ -47,6 +47,11 @@ class Router:
 
     def __init__(self, config: Config, core: BatchingCore, pool: WorkerPool, specs: list[CellTypeSpec]):
         """`specs`: the cell types the workers started with (their running batches' window)."""
+        if config.scheduler.running_batch not in ("manager", "worker"):
+            raise ConfigError(
+                f"running_batch = {config.scheduler.running_batch!r} is resolved from the workers' devices by "
+                "`batchmaker serve`; a manager started alone needs --running-batch manager or worker"
+            )
         self.enabled = config.scheduler.running_batch == "worker"
         self._server = config.server
         self._core = core
