@@ -173,9 +173,14 @@ def main() -> int:
     if stats is None:
         print(f"server stats    none: the server did not answer `stats` within {STATS_TIMEOUT_S} s")
     else:
-        print(f"mean batch size {stats['mean_batch_size']:.1f} cells per task over {stats['tasks']} tasks")
-        print(f"cellular        {stats['joining_tasks']} tasks joined new requests to running ones; "
-              f"{stats['leaving_requests']} requests left while older ones still ran")
+        if stats["running_batch"] == "worker":
+            print(f"mean batch size {stats['mean_batch_size']:.1f} cells per step over {stats['steps']} steps, "
+                  "each decided by the worker running it")
+            print(f"cellular        {stats['leaving_requests']} requests left while older ones still ran")
+        else:
+            print(f"mean batch size {stats['mean_batch_size']:.1f} cells per task over {stats['tasks']} tasks")
+            print(f"cellular        {stats['joining_tasks']} tasks joined new requests to running ones; "
+                  f"{stats['leaving_requests']} requests left while older ones still ran")
     for line in yardstick.lines(args.reference, args.rate, config.models["lstm"].params):
         print(line)
     print(f"verified        {checked} replies against the reference model, {differing} differ, "

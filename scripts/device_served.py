@@ -31,7 +31,7 @@ def serving_config(
     directory: Path, devices: list[str], cuda_graphs: bool = False, lstm_hidden: int | None = None
 ) -> Config:
     """configs/all.toml on `devices` (or, with `lstm_hidden`, the LSTM alone at that size, batches up to 512),
-    on a free port, one task per submission so that subgraphs change workers and peers' arenas are read;
+    on a free port, the manager's tasks one per submission so that subgraphs change workers and peers' arenas are read;
     weights it lacks are made in `directory`."""
     text = (ROOT / "configs" / "all.toml").read_text()
     if lstm_hidden is not None:
@@ -47,7 +47,8 @@ def serving_config(
         r"(?m)^devices = .*$\n^cpu_workers = .*$", f"{workers}\ncuda_graphs = {str(cuda_graphs).lower()}", text
     )
     text = re.sub(r"(?m)^address = .*$", f'address = "tcp://127.0.0.1:{free_port_on("127.0.0.1")}"', text)
-    text = re.sub(r"(?m)^max_tasks_to_submit = .*$", "max_tasks_to_submit = 1", text)
+    # The manager's steps (a GPU's default), so that CPU workers check the same path.
+    text = re.sub(r"(?m)^max_tasks_to_submit = .*$", 'max_tasks_to_submit = 1\nrunning_batch = "manager"', text)
     for weights in re.findall(r'"\.\./weights/([^"]+)"', text):
         if not (ROOT / "weights" / weights).exists():
             text = text.replace(f'"../weights/{weights}"', f'"{directory}/{weights}"')

@@ -103,7 +103,9 @@ def check_replies(flood: Flood, config: Any, overloaded: re.Pattern[str]) -> dic
 
 
 def test_a_flood_is_refused_by_expected_wait_and_every_request_is_answered_once(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}")
+    # The batching core's estimate, from the cells it schedules (the running batch's has a test of its own below).
+    manager_steps = 'running_batch = "manager"'
+    config = write_config(tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}", scheduler=manager_steps)
     rng = np.random.default_rng(7)
     server = start_server(config, workers=1)
     flood = Flood(server.address)

@@ -18,7 +18,7 @@ from batchmaker.bench.datasets import DATASETS, FIXED_LENGTH, LONGEST
 from batchmaker.bench.generator import Replies, open_loop, poisson_schedule, request_frames
 from batchmaker.bench.kernel import ideal
 from batchmaker.bench.presets import PRESETS, presets_named
-from batchmaker.bench.run import serve_options
+from batchmaker.bench.run import serve_options, steps_decided_by
 from batchmaker.bench.sweep import point, saturated
 from batchmaker.common.config import load_config
 from batchmaker.common.models import build_model
@@ -300,6 +300,12 @@ def test_only_the_cellular_policys_server_gets_the_running_batch_and_workers_ask
     assert serve_options("cellular", None) == ("--workers", "1")
     assert serve_options("cellular", "worker", 2) == ("--running-batch", "worker", "--workers", "2")
     assert serve_options("padded", "worker", 2) == () and serve_options("graph", None, 2) == ()
+
+
+def test_the_json_says_who_decided_the_steps_on_the_benchmarks_cpu_workers():
+    config = load_config(overload.DEFAULT_CONFIG)
+    assert steps_decided_by(config, None, 2) == "worker"  # the default, on CPU workers
+    assert steps_decided_by(config, "manager", 1) == "manager"
 
 
 def test_a_preset_run_needs_a_worker(capsys: pytest.CaptureFixture[str]):

@@ -91,7 +91,7 @@ def test_chain_runs_answer_as_the_reference_wherever_lanes_and_decoders_end(serv
     answers = run_all(requests, arrivals, seed=12)
     assert longest == max_steps if max_steps < 10 else 10 < longest <= max_steps  # as long as the bound or a chain
     for handle, (model, inputs) in enumerate(arrivals):
-        _, outputs, error = answers[handle]
+        _, outputs, error, _ = answers[handle]
         assert error is None
         worst, problem = differences(models[model].reference(weights[model], inputs), outputs)
         assert problem is None and worst < 1e-5, (model, problem, worst)
@@ -120,7 +120,7 @@ def test_a_cell_failing_in_the_middle_of_a_run_ends_the_requests_of_its_lanes_on
     while requests.busy:
         answers.update((answer[0], answer) for answer in requests.step().answers)
     assert answers[1][2][0] == INTERNAL and "device on fire" in answers[1][2][1]
-    _, outputs, error = answers[2]
+    _, outputs, error, _ = answers[2]
     assert error is None
     assert differences(models["bin"].reference(weights["bin"], tree), outputs)[1] is None
     assert not requests.batch.nodes.pending[: requests.batch.nodes.count].any()  # nothing of it left to run

@@ -90,6 +90,8 @@ def test_the_demo_serves_on_its_address_and_keeps_its_log(tmp_path: Path):
                      done.stdout)  # fmt: skip
     assert re.search(r"resends +0 after a refusal and a backoff \(client.retries\), 0 to another server", done.stdout)
     assert last_line(done.stdout).startswith("DEMO PASSED: ")
+    assert re.search(r"mean batch size [\d.]+ cells per step over [1-9]\d* steps, each decided by the worker",
+                     done.stdout)  # fmt: skip
     reference = json.loads((REFERENCE / "lstm.json").read_text())
     assert (
         f"reference       docs/benchmarks/lstm.json (commit {reference['commit']}): the cellular policy, "
@@ -123,8 +125,10 @@ def test_requests_refused_under_load_and_resent_by_the_client_pass(tmp_path: Pat
 
 
 def test_a_server_that_refuses_every_request_fails_the_demo(tmp_path: Path):
-    """No request fits under max_queued_nodes: each is refused until the client stops resending it."""
-    config = demo_config(tmp_path, ("max_queued_nodes = 1000000", "max_queued_nodes = 1"))
+    """No request fits under max_queued_nodes (which the manager's steps count): each is refused until the client
+    stops resending it."""
+    manager_steps = ('running_batch = "auto"', 'running_batch = "manager"')
+    config = demo_config(tmp_path, ("max_queued_nodes = 1000000", "max_queued_nodes = 1"), manager_steps)
     returncode, output = run_demo(config, "--duration", "1", "--rate", "5", "--verify", "5")
     assert returncode == 1, output
     assert re.search(r"requests +(\d+) sent: 0 answered, \1 refused to the end \(OVERLOADED\), 0 with no answer",

@@ -178,12 +178,13 @@ def scrape(port: int) -> dict[str, dict]:
 LOAD = 2000  # requests of 50 tokens: enough work that scrapes taken meanwhile see some of it
 
 
-def test_metrics_are_scraped_during_load(tmp_path: Path):
+@pytest.mark.parametrize("running_batch", ["manager", "worker"])
+def test_metrics_are_scraped_during_load(tmp_path: Path, running_batch: str):
     port = free_port()
     # Workers stopped while the load starts keep its work in flight until a scrape has seen it: long timeouts, so
     # that they are not written off meanwhile.
     server_table = f'metrics_address = "127.0.0.1:{port}"\nheartbeat_timeout_ms = 120000\nhang_timeout_ms = 120000'
-    config = write_config(tmp_path, SMALL_LSTM, server=server_table)
+    config = write_config(tmp_path, SMALL_LSTM, server=server_table, scheduler=f'running_batch = "{running_batch}"')
     server = start_server(config, workers=2)
     workers = [slot.process.pid for slot in server.supervisor.slots]
     try:
@@ -226,9 +227,11 @@ def test_metrics_are_scraped_during_load(tmp_path: Path):
         batch_sum = after["batchmaker_batch_size_sum"][(("cell_type", "lstm/layer0"),)]
         # Each step of a task is a batch; a multi-step task runs several.
         assert batch_sum == LOAD * 50 and batch_count == steps
-        assert 0 < after["batchmaker_tasks_total"][(("cell_type", "lstm/layer0"),)] <= steps
+        tasks = after["batchmaker_tasks_total"][(("cell_type", "lstm/layer0"),)]
+        assert 0 < tasks <= steps if running_batch == "manager" else tasks == 0  # the workers decided every step
         assert batch_sum / batch_count > 1.5
-        assert set(after["batchmaker_worker_tasks_in_flight"]) == {(("worker", "0"),), (("worker", "1"),)}
+        for gauge in ("batchmaker_worker_tasks_in_flight", "batchmaker_worker_requests_in_flight"):
+            assert set(after[gauge]) == {(("worker", "0"),), (("worker", "1"),)}
         assert all(v > 0 for v in after["batchmaker_arena_rows_capacity"].values())
         assert all(v == 0 for v in after["batchmaker_arena_rows_in_use"].values())
         assert after["batchmaker_worker_restarts_total"][()] == 0
@@ -239,9 +242,9 @@ def test_metrics_are_scraped_during_load(tmp_path: Path):
 
 
 def busy(samples: dict[str, dict]) -> float:
-    """Tasks in flight plus arena rows in use, over all workers."""
-    tasks = sum(samples["batchmaker_worker_tasks_in_flight"].values())
-    return tasks + sum(samples["batchmaker_arena_rows_in_use"].values())
+    """Tasks and requests in flight plus arena rows in use, over all workers."""
+    names = ("batchmaker_worker_tasks_in_flight", "batchmaker_worker_requests_in_flight", "batchmaker_arena_rows_in_use")
+    return sum(sum(samples[name].values()) for name in names)
 
 
 def _settled(samples: dict[str, dict]) -> dict[str, dict] | None:

@@ -58,8 +58,9 @@ def check_against_reference(config, per_client, results) -> float:
     return worst
 
 
-def test_500_concurrent_requests_two_workers(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM)
+@pytest.mark.parametrize("running_batch", ["manager", "worker"])
+def test_500_concurrent_requests_two_workers(tmp_path: Path, running_batch: str):
+    config = write_config(tmp_path, SMALL_LSTM, scheduler=f'running_batch = "{running_batch}"')
     server = start_server(config, workers=2)
     try:
         rng = np.random.default_rng(7)
@@ -74,12 +75,17 @@ def test_500_concurrent_requests_two_workers(tmp_path: Path):
         with server.client() as client:
             stats = wait_idle(client)
         assert stats["requests"]["ok"] == 500
-        # Cellular behaviour: new requests joined running batches; short ones left before long ones.
-        assert stats["joining_tasks"] > 0
+        # Cellular behaviour: short requests left before long ones; with the manager's tasks, new requests joined
+        # running ones in a task (a running batch takes them in between any two steps).
         assert stats["leaving_requests"] > 0
         assert stats["mean_batch_size"] > 1.5
         assert len(stats["workers"]) == 2
-        assert all(w["tasks_completed"] > 0 for w in stats["workers"].values())
+        if running_batch == "manager":
+            assert stats["joining_tasks"] > 0
+            assert all(w["tasks_completed"] > 0 for w in stats["workers"].values())
+        else:
+            assert stats["tasks"] == 0 and sum(w["requests_answered"] for w in stats["workers"].values()) == 500
+            assert all(w["requests_answered"] > 0 and w["steps_run"] > 0 for w in stats["workers"].values())
         # Every arena slot is free again.
         assert all(w["slots_in_use"] == 0 for w in stats["workers"].values()), stats["workers"]
     finally:

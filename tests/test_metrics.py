@@ -45,8 +45,8 @@ def test_scraped_values(metrics: Metrics) -> None:
     for size in (1, 3, 32):
         metrics.task_submitted("lstm/layer0", size)
     metrics.set_queue_depth("lstm/layer0", 17)
-    metrics.set_worker("0", 4, 1200, 4096)
-    metrics.set_worker("1", 2, 10, 4096)
+    metrics.set_worker("0", 4, 7, 1200, 4096)
+    metrics.set_worker("1", 2, 3, 10, 4096)
     metrics.remove_worker("1")
     metrics.worker_restarted()
     port = metrics.serve("127.0.0.1", 0)
@@ -84,6 +84,7 @@ def test_scraped_values(metrics: Metrics) -> None:
     assert value("batchmaker_queue_depth_nodes", cell_type="lstm/layer0") == 17
 
     assert value("batchmaker_worker_tasks_in_flight", worker="0") == 4
+    assert value("batchmaker_worker_requests_in_flight", worker="0") == 7
     assert value("batchmaker_arena_rows_in_use", worker="0") == 1200
     assert value("batchmaker_arena_rows_capacity", worker="0") == 4096
     assert not [key for key in samples if ("worker", "1") in key[1]]  # a removed worker leaves no stale series

@@ -115,8 +115,8 @@ def test_every_model_answers_as_its_reference_whatever_joins_between_steps(serve
     answers = run_all(held(served), arrivals, seed=2)
     assert sorted(answers) == list(range(len(arrivals)))
     for handle, (model, inputs) in enumerate(arrivals):
-        _, outputs, error = answers[handle]
-        assert error is None
+        _, outputs, error, compute_us = answers[handle]
+        assert error is None and type(compute_us) is int and compute_us > 0  # since it joined the running batch
         worst, problem = differences(models[model].reference(weights[model], inputs), outputs)
         assert problem is None and worst < 1e-5, (model, problem, worst)
 
@@ -166,9 +166,10 @@ def test_removed_request_never_answers_and_others_go_on(served):
 
 def test_invalid_inputs_and_unknown_models_are_answered_with_their_error(served):
     requests = held(served)
-    [(_, outputs, error)] = requests.take(1, "lstm", {"tokens": [100000]})
+    [(_, outputs, error, compute_us)] = requests.take(1, "lstm", {"tokens": [100000]})
+    assert compute_us == 0  # it never joined
     assert outputs is None and error[0] == INVALID_INPUT
-    [(_, _, error)] = requests.take(2, "nope", {"tokens": [1]})
+    [(_, _, error, _)] = requests.take(2, "nope", {"tokens": [1]})
     assert error[0] == INTERNAL and "does not serve model 'nope'" in error[1]
     assert not requests.busy
 
@@ -182,7 +183,7 @@ def test_a_request_waits_for_rows_and_one_larger_than_the_arena_is_refused(serve
     while requests.busy:
         answered.update((a[0], a) for a in requests.step().answers)
     assert sorted(answered) == [1, 2] and all(a[2] is None for a in answered.values())
-    [(_, _, error)] = requests.take(3, "bin", binary_tree(random.Random(1), 30))
+    [(_, _, error, _)] = requests.take(3, "bin", binary_tree(random.Random(1), 30))
     assert "more arena rows than the worker has" in error[1]
 
 
@@ -291,7 +292,7 @@ def test_a_model_loaded_while_requests_are_held_joins_and_one_unloaded_leaves(se
     lstm_kinds = [kind for kind in kinds if any(kind in specs[i].inputs + specs[i].outputs for i in chosen)]
     requests = HeldRequests({"lstm": planners["lstm"]}, [specs[i] for i in chosen], [cells[i] for i in chosen],
                             lstm_kinds, ROWS)  # fmt: skip
-    [(_, _, error)] = requests.take(1, "bin", binary_tree(random.Random(2), 5))
+    [(_, _, error, _)] = requests.take(1, "bin", binary_tree(random.Random(2), 5))
     assert "does not serve model 'bin'" in error[1]
     sent = {2: ("lstm", {"tokens": list(range(1, 20))})}
     requests.take(2, *sent[2])
@@ -308,7 +309,7 @@ def test_a_model_loaded_while_requests_are_held_joins_and_one_unloaded_leaves(se
         assert differences(models[model].reference(weights[model], inputs), answers[handle][1])[1] is None
     requests.unload([specs[i].key for i in loaded])
     assert requests.batch.types.cells[-1] is None
-    [(_, _, error)] = requests.take(4, "bin", binary_tree(random.Random(2), 5))
+    [(_, _, error, _)] = requests.take(4, "bin", binary_tree(random.Random(2), 5))
     assert "does not serve model 'bin'" in error[1]
     assert requests.take(5, "lstm", {"tokens": [1]}) == []
 

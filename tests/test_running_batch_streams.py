@@ -31,7 +31,7 @@ def test_streamed_partials_join_to_the_answer_and_come_before_it(served):  # noq
     replies = run(requests, sent)
     for handle, (model, inputs, stream) in sent.items():
         mine = [(kind, reply) for kind, reply in replies if reply[0] == handle]
-        kind, (_, outputs, error) = mine[-1]
+        kind, (_, outputs, error, _) = mine[-1]
         assert kind == "answer" and error is None and [k for k, _ in mine[:-1]] == ["partial"] * (len(mine) - 1)
         assert differences(models[model].reference(weights[model], inputs), outputs)[1] is None
         if not stream:

@@ -264,7 +264,7 @@ def test_the_registration_reply_says_whether_requests_are_routed_whole_with_the_
 def test_answers_of_a_worker_come_back_per_message_and_malformed_ones_are_dropped(pool: Pool):
     worker, reply = pool.register("host-a")
     answers: list = []
-    batch, partials = [[1, {"h": 1}, None], [2, None, ["INTERNAL", "x"]]], [[3, {"tokens": 1}]]
+    batch, partials = [[1, {"h": 1}, None, 40], [2, None, ["INTERNAL", "x"], 0]], [[3, {"tokens": 1}]]
     ran = {"lstm/layer0": {64: 3, 5: 1}}
     worker.send(encode({"op": "answers", "answers": batch, "ran": ran, "kernel_busy_us": 900}))
     worker.send(encode({"op": "answers", "answers": [], "partials": partials, "ran": {}, "kernel_busy_us": 700}))

@@ -1,7 +1,9 @@
 """Requests the manager routed to this worker whole: planned here, run in the running batch, answered from here.
 
-An answer is `[handle, outputs, None]` or `[handle, None, [code, message]]`: a request whose inputs its model
-refuses is answered with the model's error, as the manager's own planning would have. A streamed request's
+An answer is `[handle, outputs, None, compute_us]` or `[handle, None, [code, message], compute_us]`, `compute_us`
+the microseconds from its joining the running batch to the answer (0 if it never joined): the manager counts the
+rest of its time as queueing. A request whose inputs its model refuses is answered with the model's error, as the
+manager's own planning would have. A streamed request's
 outputs that became final at a step go out as a partial, `[handle, outputs]` (the model's `partial_outputs` from
 the rows sent so far on), its last one just before its answer.
 
@@ -13,6 +15,7 @@ same.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -54,6 +57,7 @@ class HeldRequests:
         self._waiting_prioritized = 0  # of them, those with a priority other than 0
         self._window = window(specs)
         self._streamed: dict[int, int] = {}  # per streamed request held: the rows of its outputs sent so far
+        self._joined_at: dict[int, float] = {}  # per request in the running batch: when it joined
 
     @property
     def busy(self) -> bool:
@@ -68,9 +72,9 @@ class HeldRequests:
                 raise RequestError(INTERNAL, f"this worker does not serve model {model!r}")
             unfolded = planner.plan(inputs)
         except RequestError as error:
-            return [[handle, None, [error.code, error.message]]]
+            return [[handle, None, [error.code, error.message], 0]]
         except Exception as exc:  # a model's bug costs its request, never the worker
-            return [[handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"]]]
+            return [[handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"], 0]]
         self._planner_of[handle] = planner
         self._waiting[handle] = unfolded, priority
         self._waiting_prioritized += priority != 0
@@ -98,6 +102,7 @@ class HeldRequests:
         """Requests the manager ended (cancelled, expired, their client gone): let them go unanswered."""
         for handle in handles:
             self._streamed.pop(handle, None)
+            self._joined_at.pop(handle, None)
             if self._planner_of.pop(handle, None) is not None and not self._unwait(handle):
                 self.batch.remove(handle)
 
@@ -118,6 +123,7 @@ class HeldRequests:
             self._unwait(handle)
             planner = self._planner_of[handle]
             self.batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None, priority)
+            self._joined_at[handle] = time.perf_counter()
         return answers
 
     def _in_turn(self) -> Iterator[int]:
@@ -159,9 +165,10 @@ class HeldRequests:
             planner = self._planner_of.pop(handle)
             self._streamed.pop(handle, None)
             try:
-                replies.answers.append([handle, planner.outputs(unfolded, results), None])
+                replies.answers.append(self._answer(handle, planner.outputs(unfolded, results), None))
             except Exception as exc:  # a model's bug costs its request, never the worker
-                replies.answers.append([handle, None, [INTERNAL, f"{type(exc).__name__} in {planner.name}: {exc}"]])
+                error = f"{type(exc).__name__} in {planner.name}: {exc}"
+                replies.answers.append(self._answer(handle, None, [INTERNAL, error]))
         if finished:
             replies.answers.extend(self._join())
         return replies
@@ -182,4 +189,9 @@ class HeldRequests:
     def _failed(self, handle: int, error: str) -> Answer:
         del self._planner_of[handle]
         self._streamed.pop(handle, None)
-        return [handle, None, [INTERNAL, error]]
+        return self._answer(handle, None, [INTERNAL, error])
+
+    def _answer(self, handle: int, outputs: dict[str, Any] | None, error: list[str] | None) -> Answer:
+        """The answer of a request that leaves, with the microseconds since it joined the running batch."""
+        joined = self._joined_at.pop(handle, None)
+        return [handle, outputs, error, 0 if joined is None else int((time.perf_counter() - joined) * 1e6)]

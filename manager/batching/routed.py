@@ -222,6 +222,16 @@ class RoutedRequests:
             if held and now - self._progress_at[worker] > timeout_s
         }
 
+    def held_by(self, worker_id: int) -> int:
+        """Requests in flight routed to this worker."""
+        return self._held[worker_id]
+
+    def older_in_flight(self, request: Routed) -> bool:
+        """Whether a request that arrived before this one, just answered, is still in flight: this one left the
+        running batches early, as cellular batching lets it."""
+        oldest = next(iter(self._by_handle.values()), None)  # in the order they were routed
+        return oldest is not None and oldest.arrival < request.arrival
+
     def answered(self, worker_id: int, handle: Any) -> Routed | None:
         """The request a worker's answer is for; None for one that ended meanwhile (cancelled, expired, or sent
         again after its worker was written off)."""

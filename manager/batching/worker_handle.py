@@ -87,6 +87,8 @@ class WorkerHandle:
         self.nodes_in_flight = 0  # their cells
         self.running: collections.Counter[str] = collections.Counter()  # of them, by cell type
         self.tasks_completed = 0
+        self.requests_answered = 0  # requests routed whole to its running batch that it answered
+        self.steps_run = 0  # steps its running batch ran
         self.rows_read_from: collections.Counter[int] = collections.Counter()  # rows its tasks read from each peer
         self.rows_in_notices = 0  # result rows that reached the manager inside its notices
         self.arenas = registration.get("arenas", [])  # as announced, for peers to open
@@ -168,6 +170,11 @@ class WorkerHandle:
         answers), so one may arrive after one sent later: the total only grows, so the largest is the latest."""
         self.kernel_busy_us = None if kernel_busy_us is None else max(kernel_busy_us, self.kernel_busy_us or 0)
 
+    def running_batch_answered(self, requests: int, ran: dict[str, dict[int, int]]) -> None:
+        """Its running batch answered `requests` and ran these steps (per cell type, the steps at each batch size)."""
+        self.requests_answered += requests
+        self.steps_run += sum(sum(sizes.values()) for sizes in ran.values())
+
     def store_rows(self, rows: list[IoRows]) -> None:
         """Write the result rows a worker on another host sent into the arrays standing in for its io
         arenas, where the dispatcher reads them as it reads a local worker's io arenas."""
@@ -212,6 +219,8 @@ class WorkerHandle:
         return {
             "tasks_in_flight": self.in_flight,
             "tasks_completed": self.tasks_completed,
+            "requests_answered": self.requests_answered,
+            "steps_run": self.steps_run,
             "first_task_delay_ms": None if self.first_task_delay is None else self.first_task_delay * 1e3,
             "kernel_busy_s": None if self.kernel_busy_us is None else self.kernel_busy_us / 1e6,
             "pid": self.pid,

@@ -129,7 +129,8 @@ class Router:
                 self._pool.drop(self._core.workers[worker_id], handles)
 
     def answers(self, worker: WorkerHandle, answers: list[Any], partials: list[Any]) -> list[Outcome]:
-        """A worker's answers ([handle, outputs, error] each) as outcomes, after its streamed requests' partials
+        """A worker's answers ([handle, outputs, error, compute_us] each: compute_us since the request joined its
+        running batch, the rest of its time counted as queueing) as outcomes, after its streamed requests' partials
         ([handle, outputs] each, kept to be sent once a turn); those of requests ended meanwhile dropped. A streamed
         request's news goes out in one partial just before its answer."""
         outcomes: list[Outcome] = []
@@ -139,9 +140,9 @@ class Router:
             if isinstance(partial, list) and len(partial) == 2:
                 self.table.partial(worker.worker_id, *partial)
         for answer in answers:
-            if not isinstance(answer, list) or len(answer) != 3:
+            if not isinstance(answer, list) or len(answer) != 4:
                 continue
-            handle, outputs, error = answer
+            handle, outputs, error, compute_us = answer
             request = self.table.answered(worker.worker_id, handle)
             if request is None:
                 continue
@@ -149,8 +150,9 @@ class Router:
                 news = self.table.last_partial(request) if request.stream else None
                 if news is not None:
                     outcomes.append(Partial(request, *news))
-                timing = request_timing(request.arrival, request.arrival, now)
-                outcomes.append(Answered(request, outputs, timing, False))
+                ran_s = compute_us / 1e6 if type(compute_us) is int and compute_us >= 0 else now - request.arrival
+                timing = request_timing(request.arrival, max(request.arrival, now - ran_s), now)
+                outcomes.append(Answered(request, outputs, timing, self.table.older_in_flight(request)))
             else:
                 outcomes.append(Failed(request, RequestError(*error)))
         return self._followed(outcomes)

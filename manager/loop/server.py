@@ -290,7 +290,8 @@ class Manager:
         for worker, reason in self.pool.watch(self.router.stalled()):
             self._worker_lost(worker, reason)
         self.control.watch()  # here, not every turn: it looks through the requests in flight
-        self.stats.sample(now, self.workers, self.expected_workers, self.draining, self.core.scheduler.ready_nodes)
+        ready, routed = self.core.scheduler.ready_nodes, self.router.table.held_by
+        self.stats.sample(now, self.workers, self.expected_workers, self.draining, ready, routed)
 
     def _worker_lost(self, worker: WorkerHandle, reason: str) -> None:
         """Forget a dead worker; the core replays (or fails) the requests that had values there."""

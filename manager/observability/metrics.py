@@ -28,10 +28,13 @@ request_queue_seconds{model}               histogram  arrival to first task subm
 partial_replies_total{model}               counter    partial replies sent to streamed requests (`stream: true`)
 control_calls_total{op}                    counter    calls of models, health, stats, cancel, load, unload and
                                                       reload, answered or refused; never counted in requests_total
-batch_size{cell_type}                      histogram  nodes per step of a submitted task (buckets 1, 2, 4 ... 1024)
+batch_size{cell_type}                      histogram  nodes per step of a submitted task or of a worker's running
+                                                      batch (buckets 1, 2, 4 ... 1024)
 tasks_total{cell_type}                     counter    batched tasks submitted to workers
 queue_depth_nodes{cell_type}               gauge      nodes ready to run and not yet submitted
 worker_tasks_in_flight{worker}             gauge      tasks submitted to a worker and not yet completed
+worker_requests_in_flight{worker}          gauge      requests routed whole to a worker's running batch, not
+                                                      answered yet
 arena_rows_in_use{worker}                  gauge      arena rows (slots) the manager holds on a worker
 arena_rows_capacity{worker}                gauge      arena rows a worker has
 worker_restarts_total                      counter    workers that died and were replaced
@@ -129,7 +132,7 @@ class Metrics:
             registry=self.registry,
         )
         self._batch_size = Histogram(
-            "batchmaker_batch_size", "Nodes per step of a batched task submitted to a worker.",
+            "batchmaker_batch_size", "Nodes per step of a task submitted to a worker or of a worker's running batch.",
             ("cell_type",), buckets=BATCH_SIZE_BUCKETS, registry=self.registry,
         )
         self._tasks = Counter(
@@ -141,6 +144,10 @@ class Metrics:
         )
         self._in_flight = Gauge(
             "batchmaker_worker_tasks_in_flight", "Tasks submitted to a worker and not yet completed.",
+            ("worker",), registry=self.registry,
+        )
+        self._routed = Gauge(
+            "batchmaker_worker_requests_in_flight", "Requests routed whole to a worker's running batch, not answered.",
             ("worker",), registry=self.registry,
         )
         self._rows_in_use = Gauge(
@@ -228,17 +235,21 @@ class Metrics:
     def set_queue_depth(self, cell_type: str, ready_nodes: int) -> None:
         self._cell(cell_type)[2].set(ready_nodes)
 
-    def set_worker(self, worker: str, tasks_in_flight: int, arena_rows_in_use: int, arena_rows_capacity: int) -> None:
-        gauges = (self._in_flight, self._rows_in_use, self._rows_capacity)
-        in_flight, in_use, capacity = _labelled(self._worker_children, worker, gauges)
+    def set_worker(
+        self, worker: str, tasks_in_flight: int, requests_in_flight: int, arena_rows_in_use: int,
+        arena_rows_capacity: int,
+    ) -> None:  # fmt: skip
+        gauges = (self._in_flight, self._routed, self._rows_in_use, self._rows_capacity)
+        in_flight, routed, in_use, capacity = _labelled(self._worker_children, worker, gauges)
         in_flight.set(tasks_in_flight)
+        routed.set(requests_in_flight)
         in_use.set(arena_rows_in_use)
         capacity.set(arena_rows_capacity)
 
     def remove_worker(self, worker: str) -> None:
         """Drop a departed worker's series so that a scrape does not report stale values for it."""
         if self._worker_children.pop(worker, None) is not None:
-            for gauge in (self._in_flight, self._rows_in_use, self._rows_capacity):
+            for gauge in (self._in_flight, self._routed, self._rows_in_use, self._rows_capacity):
                 gauge.remove(worker)
 
     def worker_restarted(self) -> None:

@@ -159,8 +159,10 @@ class Stats:
         expected_workers: int,
         draining: bool,
         ready_nodes: Callable[[], dict[str, int]],
+        routed_to: Callable[[int], int],
     ) -> None:
-        """Set the gauges that are sampled rather than counted (once per watch interval, when metrics are served)."""
+        """Set the gauges that are sampled rather than counted (once per watch interval, when metrics are served);
+        `routed_to`: the requests in flight routed whole to a worker's running batch."""
         metrics = self.metrics
         if metrics is None:
             return
@@ -170,7 +172,8 @@ class Stats:
             metrics.set_queue_depth(key, ready)
         for worker in workers.values():
             capacity = sum(a.capacity for a in worker.slots.values())
-            metrics.set_worker(str(worker.worker_id), worker.in_flight, worker.slots_in_use(), capacity)
+            routed = routed_to(worker.worker_id)
+            metrics.set_worker(str(worker.worker_id), worker.in_flight, routed, worker.slots_in_use(), capacity)
 
     def close(self) -> None:
         if self.metrics is not None:
