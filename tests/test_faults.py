@@ -60,10 +60,17 @@ def check_replies(config, results) -> None:
         assert np.abs(reply.outputs["h"] - expected["h"]).max() <= TOLERANCE
 
 
-def tasks_completed(server) -> dict[int, int]:
-    """Tasks completed per worker pid."""
+def kernel_time(server) -> dict[int, float]:
+    """The time each worker (by pid) has spent in its cells, as it reports it: with its tasks' notices (the
+    manager's steps) or its answers (the worker's running batch), and its heartbeats. It grows only as a worker
+    serves."""
     with server.client(timeout=5) as client:
-        return {w["pid"]: w["tasks_completed"] for w in client.stats()["workers"].values()}
+        return {w["pid"]: w["kernel_busy_s"] for w in client.stats()["workers"].values()}
+
+
+def answered(server) -> int:
+    with server.client(timeout=5) as client:
+        return client.stats()["requests"].get("ok", 0)
 
 
 def healthy_workers(server) -> int:
@@ -71,8 +78,9 @@ def healthy_workers(server) -> int:
         return len(client.health()["workers"])
 
 
-def test_killing_workers_under_load_loses_nothing(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM)
+@pytest.mark.parametrize("running_batch", ["manager", "worker"])
+def test_killing_workers_under_load_loses_nothing(tmp_path: Path, running_batch: str):
+    config = write_config(tmp_path, SMALL_LSTM, scheduler=f'running_batch = "{running_batch}"')
     server = start_server(config, workers=3)
     try:
         killed: list[int] = []
@@ -189,9 +197,12 @@ def test_a_long_loop_turn_does_not_write_off_a_worker_whose_heartbeats_wait_unre
         stop_server(server)
 
 
-def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
+@pytest.mark.parametrize("running_batch", ["manager", "worker"])
+def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path, running_batch: str):
     address = f"ipc://{tmp_path}/workers"
-    config = write_config(tmp_path, SMALL_LSTM, server=f'worker_address = "{address}"')
+    config = write_config(
+        tmp_path, SMALL_LSTM, server=f'worker_address = "{address}"', scheduler=f'running_batch = "{running_batch}"'
+    )
     server = start_server(config, workers=1)
     joined = None
     try:
@@ -203,14 +214,15 @@ def test_worker_started_by_hand_joins_and_gets_work(tmp_path: Path):
 
         thread = threading.Thread(target=load)
         thread.start()
-        wait_until(lambda: sum(tasks_completed(server).values()), "the load starting")
+        wait_until(lambda: answered(server), "the load starting")
         joined = start_worker(config, address, "--index", "1")
         wait_until(lambda: healthy_workers(server) == 2, "the new worker registering")
-        # The load goes on until the new worker has completed tasks of its own.
-        new = wait_until(lambda: tasks_completed(server).get(joined.pid), "the new worker getting work under load")
+        registered = kernel_time(server)[joined.pid]  # its warm-up's
+        # The load goes on until the new worker has run cells of its own.
+        wait_until(lambda: kernel_time(server)[joined.pid] > registered, "the new worker getting work under load")
         stop.set()
         thread.join()
-        assert new > 0 and outcome["results"]
+        assert outcome["results"]
         check_replies(config, outcome["results"])
     finally:
         stop_server(server)

@@ -33,9 +33,11 @@ from batchmaker.clients import AsyncClient
 from batchmaker.common.config import Config
 from batchmaker.common.models import build_model
 from batchmaker.common.models.sst import load_vocabulary, ptb_to_tree
+from batchmaker.worker.step_watchdog import EXIT_HUNG
 
 TOLERANCE = 1e-5
 OTHER_HOST = "second-host"
+MODES = ("manager", "worker")  # who decides each step: the manager, or each worker's running batch (`running_batch`)
 
 MODELS = SMALL_LSTM + TREE_MODELS  # lstm, and the binary (sst) and Child-Sum (childsum) TreeLSTMs
 
@@ -110,11 +112,15 @@ def workers_by_host(server: RunningServer) -> dict[bool, list[dict[str, Any]]]:
 class TwoHosts:
     """A server with `local` CPU workers of its own, and one worker started as another host."""
 
-    def __init__(self, tmp_path: Path, local: int, server: str = "", faults: bool = False):
+    def __init__(self, tmp_path: Path, local: int, server: str = "", faults: bool = False, running_batch: str = "auto"):
         """`faults`: the LSTM is tests/faulty_lstm.py's, so SIGUSR1 hangs a worker."""
+        self.running_batch = running_batch
         self.worker_address = f"tcp://127.0.0.2:{free_port()}"
         models = with_faults(tmp_path, MODELS) if faults else MODELS
-        self.config = write_config(tmp_path, models, server=f'worker_address = "{self.worker_address}"\n' + server)
+        self.config = write_config(
+            tmp_path, models, server=f'worker_address = "{self.worker_address}"\n' + server,
+            scheduler=f'running_batch = "{running_batch}"',
+        )  # fmt: skip
         self.server = start_server(self.config, workers=local)
         self.log = tmp_path / "remote.log"
         with self.log.open("w") as log:
@@ -171,6 +177,18 @@ def remote_stat(two_hosts: TwoHosts, key: str) -> Callable[[], Any]:
     return stat
 
 
+def remote_work(two_hosts: TwoHosts) -> int:
+    """What the other host's worker holds: tasks in flight (the manager's steps) and requests routed to it whole
+    (its running batch)."""
+    with two_hosts.server.client(timeout=10) as client:
+        stats = client.stats()
+    worker_id, worker = next((i, w) for i, w in stats["workers"].items() if w["pid"] == two_hosts.remote.pid)
+    return worker["tasks_in_flight"] + stats["routed"]["by_worker"].get(worker_id, 0)
+
+
+# Reading values across hosts is the manager's own: its tasks move requests between workers, peers read each
+# other's arenas, and the other host's results travel in task notices (a worker's running batch does none of it).
+@pytest.mark.parametrize("two_hosts", [{"local": 2, "running_batch": "manager"}], indirect=True, ids=["manager"])
 def test_workers_on_two_hosts_answer_correctly_without_reading_across_hosts(two_hosts: TwoHosts):
     """Two workers on the server's host and one on another, under concurrent LSTM and TreeLSTM load:
     every answer equals the reference; results of the other host's worker reach the manager in its
@@ -193,11 +211,11 @@ def test_workers_on_two_hosts_answer_correctly_without_reading_across_hosts(two_
 
 
 def lose_the_other_host_under_load(two_hosts: TwoHosts, lose: Callable[[], None]) -> None:
-    """Under load, once the other host's worker has tasks in flight, `lose` it; the manager writes it off,
+    """Under load, once the other host's worker holds work, `lose` it; the manager writes it off,
     replays its requests on the server's own worker, and every request is answered correctly."""
 
     def meanwhile() -> None:
-        wait_until(remote_stat(two_hosts, "tasks_in_flight"), "tasks in flight on the other host", interval=0.1)
+        wait_until(lambda: remote_work(two_hosts), "work in flight on the other host", interval=0.1)
         lose()
         wait_until(lambda: not workers_by_host(two_hosts.server)[False], "the worker written off", interval=0.1)
 
@@ -205,20 +223,35 @@ def lose_the_other_host_under_load(two_hosts: TwoHosts, lose: Callable[[], None]
     assert stats["worker_losses"] == 1 and stats["replayed_requests"] >= 1
 
 
-@pytest.mark.parametrize("two_hosts", [{"local": 1, "server": "heartbeat_timeout_ms = 1000"}], indirect=True)
+@pytest.mark.parametrize(
+    "two_hosts",
+    [{"local": 1, "server": "heartbeat_timeout_ms = 1000", "running_batch": mode} for mode in MODES],
+    indirect=True,
+    ids=MODES,
+)
 def test_killing_the_other_hosts_worker_under_load_loses_nothing(two_hosts: TwoHosts):
     """SIGKILL: the manager notices the silence."""
     lose_the_other_host_under_load(two_hosts, lambda: two_hosts.remote.send_signal(signal.SIGKILL))
 
 
+# With the running batch in the worker, its cells run on the thread that reads the manager's messages: hung, it
+# never reads the stop (nor sees the manager fall silent), and lives on once written off.
 @pytest.mark.parametrize(
     "two_hosts",
-    [{"local": 1, "server": "hang_timeout_ms = 1500", "faults": True}],
+    [
+        pytest.param({"local": 1, "server": "hang_timeout_ms = 1500", "faults": True, "running_batch": mode}, id=mode)
+        for mode in MODES
+    ],
     indirect=True,
 )
 def test_a_hung_worker_of_the_other_host_is_told_to_stop(two_hosts: TwoHosts):
-    """Its stream stops advancing while its heartbeats go on. Its pid means nothing on the manager's
-    host, so the manager does not kill it: it tells it to stop, and the worker exits on its own."""
+    """Its stream (or its running batch) stops advancing while its heartbeats go on. Its pid means nothing on the
+    manager's host, so the manager does not kill it: it tells it to stop, and the worker exits on its own; a worker
+    whose running batch is stuck in a step cannot read that, and ends itself once the step outlasts the timeout."""
     lose_the_other_host_under_load(two_hosts, lambda: two_hosts.remote.send_signal(signal.SIGUSR1))
-    assert two_hosts.remote.wait(timeout=60) == 0
-    assert "the manager told this worker to stop" in two_hosts.log.read_text()
+    if two_hosts.running_batch == "manager":
+        assert two_hosts.remote.wait(timeout=60) == 0
+        assert "the manager told this worker to stop" in two_hosts.log.read_text()
+    else:
+        assert two_hosts.remote.wait(timeout=60) == EXIT_HUNG
+        assert "a step of the running batch has not returned for" in two_hosts.log.read_text()

@@ -56,7 +56,8 @@ weights = "lstm.pt"
     "max_decode_length = 60\n", 'max_decode_length = 60\nattention = "luong"\n'
 )
 # The join delay is no bound here: tasks take up to max_steps_per_task steps whenever nothing could join.
-SCHEDULER = "max_steps_per_task = 8\nmax_join_delay_us = 10000000"
+# The manager decides the steps: multi-step tasks are its own (a worker's running batch sends it no tasks).
+SCHEDULER = 'max_steps_per_task = 8\nmax_join_delay_us = 10000000\nrunning_batch = "manager"'
 
 
 @pytest.fixture(scope="module")

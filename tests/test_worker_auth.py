@@ -62,18 +62,24 @@ def answer_some(server, config) -> None:
         assert np.abs(reply.outputs["h"] - model.reference(state, {"tokens": tokens})["h"]).max() <= TOLERANCE
 
 
-def tasks_completed(server, pid: int) -> int:
+def kernel_time(server, pid: int) -> float:
+    """The time the worker has spent in its cells, as it reports it: with its tasks' notices (the manager's
+    steps) or its answers (the worker's running batch), and its heartbeats. It grows only as the worker serves."""
     with server.client(timeout=10) as client:
-        return next((w["tasks_completed"] for w in client.stats()["workers"].values() if w["pid"] == pid), 0)
+        return next(w["kernel_busy_s"] for w in client.stats()["workers"].values() if w["pid"] == pid)
 
 
-def test_only_workers_with_an_allowed_key_register(tmp_path: Path):
+@pytest.mark.parametrize("running_batch", ["manager", "worker"])
+def test_only_workers_with_an_allowed_key_register(tmp_path: Path, running_batch: str):
     """The server's own worker and the readiness checks use the config's worker key; a worker of another
     host with another allowed key registers and serves; one whose key is not allowed is refused at the
     handshake, says so and exits, and the server serves on undisturbed."""
     keys = Keys(tmp_path / "keys")
     address = f"tcp://127.0.0.3:{free_port()}"
-    config = write_config(tmp_path, SMALL_LSTM, server=f'worker_address = "{address}"\n' + keys.table())
+    config = write_config(
+        tmp_path, SMALL_LSTM, server=f'worker_address = "{address}"\n' + keys.table(),
+        scheduler=f'running_batch = "{running_batch}"',
+    )  # fmt: skip
     server = start_server(config, workers=1)
     second = None
     try:
@@ -93,9 +99,10 @@ def test_only_workers_with_an_allowed_key_register(tmp_path: Path):
         )  # fmt: skip
         wait_until(lambda: len(workers(server)) == 2, "the allowed worker registering", interval=0.1)
         assert [w["local"] for w in workers(server) if w["pid"] == second.pid] == [False]
-        # Its completion notices, over the CURVE completions socket, reach the manager.
-        wait_until(lambda: answer_some(server, config) or tasks_completed(server, second.pid),
-                   "the allowed worker completing tasks", interval=0)
+        registered = kernel_time(server, second.pid)  # its warm-up's
+        # What it reports over its CURVE sockets (notices or answers) reaches the manager, its work with it.
+        wait_until(lambda: answer_some(server, config) or kernel_time(server, second.pid) > registered,
+                   "the allowed worker serving requests", interval=0)
     finally:
         stop_server(server)
         if second is not None:

@@ -31,6 +31,10 @@ from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
 from batchmaker.worker.running_batch import RunningBatch
 
 Answer = list[Any]
+TOO_LARGE = (
+    "the request needs more arena rows than the worker has: its values take rows for all its steps at once; "
+    "raise [server] arena_rows"
+)
 Partial = list[Any]
 
 
@@ -118,7 +122,7 @@ class HeldRequests:
                 if self.batch.requests:
                     break  # it joins when others leave
                 self._unwait(handle)
-                answers.append(self._failed(handle, "the request needs more arena rows than the worker has"))
+                answers.append(self._failed(handle, TOO_LARGE))
                 continue
             self._unwait(handle)
             planner = self._planner_of[handle]

@@ -48,6 +48,7 @@ from batchmaker.worker.held_requests import HeldRequests
 from batchmaker.worker.loading import build_cells, load_version, unload_version
 from batchmaker.worker.notices import InProgressFIFO, Poller
 from batchmaker.worker.startup import EXIT_CONFIG_ERROR, start
+from batchmaker.worker.step_watchdog import StepWatchdog
 
 log = logging.getLogger("batchmaker.worker")
 
@@ -89,6 +90,7 @@ class Worker:
         self._backend = backend
         self._make_held = make_held
         self._held: HeldRequests | None = None
+        self._watchdog: StepWatchdog | None = None  # with a running batch: ends the process when a step hangs
         self._reported_at = 0.0  # when the running batch last sent answers or steps
         self._manager = manager
         self._index = index
@@ -171,6 +173,7 @@ class Worker:
                 self._notice_key = reply["notice_key"]
                 if reply.get("running_batch") and self._make_held is not None:
                     self._held = self._make_held(ChainBounds(**reply["running_batch"]))
+                    self._watchdog = StepWatchdog(reply["hang_timeout_s"])
                 return reply["worker_id"]
             self._check_alive()
         hint = " (check that this worker has the manager's public key)" if self._curve is not None else ""
@@ -212,6 +215,8 @@ class Worker:
         address = completion_address(self._manager)
         poller = Poller(self._context, address, worker_id, self._notice_key, self._backend, self._fifo, self._curve)
         poller.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
         try:
             self._issue_loop(poller)
         finally:
@@ -232,7 +237,9 @@ class Worker:
                 self._last_heard = time.monotonic()
                 self._drain(socket)
             if busy:
-                self._answer(*self._held.step())
+                with self._watchdog.step():
+                    replies = self._held.step()
+                self._answer(*replies)
             self._check_alive()
 
     def _answer(self, partials: list[list[Any]], answers: list[list[Any]]) -> None:

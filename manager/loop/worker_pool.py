@@ -317,6 +317,7 @@ class WorkerPool:
             "manager_timeout_s": MANAGER_SILENCE_S,
             "notice_key": worker.notice_key,
             "running_batch": self._running_batch,
+            "hang_timeout_s": self._hang_timeout,  # a running batch's step that outlasts it ends its worker
         }
         self.control.send_multipart([identity, b"registered", encode(reply)])
         announcement = encode({str(worker.worker_id): worker.arenas})
