@@ -34,19 +34,24 @@ from batchmaker.common.protocol import CANCELLED, OVERLOADED
 from batchmaker.frontdoor.errors import DoorError
 from batchmaker.frontdoor.http_server import error_response
 
-MAX_LENGTH = 20000  # a request of this many tokens runs for seconds: long enough to be cancelled or drained
-LONG = np.array([1 + i % 999 for i in range(MAX_LENGTH)], dtype=np.int64)
-LONG_LSTM = SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}")
+MAX_LENGTH = 4000  # a worker's running batch holds each token in a row: fewer than the tests' arena_rows (4096)
+LONG = np.array([1 + i % 999 for i in range(MAX_LENGTH)], dtype=np.int64)  # runs for seconds: cancelled or drained
+LONG_LSTM = SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}").replace(
+    "hidden_size = 64", "hidden_size = 1024"
+)
+RUNNING_BATCH = ["manager", "worker"]  # who decides each step: the manager's tasks, or the worker's running batch
 MAX_BODY = 400_000
 MAX_FRAME = 200_000  # the manager's server.max_message_bytes: LONG's frame fits, a body of MAX_BODY does not
 
 
-@pytest.fixture(scope="module")
-def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
+@pytest.fixture(scope="module", params=RUNNING_BATCH)
+def limited(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Door]:
+    """Served twice: with the manager deciding each step, and with the worker running its own batch."""
     door = start_door(
         tmp_path_factory.mktemp("limits"),
         LONG_LSTM,
         server=f"max_sessions = 1\nmax_message_bytes = {MAX_FRAME}",
+        scheduler=f'running_batch = "{request.param}"',
         http_extra=f"max_body_bytes = {MAX_BODY}",
     )
     yield door
@@ -96,8 +101,9 @@ def stats(door: Door) -> dict:
 
 
 def running_since(door: Door, before: dict) -> bool:
+    """One request in flight, and steps run since `before`: the manager's tasks, or the worker's running batch's."""
     now = stats(door)
-    return now["requests_in_flight"] == 1 and now["tasks"] > before["tasks"]
+    return now["requests_in_flight"] == 1 and now["steps"] > before["steps"]
 
 
 def cancelled_since(door: Door, before: dict) -> int:
@@ -151,10 +157,8 @@ def test_by_default_a_body_over_the_servers_frame_limit_gets_413_naming_both_set
     still_serves(defaulted)
 
 
-@pytest.mark.parametrize(("fixture", "limit"), [("limited", MAX_BODY), ("defaulted", MAX_FRAME)])
-def test_a_grpc_message_over_the_limit_is_resource_exhausted(request: pytest.FixtureRequest, fixture: str, limit: int):
-    """The limit is max_body_bytes when given, else the server's max_message_bytes."""
-    door = request.getfixturevalue(fixture)
+def grpc_message_over(door: Door, limit: int) -> None:
+    """A message one int64 over `limit` is refused by gRPC before it is parsed; the server goes on."""
     item = grpcclient.InferInput("tokens", [limit // 8 + 1], "INT64")
     item.set_data_from_numpy(np.ones(limit // 8 + 1, dtype=np.int64))
     with pytest.raises(InferenceServerException) as refused:
@@ -163,6 +167,16 @@ def test_a_grpc_message_over_the_limit_is_resource_exhausted(request: pytest.Fix
     assert "Received message larger than max (" in refused.value.message()  # gRPC's own, before it is parsed
     assert f"vs. {limit})" in refused.value.message()
     still_serves(door)
+
+
+def test_a_grpc_message_over_the_limit_is_resource_exhausted(limited: Door):
+    """With max_body_bytes, gRPC's limit is that."""
+    grpc_message_over(limited, MAX_BODY)
+
+
+def test_by_default_a_grpc_message_over_the_servers_frame_limit_is_resource_exhausted(defaulted: Door):
+    """Without max_body_bytes, gRPC's limit is the server's max_message_bytes."""
+    grpc_message_over(defaulted, MAX_FRAME)
 
 
 def test_a_body_within_the_limit_whose_tensors_are_over_the_frame_limit_gets_a_clear_error(defaulted: Door):
@@ -249,10 +263,17 @@ def test_the_servers_retry_estimate_becomes_retry_after():
     assert refused.value.retry_after_ms is None
 
 
-def test_a_stopping_server_answers_what_its_front_door_accepted(tmp_path: Path):
+@pytest.mark.parametrize("running_batch", RUNNING_BATCH)
+def test_a_stopping_server_answers_what_its_front_door_accepted(tmp_path: Path, running_batch: str):
     """Two front door processes share the port; a stop drains both: the long request is failed with a code
     (the drain timeout is shorter than the request), never dropped."""
-    door = start_door(tmp_path, LONG_LSTM, server="drain_timeout_ms = 300", http_extra="processes = 2")
+    door = start_door(
+        tmp_path,
+        LONG_LSTM,
+        server="drain_timeout_ms = 300",
+        scheduler=f'running_batch = "{running_batch}"',
+        http_extra="processes = 2",
+    )
     assert len(door.server.supervisor.doors) == 2
     before = wait_idle(door.server.client())
     body, headers = binary_body(LONG)

@@ -27,8 +27,11 @@ from tritonclient.utils import InferenceServerException
 from batchmaker.common.config import ConfigError, load_config
 from batchmaker.common.protocol import CANCELLED
 
-MAX_LENGTH = 20000  # a request of this many tokens runs for seconds: long enough to send others behind it
-LONG = [1 + i % 999 for i in range(MAX_LENGTH - 10)]  # room for a continuation of a few tokens
+MAX_LENGTH = 4000  # a worker's running batch holds each token in a row: fewer than the tests' arena_rows (4096)
+LONG = [1 + i % 999 for i in range(MAX_LENGTH - 10)]  # runs for seconds, with room for a continuation of a few tokens
+LONG_LSTM = SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}").replace(
+    "hidden_size = 64", "hidden_size = 1024"
+)
 STEPS = """
 [models.steps]
 builder = "batchmaker.common.models.lstm:build"
@@ -45,12 +48,14 @@ MAX_STREAM_REQUESTS = 4
 MAX_STREAM_REPLIES = 4
 
 
-@pytest.fixture(scope="module")
-def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
+@pytest.fixture(scope="module", params=["manager", "worker"])
+def limited(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Door]:
+    """Served twice: with the manager deciding each step, and with the worker running its own batch."""
     door = start_door(
         tmp_path_factory.mktemp("sequence-limits"),
-        SMALL_LSTM.replace("max_length = 200", f"max_length = {MAX_LENGTH}") + STEPS,
+        LONG_LSTM + STEPS,
         server="session_ttl_ms = 1000",
+        scheduler=f'running_batch = "{request.param}"',
         grpc_extra=f"max_stream_requests = {MAX_STREAM_REQUESTS}\nmax_stream_replies = {MAX_STREAM_REPLIES}",
     )
     yield door
@@ -63,12 +68,22 @@ def stats(door: Door) -> dict[str, Any]:
 
 
 def running_since(door: Door, before: dict[str, Any]) -> bool:
+    """One request in flight, and steps run since `before`: the manager's tasks, or the worker's running batch's."""
     now = stats(door)
-    return now["requests_in_flight"] == 1 and now["tasks"] > before["tasks"]
+    return now["requests_in_flight"] == 1 and now["steps"] > before["steps"]
 
 
 def h_n(door: Door, tokens: list[int]) -> np.ndarray:
     return np.asarray(door.reference("lstm", {"tokens": tokens})["h_n"])
+
+
+LONG_REFERENCES: dict[str, dict[str, Any]] = {}  # by server: LONG's reference takes seconds
+
+
+def long_reference(door: Door) -> dict[str, Any]:
+    if door.http not in LONG_REFERENCES:
+        LONG_REFERENCES[door.http] = door.reference("lstm", {"tokens": LONG})
+    return LONG_REFERENCES[door.http]
 
 
 def exhausted_streams(door: Door) -> float:
@@ -127,8 +142,11 @@ def test_a_unary_continuation_that_arrives_while_its_start_runs_waits_for_it(lim
     start = send(LONG, sequence_id=sequence_id, sequence_start=True)
     wait_until(lambda: running_since(limited, before), "the long start running")
     end = send([5, 6], sequence_id=sequence_id, sequence_end=True)
-    first = answer(start)
-    assert close(first, h_n(limited, LONG)) and close(answer(end), h_n(limited, [*LONG, 5, 6]))
+    wait_until(lambda: stats(limited)["requests_waiting_for_their_session"] == 1, "the continuation waiting")
+    first, last = answer(start), answer(end)
+    whole = long_reference(limited)  # LONG, then [5, 6] from its final states: the reference of LONG + [5, 6]
+    continued = limited.reference("lstm", {"tokens": [5, 6], "h0": whole["h_n"], "c0": whole["c_n"]})
+    assert close(first, whole["h_n"]) and close(last, continued["h_n"])
 
 
 def stream_answer(triton: grpcclient.InferenceServerClient, replies: queue.Queue, tokens: list[int]) -> np.ndarray:
