@@ -42,10 +42,9 @@ def manager_alone(config: Path, address: str) -> tuple[float, int]:
         socket.setsockopt(zmq.RECONNECT_IVL, 2)  # retry the connection every 2 ms until the manager binds
         socket.connect(address)
         start = time.perf_counter()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "batchmaker.manager", "--config", str(config), "--worker-address", worker_address],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-        )  # fmt: skip
+        command = [sys.executable, "-m", "batchmaker.manager", "--config", str(config), "--worker-address",
+                   worker_address, "--running-batch", "worker"]  # as `batchmaker serve` starts it for CPU workers
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         try:
             socket.send(msgpack.packb({"id": 1, "op": "models"}))
             if not socket.poll(120_000):
