@@ -21,7 +21,7 @@ from batchmaker.bench.presets import Preset, Sweep
 from batchmaker.bench.progress import Progress
 from batchmaker.bench.sweep import ServedPolicy, saturated
 from batchmaker.bench.verify import verify
-from batchmaker.common.config import Config, load_config, resolve_running_batch
+from batchmaker.common.config import Config, load_config, resolve_running_batch, with_running_batch
 from batchmaker.common.models import build_model, init_missing_weights
 from batchmaker.common.models.base import Model
 from batchmaker.manager.commands.launcher import free_port_on
@@ -119,9 +119,10 @@ def serve_options(policy: str, running_batch: str | None, workers: int = 1) -> t
 
 
 def steps_decided_by(config: Config, running_batch: str | None, workers: int) -> str:
-    """Who decides the steps of the cellular policy's server (its JSON's `running_batch`): as given, else what the
-    config's `running_batch` resolves to on the benchmarks' CPU workers."""
-    return running_batch or resolve_running_batch(config, ["cpu"] * workers).scheduler.running_batch
+    """Who decides the steps of the cellular policy's server (its JSON's `running_batch`): `running_batch` (None:
+    the config's) as it resolves on the benchmarks' CPU workers."""
+    chosen = config if running_batch is None else with_running_batch(config, running_batch)
+    return resolve_running_batch(chosen, ["cpu"] * workers).scheduler.running_batch
 
 
 def run_preset(

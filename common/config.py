@@ -211,12 +211,14 @@ def with_running_batch(config: Config, running_batch: str) -> Config:
 
 def resolve_running_batch(config: Config, devices: list[str]) -> Config:
     """The config with `running_batch = "auto"` made definite for the devices its workers run on: the workers decide
-    the steps of the cellular policy on CPU workers (the manager's per-step work would cost more than their cells);
-    the manager decides them on GPUs (its tasks reach the stream ahead of time) and for the baseline policies."""
+    the steps of the cellular policy on two CPU workers or more (each runs its own batch, where the manager's steps
+    gain nothing from a second worker); the manager decides them for one CPU worker (its per-step work runs on a
+    core of its own beside the worker's cells), on GPUs (its tasks reach the stream ahead of time) and for the
+    baseline policies."""
     if config.scheduler.running_batch != "auto":
         return config
-    on_cpu = config.scheduler.policy == "cellular" and all(device == "cpu" for device in devices)
-    return with_running_batch(config, "worker" if on_cpu else "manager")
+    cpus = config.scheduler.policy == "cellular" and len(devices) > 1 and all(device == "cpu" for device in devices)
+    return with_running_batch(config, "worker" if cpus else "manager")
 
 
 def with_door_addresses(config: Config, http: str | None, grpc: str | None) -> Config:

@@ -304,8 +304,8 @@ def test_only_the_cellular_policys_server_gets_the_running_batch_and_workers_ask
 
 def test_the_json_says_who_decided_the_steps_on_the_benchmarks_cpu_workers():
     config = load_config(overload.DEFAULT_CONFIG)
-    assert steps_decided_by(config, None, 2) == "worker"  # the default, on CPU workers
-    assert steps_decided_by(config, "manager", 1) == "manager"
+    assert steps_decided_by(config, None, 2) == steps_decided_by(config, "auto", 2) == "worker"  # the default
+    assert steps_decided_by(config, None, 1) == steps_decided_by(config, "manager", 2) == "manager"
 
 
 def test_a_preset_run_needs_a_worker(capsys: pytest.CaptureFixture[str]):

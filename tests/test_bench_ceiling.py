@@ -39,7 +39,8 @@ def test_a_run_reports_the_managers_cpu_per_request_and_per_task_and_the_workers
 def test_with_the_workers_deciding_the_steps_there_is_no_task_and_the_worker_is_measured_per_request(tmp_path: Path):
     config = write_config(tmp_path, SMALL_LSTM)
     frames = request_frames("lstm", [{"tokens": list(range(1, 23))}] * 300)
-    with ServedPolicy(config.path, config.server.address, "cellular", "lstm") as served:  # the default on CPU
+    options = ("--running-batch", "worker")
+    with ServedPolicy(config.path, config.server.address, "cellular", "lstm", *options) as served:
         wait_until(lambda: kernels_reported(served), "the worker's first report of its kernels' time")
         replies, measured = ceiling.measure(served, frames, build_model(config.models["lstm"]))
     assert replies.lost == 0 and all(reply["ok"] for reply in replies.replies)

@@ -233,17 +233,17 @@ def test_running_batch_key(tmp_path: Path) -> None:
 
 
 def test_running_batch_auto_is_the_workers_on_cpu_workers_only(tmp_path: Path) -> None:
-    """The workers decide the cellular policy's steps on CPU workers; the manager on GPUs and for the baselines;
-    a value set in the file or on the command line stays as it is."""
+    """The workers decide the cellular policy's steps on two CPU workers or more; the manager for one, on GPUs and
+    for the baselines; a value set in the file or on the command line stays as it is."""
     config = load_config(write(tmp_path, MODEL))
 
     def resolved(config: Config, devices: list[str]) -> str:
         return resolve_running_batch(config, devices).scheduler.running_batch
 
-    assert resolved(config, ["cpu"]) == resolved(config, ["cpu", "cpu"]) == "worker"
-    assert resolved(config, ["cuda:0"]) == resolved(config, ["cpu", "cuda:1"]) == "manager"
+    assert resolved(config, ["cpu", "cpu"]) == resolved(config, ["cpu"] * 16) == "worker"
+    assert resolved(config, ["cpu"]) == resolved(config, ["cuda:0", "cuda:1"]) == "manager"
     for policy in ("padded", "graph"):
-        assert resolved(with_policy(config, policy), ["cpu"]) == "manager"
+        assert resolved(with_policy(config, policy), ["cpu", "cpu"]) == "manager"
     for chosen in ("manager", "worker"):
         assert resolved(with_running_batch(config, chosen), ["cpu"]) == chosen
         assert resolved(with_running_batch(config, chosen), ["cuda:0"]) == chosen

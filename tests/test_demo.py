@@ -76,7 +76,7 @@ def last_line(output: str) -> str:
 
 
 def test_the_demo_serves_on_its_address_and_keeps_its_log(tmp_path: Path):
-    config = demo_config(tmp_path)
+    config = demo_config(tmp_path, ("cpu_workers = 1", "cpu_workers = 2"))  # two: each decides its batch's steps
     address = f"tcp://127.0.0.1:{free_port()}"
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "demo.py"), "--config", str(config), "--address", address,

@@ -344,7 +344,7 @@ def test_a_replayed_request_has_a_replay_event_and_its_lost_task(tmp_path: Path)
 
 
 def test_a_request_routed_to_a_running_batch_names_its_worker(tmp_path: Path):
-    config = write_config(tmp_path, SMALL_LSTM)  # CPU workers: they decide the steps by default
+    config = write_config(tmp_path, SMALL_LSTM, scheduler='running_batch = "worker"')
     server = TracedServer(config, workers=1)
     try:
         tokens = list(range(3, 40))
