@@ -243,7 +243,7 @@ def test_metrics_are_scraped_during_load(tmp_path: Path, running_batch: str):
 
 def busy(samples: dict[str, dict]) -> float:
     """Tasks and requests in flight plus arena rows in use, over all workers."""
-    names = ("batchmaker_worker_tasks_in_flight", "batchmaker_worker_requests_in_flight", "batchmaker_arena_rows_in_use")
+    names = "batchmaker_worker_tasks_in_flight", "batchmaker_worker_requests_in_flight", "batchmaker_arena_rows_in_use"
     return sum(sum(samples[name].values()) for name in names)
 
 

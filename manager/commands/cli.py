@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, help="number of CPU workers, overriding the config")
     serve.add_argument("--policy", choices=POLICIES, help="batching policy, overriding the config")
     serve.add_argument(
-        "--running-batch", choices=RUNNING_BATCH, help="who decides each step (auto, manager, worker), overriding the config"
+        "--running-batch", choices=RUNNING_BATCH, help="who decides each step (auto, manager, worker), over the config"
     )
     serve.add_argument(
         "--metrics-address",
