@@ -43,7 +43,7 @@ def manager_alone(config: Path, address: str) -> tuple[float, int]:
         socket.connect(address)
         start = time.perf_counter()
         command = [sys.executable, "-m", "batchmaker.manager", "--config", str(config), "--worker-address",
-                   worker_address, "--running-batch", "worker"]  # as `batchmaker serve` starts it for CPU workers
+                   worker_address, "--running-batch", "manager"]  # as `batchmaker serve` starts it for one CPU worker
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         try:
             socket.send(msgpack.packb({"id": 1, "op": "models"}))
