@@ -31,11 +31,11 @@ from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
 from batchmaker.worker.running_batch import RunningBatch
 
 Answer = list[Any]
+Partial = list[Any]
 TOO_LARGE = (
     "the request needs more arena rows than the worker has: its values take rows for all its steps at once; "
     "raise [server] arena_rows"
 )
-Partial = list[Any]
 
 
 class Replies(NamedTuple):
@@ -76,9 +76,9 @@ class HeldRequests:
                 raise RequestError(INTERNAL, f"this worker does not serve model {model!r}")
             unfolded = planner.plan(inputs)
         except RequestError as error:
-            return [[handle, None, [error.code, error.message], 0]]
+            return [self._answer(handle, None, [error.code, error.message])]
         except Exception as exc:  # a model's bug costs its request, never the worker
-            return [[handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"], 0]]
+            return [self._answer(handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"])]
         self._planner_of[handle] = planner
         self._waiting[handle] = unfolded, priority
         self._waiting_prioritized += priority != 0
