@@ -13,7 +13,7 @@ from batchmaker.common.plan import ZERO_REF, Unfolded, compile_graph, external_r
 from batchmaker.common.protocol import INTERNAL, RequestError
 from batchmaker.common.slots import FIRST_FREE_SLOT, SlotAllocator
 from batchmaker.manager.batching.plan_store import NodeColumns, make_tables
-from batchmaker.manager.batching.records import Request
+from batchmaker.manager.batching.records import Lifecycle, Request
 from batchmaker.manager.batching.request_table import RequestTable
 
 TOKEN = ValueKind("int64", ())
@@ -254,7 +254,7 @@ def test_deadlines_come_due_in_order_and_answered_requests_are_skipped():
         request(b"x", 3, now - 3),
         request(b"x", 4, now + 3600),
     )
-    answered.state = answered.state.DONE
+    answered.lifecycle = Lifecycle.DONE
     table = table_of(late, early, answered, future)
     assert list(table.unanswered.expired()) == [early, late]
     assert list(table.unanswered.expired()) == []  # each comes due once
@@ -268,7 +268,7 @@ def test_requests_answered_long_before_their_deadline_are_not_kept_until_it():
     for i in range(1, 1001):
         answered = request(b"x", i, far)
         table.add([answered])
-        answered.state = answered.state.DONE
+        answered.lifecycle = Lifecycle.DONE
         table.conclude([answered])
     assert len(table.unanswered._deadlines) < 100  # not the 1000 answered while one runs
     assert table.unanswered.wait_ms(10**9) > 0 and list(table.unanswered.expired()) == []
@@ -290,10 +290,10 @@ def test_the_earliest_arrival_is_the_oldest_unanswered_and_answered_ones_behind_
     table = table_of(*later[:10], oldest, *later[10:])  # admitted out of arrival order, as a replay is
     assert table.unanswered.earliest_arrival() == 1.0
     for each in later:
-        each.state = each.state.DONE
+        each.lifecycle = Lifecycle.DONE
         table.conclude([each])
     assert table.unanswered.earliest_arrival() == 1.0
     assert len(table.unanswered._arrivals) < 100  # not the 1000 answered while the oldest runs
-    oldest.state = oldest.state.DONE
+    oldest.lifecycle = Lifecycle.DONE
     table.conclude([oldest])
     assert table.unanswered.earliest_arrival() is None

@@ -27,6 +27,7 @@ class GroupPolicy:
     """The graph policy (DyNet, TensorFlow Fold): a group of one model's requests, merged into one graph."""
 
     pads = False  # a held member's remaining cells stop (padded: its padding runs on)
+    holds_answers = True  # a member whose answer is known is held until its group is answered
 
     def __init__(self, scheduler: Scheduler, table: RequestTable, group_sizes: dict[str, int]):
         self.scheduler = scheduler
@@ -59,13 +60,17 @@ class GroupPolicy:
     def queued_requests(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
 
+    def waits_for_group(self, request: Request) -> bool:
+        """Whether its cells wait in a queue here, its group not yet released to the scheduler."""
+        return request.group is None
+
     def answers(self, requests: list[Request]) -> tuple[list[Request], list[Request]]:
-        """Hold each member whose answer is known; answer the groups that this ends."""
+        """Of members whose answer is known (held by the request processor): those of the groups this ends,
+        to answer now, and those whose cells stop."""
         ended: dict[Group, None] = {}
         for request in requests:
             group = request.group
             assert group is not None, "every request of a baseline runs in a group"
-            request.state = Lifecycle.HELD
             group.unanswered -= 1
             ended[group] = None
         return self._answerable(ended), ([] if self.pads else requests)
@@ -90,7 +95,7 @@ class GroupPolicy:
             for group in groups
             if group is not None and group.unanswered == 0 and all(self._padding_done(m) for m in group.members)
             for member in group.members
-            if member.state is Lifecycle.HELD
+            if member.lifecycle is Lifecycle.HELD
         ]
 
     def _padding_done(self, request: Request) -> bool:
@@ -116,7 +121,6 @@ class GroupPolicy:
                 group = Group(members)
                 for request in members:
                     request.group = group
-                    request.state = Lifecycle.RUNNING
                     self._table.bind(request.row, worker.worker_id)
                 self.scheduler.release(members)
                 return True

@@ -166,9 +166,8 @@ class BatchingCore:
         if queued + unfolded.plan.nodes > self._server.max_queued_nodes:
             limit = self._server.max_queued_nodes
             raise RequestError(OVERLOADED, f"{queued} cells queued (limit {limit}); retry later")
-        request = Request(client, request_id, model, inputs, unfolded, arrival)
-        request.priority, request.stream = priority, stream
-        request.deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
+        deadline = arrival + deadline_ms / 1e3 if deadline_ms is not None else None
+        request = Request(client, request_id, model, inputs, unfolded, arrival, deadline, priority, stream)
         burst.add(request)
         return request
 

@@ -147,9 +147,7 @@ class Dispatcher:
         for port, kind in enumerate(spec.outputs):
             where = out_where[port]
             slots = np.full(layout.rows, SCRATCH_SLOT, np.int64)
-            slots[layout.node_rows] = written = registers["write"][where]
-            registers["slot"][where] = written
-            registers["worker"][where] = worker.worker_id
+            slots[layout.node_rows] = store.written_by(where, worker.worker_id)
             for step, step_slots in enumerate(layout.split(slots)):
                 outputs[step].append(SlotList(worker.arena_id[kind], step_slots))
         downloads = self._downloads(task, nodes, node_data, node_rows, outputs, layout, worker)
@@ -184,7 +182,7 @@ class Dispatcher:
                 where.append(base + registers)
                 rows.append(held[kind])
         if where:
-            self._store.registers.arrays["write"][np.concatenate(where)] = np.concatenate(rows)
+            self._store.write_to(np.concatenate(where), np.concatenate(rows))
 
     def release_rows(self, requests: list[Request]) -> None:
         """Give back the arena rows requests hold on every worker, a kind of a worker at a time."""

@@ -92,15 +92,12 @@ class LaneTasks:
                 else:
                     later = dispatcher.one_step_input(spec, port, later_data, later_rows, worker)
             inputs.append(LaneInput(rule.mode, rule.source, worker.arena_id[kind], first_step, later))
-        registers = store.registers.arrays
         last = first + steps - 1
         outputs, written_at = [], []
         for port, kind in enumerate(spec.outputs):  # each lane's last value, or every step's
             writers, writer_rows = (node_data, node_rows) if port in layout.every_step else (data_of[last], rows)
             where = table.reg_base[writer_rows] + writers[:, NodeColumns.INPUTS + store.ports + port]
-            written = registers["write"][where]
-            registers["slot"][where] = written
-            registers["worker"][where] = worker.worker_id
+            written = store.written_by(where, worker.worker_id)
             outputs.append(SlotList(worker.arena_id[kind], written))
             if port in layout.every_step:
                 written_at.append((port, where))

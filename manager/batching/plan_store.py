@@ -150,6 +150,19 @@ class PlanStore:
             having = rows if len(values) == len(requests) else rows[[kind in r.unfolded.externals for r in requests]]
             table.place(kind, having, start + np.cumsum(counts) - counts)
 
+    def write_to(self, where: np.ndarray, rows: np.ndarray) -> None:
+        """The registers at `where` write their next values to arena `rows` (their request's rows on a worker)."""
+        self.registers.arrays["write"][where] = rows
+
+    def written_by(self, where: np.ndarray, worker_id: int) -> np.ndarray:
+        """A task sent to `worker_id` writes the registers at `where`: from now on their latest values are in
+        the rows their values go to there, which are returned."""
+        registers = self.registers.arrays
+        written = registers["write"][where]
+        registers["slot"][where] = written
+        registers["worker"][where] = worker_id
+        return written
+
     def _store(self, plan: Plan, live: Callable[[], list[Request]]) -> _Stored:
         """Copy a plan's node matrix and ragged inputs in, once."""
         needs = [(self.nodes, plan.nodes), (self.ragged, len(plan.ragged_refs))]

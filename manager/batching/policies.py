@@ -29,7 +29,7 @@ from batchmaker.manager.batching.agenda import AgendaScheduler
 from batchmaker.manager.batching.baselines import GroupPolicy, PaddedPolicy
 from batchmaker.manager.batching.dispatch import Dispatcher
 from batchmaker.manager.batching.plan_store import PlanStore
-from batchmaker.manager.batching.records import Lifecycle, Request, Task
+from batchmaker.manager.batching.records import Request, Task
 from batchmaker.manager.batching.request_table import RequestTable
 from batchmaker.manager.batching.scheduler import Scheduler
 from batchmaker.manager.batching.worker_handle import WorkerHandle
@@ -44,9 +44,9 @@ class CellularPolicy:
     def unfold(self, model: Planner, inputs: object) -> Unfolded:
         return model.plan(inputs)
 
+    holds_answers = False  # each request is answered as soon as its own last cell has run
+
     def admit(self, requests: list[Request]) -> None:
-        for request in requests:
-            request.state = Lifecycle.RUNNING
         self.scheduler.release(requests)
 
     def schedule(self, worker: WorkerHandle) -> list[Task]:
@@ -54,6 +54,10 @@ class CellularPolicy:
 
     def queued_requests(self) -> int:
         return 0
+
+    def waits_for_group(self, request: Request) -> bool:
+        """Whether its cells wait in this policy's queue, not yet released to the scheduler (never here)."""
+        return False
 
     def answers(self, requests: list[Request]) -> tuple[list[Request], list[Request]]:
         """Of requests whose answers became known: those to answer now, and those to hold with their

@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 class Lifecycle(enum.Enum):
     """Where a request is between admission and being forgotten.
 
-    WAITING: admitted, held by a baseline policy until its group starts. RUNNING: its cells are
-    being scheduled. HELD: its answer is known and waits for the rest of its group (baselines).
-    DONE: answered (or failed, or replaced by a replay); tasks still in flight finish and its rows
-    are freed when the last one completes, after which the request is forgotten.
+    RUNNING: admitted, its answer not yet known (under a baseline policy its cells wait until its group
+    starts). HELD: its answer is known and waits for the rest of its group (baselines). DONE: answered
+    (or failed, or replaced by a replay); tasks still in flight finish and its rows are freed when the
+    last one completes, after which the request is forgotten. The request processor
+    (manager.batching.request_processor) alone moves a request from one to the next.
     """
 
-    WAITING = "waiting"
     RUNNING = "running"
     HELD = "held"
     DONE = "done"
@@ -44,7 +44,7 @@ class Request:
         "deadline",
         "arrival",
         "row",
-        "state",
+        "lifecycle",
         "results",
         "results_pending",
         "rows",
@@ -56,30 +56,35 @@ class Request:
         "restarted",
     )
 
-    def __init__(self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float):
+    def __init__(
+        self, client: bytes, request_id: Any, model: Planner, inputs: Any, unfolded: Unfolded, arrival: float,
+        deadline: float | None = None, priority: int = 0, stream: bool = False,
+    ):  # fmt: skip
+        """`deadline`: a perf_counter time, or None for none; `priority`: higher is served first within a cell
+        type's queue (manager.batching.scheduler); `stream`: the client asked for partial replies."""
         self.client = client
         self.request_id = request_id
         self.model = model
         self.inputs = inputs  # kept to replay the request from scratch if its worker dies
         self.unfolded = unfolded
-        self.deadline: float | None = None
+        self.deadline = deadline
         self.arrival = arrival
         self.row = -1  # in the RequestTable
-        self.state = Lifecycle.WAITING
+        self.lifecycle = Lifecycle.RUNNING
         self.results: dict[str, np.ndarray] = {}
         self.results_pending = len(unfolded.plan.results)
         # Arena rows it holds, per worker id and kind (its registers' rows there)
         self.rows: dict[int, dict[ValueKind, np.ndarray]] = {}
         self.group: Group | None = None  # the batch a baseline policy runs it in; None under cellular
         self.failures = 0  # workers lost while it had values there (replays so far)
-        self.priority = 0  # higher is served first within a cell type's queue (manager.batching.scheduler)
-        self.stream = False  # the client asked for partial replies (`stream: true`)
+        self.priority = priority
+        self.stream = stream
         self.streamed_rows = 0  # rows of its outputs sent in partial replies
         self.restarted = False  # it started over after partials were sent: its next partial says so
 
     @property
     def done(self) -> bool:
-        return self.state is Lifecycle.DONE
+        return self.lifecycle is Lifecycle.DONE
 
 
 class Group:

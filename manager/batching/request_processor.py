@@ -76,7 +76,7 @@ class RequestProcessor:
                 else:
                     watched.append(copy)
             for request, watch_index, value in watched:
-                if request.state is not Lifecycle.RUNNING or request in finished:
+                if request.lifecycle is not Lifecycle.RUNNING or request in finished:
                     continue
                 try:
                     done = request.model.observe(request.unfolded, watch_index, value)
@@ -92,11 +92,14 @@ class RequestProcessor:
                     self._streams_changed[request] = None
                 if (
                     type(key) is str
-                    and request.state is Lifecycle.RUNNING
+                    and request.lifecycle is Lifecycle.RUNNING
                     and not request.unfolded.plan.watched
                     and len(request.results) == request.results_pending
                 ):
                     finished[request] = None
+            if self._policy.holds_answers:
+                for request in finished:
+                    request.lifecycle = Lifecycle.HELD
             answered, stopped = self._policy.answers(list(finished))
             self._stop(stopped)
             self._answer(answered)
@@ -152,7 +155,7 @@ class RequestProcessor:
     def fail(self, request: Request, error: RequestError) -> None:
         if request.done:
             return
-        held = request.state is Lifecycle.HELD
+        held = request.lifecycle is Lifecycle.HELD
         self._end([request])
         self._outcomes.append(Failed(request, error))
         self._forget_if_drained([request])
@@ -162,7 +165,7 @@ class RequestProcessor:
         """The requests will run no more cells: they are answered (or failed, or replaced)."""
         self._stop(requests)
         for request in requests:
-            request.state = Lifecycle.DONE
+            request.lifecycle = Lifecycle.DONE
         self._table.conclude(requests)
 
     def _stop(self, requests: list[Request]) -> None:
@@ -171,7 +174,8 @@ class RequestProcessor:
             return
         table = self._table
         rows = np.array([request.row for request in requests], np.int64)
-        queued = table.runnable[rows] | np.array([request.state is Lifecycle.WAITING for request in requests], bool)
+        waiting = np.array([self._policy.waits_for_group(request) for request in requests], bool)
+        queued = table.runnable[rows] | waiting
         nodes = np.array([request.unfolded.plan.nodes for request in requests], np.int64)
         self.unsubmitted_nodes -= int((nodes - table.issued[rows])[queued].sum())
         table.stop_lanes(rows[queued])
@@ -205,13 +209,15 @@ class RequestProcessor:
     def replay(self, request: Request) -> Request:
         """Start a request over from its inputs; the old record is dropped without a reply, and the
         new one takes its place in the request table (the outcome Replayed says so)."""
-        held = request.state is Lifecycle.HELD
+        held = request.lifecycle is Lifecycle.HELD
         self._end([request])
         self._forget_if_drained([request])
         self._answer(self._policy.left(request, held))
         unfolded = self._policy.unfold(request.model, request.inputs)
-        replayed = Request(request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival)
-        replayed.priority, replayed.deadline, replayed.stream = request.priority, request.deadline, request.stream
+        replayed = Request(
+            request.client, request.request_id, request.model, request.inputs, unfolded, request.arrival,
+            request.deadline, request.priority, request.stream,
+        )  # fmt: skip
         self.admit([replayed])
         replayed.failures = request.failures
         replayed.restarted = request.streamed_rows > 0 or request.restarted  # its client must drop what was streamed
