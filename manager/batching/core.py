@@ -197,7 +197,8 @@ class BatchingCore:
         now = time.perf_counter()
         self.sessions.expire(now)
         error = RequestError(DEADLINE_EXCEEDED, "the request's deadline passed")
-        return self._refuse(self.sessions.past_deadline(now), error) + self._fail(list(self.requests.expired()), error)
+        expired = list(self.requests.expired()) if self.requests else []
+        return self._refuse(self.sessions.past_deadline(now), error) + self._fail(expired, error)
 
     def shutdown(self) -> list[Outcome]:
         error = RequestError(UNAVAILABLE, "the server stopped before finishing the request; send it elsewhere")
@@ -206,6 +207,8 @@ class BatchingCore:
     def partials(self, client_waiting: Callable[[bytes], bool]) -> list[Outcome]:
         """Once per event loop turn: a partial reply for each streamed request whose outputs grew, unless
         its client has replies waiting unread (`client_waiting`); then it gets one later, coalesced."""
+        if not self.requests:  # none streams (a turn of requests routed whole to the workers)
+            return []
         self.processor.stream_partials(client_waiting)
         return self._outcomes()
 
@@ -330,6 +333,8 @@ class BatchingCore:
 
     # -- outcomes ------------------------------------------------------------------------------
     def _fail(self, requests: list[Request], error: RequestError) -> list[Outcome]:
+        if not requests:  # most turns: the sessions have nothing to follow
+            return []
         for request in requests:
             self.processor.fail(request, error)
         return self._outcomes()

@@ -183,6 +183,8 @@ class Router:
         return self._fail(self.table.all(), error)
 
     def _fail(self, requests: list[Routed], error: RequestError) -> list[Outcome]:
+        if not requests:  # most turns: the sessions have nothing to follow, nothing to send
+            return []
         return self._followed([Failed(request, error) for request in self.table.end(requests)])
 
     def _followed(self, outcomes: list[Outcome]) -> list[Outcome]:

@@ -189,6 +189,8 @@ class Manager:
                 log.error("%s", exc.message)
 
     def _schedule_idle_workers(self) -> None:
+        if not self.core.requests:  # nothing to run: every request is answered, or routed whole to a worker
+            return
         for worker in self.workers.values():
             while worker.in_flight <= self.idle_tasks:
                 started = time.perf_counter()
@@ -264,11 +266,12 @@ class Manager:
         for worker, answered, partials, ran in answers:
             self.stats.steps_run(ran)
             self._conclude(self.router.answers(worker, answered, partials))
-        self.core.workers_changed()
         for worker in registered:
             self.control.worker_joined(worker)
         for worker, model, error in loads:
             self.control.loaded(worker, model, error)
+        if registered or loads:  # new workers' warm-up timings, or cell types a load brought or took back
+            self.core.workers_changed()
         for identity in health_checks:
             self.pool.answer_health(identity, health(self))
         for _ in restarted:
