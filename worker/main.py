@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -337,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return EXIT_CONFIG_ERROR
     models = list(config.models.values())
+    # Requests' values and indices arrive as read-only views of their messages; the cells only read the tensors
+    # made from them, so torch's warning that writing to them would be undefined does not apply.
+    warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
     while True:
         started = start(args.device, args.index, models, config.server)
         if isinstance(started, int):

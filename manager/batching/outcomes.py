@@ -10,6 +10,16 @@ from batchmaker.common.protocol import RequestError
 from batchmaker.manager.batching.records import Request
 
 
+def request_timing(arrival: float, started: float, end: float) -> dict[str, int]:
+    """An answer's `timing`: queueing (arrival to first issue), computation (first issue to answer) and total, in µs."""
+    started = started or end
+    return {
+        "queue_us": int((started - arrival) * 1e6),
+        "compute_us": int((end - started) * 1e6),
+        "total_us": int((end - arrival) * 1e6),
+    }
+
+
 class Answered(NamedTuple):
     """The request's outputs are known: reply with them."""
 

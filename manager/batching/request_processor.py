@@ -23,13 +23,12 @@ import numpy as np
 
 from batchmaker.common.protocol import INTERNAL, RequestError
 from batchmaker.manager.batching.dispatch import Dispatcher
-from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed, request_timing
 from batchmaker.manager.batching.plan_store import PlanStore
 from batchmaker.manager.batching.policies import Policy
 from batchmaker.manager.batching.records import Lifecycle, Request, Task
 from batchmaker.manager.batching.request_table import RequestTable
 from batchmaker.manager.batching.worker_handle import WorkerHandle
-from batchmaker.manager.observability.stats import request_timing
 
 
 class RequestProcessor:

@@ -30,14 +30,13 @@ from batchmaker.common.protocol import (
 from batchmaker.common.window import window
 from batchmaker.manager.batching.admission import check_room, deadline_of, inputs_of, stream_and_priority
 from batchmaker.manager.batching.core import BatchingCore
-from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
+from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed, request_timing
 from batchmaker.manager.batching.routed import Routed, RoutedRequests
 from batchmaker.manager.batching.session_turns import SessionTurns
 from batchmaker.manager.batching.sessions import Waiting, session_fields
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.loop.frontend import Incoming
 from batchmaker.manager.loop.worker_pool import WorkerPool
-from batchmaker.manager.observability.stats import request_timing
 
 Refusal = tuple[Incoming, RequestError, int | None]  # a request refused, why, and when to come back (ms)
 

@@ -205,13 +205,3 @@ class Stats:
             "latency": {name: {k: float(v) for k, v in values.items()} for name, values in latency.items()},
             "latency_window": len(self._latency),
         }
-
-
-def request_timing(arrival: float, started: float, end: float) -> dict[str, int]:
-    """Queueing (arrival to first issue), computation (first issue to answer) and total, in µs."""
-    started = started or end
-    return {
-        "queue_us": int((started - arrival) * 1e6),
-        "compute_us": int((end - started) * 1e6),
-        "total_us": int((end - arrival) * 1e6),
-    }
