@@ -27,6 +27,9 @@ WORKER_LOST = "WORKER_LOST"
 UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 SESSION_LOST = "SESSION_LOST"
+# A worker's answer to a request routed to its running batch that cannot hold the request's values (all its steps'
+# at once); never sent to a client: the manager runs that request's steps itself, a few lanes' rows at a time.
+NO_ROOM = "NO_ROOM"
 ERROR_CODES = (
     BAD_REQUEST,
     UNKNOWN_MODEL,

@@ -14,7 +14,7 @@ from test_tree_models import TREE_MODELS
 from batchmaker.bench.trees import random_tree
 from batchmaker.bench.verify import differences
 from batchmaker.common.models import build_model
-from batchmaker.common.protocol import INTERNAL, INVALID_INPUT
+from batchmaker.common.protocol import INTERNAL, INVALID_INPUT, NO_ROOM
 from batchmaker.common.window import window
 from batchmaker.manager.loop.server import load_models
 from batchmaker.worker.chain_runs import ChainBounds
@@ -184,7 +184,7 @@ def test_a_request_waits_for_rows_and_one_larger_than_the_arena_is_refused(serve
         answered.update((a[0], a) for a in requests.step().answers)
     assert sorted(answered) == [1, 2] and all(a[2] is None for a in answered.values())
     [(_, _, error, _)] = requests.take(3, "bin", binary_tree(random.Random(1), 30))
-    assert "more arena rows than the worker has" in error[1]
+    assert error[0] == NO_ROOM and "more arena rows than the worker has" in error[1]  # the manager runs its steps
 
 
 def test_a_failing_cell_ends_the_requests_of_its_batch_only(served):

@@ -15,7 +15,7 @@ from typing import Any, Self
 import numpy as np
 import pytest
 import zmq
-from conftest import start_server, stop_server, wait_until, write_config
+from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
 from test_running_batch import MODELS, mixed_requests
 
 from batchmaker.bench.verify import differences
@@ -210,6 +210,35 @@ def test_streams_and_sessions_are_routed(server):
         assert stats["tasks"] == before["tasks"]  # no task: their workers ran every step
         assert stats["requests"]["ok"] == before["requests"]["ok"] + 3
         assert stats["routed"]["requests_in_flight"] == 0
+
+
+def test_a_request_too_large_for_a_running_batch_runs_in_the_managers_steps(tmp_path: Path):
+    """Its tokens take more rows than a worker's arena has (the tests' 4,096): its worker cannot hold it, so the
+    manager runs its steps itself, a few lanes at a time, while the requests beside it stay routed."""
+    config = write_config(tmp_path, SMALL_LSTM.replace("max_length = 200", "max_length = 10000"), scheduler=SCHEDULER)
+    running = start_server(config, workers=2)
+    model = build_model(config.models["lstm"])
+    weights = model.load_weights()
+    rng = random.Random(23)
+    sent = {
+        "long": ("lstm", {"tokens": rng.choices(range(1, 1000), k=5000)}),
+        "longer": ("lstm", {"tokens": rng.choices(range(1, 1000), k=6000)}),
+        **{i: ("lstm", {"tokens": rng.choices(range(1, 1000), k=20)}) for i in range(6)},
+    }
+    raw = Raw(running.address)
+    try:
+        with running.client() as client:
+            for request_id, (name, inputs) in sent.items():
+                raw.send({"id": request_id, "model": name, "inputs": inputs, "priority": int(request_id == "long")})
+            check({"lstm": model}, {"lstm": weights}, sent, raw.collect(list(sent)))
+            stats = wait_until(lambda: (s := client.stats())["routed"]["requests_in_flight"] == 0 and s, "idle")
+        assert all(len(replies) == 1 for replies in raw.replies.values())
+        assert stats["tasks"] > 0  # the manager's steps ran the two long ones
+        assert stats["requests"]["ok"] == len(sent)
+        assert sum(w["requests_answered"] for w in stats["workers"].values()) == 6  # the short ones, routed
+    finally:
+        raw.close()
+        stop_server(running)
 
 
 def test_requests_with_a_priority_are_routed_and_a_bad_priority_refused(server):

@@ -24,7 +24,7 @@ import torch
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import Planner
 from batchmaker.common.plan import Unfolded
-from batchmaker.common.protocol import INTERNAL, RequestError
+from batchmaker.common.protocol import INTERNAL, NO_ROOM, RequestError
 from batchmaker.common.window import window
 from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
@@ -32,10 +32,7 @@ from batchmaker.worker.running_batch import RunningBatch
 
 Answer = list[Any]
 Partial = list[Any]
-TOO_LARGE = (
-    "the request needs more arena rows than the worker has: its values take rows for all its steps at once; "
-    "raise [server] arena_rows"
-)
+TOO_LARGE = "the request needs more arena rows than the worker has: its values take rows for all its steps at once"
 
 
 class Replies(NamedTuple):
@@ -122,7 +119,7 @@ class HeldRequests:
                 if self.batch.requests:
                     break  # it joins when others leave
                 self._unwait(handle)
-                answers.append(self._failed(handle, TOO_LARGE))
+                answers.append(self._failed(handle, TOO_LARGE, NO_ROOM))  # the manager runs its steps
                 continue
             self._unwait(handle)
             planner = self._planner_of[handle]
@@ -190,10 +187,10 @@ class HeldRequests:
             self._streamed[handle] += len(next(iter(outputs.values())))
         return None
 
-    def _failed(self, handle: int, error: str) -> Answer:
+    def _failed(self, handle: int, error: str, code: str = INTERNAL) -> Answer:
         del self._planner_of[handle]
         self._streamed.pop(handle, None)
-        return self._answer(handle, None, [INTERNAL, error])
+        return self._answer(handle, None, [code, error])
 
     def _answer(self, handle: int, outputs: dict[str, Any] | None, error: list[str] | None) -> Answer:
         """The answer of a request that leaves, with the microseconds since it joined the running batch."""

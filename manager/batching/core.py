@@ -49,6 +49,7 @@ from batchmaker.manager.batching.plan_store import make_tables
 from batchmaker.manager.batching.policies import make_policy, make_scheduler
 from batchmaker.manager.batching.records import Request, Task
 from batchmaker.manager.batching.request_processor import RequestProcessor
+from batchmaker.manager.batching.routed import Routed
 from batchmaker.manager.batching.session_turns import SessionTurns
 from batchmaker.manager.batching.sessions import SessionStore, Waiting, session_fields
 from batchmaker.manager.batching.versions import Versions
@@ -170,6 +171,17 @@ class BatchingCore:
         request = Request(client, request_id, model, inputs, unfolded, arrival, deadline, priority, stream)
         burst.add(request)
         return request
+
+    def take_over(self, routed: Routed) -> None:
+        """A request routed whole whose values a worker's running batch cannot hold (all its steps' rows at once):
+        admitted here, its steps run by the manager a few lanes at a time. RequestError if a limit refuses it."""
+        burst = Burst()
+        deadline_ms = None if routed.deadline is None else max(0, round((routed.deadline - routed.arrival) * 1e3))
+        self._plan(
+            burst, routed.client, routed.request_id, routed.model, routed.inputs, routed.arrival, deadline_ms,
+            routed.priority, routed.stream,
+        )  # fmt: skip
+        self._record(burst)
 
     def _record(self, burst: Burst) -> None:
         """The burst's requests so far get their records (table rows, plans, queued lanes)."""

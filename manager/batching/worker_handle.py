@@ -170,10 +170,13 @@ class WorkerHandle:
         answers), so one may arrive after one sent later: the total only grows, so the largest is the latest."""
         self.kernel_busy_us = None if kernel_busy_us is None else max(kernel_busy_us, self.kernel_busy_us or 0)
 
-    def running_batch_answered(self, requests: int, ran: dict[str, dict[int, int]]) -> None:
-        """Its running batch answered `requests` and ran these steps (per cell type, the steps at each batch size)."""
-        self.requests_answered += requests
+    def running_batch_ran(self, ran: dict[str, dict[int, int]]) -> None:
+        """Its running batch ran these steps (per cell type, the steps at each batch size)."""
         self.steps_run += sum(sum(sizes.values()) for sizes in ran.values())
+
+    def running_batch_answered(self, requests: int) -> None:
+        """Its running batch answered `requests` (not those it handed back to the manager's steps)."""
+        self.requests_answered += requests
 
     def store_rows(self, rows: list[IoRows]) -> None:
         """Write the result rows a worker on another host sent into the arrays standing in for its io

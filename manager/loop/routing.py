@@ -22,6 +22,7 @@ from batchmaker.common.protocol import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
+    NO_ROOM,
     OVERLOADED,
     UNAVAILABLE,
     WORKER_LOST,
@@ -135,6 +136,7 @@ class Router:
         outcomes: list[Outcome] = []
         now = time.perf_counter()
         self.table.progressed(worker.worker_id)
+        handed_back = 0
         for partial in partials:
             if isinstance(partial, list) and len(partial) == 2:
                 self.table.partial(worker.worker_id, *partial)
@@ -152,9 +154,24 @@ class Router:
                 ran_s = compute_us / 1e6 if type(compute_us) is int and compute_us >= 0 else now - request.arrival
                 timing = request_timing(request.arrival, max(request.arrival, now - ran_s), now)
                 outcomes.append(Answered(request, outputs, timing, self.table.older_in_flight(request)))
+            elif error[0] == NO_ROOM:
+                handed_back += 1
+                outcomes += self._take_over(request)
             else:
                 outcomes.append(Failed(request, RequestError(*error)))
+        worker.running_batch_answered(len(answers) - handed_back)
         return self._followed(outcomes)
+
+    def _take_over(self, request: Routed) -> list[Outcome]:
+        """A request too large for its worker's running batch goes to the batching core, whose steps hold a few
+        lanes' rows at a time; refused by its limits, it fails with their error."""
+        try:
+            self._core.take_over(request)
+        except RequestError as error:
+            return [Failed(request, error)]
+        except Exception as exc:  # a model's bug costs its request, never the server
+            return [Failed(request, RequestError(INTERNAL, f"{type(exc).__name__} in {request.model.name}: {exc}"))]
+        return []
 
     def partials(self, client_waiting: Callable[[bytes], bool]) -> list[Outcome]:
         """One partial for each streamed request whose outputs grew since its last one and whose client reads its

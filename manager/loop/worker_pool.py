@@ -187,7 +187,7 @@ class WorkerPool:
                     self._drop("a malformed answers message on the worker control socket")
                     continue
                 worker.kernels_timed(kernels)
-                worker.running_batch_answered(len(batch), ran)
+                worker.running_batch_ran(ran)
                 answers.append(WorkerAnswers(worker, batch, partials, ran))
             elif op == "health":  # the supervisor's readiness check, on the private socket
                 health_checks.append(identity)
