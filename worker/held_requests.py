@@ -9,14 +9,17 @@ the rows sent so far on), its last one just before its answer.
 
 A running batch holds at most its window of requests at once (common.window); those beyond it wait here, planned,
 and join as others leave, the higher priority first: in the batch they would wait for a place in a step all the
-same.
+same. The requests of a message are planned one by one, then join together (RunningBatch.admit_many), as do those
+that join when others leave at a step: joining costs per message and per step, not per request.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -28,11 +31,21 @@ from batchmaker.common.protocol import INTERNAL, NO_ROOM, RequestError
 from batchmaker.common.window import window
 from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
-from batchmaker.worker.running_batch import RunningBatch
+from batchmaker.worker.running_batch import Joining, RunningBatch
 
 Answer = list[Any]
 Partial = list[Any]
 TOO_LARGE = "the request needs more arena rows than the worker has: its values take rows for all its steps at once"
+
+
+class Routed(NamedTuple):
+    """A request the manager routed to this worker whole, as its frame of a `requests` message holds it."""
+
+    handle: int
+    model: str
+    inputs: Any
+    priority: int = 0
+    stream: bool = False
 
 
 class Replies(NamedTuple):
@@ -65,23 +78,33 @@ class HeldRequests:
         return bool(self._planner_of)
 
     def take(self, handle: int, model: str, inputs: Any, priority: int = 0, stream: bool = False) -> list[Answer]:
-        """A routed request: planned and held; answered at once with its error if it cannot be planned. With
-        `stream`, its outputs go out in partials as they become final (its model can stream: the manager checked)."""
-        planner = self._planners.get(model)
-        try:
-            if planner is None:
-                raise RequestError(INTERNAL, f"this worker does not serve model {model!r}")
-            unfolded = planner.plan(inputs)
-        except RequestError as error:
-            return [self._answer(handle, None, [error.code, error.message])]
-        except Exception as exc:  # a model's bug costs its request, never the worker
-            return [self._answer(handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"])]
-        self._planner_of[handle] = planner
-        self._waiting[handle] = unfolded, priority
-        self._waiting_prioritized += priority != 0
-        if stream:
-            self._streamed[handle] = 0
-        return self._join()
+        """One routed request: `take_many` of it alone."""
+        return self.take_many([Routed(handle, model, inputs, priority, stream)])
+
+    def take_many(self, routed: Iterable[Routed]) -> list[Answer]:
+        """Routed requests (a message of them): each planned and held, answered at once with its error if it cannot
+        be planned; then those that fit join the running batch together, so that joining costs per message. With
+        `stream`, a request's outputs go out in partials as they become final (its model can stream: the manager
+        checked)."""
+        answers = []
+        for handle, model, inputs, priority, stream in routed:
+            planner = self._planners.get(model)
+            try:
+                if planner is None:
+                    raise RequestError(INTERNAL, f"this worker does not serve model {model!r}")
+                unfolded = planner.plan(inputs)
+            except RequestError as error:
+                answers.append(self._answer(handle, None, [error.code, error.message]))
+                continue
+            except Exception as exc:  # a model's bug costs its request, never the worker
+                answers.append(self._answer(handle, None, [INTERNAL, f"{type(exc).__name__} in {model}: {exc}"]))
+                continue
+            self._planner_of[handle] = planner
+            self._waiting[handle] = unfolded, priority
+            self._waiting_prioritized += priority != 0
+            if stream:
+                self._streamed[handle] = 0
+        return answers + self._join()
 
     def add_model(self, planner: Planner, specs: list[CellTypeSpec], cells: list[torch.nn.Module],
                   kinds: list[ValueKind]) -> None:  # fmt: skip
@@ -108,33 +131,37 @@ class HeldRequests:
                 self.batch.remove(handle)
 
     def _join(self) -> list[Answer]:
-        """Waiting requests join the running batch while it holds fewer than its window and their rows fit: the
-        higher priority first, then in the order they came."""
+        """Waiting requests join the running batch, together, while it holds fewer than its window and their rows
+        fit: the higher priority first, then in the order they came. One whose rows do not fit waits for others to
+        leave, and those after it with it; one too large for the empty batch is answered at once."""
         answers = []
-        for handle in self._in_turn():
-            if self.batch.requests >= self._window:
+        while self._waiting and self.batch.requests < self._window:
+            turn = self._in_turn(self._window - self.batch.requests)
+            joining = turn[: self.batch.fitting(self._waiting[handle][0] for handle in turn)]
+            if joining or self.batch.requests:
+                self._admit(joining)
                 break
-            unfolded, priority = self._waiting[handle]
-            if not self.batch.fits(unfolded):
-                if self.batch.requests:
-                    break  # it joins when others leave
-                self._unwait(handle)
-                answers.append(self._failed(handle, TOO_LARGE, NO_ROOM))  # the manager runs its steps
-                continue
-            self._unwait(handle)
-            planner = self._planner_of[handle]
-            self.batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None, priority)
-            self._joined_at[handle] = time.perf_counter()
+            self._unwait(turn[0])
+            answers.append(self._failed(turn[0], TOO_LARGE, NO_ROOM))  # the manager runs its steps
         return answers
 
-    def _in_turn(self) -> Iterator[int]:
-        """The waiting requests in the order they join, each taken off the waiting ones before the next is asked
-        for: in the order they came, or, when any has a priority, sorted once by it (the first of equals first)."""
+    def _admit(self, handles: list[int]) -> None:
+        """The waiting requests `handles` join the running batch at once."""
+        joining = []
+        for handle in handles:
+            unfolded, priority = self._waiting[handle]
+            self._unwait(handle)
+            observe = self._planner_of[handle].observe if unfolded.plan.watched else None
+            joining.append(Joining(handle, unfolded, observe, priority))
+        self.batch.admit_many(joining)
+        self._joined_at.update(dict.fromkeys(handles, time.perf_counter()))
+
+    def _in_turn(self, count: int) -> list[int]:
+        """The first `count` waiting requests in the order they join: in the order they came, or, when any has a
+        priority, by it (the first of equals first)."""
         if not self._waiting_prioritized:
-            while self._waiting:
-                yield next(iter(self._waiting))
-            return
-        yield from sorted(self._waiting, key=lambda handle: -self._waiting[handle][1])
+            return list(itertools.islice(self._waiting, count))
+        return heapq.nsmallest(count, self._waiting, key=lambda handle: -self._waiting[handle][1])
 
     def _unwait(self, handle: int) -> bool:
         """Take the request off the waiting ones; False if it was not waiting."""

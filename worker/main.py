@@ -45,7 +45,7 @@ from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task
 from batchmaker.common.worker_keys import worker_curve
 from batchmaker.worker.backend import Backend, DeviceFault
 from batchmaker.worker.chain_runs import ChainBounds
-from batchmaker.worker.held_requests import HeldRequests
+from batchmaker.worker.held_requests import HeldRequests, Routed
 from batchmaker.worker.loading import build_cells, load_version, unload_version
 from batchmaker.worker.notices import InProgressFIFO, Poller
 from batchmaker.worker.startup import EXIT_CONFIG_ERROR, start
@@ -268,12 +268,8 @@ class Worker:
             if kind == b"tasks":  # one frame per task, in the order they are to run
                 for frame in (payload, *more):
                     self._issue(decode_task(frame))
-            elif kind == b"requests" and self._held is not None:  # routed whole, a frame each
-                answers = []
-                for frame in (payload, *more):
-                    handle, model, inputs, priority, stream = decode(frame)
-                    answers += self._held.take(handle, model, inputs, priority, stream)
-                self._answer([], answers)
+            elif kind == b"requests" and self._held is not None:  # routed whole, a frame each; they join together
+                self._answer([], self._held.take_many([Routed(*decode(frame)) for frame in (payload, *more)]))
             elif kind == b"drop" and self._held is not None:
                 self._held.drop(decode(payload))
             elif kind == b"peers":

@@ -5,7 +5,8 @@ batch of ready nodes, else any with ready nodes, the higher priority first) and 
 ready nodes of that type, from every request held: those of requests of a higher `priority` first, then the
 oldest, and a request passed over `STARVED` steps in a row for higher-priority ones before every other (the
 protocol's Priority, as the batching core's tasks take their lanes). A request admitted between two steps joins
-the next step of its cell types; a request whose last node ran, or whose model saw its end in a watched value (a
+the next step of its cell types, the requests of a message together (`admit_many`: an array operation a column
+for them all, not one per request); a request whose last node ran, or whose model saw its end in a watched value (a
 decoder's EOS), leaves at once with its results. The decision costs a few array operations over the nodes held,
 whatever the number of requests: the nodes of every request held are rows of flat arrays (their cell type, how
 many nodes of their request must run first, the arena rows each input reads and each output writes), so Python
@@ -14,16 +15,17 @@ chosen nodes go on as chains (an LSTM's steps), the step runs several waves of t
 worker.step_runner), so that this cost is paid once for them all.
 
 A request's values live in rows of the running batch's own arenas, one per kind of value: its registers (a plan
-reuses them: common.plan) and its external values (copied in when it joins). A node is ready once every node of
-its request at a smaller depth has run (`need`); a step gathers its inputs before it writes its outputs, which is
-all the plan's register reuse asks for.
+reuses them: common.plan) and its external values (copied in when it joins; the rows of the requests joining
+together taken, and their values copied, a kind at a time). A node is ready once every node of its request at a
+smaller depth has run (`need`); a step gathers its inputs before it writes its outputs, which is all the plan's
+register reuse asks for.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,12 +39,22 @@ from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.cell_types import CellTypes
 from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
-from batchmaker.worker.node_columns import Nodes, Template
+from batchmaker.worker.node_columns import JoiningRows, Nodes, Template, joined
 from batchmaker.worker.step_runner import StepRunner
 
 Rows = np.ndarray  # arena rows, int64
 Observe = Callable[[Unfolded, int, np.ndarray], bool]  # a model's `observe`: True once the request is complete
 STARVED = 8  # steps a request may be passed over for higher-priority ones before it goes first
+ZERO_ROW = np.full(1, ZERO_SLOT, np.int64)  # first among a joining request's rows (worker.node_columns)
+
+
+class Joining(NamedTuple):
+    """A planned request to admit: `key` names it, `observe` sees its watched values in order."""
+
+    key: Any
+    unfolded: Unfolded
+    observe: Observe | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -65,6 +77,14 @@ class Finished(NamedTuple):
     unfolded: Unfolded
     results: dict[str, np.ndarray]
     error: str | None
+
+
+def _wanted(unfolded: Unfolded) -> Iterator[tuple[ValueKind, int]]:
+    """The rows a request takes, per kind: its registers', then its external values'."""
+    for kind, registers in unfolded.plan.register_groups.items():
+        yield kind, len(registers)
+    for kind, values in unfolded.externals.items():
+        yield kind, len(values)
 
 
 class RunningBatch:
@@ -113,51 +133,40 @@ class RunningBatch:
         self.nodes.widen(*self.types.widths)
 
     # -- joining ---------------------------------------------------------------------------------
-    def fits(self, unfolded: Unfolded) -> bool:
-        """Whether the arenas have the rows the request's registers and external values take."""
-        wanted = {kind: len(registers) for kind, registers in unfolded.plan.register_groups.items()}
-        for kind, values in unfolded.externals.items():
-            wanted[kind] = wanted.get(kind, 0) + len(values)
-        return all(self.types.free[kind].available >= count for kind, count in wanted.items())
+    def fitting(self, requests: Iterable[Unfolded]) -> int:
+        """How many of the planned requests, taken in order, the arenas have rows for together (their registers
+        and external values): those may be admitted at once. Stops at the first that does not fit."""
+        free = {kind: allocator.available for kind, allocator in self.types.free.items()}
+        fit = 0
+        for unfolded in requests:
+            for kind, count in _wanted(unfolded):
+                free[kind] -= count
+            if min(free.values()) < 0:
+                break
+            fit += 1
+        return fit
 
     def admit(self, key: Any, unfolded: Unfolded, observe: Observe | None = None, priority: int = 0) -> None:
-        """Hold a planned request (`key` names it): its values get rows, its nodes join the next steps of their
-        cell types. `observe` sees its watched values in order; callers ask `fits` first."""
-        plan = unfolded.plan
-        template = self._template(plan)
-        register_row, external_rows, external_base, rows = self._take_rows(unfolded)
-        slot = self._slot()
-        nodes = self.nodes
-        nodes.reserve(plan.nodes)
-        span = slice(nodes.count, nodes.count + plan.nodes)
-        nodes.request[span] = slot
-        nodes.cell[span] = template.cell
-        nodes.need[span] = plan.need
-        nodes.pending[span] = True
-        nodes.local[span] = np.arange(plan.nodes)
-        nodes.copied[span] = plan.has_copies
-        nodes.priority[span] = priority
-        refs = template.inputs
-        inputs = register_row[np.where(refs >= 0, refs, -1)]  # the zero row where no register is read
-        external = refs <= -2
-        if external.any():
-            inputs[external] = external_rows[external_base[template.kind[external]] - 2 - refs[external]]
-        nodes.inputs[span] = inputs
-        nodes.outputs[span] = register_row[template.outputs]
-        nodes.ragged_start[span] = len(nodes.ragged) + plan.ragged_start
-        nodes.ragged_count[span] = plan.ragged_count
-        nodes.chain[span] = template.chain
-        nodes.carry[span] = template.carry
-        if template.chaining:
+        """Hold one planned request: `admit_many` of it alone."""
+        self.admit_many([Joining(key, unfolded, observe, priority)])
+
+    def admit_many(self, joining: Sequence[Joining]) -> None:
+        """Hold planned requests, all at once (callers admit only what `fitting` says fits): their values get rows,
+        their nodes join the next steps of their cell types. An array operation a column for them all, so that
+        joining costs per message, not per request."""
+        if not joining:
+            return
+        templates = [self._template(request.unfolded.plan) for request in joining]
+        rows, held_rows = self._take_rows(joining, templates)
+        slots = self._slots(len(joining))
+        self.nodes.append(templates, slots, [request.priority for request in joining], rows)
+        for request, template, slot, held in zip(joining, templates, slots, held_rows):
+            self._held[slot] = Held(request.key, request.unfolded, request.observe, held, request.priority)
+            self._slot_of[request.key] = slot
             self._chaining |= template.chaining
-        if len(template.ragged):
-            nodes.ragged = np.concatenate([nodes.ragged, register_row[template.ragged]])
-        nodes.count += plan.nodes
-        self._held[slot] = Held(key, unfolded, observe, rows, priority)
-        self._slot_of[key] = slot
-        self._done[slot] = self._passes[slot] = 0
-        self._prioritized += priority != 0
-        self._total[slot] = plan.nodes
+            self._prioritized += request.priority != 0
+            self._done[slot] = self._passes[slot] = 0
+            self._total[slot] = template.columns.shape[1]
 
     def _template(self, plan: Plan) -> Template:
         """What the plan's nodes hold whatever the request, in this batch's columns: made once per plan."""
@@ -168,36 +177,70 @@ class RunningBatch:
             plan.cache[self.types.layout] = template
         return template
 
-    def _take_rows(self, unfolded: Unfolded) -> tuple[Rows, Rows, np.ndarray, dict[ValueKind, Rows]]:
-        """Rows for the request's registers (each register's row, then the zero row, read for -1) and its external
-        values (copied in; their rows in the order of this batch's kinds, each kind's from its `base` entry), and
-        every row it holds per kind."""
-        plan = unfolded.plan
-        register_row = np.empty(plan.registers + 1, np.int64)
-        register_row[-1] = ZERO_SLOT
-        rows = {}
-        for kind, registers in plan.register_groups.items():
-            rows[kind] = register_row[registers] = self.types.free[kind].take(len(registers))
-        external_rows = []
-        base = np.zeros(len(self.types.kind_index), np.int64)
-        start = 0
-        for kind in sorted(unfolded.externals, key=self.types.kind_index.__getitem__):
-            values = unfolded.externals[kind]
-            taken = self.types.free[kind].take(len(values))
-            self.types.arenas[kind][self._runner.tensor(taken)] = self._runner.tensor(np.ascontiguousarray(values))
-            external_rows.append(taken)
-            base[self.types.kind_index[kind]], start = start, start + len(taken)
-            rows[kind] = np.concatenate([rows[kind], taken]) if kind in rows else taken
-        return register_row, np.concatenate(external_rows) if external_rows else register_row[:0], base, rows
+    def _take_rows(
+        self, joining: Sequence[Joining], templates: list[Template]
+    ) -> tuple[JoiningRows, list[dict[ValueKind, Rows]]]:
+        """Rows for the requests' registers and external values (copied in), one take per kind for them all: the
+        rows their nodes read and write, laid out as their templates say, and every row each request holds, per
+        kind (given back when it leaves). Python per request and kind, arrays per kind."""
+        wanted: dict[ValueKind, int] = {}
+        for request in joining:
+            for kind, count in _wanted(request.unfolded):
+                wanted[kind] = wanted.get(kind, 0) + count
+        taken = {kind: self.types.free[kind].take(count) for kind, count in wanted.items()}
+        used = dict.fromkeys(taken, 0)  # per kind: how many of the rows taken went to the requests so far
 
-    def _slot(self) -> int:
-        if self._free_slots:
-            return self._free_slots.pop()
-        self._held.append(None)
-        self._done = np.append(self._done, 0)
-        self._total = np.append(self._total, 0)
-        self._passes = np.append(self._passes, 0)
-        return len(self._held) - 1
+        def take(kind: ValueKind, count: int) -> Rows:
+            rows = taken[kind][used[kind] : used[kind] + count]
+            used[kind] += count
+            return rows
+
+        pieces: list[Rows] = []  # every request's rows in turn
+        starts, held, size = [], [], 0
+        copies: dict[ValueKind, list[tuple[Rows, np.ndarray]]] = {}  # per kind: external values' rows, and them
+        bases = []  # (request, kind index, where its values of the kind start after those of its first kind)
+        for number, (request, template) in enumerate(zip(joining, templates)):
+            unfolded, first = request.unfolded, dict(used)
+            groups = unfolded.plan.register_groups
+            rows = [ZERO_ROW, *(take(kind, len(groups[kind])) for kind in template.register_kinds)]
+            base = 0
+            for kind in sorted(unfolded.externals, key=self.types.kind_index.__getitem__):
+                values = unfolded.externals[kind]
+                rows.append(take(kind, len(values)))
+                copies.setdefault(kind, []).append((rows[-1], values))
+                if base:
+                    bases.append((number, self.types.kind_index[kind], base))
+                base += len(values)
+            held.append({kind: taken[kind][first[kind] : used[kind]] for kind in taken if used[kind] > first[kind]})
+            starts.append(size)
+            size += sum(len(piece) for piece in rows)
+            pieces += rows
+        self._copy_in(copies)
+        external_bases = None
+        if bases:
+            external_bases = np.zeros((len(joining), len(self.types.kind_index)), np.int64)
+            for number, kind, base in bases:
+                external_bases[number, kind] = base
+        return JoiningRows(np.concatenate(pieces), starts, external_bases), held
+
+    def _copy_in(self, copies: dict[ValueKind, list[tuple[Rows, np.ndarray]]]) -> None:
+        """External values to their rows: one index per kind for all the requests joining."""
+        for kind, copied in copies.items():
+            rows, values = joined([rows for rows, _ in copied]), joined([values for _, values in copied])
+            self.types.arenas[kind][self._runner.tensor(rows)] = self._runner.tensor(np.ascontiguousarray(values))
+
+    def _slots(self, count: int) -> list[int]:
+        """Request slots for `count` requests: those given back last first; when too few are, as many more again as
+        there are (the per-slot arrays grow once in a while, not at every request)."""
+        if len(self._free_slots) < count:
+            held = len(self._held)
+            more = max(count, held)
+            self._held.extend([None] * more)
+            self._done, self._total, self._passes = (
+                np.concatenate([column, np.zeros(more, np.int64)]) for column in (self._done, self._total, self._passes)
+            )
+            self._free_slots[:0] = range(held + more - 1, held - 1, -1)  # below those given back: taken after them
+        return [self._free_slots.pop() for _ in range(count)]
 
     def remove(self, key: Any) -> bool:
         """Let a request go before its end (cancelled, or its deadline passed): its nodes never run."""
