@@ -167,6 +167,19 @@ class CountingList(list):
         return super().__getitem__(index)
 
 
+def stop_in_thread(manager: Any, loop: threading.Thread, workers: list[subprocess.Popen]) -> None:
+    """Stop a manager whose event loop runs in `loop`, a thread of this process, and its worker processes: the
+    second stop ends the drain at once."""
+    manager.stop()
+    manager.stop()
+    loop.join(timeout=30)
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+        worker.wait(timeout=30)
+    assert not loop.is_alive()
+
+
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0, interval: float = 0.01) -> Any:
     """The first truthy value of `predicate()`; fails naming `what` if none comes within the (generous) timeout."""
     deadline = time.monotonic() + timeout

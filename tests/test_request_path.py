@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import ROOT, SMALL_LSTM, start_worker, wait_until, write_config
+from conftest import ROOT, SMALL_LSTM, start_worker, stop_in_thread, wait_until, write_config
 
 from batchmaker.clients import Client
 from batchmaker.common.config import resolve_running_batch
@@ -58,13 +58,7 @@ class RecordedManager:
                 self.files.add(name[len(OWN) :])
 
     def close(self) -> None:
-        self.manager.stop()
-        self.manager.stop()
-        self.loop.join(timeout=30)
-        for worker in self.workers:
-            if worker.poll() is None:
-                worker.terminate()
-            worker.wait(timeout=30)
+        stop_in_thread(self.manager, self.loop, self.workers)
 
 
 @pytest.fixture(scope="module")

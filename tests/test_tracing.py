@@ -22,6 +22,7 @@ from conftest import (
     SMALL_SEQ2SEQ,
     SST_TREELSTM,
     start_worker,
+    stop_in_thread,
     wait_until,
     with_faults,
     write_config,
@@ -101,14 +102,7 @@ class TracedServer:
         return next((s for s in spans if s.attributes["batchmaker.request.id"] == request_id), None)
 
     def close(self) -> None:
-        self.manager.stop()
-        self.manager.stop()
-        self.loop.join(timeout=30)
-        for worker in self.workers:
-            if worker.poll() is None:
-                worker.terminate()
-            worker.wait(timeout=30)
-        assert not self.loop.is_alive()
+        stop_in_thread(self.manager, self.loop, self.workers)
 
 
 @pytest.fixture(scope="module")
