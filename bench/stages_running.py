@@ -6,9 +6,10 @@ one CPU worker (a real `RunningBatch` on the model's served cells), `HELD` reque
 a request joining as soon as one leaves; the batch runs step by step until every request has its answer, encoded
 as the worker sends it. Every stage is timed on its own:
 
-decode (the request's frame), plan (the model's plan), join (rows taken, the request's nodes appended), cell (the
-cells' forward calls), step beyond the cell (Algorithm 1's choice, the gathers and scatters, results read, rows
-given back) and answer (the model's outputs and the answer's encoding). The kernels' busy fraction is the cells'
+decode (the request's frame), plan (the model's plan), join (rows taken, the requests' nodes appended: those that
+join between two steps together, as a worker joins the requests of a message or those a step made room for), cell
+(the cells' forward calls), step beyond the cell (Algorithm 1's choice, the gathers and scatters, results read,
+rows given back) and answer (the model's outputs and the answer's encoding). The kernels' busy fraction is the cells'
 share of all of them: what the worker would reach with nothing else to do.
 """
 
@@ -23,7 +24,7 @@ from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.stage_parts import ROWS, Stage, TimedCell, served_model, stage_timer
 from batchmaker.common.models.base import Planner
 from batchmaker.common.protocol import decode, encode
-from batchmaker.worker.running_batch import RunningBatch
+from batchmaker.worker.running_batch import Joining, RunningBatch
 
 STAGES = ("decode", "plan", "join", "cell", "step beyond the cell", "answer")
 HELD = 128  # requests in the running batch at once: two full batches of nodes and more, as under load
@@ -65,13 +66,15 @@ def run_through(batch: RunningBatch, planner: Planner, frames: list[bytes], stag
     """Every request of `frames` through `batch`, `HELD` at a time, to its answer; returns the steps run."""
     waiting, answered, steps = iter(frames), 0, 0
     while answered < len(frames):
-        while batch.requests < HELD and (frame := next(waiting, None)) is not None:
+        joining = []
+        while batch.requests + len(joining) < HELD and (frame := next(waiting, None)) is not None:
             with stage("decode"):
                 handle, _, request = decode(frame, 1 << 24)
             with stage("plan"):
                 unfolded = planner.plan(request)
-            with stage("join"):
-                batch.admit(handle, unfolded, planner.observe if unfolded.plan.watched else None)
+            joining.append(Joining(handle, unfolded, planner.observe if unfolded.plan.watched else None))
+        with stage("join"):
+            batch.admit_many(joining)
         with stage("step beyond the cell"):
             finished = batch.step()
         steps += 1
