@@ -24,7 +24,8 @@ from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.stage_parts import ROWS, Stage, TimedCell, served_model, stage_timer
 from batchmaker.common.models.base import Planner
 from batchmaker.common.protocol import decode, encode
-from batchmaker.worker.running_batch import Joining, RunningBatch
+from batchmaker.worker.joining import Joining
+from batchmaker.worker.running_batch import RunningBatch
 
 STAGES = ("decode", "plan", "join", "cell", "step beyond the cell", "answer")
 HELD = 128  # requests in the running batch at once: two full batches of nodes and more, as under load

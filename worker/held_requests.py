@@ -31,7 +31,8 @@ from batchmaker.common.protocol import INTERNAL, NO_ROOM, RequestError
 from batchmaker.common.window import window
 from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
-from batchmaker.worker.running_batch import Joining, RunningBatch
+from batchmaker.worker.joining import Joining
+from batchmaker.worker.running_batch import RunningBatch
 
 Answer = list[Any]
 Partial = list[Any]

@@ -16,16 +16,16 @@ worker.step_runner), so that this cost is paid once for them all.
 
 A request's values live in rows of the running batch's own arenas, one per kind of value: its registers (a plan
 reuses them: common.plan) and its external values (copied in when it joins; the rows of the requests joining
-together taken, and their values copied, a kind at a time). A node is ready once every node of its request at a
-smaller depth has run (`need`); a step gathers its inputs before it writes its outputs, which is all the plan's
-register reuse asks for.
+together taken, and their values copied, a kind at a time: worker.joining). A node is ready once every node of its
+request at a smaller depth has run (`need`); a step gathers its inputs before it writes its outputs, which is all
+the plan's register reuse asks for.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -35,26 +35,14 @@ from torch import nn
 
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.plan import Plan, Unfolded
-from batchmaker.common.slots import ZERO_SLOT
 from batchmaker.worker.batched_task import KernelClock
 from batchmaker.worker.cell_types import CellTypes
 from batchmaker.worker.chain_runs import DEFAULT_BOUNDS, ChainBounds
-from batchmaker.worker.node_columns import JoiningRows, Nodes, Template, joined
+from batchmaker.worker.joining import Copies, Joining, Observe, Rows, fitting, take_rows
+from batchmaker.worker.node_columns import Nodes, Template, joined
 from batchmaker.worker.step_runner import StepRunner
 
-Rows = np.ndarray  # arena rows, int64
-Observe = Callable[[Unfolded, int, np.ndarray], bool]  # a model's `observe`: True once the request is complete
 STARVED = 8  # steps a request may be passed over for higher-priority ones before it goes first
-ZERO_ROW = np.full(1, ZERO_SLOT, np.int64)  # first among a joining request's rows (worker.node_columns)
-
-
-class Joining(NamedTuple):
-    """A planned request to admit: `key` names it, `observe` sees its watched values in order."""
-
-    key: Any
-    unfolded: Unfolded
-    observe: Observe | None = None
-    priority: int = 0
 
 
 @dataclass
@@ -77,14 +65,6 @@ class Finished(NamedTuple):
     unfolded: Unfolded
     results: dict[str, np.ndarray]
     error: str | None
-
-
-def _wanted(unfolded: Unfolded) -> Iterator[tuple[ValueKind, int]]:
-    """The rows a request takes, per kind: its registers', then its external values'."""
-    for kind, registers in unfolded.plan.register_groups.items():
-        yield kind, len(registers)
-    for kind, values in unfolded.externals.items():
-        yield kind, len(values)
 
 
 class RunningBatch:
@@ -136,15 +116,7 @@ class RunningBatch:
     def fitting(self, requests: Iterable[Unfolded]) -> int:
         """How many of the planned requests, taken in order, the arenas have rows for together (their registers
         and external values): those may be admitted at once. Stops at the first that does not fit."""
-        free = {kind: allocator.available for kind, allocator in self.types.free.items()}
-        fit = 0
-        for unfolded in requests:
-            for kind, count in _wanted(unfolded):
-                free[kind] -= count
-            if min(free.values()) < 0:
-                break
-            fit += 1
-        return fit
+        return fitting(self.types, requests)
 
     def admit(self, key: Any, unfolded: Unfolded, observe: Observe | None = None, priority: int = 0) -> None:
         """Hold one planned request: `admit_many` of it alone."""
@@ -157,7 +129,8 @@ class RunningBatch:
         if not joining:
             return
         templates = [self._template(request.unfolded.plan) for request in joining]
-        rows, held_rows = self._take_rows(joining, templates)
+        rows, held_rows, copies = take_rows(self.types, joining, templates)
+        self._copy_in(copies)
         slots = self._slots(len(joining))
         self.nodes.append(templates, slots, [request.priority for request in joining], rows)
         for request, template, slot, held in zip(joining, templates, slots, held_rows):
@@ -177,53 +150,7 @@ class RunningBatch:
             plan.cache[self.types.layout] = template
         return template
 
-    def _take_rows(
-        self, joining: Sequence[Joining], templates: list[Template]
-    ) -> tuple[JoiningRows, list[dict[ValueKind, Rows]]]:
-        """Rows for the requests' registers and external values (copied in), one take per kind for them all: the
-        rows their nodes read and write, laid out as their templates say, and every row each request holds, per
-        kind (given back when it leaves). Python per request and kind, arrays per kind."""
-        wanted: dict[ValueKind, int] = {}
-        for request in joining:
-            for kind, count in _wanted(request.unfolded):
-                wanted[kind] = wanted.get(kind, 0) + count
-        taken = {kind: self.types.free[kind].take(count) for kind, count in wanted.items()}
-        used = dict.fromkeys(taken, 0)  # per kind: how many of the rows taken went to the requests so far
-
-        def take(kind: ValueKind, count: int) -> Rows:
-            rows = taken[kind][used[kind] : used[kind] + count]
-            used[kind] += count
-            return rows
-
-        pieces: list[Rows] = []  # every request's rows in turn
-        starts, held, size = [], [], 0
-        copies: dict[ValueKind, list[tuple[Rows, np.ndarray]]] = {}  # per kind: external values' rows, and them
-        bases = []  # (request, kind index, where its values of the kind start after those of its first kind)
-        for number, (request, template) in enumerate(zip(joining, templates)):
-            unfolded, first = request.unfolded, dict(used)
-            groups = unfolded.plan.register_groups
-            rows = [ZERO_ROW, *(take(kind, len(groups[kind])) for kind in template.register_kinds)]
-            base = 0
-            for kind in sorted(unfolded.externals, key=self.types.kind_index.__getitem__):
-                values = unfolded.externals[kind]
-                rows.append(take(kind, len(values)))
-                copies.setdefault(kind, []).append((rows[-1], values))
-                if base:
-                    bases.append((number, self.types.kind_index[kind], base))
-                base += len(values)
-            held.append({kind: taken[kind][first[kind] : used[kind]] for kind in taken if used[kind] > first[kind]})
-            starts.append(size)
-            size += sum(len(piece) for piece in rows)
-            pieces += rows
-        self._copy_in(copies)
-        external_bases = None
-        if bases:
-            external_bases = np.zeros((len(joining), len(self.types.kind_index)), np.int64)
-            for number, kind, base in bases:
-                external_bases[number, kind] = base
-        return JoiningRows(np.concatenate(pieces), starts, external_bases), held
-
-    def _copy_in(self, copies: dict[ValueKind, list[tuple[Rows, np.ndarray]]]) -> None:
+    def _copy_in(self, copies: Copies) -> None:
         """External values to their rows: one index per kind for all the requests joining."""
         for kind, copied in copies.items():
             rows, values = joined([rows for rows, _ in copied]), joined([values for _, values in copied])
