@@ -11,7 +11,8 @@ from batchmaker.manager.batching.records import Request
 
 
 def request_timing(arrival: float, started: float, end: float) -> dict[str, int]:
-    """An answer's `timing`: queueing (arrival to first issue), computation (first issue to answer) and total, in µs."""
+    """An answer's `timing`: queueing (arrival to first issue), computation (first issue to answer) and total,
+    in µs."""
     started = started or end
     return {
         "queue_us": int((started - arrival) * 1e6),
