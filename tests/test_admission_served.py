@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 import zmq
 from conftest import SMALL_LSTM, start_server, stop_server, wait_until, write_config
+from test_running_batch_served import StoppedWorkers
 
 from batchmaker.common.models import build_model
 
@@ -170,7 +171,9 @@ def test_a_cold_server_refuses_a_flood_by_expected_wait_from_its_first_request(t
 
 def test_a_flood_routed_to_running_batches_is_refused_by_expected_wait_before_any_other_check(tmp_path: Path):
     """With the workers running their own batches the wait is the requests in flight over the answer rate; a request
-    it refuses is refused before its other fields are read, so a flood's malformed requests are refused alike."""
+    it refuses is refused before its other fields are read, so a flood's malformed requests are refused alike. The
+    workers are stopped while the manager reads the flood, so that the wait it sees is the flood's, however fast
+    this machine drains it."""
     config = write_config(
         tmp_path, SMALL_LSTM, server=f"max_queue_delay_ms = {LIMIT_MS}", scheduler='running_batch = "worker"'
     )
@@ -185,7 +188,9 @@ def test_a_flood_routed_to_running_batches_is_refused_by_expected_wait_before_an
             request["deadline_ms"] = PROBE_DEADLINE_MS
         malformed = {"inputs": {"words": [1, 2]}}  # an input the model does not have
         first = len(flood.sent)
-        flood.send(requests[:1500] + [malformed] * 200 + requests[1500:])
+        with StoppedWorkers(server):  # what is routed stays in flight while the manager reads the flood
+            flood.send(requests[:1500] + [malformed] * 200 + requests[1500:])
+            flood.stats()  # asked after the flood on its socket: the manager has read all of it
         flood.collect()
         after = flood.stats()
     finally:

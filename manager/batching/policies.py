@@ -38,13 +38,13 @@ from batchmaker.manager.batching.worker_handle import WorkerHandle
 class CellularPolicy:
     """Cells of every admitted request are ready for the scheduler at once."""
 
+    holds_answers = False  # each request is answered as soon as its own last cell has run
+
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
 
     def unfold(self, model: Planner, inputs: object) -> Unfolded:
         return model.plan(inputs)
-
-    holds_answers = False  # each request is answered as soon as its own last cell has run
 
     def admit(self, requests: list[Request]) -> None:
         self.scheduler.release(requests)
