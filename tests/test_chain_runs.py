@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import write_config
 from test_lanes_core import CHAINS
-from test_running_batch import binary_tree, mixed_requests, run_all, served  # noqa: F401 (a fixture)
+from test_running_batch import admit, binary_tree, mixed_requests, run_all, served, take  # noqa: F401 (a fixture)
 
 from batchmaker.bench.verify import differences
 from batchmaker.common.protocol import INTERNAL
@@ -32,7 +32,7 @@ def columns(batch: RunningBatch, key: str) -> tuple[np.ndarray, np.ndarray, np.n
 def test_a_stacked_chains_layers_each_go_on_to_their_last_node_carrying_h_and_c(served):  # noqa: F811
     planners, specs, cells, kinds, _, _ = served
     batch = RunningBatch(specs, cells, kinds, 4096)
-    batch.admit("sentence", planners["lstm"].plan({"tokens": [5, 6, 7, 8]}))
+    admit(batch, "sentence", planners["lstm"].plan({"tokens": [5, 6, 7, 8]}))
     cell, chain, carry = columns(batch, "sentence")
     assert chain.tolist() == [4, 3, 2, 1, 4, 3, 2, 1]  # two layers of four steps, the upper after the lower
     assert cell[:4].tolist() == [cell[0]] * 4 and cell[4] != cell[0]
@@ -46,14 +46,14 @@ def test_a_bidirectional_layer_runs_no_chain(tmp_path):
     planners, specs, kinds = load_models(config)
     _, cells, _ = load_cells(config)
     batch = RunningBatch(specs, cells, kinds, 4096)
-    batch.admit("tagged", planners["tagger"].plan({"tokens": [1, 2, 3, 4, 5]}))
+    admit(batch, "tagged", planners["tagger"].plan({"tokens": [1, 2, 3, 4, 5]}))
     assert set(columns(batch, "tagged")[1].tolist()) == {1}  # its forward and backward steps share each depth
 
 
 def steps_taken(requests: HeldRequests, arrivals: list[tuple[str, dict]]) -> int:
     """Send all the requests at once and step until they are answered: the steps the running batch took."""
     for handle, (model, inputs) in enumerate(arrivals):
-        assert requests.take(handle, model, inputs) == []
+        assert take(requests, handle, model, inputs) == []
     calls = 0
     while requests.busy:
         requests.step()
@@ -112,10 +112,10 @@ def test_a_cell_failing_in_the_middle_of_a_run_ends_the_requests_of_its_lanes_on
 
     broken[lower] = third_fails
     requests = HeldRequests(planners, specs, broken, kinds, 4096, chains=ChainBounds(8, 10**9))
-    assert requests.take(1, "lstm", {"tokens": [4, 5, 6, 7, 8, 9]}) == []
+    assert take(requests, 1, "lstm", {"tokens": [4, 5, 6, 7, 8, 9]}) == []
     requests.step()  # the first wave alone, measured
     tree = binary_tree(random.Random(1), 4)
-    assert requests.take(2, "bin", tree) == []
+    assert take(requests, 2, "bin", tree) == []
     answers = {}
     while requests.busy:
         answers.update((answer[0], answer) for answer in requests.step().answers)
@@ -132,10 +132,10 @@ def first_run(models: tuple, lengths: list[int]) -> list[int]:
     planners, specs, cells, kinds, _, _ = models
     batch = RunningBatch(specs, cells, kinds, 4096, chains=ChainBounds(64, 10**9))
     lstm = planners["lstm"]
-    batch.admit("long", lstm.plan({"tokens": list(range(1, 41))}))
+    admit(batch, "long", lstm.plan({"tokens": list(range(1, 41))}))
     batch.step()
     for handle, length in enumerate(lengths):
-        batch.admit(handle, lstm.plan({"tokens": list(range(1, length + 1))}))
+        admit(batch, handle, lstm.plan({"tokens": list(range(1, length + 1))}))
     waves = batch._runner.waves
     runs = []
 

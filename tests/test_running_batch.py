@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,11 +16,13 @@ from test_tree_models import TREE_MODELS
 from batchmaker.bench.trees import random_tree
 from batchmaker.bench.verify import differences
 from batchmaker.common.models import build_model
+from batchmaker.common.plan import Unfolded
 from batchmaker.common.protocol import INTERNAL, INVALID_INPUT, NO_ROOM
 from batchmaker.common.window import window
 from batchmaker.manager.loop.server import load_models
 from batchmaker.worker.chain_runs import ChainBounds
-from batchmaker.worker.held_requests import HeldRequests
+from batchmaker.worker.held_requests import HeldRequests, Routed
+from batchmaker.worker.joining import Joining
 from batchmaker.worker.main import load_cells
 from batchmaker.worker.running_batch import RunningBatch
 
@@ -96,6 +99,16 @@ def mixed_requests(count: int, seed: int) -> list[tuple[str, dict]]:
     return requests
 
 
+def take(requests: HeldRequests, handle: Any, model: str, inputs: Any, priority: int = 0, stream: bool = False) -> list:
+    """One routed request taken, as a message of one: its answers now (errors), if any."""
+    return requests.take_many([Routed(handle, model, inputs, priority, stream)])
+
+
+def admit(batch: RunningBatch, key: Any, unfolded: Unfolded, priority: int = 0) -> None:
+    """One planned request held by the running batch (no watched values observed)."""
+    batch.admit_many([Joining(key, unfolded, None, priority)])
+
+
 def held(served, rows: int = ROWS) -> HeldRequests:
     planners, specs, cells, kinds, _, _ = served
     return HeldRequests(planners, specs, cells, kinds, rows)
@@ -110,7 +123,7 @@ def run_all(requests: HeldRequests, arrivals: list[tuple[str, dict]], seed: int)
         for _ in range(rng.randrange(4)):
             if pending:
                 handle, (model, inputs) = pending.pop(0)
-                answers.update((a[0], a) for a in requests.take(handle, model, inputs))
+                answers.update((a[0], a) for a in take(requests, handle, model, inputs))
         answers.update((a[0], a) for a in requests.step().answers)
     return answers
 
@@ -143,9 +156,9 @@ def test_a_step_runs_one_cell_type_at_most_its_largest_batch_a_full_one_first(se
     batch = RunningBatch(specs, cells, kinds, ROWS)
     lstm = planners["lstm"]
     for handle in range(3):
-        batch.admit(handle, lstm.plan({"tokens": [1, 2, 3]}))
+        admit(batch, handle, lstm.plan({"tokens": [1, 2, 3]}))
     tree = planners["bin"].plan(binary_tree(random.Random(0), 8))
-    batch.admit(3, tree)
+    admit(batch, 3, tree)
     ran = _recording(batch)
     batch.step()
     leaf = next(spec for spec in specs if spec.key.startswith("bin") and "leaf" in spec.key)
@@ -159,7 +172,7 @@ def test_removed_request_never_answers_and_others_go_on(served):
     arrivals = mixed_requests(8, seed=5)
     answers = {}
     for handle, (model, inputs) in enumerate(arrivals):
-        answers.update((a[0], a) for a in requests.take(handle, model, inputs))
+        answers.update((a[0], a) for a in take(requests, handle, model, inputs))
     requests.step()
     requests.drop([2, 5])
     while requests.busy:
@@ -172,24 +185,24 @@ def test_removed_request_never_answers_and_others_go_on(served):
 
 def test_invalid_inputs_and_unknown_models_are_answered_with_their_error(served):
     requests = held(served)
-    [(_, outputs, error, compute_us)] = requests.take(1, "lstm", {"tokens": [100000]})
+    [(_, outputs, error, compute_us)] = take(requests, 1, "lstm", {"tokens": [100000]})
     assert compute_us == 0  # it never joined
     assert outputs is None and error[0] == INVALID_INPUT
-    [(_, _, error, _)] = requests.take(2, "nope", {"tokens": [1]})
+    [(_, _, error, _)] = take(requests, 2, "nope", {"tokens": [1]})
     assert error[0] == INTERNAL and "does not serve model 'nope'" in error[1]
     assert not requests.busy
 
 
 def test_a_request_waits_for_rows_and_one_larger_than_the_arena_is_refused(served):
     requests = held(served, rows=40)  # two rows reserved, 38 for a kind
-    assert requests.take(1, "lstm", {"tokens": list(range(30))}) == []
-    assert requests.take(2, "lstm", {"tokens": list(range(30))}) == []  # waits: the first holds the rows
+    assert take(requests, 1, "lstm", {"tokens": list(range(30))}) == []
+    assert take(requests, 2, "lstm", {"tokens": list(range(30))}) == []  # waits: the first holds the rows
     assert requests.batch.requests == 1
     answered = {}
     while requests.busy:
         answered.update((a[0], a) for a in requests.step().answers)
     assert sorted(answered) == [1, 2] and all(a[2] is None for a in answered.values())
-    [(_, _, error, _)] = requests.take(3, "bin", binary_tree(random.Random(1), 30))
+    [(_, _, error, _)] = take(requests, 3, "bin", binary_tree(random.Random(1), 30))
     assert error[0] == NO_ROOM and "more arena rows than the worker has" in error[1]  # the manager runs its steps
 
 
@@ -203,8 +216,8 @@ def test_a_failing_cell_ends_the_requests_of_its_batch_only(served):
 
     broken[failing] = fail
     requests = HeldRequests(planners, specs, broken, kinds, ROWS)
-    assert requests.take(1, "cs", {"tree": random_tree(np.random.default_rng(0), 5, 50, 3)}) == []
-    assert requests.take(2, "lstm", {"tokens": [4, 5]}) == []
+    assert take(requests, 1, "cs", {"tree": random_tree(np.random.default_rng(0), 5, 50, 3)}) == []
+    assert take(requests, 2, "lstm", {"tokens": [4, 5]}) == []
     answers = {}
     while requests.busy:
         answers.update((a[0], a) for a in requests.step().answers)
@@ -219,8 +232,8 @@ def test_a_failing_observe_ends_its_request_with_the_error(served):
     original = model.observe
     model.observe = lambda *_: 1 / 0  # type: ignore[method-assign]
     try:
-        requests.take(1, "seq2seq", {"tokens": [1, 2, 3]})
-        requests.take(2, "lstm", {"tokens": [1, 2, 3]})
+        take(requests, 1, "seq2seq", {"tokens": [1, 2, 3]})
+        take(requests, 2, "lstm", {"tokens": [1, 2, 3]})
         answers = {}
         while requests.busy:
             answers.update((a[0], a) for a in requests.step().answers)
@@ -233,7 +246,7 @@ def test_a_failing_observe_ends_its_request_with_the_error(served):
 def test_plans_of_a_running_batch_need_no_rows_left_behind(served):
     requests = held(served)
     for handle, (model, inputs) in enumerate(mixed_requests(12, seed=7)):
-        requests.take(handle, model, inputs)
+        take(requests, handle, model, inputs)
     requests.drop(list(range(12)))
     assert not requests.busy
     assert requests.batch.step() == []
@@ -259,9 +272,9 @@ def test_higher_priorities_take_a_steps_places_first_then_the_oldest(served):
     batch = RunningBatch(specs, cells, kinds, ROWS)
     lstm = planners["lstm"]
     for handle in range(10):
-        batch.admit(f"low{handle}", lstm.plan({"tokens": [handle + 1]}))
-    batch.admit("urgent", lstm.plan({"tokens": [1]}), priority=5)
-    batch.admit("later", lstm.plan({"tokens": [2]}), priority=-1)
+        admit(batch, f"low{handle}", lstm.plan({"tokens": [handle + 1]}))
+    admit(batch, "urgent", lstm.plan({"tokens": [1]}), priority=5)
+    admit(batch, "later", lstm.plan({"tokens": [2]}), priority=-1)
     steps = _recording(batch)
     finished = {}
     with torch.inference_mode():
@@ -279,9 +292,9 @@ def test_a_request_passed_over_eight_times_for_higher_priorities_goes_first(serv
     planners, specs, cells, kinds, _, _ = served
     batch = RunningBatch(specs, cells, kinds, ROWS, chains=ChainBounds(1, 0))  # a wave a step: passes count waves
     lstm = planners["lstm"]
-    batch.admit("patient", lstm.plan({"tokens": [7]}))
+    admit(batch, "patient", lstm.plan({"tokens": [7]}))
     for handle in range(8):  # eight long requests fill every batch of eight before it
-        batch.admit(handle, lstm.plan({"tokens": list(range(1, 40))}), priority=3)
+        admit(batch, handle, lstm.plan({"tokens": list(range(1, 40))}), priority=3)
     steps = _recording(batch)
     with torch.inference_mode():
         while "patient" in batch._slot_of:
@@ -298,26 +311,26 @@ def test_a_model_loaded_while_requests_are_held_joins_and_one_unloaded_leaves(se
     lstm_kinds = [kind for kind in kinds if any(kind in specs[i].inputs + specs[i].outputs for i in chosen)]
     requests = HeldRequests({"lstm": planners["lstm"]}, [specs[i] for i in chosen], [cells[i] for i in chosen],
                             lstm_kinds, ROWS)  # fmt: skip
-    [(_, _, error, _)] = requests.take(1, "bin", binary_tree(random.Random(2), 5))
+    [(_, _, error, _)] = take(requests, 1, "bin", binary_tree(random.Random(2), 5))
     assert "does not serve model 'bin'" in error[1]
     sent = {2: ("lstm", {"tokens": list(range(1, 20))})}
-    requests.take(2, *sent[2])
+    take(requests, 2, *sent[2])
     requests.step()
     loaded = [i for i, spec in enumerate(specs) if spec.key.startswith("bin/")]
     wider = max(len(specs[i].inputs) for i in loaded) > requests.batch.nodes.inputs.shape[1]
     assert set(kinds) - set(lstm_kinds) and wider  # a tree's cells: kinds of value not seen yet, more inputs a node
     requests.add_model(planners["bin"], [specs[i] for i in loaded], [cells[i] for i in loaded], kinds)
     sent[3] = ("bin", binary_tree(random.Random(2), 9))
-    answers = {answer[0]: answer for answer in requests.take(3, *sent[3])}
+    answers = {answer[0]: answer for answer in take(requests, 3, *sent[3])}
     while requests.busy:
         answers.update((a[0], a) for a in requests.step().answers)
     for handle, (model, inputs) in sent.items():
         assert differences(models[model].reference(weights[model], inputs), answers[handle][1])[1] is None
     requests.unload([specs[i].key for i in loaded])
     assert requests.batch.types.cells[-1] is None
-    [(_, _, error, _)] = requests.take(4, "bin", binary_tree(random.Random(2), 5))
+    [(_, _, error, _)] = take(requests, 4, "bin", binary_tree(random.Random(2), 5))
     assert "does not serve model 'bin'" in error[1]
-    assert requests.take(5, "lstm", {"tokens": [1]}) == []
+    assert take(requests, 5, "lstm", {"tokens": [1]}) == []
 
 
 def test_a_running_batch_holds_a_window_of_requests_the_rest_join_as_others_leave_the_higher_priority_first(served):
@@ -326,9 +339,9 @@ def test_a_running_batch_holds_a_window_of_requests_the_rest_join_as_others_leav
     held_at_once = window(specs)
     sent = {handle: ("lstm", {"tokens": [handle % 99 + 1] * (1 + handle % 7)}) for handle in range(held_at_once + 10)}
     for handle, (model, inputs) in sent.items():
-        assert requests.take(handle, model, inputs) == []
+        assert take(requests, handle, model, inputs) == []
     sent["urgent"] = ("lstm", {"tokens": [5, 6]})
-    requests.take("urgent", *sent["urgent"], priority=2)
+    take(requests, "urgent", *sent["urgent"], priority=2)
     assert requests.batch.requests == held_at_once  # the others wait, planned
     joined = []
     admit_many = requests.batch.admit_many

@@ -72,7 +72,7 @@ def test_admitting_together_lays_out_the_nodes_and_rows_as_admitting_one_by_one(
     together, one_by_one = (RunningBatch(specs, cells, kinds, ROWS) for _ in range(2))
     together.admit_many(_joining(planners, arrivals, [0, 2] * 8))
     for request in _joining(planners, arrivals, [0, 2] * 8):
-        one_by_one.admit(*request)
+        one_by_one.admit_many([request])
     count = together.nodes.count
     assert count == one_by_one.nodes.count
     for column in (*COLUMNS, "ragged"):

@@ -4,7 +4,7 @@ come before them, and a model that fails to make one ends its own request only."
 from __future__ import annotations
 
 import numpy as np
-from test_running_batch import held, served  # noqa: F401 (a fixture)
+from test_running_batch import held, served, take  # noqa: F401 (a fixture)
 
 from batchmaker.bench.verify import differences
 from batchmaker.common.protocol import INTERNAL
@@ -16,7 +16,7 @@ def run(requests, sent: dict[int, tuple[str, dict, bool]]) -> list[tuple[str, li
     """Take every request, step until all are answered: the replies in the order the worker sends them."""
     replies = []
     for handle, (model, inputs, stream) in sent.items():
-        replies += [("answer", answer) for answer in requests.take(handle, model, inputs, 0, stream)]
+        replies += [("answer", answer) for answer in take(requests, handle, model, inputs, 0, stream)]
     while requests.busy:
         partials, answers = requests.step()
         replies += [("partial", partial) for partial in partials] + [("answer", answer) for answer in answers]

@@ -78,10 +78,6 @@ class HeldRequests:
     def busy(self) -> bool:
         return bool(self._planner_of)
 
-    def take(self, handle: int, model: str, inputs: Any, priority: int = 0, stream: bool = False) -> list[Answer]:
-        """One routed request: `take_many` of it alone."""
-        return self.take_many([Routed(handle, model, inputs, priority, stream)])
-
     def take_many(self, routed: Iterable[Routed]) -> list[Answer]:
         """Routed requests (a message of them): each planned and held, answered at once with its error if it cannot
         be planned; then those that fit join the running batch together, so that joining costs per message. With

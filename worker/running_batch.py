@@ -118,10 +118,6 @@ class RunningBatch:
         and external values): those may be admitted at once. Stops at the first that does not fit."""
         return fitting(self.types, requests)
 
-    def admit(self, key: Any, unfolded: Unfolded, observe: Observe | None = None, priority: int = 0) -> None:
-        """Hold one planned request: `admit_many` of it alone."""
-        self.admit_many([Joining(key, unfolded, observe, priority)])
-
     def admit_many(self, joining: Sequence[Joining]) -> None:
         """Hold planned requests, all at once (callers admit only what `fitting` says fits): their values get rows,
         their nodes join the next steps of their cell types. An array operation a column for them all, so that

@@ -147,11 +147,18 @@ class BatchingCore:
 
     def _run_in_session(self, waiting: Waiting, inputs: dict[str, Any]) -> Request:
         """Admit a session's request whose turn came, on `inputs` (its session's state its initial state)."""
-        burst = Burst()
-        request = self._plan(
-            burst, waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms,
+        return self._admit_alone(
+            waiting.client, waiting.request_id, waiting.model, inputs, waiting.arrival, waiting.deadline_ms,
             waiting.priority, waiting.stream,
         )  # fmt: skip
+
+    def _admit_alone(
+        self, client: bytes, request_id: Any, model: Planner, inputs: Any, arrival: float, deadline_ms: int | None,
+        priority: int, stream: bool,
+    ) -> Request:  # fmt: skip
+        """A request checked and planned as `_plan` does, recorded at once in a burst of its own."""
+        burst = Burst()
+        request = self._plan(burst, client, request_id, model, inputs, arrival, deadline_ms, priority, stream)
         self._record(burst)
         return request
 
@@ -175,13 +182,11 @@ class BatchingCore:
     def take_over(self, routed: Routed) -> None:
         """A request routed whole whose values a worker's running batch cannot hold (all its steps' rows at once):
         admitted here, its steps run by the manager a few lanes at a time. RequestError if a limit refuses it."""
-        burst = Burst()
         deadline_ms = None if routed.deadline is None else max(0, round((routed.deadline - routed.arrival) * 1e3))
-        self._plan(
-            burst, routed.client, routed.request_id, routed.model, routed.inputs, routed.arrival, deadline_ms,
-            routed.priority, routed.stream,
+        self._admit_alone(
+            routed.client, routed.request_id, routed.model, routed.inputs, routed.arrival, deadline_ms, routed.priority,
+            routed.stream,
         )  # fmt: skip
-        self._record(burst)
 
     def _record(self, burst: Burst) -> None:
         """The burst's requests so far get their records (table rows, plans, queued lanes)."""
