@@ -194,8 +194,9 @@ def measure(served: ServedPolicy, frames: list[bytes], model: Model | None = Non
 
 def beyond_cells(model: Model, before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> float:
     """Seconds the run's steps spent in their cells: each (cell type, batch size) the server ran, counted
-    from its stats, times the cell's own forward at that batch size, timed here on one thread as the
-    worker runs it (the median of a few runs)."""
+    from its stats, times the cell's own forward at that batch size, run here on one thread as the
+    worker runs it: the median of a few runs' CPU time, as the worker's is, so that another process
+    taking the core meanwhile does not count."""
     cells = model.make_cells(model.load_weights())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -224,9 +225,9 @@ def _forward_seconds(cell: torch.nn.Module, spec: CellTypeSpec, batch: int) -> f
     cell(*args)
     runs = []
     for _ in range(FORWARD_RUNS):
-        began = time.perf_counter()
+        began = time.thread_time()
         cell(*args)
-        runs.append(time.perf_counter() - began)
+        runs.append(time.thread_time() - began)
     return statistics.median(runs)
 
 
@@ -329,4 +330,3 @@ def table(result: dict[str, Any]) -> str:
             f"{ok}{failed} |"
         )
     return "\n".join(lines)
-
