@@ -35,7 +35,7 @@ import zmq
 
 from batchmaker.common.addresses import is_loopback
 from batchmaker.common.auth import CurveServer
-from batchmaker.common.protocol import BAD_REQUEST, RequestError, check_request_fields, decode, encode
+from batchmaker.common.protocol import BAD_REQUEST, CONTROL_OPS, RequestError, check_request_fields, decode, encode
 from batchmaker.common.server_config import ServerConfig
 from batchmaker.common.sockets import MORE, NOW, receive
 from batchmaker.manager.loop.connections import ClientConnections
@@ -57,6 +57,12 @@ class Incoming:
     message: dict[str, Any] | None
     error: RequestError | None
     arrival: float
+
+    @property
+    def control_op(self) -> str | None:
+        """The op of a control call (CONTROL_OPS), which stats counts apart from inference requests; else None."""
+        op = self.message.get("op") if self.message is not None else None
+        return op if isinstance(op, str) and op in CONTROL_OPS else None
 
 
 def echo_id(value: Any) -> Any:

@@ -23,24 +23,15 @@ import zmq
 from batchmaker.common.config import Config, load_config, model_to_wire
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import Planner, build_planner, cell_layout
-from batchmaker.common.protocol import (
-    BAD_REQUEST,
-    CONTROL_OPS,
-    INTERNAL,
-    OPS,
-    OVERLOADED,
-    PROTOCOL_VERSION,
-    RequestError,
-    echo,
-    partial_reply,
-)
+from batchmaker.common.protocol import INTERNAL, OVERLOADED, RequestError, partial_reply
 from batchmaker.common.sockets import server_context
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Refused
 from batchmaker.manager.batching.versions import served_name
 from batchmaker.manager.batching.worker_handle import WorkerHandle
+from batchmaker.manager.loop.control_calls import answer, handle
 from batchmaker.manager.loop.frontend import ClientFrontend, Incoming
-from batchmaker.manager.loop.introspection import health, stats
+from batchmaker.manager.loop.introspection import health
 from batchmaker.manager.loop.model_control import ModelControl
 from batchmaker.manager.loop.routing import Router
 from batchmaker.manager.loop.worker_pool import WorkerPool
@@ -63,12 +54,6 @@ def load_models(config: Config) -> tuple[dict[str, Planner], list[CellTypeSpec],
     models = {name: build_planner(model_config) for name, model_config in config.models.items()}
     specs, kinds = cell_layout(list(models.values()))
     return models, specs, kinds
-
-
-def control_op(incoming: Incoming) -> str | None:
-    """The op of a control call (CONTROL_OPS), which stats counts apart from inference requests; else None."""
-    op = incoming.message.get("op") if incoming.message is not None else None
-    return op if isinstance(op, str) and op in CONTROL_OPS else None
 
 
 class Manager:
@@ -313,7 +298,7 @@ class Manager:
         their records together), every other op in its turn, after the requests before it."""
         burst: list[Incoming] = []
         for incoming in self.frontend.receive():
-            op = control_op(incoming)
+            op = incoming.control_op
             if op is None:
                 self.stats.request_received()
             else:
@@ -326,7 +311,7 @@ class Manager:
             try:
                 if incoming.error is not None:
                     raise incoming.error
-                self._handle(incoming)
+                self._conclude(handle(self, incoming))
             except RequestError as exc:
                 self._refuse(incoming, exc)
             except Exception as exc:  # a bug must cost one request, never the server
@@ -335,47 +320,16 @@ class Manager:
         self._infer(burst)
 
     def _refuse(self, incoming: Incoming, error: RequestError, retry_after_ms: int | None = None) -> None:
-        if control_op(incoming) is None:  # a refused control call is counted as a control call only
+        if incoming.control_op is None:  # a refused control call is counted as a control call only
             self.stats.request_refused(error.code)
         self.frontend.refuse(incoming.client, incoming.request_id, error, retry_after_ms)
-
-    def _handle(self, incoming: Incoming) -> None:
-        message = incoming.message
-        op = message.get("op", "infer")
-        if op not in OPS:
-            raise RequestError(BAD_REQUEST, f"unknown op {echo(op)}; expected one of {', '.join(OPS)}")
-        if op == "infer":  # while draining: every other is admitted in a burst
-            raise RequestError(OVERLOADED, "the server is draining before it stops; send the request elsewhere")
-        if op == "models":
-            self._answer(incoming, {"version": PROTOCOL_VERSION, **self.versions.describe()})
-        elif op == "health":
-            self._answer(incoming, health(self))
-        elif op == "stats":
-            self._answer(incoming, stats(self))
-        elif op == "cancel":
-            if "target" not in message:
-                raise RequestError(BAD_REQUEST, "cancel lacks 'target' (the id of an earlier request)")
-            outcomes = self.router.cancel(incoming.client, message["target"])
-            outcomes = self.core.cancel(incoming.client, message["target"]) if outcomes is None else outcomes
-            if outcomes is not None:
-                self._conclude(outcomes)
-            self._answer(incoming, {"cancelled": outcomes is not None})
-        elif op == "load":
-            self.control.load(incoming)
-        elif op == "unload":
-            self._answer(incoming, self.control.unload(incoming))
-        elif op == "reload":
-            self.control.reload(incoming)
 
     def _control_reply(self, incoming: Incoming, result: dict[str, Any] | RequestError) -> None:
         """The reply to a load or a reload, once its versions have loaded or failed."""
         if isinstance(result, RequestError):
             self._refuse(incoming, result)
         else:
-            self._answer(incoming, result)
-
-    def _answer(self, incoming: Incoming, fields: dict[str, Any]) -> None:
-        self.frontend.reply(incoming.client, {"id": incoming.request_id, "ok": True, **fields})
+            answer(self.frontend, incoming, result)
 
     def _infer(self, burst: list[Incoming]) -> None:
         """Admit a burst of requests; refuse those the core refuses, in their order."""
