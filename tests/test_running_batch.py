@@ -259,9 +259,10 @@ def _recording(batch: RunningBatch) -> list[tuple[str, list]]:
     steps: list[tuple[str, list]] = []
     original = batch._runner.run
 
-    def recording(cell, rows, *rest):
-        steps.append((batch.types.specs[cell].key, [batch._held[slot].key for slot in batch.nodes.request[rows]]))
-        return original(cell, rows, *rest)
+    def recording(cell, waves, *rest):
+        key = batch.types.specs[cell].key
+        steps.extend((key, [batch._held[slot].key for slot in batch.nodes.request[rows]]) for rows in waves)
+        return original(cell, waves, *rest)
 
     batch._runner.run = recording
     return steps

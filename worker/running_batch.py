@@ -196,16 +196,13 @@ class RunningBatch:
         if self._prioritized:
             self._passes[touched] = 0  # a request that runs in this step starts counting its passes again
         self.steps += len(waves)
+        for rows in waves:
+            self._ran[cell, len(rows)] += 1
+        copied = [np.flatnonzero(nodes.copied[rows]) for rows in waves]  # the positions of the outputs the host reads
         self._read = []
-        ended: list[int] = []
         began = time.perf_counter() if chaining else 0.0
         try:
-            outputs = None
-            for wave, rows in enumerate(waves):
-                self._ran[cell, len(rows)] += 1
-                ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0  # lanes from here on end their run
-                outputs = self._runner.run(cell, rows, code, outputs, ending)
-                self._read_copies(rows, outputs, ended)
+            outputs = self._runner.run(cell, waves, code, copied)
         except Exception as exc:  # the cell failed on this batch: its requests end with the error, the rest go on
             for slot in touched.tolist():
                 self._held[slot].error = f"{self.types.specs[cell].key} failed: {type(exc).__name__}: {exc}"
@@ -213,6 +210,7 @@ class RunningBatch:
         if chaining:
             wave_s = (time.perf_counter() - began) / len(waves)
             self._wave_s[cell] = wave_s if cell not in self._wave_s else 0.8 * self._wave_s[cell] + 0.2 * wave_s
+        ended = self._read_copies([rows[at] for rows, at in zip(waves, copied) if len(at)], outputs)
         nodes.pending[run] = False
         self.dead += len(run)
         self._done += ran
@@ -255,20 +253,19 @@ class RunningBatch:
         self._passes[requests[left][priority[left] < priority[order[:size]].max()]] += 1
         return chosen
 
-    def _read_copies(self, rows: np.ndarray, outputs: tuple[torch.Tensor, ...], ended: list[int]) -> None:
-        """The results and watched values among the outputs of the nodes `rows`, to their requests, in node order
-        (Python per copied node only), but for requests already `ended`; adds to `ended` the slots whose model saw
-        their end in a watched value."""
-        positions = np.flatnonzero(self.nodes.copied[rows])
-        if not len(positions):
-            return
-        copied = rows[positions]
+    def _read_copies(self, nodes: list[np.ndarray], outputs: list[tuple[torch.Tensor, ...]]) -> list[int]:
+        """The results and watched values among the outputs a step read (per wave with any: its copied `nodes` and
+        their `outputs`) to their requests, in the order the nodes ran (Python per copied node only), in one copy to
+        the host per output; the request slots whose model saw their end in a watched value, whose later nodes' values
+        are not read."""
+        if not nodes:
+            return []
+        copied = joined(nodes)
         requests = self.nodes.request[copied]
         self._read.append(requests)
-        at = self._runner.tensor(positions)
-        values = [output.index_select(0, at).cpu().numpy() for output in outputs]  # a copy: the rows are the host's
-        local = self.nodes.local[copied]
-        for row, (node, slot) in enumerate(zip(local.tolist(), requests.tolist())):
+        values = [torch.cat(port).cpu().numpy() if len(port) > 1 else port[0].cpu().numpy() for port in zip(*outputs)]
+        ended: list[int] = []
+        for row, (node, slot) in enumerate(zip(self.nodes.local[copied].tolist(), requests.tolist())):
             if slot in ended:
                 continue  # its end was seen at an earlier wave of this run: what its later nodes made is not read
             held = self._held[slot]
@@ -283,6 +280,7 @@ class RunningBatch:
                     held.error, done = f"{type(exc).__name__} in observe: {exc}", True
                 if done and slot not in ended:
                     ended.append(slot)
+        return ended
 
     def _leave(self, slots: list[int], finished: bool = False) -> list[Finished]:
         """Requests give back their rows and slots, their nodes left to run dropped; they go at the next
@@ -312,4 +310,3 @@ class RunningBatch:
             nodes.keep(np.flatnonzero(nodes.pending[: nodes.count]))
             self.dead = 0
         return gone if finished else []
-

@@ -4,6 +4,7 @@ steps of the same lanes, their carried state handed from wave to wave (worker.ch
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from batchmaker.worker.chain_runs import carried, in_place, run_steps
 from batchmaker.worker.node_columns import Nodes, PortGroups
 
 Scatters = list[tuple[Any, list[int], bool]]  # per kind of value: its ports, and whether only lanes ending write
+Outputs = tuple[torch.Tensor, ...]
 
 
 class StepRunner:
@@ -45,54 +47,79 @@ class StepRunner:
         active = np.searchsorted(-steps, -np.arange(int(steps[0])), side="left").tolist()  # lanes running at wave j
         return [lanes[:running] + wave for wave, running in enumerate(active)], code
 
-    def run(self, cell: int, rows: np.ndarray, code: int = 0, state: tuple[torch.Tensor, ...] | None = None,
-            ending: int = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """Run the cell once on the nodes `rows`: gather their inputs (one gather per kind of value: a tree's two
-        children's h and c at once), scatter their outputs (one scatter per kind). In a chain run (`code`), the
-        inputs it carries come from the wave before's outputs (`state`) after the first wave, and the outputs it
-        carries in place are written only for the lanes from position `ending` on, whose run ends at this wave."""
-        types, nodes, size = self.types, self.nodes, len(rows)
-        spec, arenas = types.specs[cell], types.arenas
-        gathers, scatters = self._groups(cell, code, state is not None)
-        inputs, outputs = nodes.inputs[rows], nodes.outputs[rows]
-        at = [inputs[:, ports].T.ravel() for _, ports in gathers]
-        at += [(outputs[ending:] if tail else outputs)[:, ports].T.ravel() for _, ports, tail in scatters]
-        index = self._indices(at)
-        read: dict[int, torch.Tensor] = {}
-        if state is not None:
-            read.update((port, state[output][:size]) for port, output in carried(code))
-        for (kind, ports), where in zip(gathers, index):
-            values = arenas[kind].index_select(0, where)
-            by_port = values.view(len(ports), size, *kind.shape).unbind(0) if len(ports) > 1 else [values]
-            read.update(zip(ports, by_port))
-        args = []
-        for port, kind in enumerate(spec.inputs):
-            if port in spec.ragged_inputs:
-                counts = nodes.ragged_count[rows]
-                ragged = nodes.ragged[consecutive(nodes.ragged_start[rows], counts), port]
-                args.append(arenas[kind].index_select(0, self.tensor(ragged)))
-                args.append(self.tensor(np.repeat(np.arange(size), counts)))
-            else:
-                args.append(read[port])
-        results = types.cells[cell](*args) if self._clock is None else self._clock.call(types.cells[cell], *args)
-        if isinstance(results, torch.Tensor):
-            results = (results,)
-        for (kind, ports, tail), where in zip(scatters, index[len(gathers) :]):
-            start = ending if tail else 0
-            written = [results[port][start:] for port in ports]
-            arenas[kind].index_copy_(0, where, written[0] if len(written) == 1 else torch.cat(written))
-        return tuple(results)
+    def run(self, cell: int, waves: list[np.ndarray], code: int, copied: list[np.ndarray]) -> list[Outputs]:
+        """Run the cell on each wave's nodes in turn (a step of its own is a run of one wave): gather their inputs (one
+        gather per kind of value: a tree's two children's h and c at once), scatter their outputs (one scatter per
+        kind); in a chain run (`code`), the inputs it carries come from the wave before's outputs after the first
+        wave, and the outputs it carries in place are written only for the lanes whose run ends at that wave. Returns
+        each wave's outputs at the positions `copied[wave]` (the results and watched values the host reads).
+
+        Every wave's indices are made before the first cell runs (one copy of them all to a GPU), and the copied
+        outputs go to the host after the last: between the cells' calls a wave runs a gather, a scatter and a copy per
+        kind of value, nothing else (on a CPU a cell's call evicts the Python and numpy around it from the caches)."""
+        spec, cell_module = self.types.specs[cell], self.types.cells[cell]
+        later = self._groups(cell, code, True) if len(waves) > 1 else None
+        index = iter(self._wave_indices(cell, code, waves, copied, later))
+        arenas, carries, state = self.types.arenas, carried(code), None
+        read_outputs: list[Outputs] = []
+        for wave, rows in enumerate(waves):
+            gathers, scatters = self._groups(cell, code, False) if wave == 0 else later
+            size = len(rows)
+            read: dict[int, torch.Tensor] = {}
+            if state is not None:
+                read.update((port, state[output][:size]) for port, output in carries)
+            for kind, ports in gathers:
+                values = arenas[kind].index_select(0, next(index))
+                by_port = values.view(len(ports), size, *kind.shape).unbind(0) if len(ports) > 1 else [values]
+                read.update(zip(ports, by_port))
+            args = []
+            for port, kind in enumerate(spec.inputs):
+                if port in spec.ragged_inputs:
+                    args += self._ragged(kind, rows, port)
+                else:
+                    args.append(read[port])
+            results = cell_module(*args) if self._clock is None else self._clock.call(cell_module, *args)
+            state = (results,) if isinstance(results, torch.Tensor) else tuple(results)
+            ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0  # lanes from here on end their run
+            for kind, ports, tail in scatters:
+                written = [state[port][ending if tail else 0 :] for port in ports]
+                arenas[kind].index_copy_(0, next(index), written[0] if len(written) == 1 else torch.cat(written))
+            if len(copied[wave]):
+                at = next(index)
+                read_outputs.append(tuple(output.index_select(0, at) for output in state))
+        return read_outputs
+
+    def _wave_indices(self, cell: int, code: int, waves: list[np.ndarray], copied: list[np.ndarray],
+                      later: tuple[PortGroups, Scatters] | None) -> Iterable[torch.Tensor]:  # fmt: skip
+        """The index arrays `run` takes, in the order it takes them: per wave its gathers', its scatters', and the
+        positions of its copied outputs (if any); as they are on the CPU, in one copy to a GPU."""
+        nodes, arrays = self.nodes, []
+        for wave, rows in enumerate(waves):
+            gathers, scatters = self._groups(cell, code, False) if wave == 0 else later
+            inputs, outputs = nodes.inputs[rows], nodes.outputs[rows]
+            ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0
+            arrays += [inputs[:, ports].T.ravel() for _, ports in gathers]
+            arrays += [(outputs[ending:] if tail else outputs)[:, ports].T.ravel() for _, ports, tail in scatters]
+            if len(copied[wave]):
+                arrays.append(copied[wave])
+        if self._device.type == "cpu":
+            return [torch.from_numpy(array) for array in arrays]
+        return torch.from_numpy(np.concatenate(arrays)).to(self._device).split([len(array) for array in arrays])
+
+    def _ragged(self, kind: Any, rows: np.ndarray, port: int) -> list[torch.Tensor]:
+        """A ragged input's values for the nodes `rows`, all of theirs one after the other, and the node each is of."""
+        nodes = self.nodes
+        counts = nodes.ragged_count[rows]
+        ragged = nodes.ragged[consecutive(nodes.ragged_start[rows], counts), port]
+        return [
+            self.types.arenas[kind].index_select(0, self.tensor(ragged)),
+            self.tensor(np.repeat(np.arange(len(rows)), counts)),
+        ]
 
     def tensor(self, array: np.ndarray) -> torch.Tensor:
         """An index or value array on the arenas' device (a copy there, from the host, on a GPU)."""
         tensor = torch.from_numpy(array)
         return tensor if self._device.type == "cpu" else tensor.to(self._device)
-
-    def _indices(self, rows: list[np.ndarray]) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
-        """Index arrays on the arenas' device: as they are on the CPU, in one copy to a GPU."""
-        if self._device.type == "cpu":
-            return [torch.from_numpy(array) for array in rows]
-        return torch.from_numpy(np.concatenate(rows)).to(self._device).split([len(array) for array in rows])
 
     def _groups(self, cell: int, code: int, later: bool) -> tuple[PortGroups, Scatters]:
         """The gathers and scatters of a wave of `cell` in a run of carry `code` (0: a step of its own), a `later`
