@@ -24,7 +24,6 @@ class CellTypes:
         self.index: dict[str, int] = {}  # by key
         self.kind_index: dict[ValueKind, int] = {}
         self.gathers: list[PortGroups] = []  # per cell type: its input ports by kind (ragged ones left out)
-        self.scatters: list[PortGroups] = []  # its output ports by kind
         self.arenas: dict[ValueKind, torch.Tensor] = {}
         self.free: dict[ValueKind, SlotAllocator] = {}
         self.layout: tuple = ()  # what a plan's template in these columns depends on: its key in a plan's cache
@@ -38,7 +37,6 @@ class CellTypes:
             self.specs.append(spec)
             self.cells.append(cell)
             self.gathers.append(ports_by_kind(spec.inputs, skip=spec.ragged_inputs))
-            self.scatters.append(ports_by_kind(spec.outputs))
         for kind in kinds:
             if kind not in self.kind_index:
                 self.kind_index[kind] = len(self.kind_index)

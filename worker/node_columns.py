@@ -188,8 +188,8 @@ def joined(arrays: list[np.ndarray], axis: int = 0) -> np.ndarray:
 
 
 def ports_by_kind(kinds: tuple[ValueKind, ...], skip: frozenset[int] = frozenset()) -> PortGroups:
-    """The ports of each kind of value, in order of first appearance (ports in `skip` left out): one gather or
-    scatter per kind."""
+    """The ports of each kind of value, in order of first appearance (ports in `skip` left out): one gather per
+    kind."""
     groups: dict[ValueKind, list[int]] = {}
     for port, kind in enumerate(kinds):
         if port not in skip:

@@ -1,5 +1,5 @@
 """How the running batch (worker.running_batch) runs the nodes a step chose on its arenas: one gather per kind of
-value for their inputs, the cell once, one scatter per kind for their outputs; and a chain run's waves, several
+value for their inputs, the cell once, one scatter per output; and a chain run's waves, several
 steps of the same lanes, their carried state handed from wave to wave (worker.chain_runs)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from batchmaker.worker.cell_types import CellTypes
 from batchmaker.worker.chain_runs import carried, in_place, run_steps
 from batchmaker.worker.node_columns import Nodes, PortGroups
 
-Scatters = list[tuple[Any, list[int], bool]]  # per kind of value: its ports, and whether only lanes ending write
+Scatters = list[tuple[Any, int, bool]]  # per output: its kind of value, its port, and whether only lanes ending write
 Outputs = tuple[torch.Tensor, ...]
 
 
@@ -49,14 +49,14 @@ class StepRunner:
 
     def run(self, cell: int, waves: list[np.ndarray], code: int, copied: list[np.ndarray]) -> list[Outputs]:
         """Run the cell on each wave's nodes in turn (a step of its own is a run of one wave): gather their inputs (one
-        gather per kind of value: a tree's two children's h and c at once), scatter their outputs (one scatter per
-        kind); in a chain run (`code`), the inputs it carries come from the wave before's outputs after the first
+        gather per kind of value: a tree's two children's h and c at once), scatter their outputs (one scatter each,
+        from the cell's own tensor); in a chain run (`code`), the inputs it carries come from the wave before's outputs after the first
         wave, and the outputs it carries in place are written only for the lanes whose run ends at that wave. Returns
         each wave's outputs at the positions `copied[wave]` (the results and watched values the host reads).
 
         Every wave's indices are made before the first cell runs (one copy of them all to a GPU), and the copied
-        outputs go to the host after the last: between the cells' calls a wave runs a gather, a scatter and a copy per
-        kind of value, nothing else (on a CPU a cell's call evicts the Python and numpy around it from the caches)."""
+        outputs go to the host after the last: between the cells' calls a wave runs a gather per kind of value, a
+        scatter and a copy per output, nothing else (on a CPU a cell's call evicts the Python and numpy around it from the caches)."""
         spec, cell_module = self.types.specs[cell], self.types.cells[cell]
         later = self._groups(cell, code, True) if len(waves) > 1 else None
         index = iter(self._wave_indices(cell, code, waves, copied, later))
@@ -81,9 +81,8 @@ class StepRunner:
             results = cell_module(*args) if self._clock is None else self._clock.call(cell_module, *args)
             state = (results,) if isinstance(results, torch.Tensor) else tuple(results)
             ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0  # lanes from here on end their run
-            for kind, ports, tail in scatters:
-                written = [state[port][ending if tail else 0 :] for port in ports]
-                arenas[kind].index_copy_(0, next(index), written[0] if len(written) == 1 else torch.cat(written))
+            for kind, port, tail in scatters:  # an output at a time: one scatter of several would copy them first
+                arenas[kind].index_copy_(0, next(index), state[port][ending if tail else 0 :])
             if len(copied[wave]):
                 at = next(index)
                 read_outputs.append(tuple(output.index_select(0, at) for output in state))
@@ -99,7 +98,7 @@ class StepRunner:
             inputs, outputs = nodes.inputs[rows], nodes.outputs[rows]
             ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0
             arrays += [inputs[:, ports].T.ravel() for _, ports in gathers]
-            arrays += [(outputs[ending:] if tail else outputs)[:, ports].T.ravel() for _, ports, tail in scatters]
+            arrays += [(outputs[ending:] if tail else outputs)[:, port] for _, port, tail in scatters]
             if len(copied[wave]):
                 arrays.append(copied[wave])
         if self._device.type == "cpu":
@@ -131,9 +130,6 @@ class StepRunner:
             kept = in_place(code)
             gathers = [(kind, [p for p in ports if p not in taken]) for kind, ports in self.types.gathers[cell]]
             gathers = [(kind, ports) for kind, ports in gathers if ports]
-            scatters: Scatters = []
-            for kind, ports in self.types.scatters[cell]:
-                scatters += [(kind, part, tail) for tail in (False, True)
-                             if (part := [p for p in ports if (p in kept) == tail])]  # fmt: skip
+            scatters = [(kind, port, port in kept) for port, kind in enumerate(self.types.specs[cell].outputs)]
             groups = self._ports[key] = (gathers, scatters)
         return groups
