@@ -38,16 +38,10 @@ from batchmaker.bench.datasets import DATASETS
 from batchmaker.bench.idle import lone_sentence
 from batchmaker.bench.run import git, machine
 from batchmaker.bench.stage_parts import ROWS, TimedCell, served_model, stage_timer
+from batchmaker.common.notice import CompletionNotice, decode_notice, encode_notice
 from batchmaker.common.protocol import RequestError, decode, encode
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.task import (
-    CompletionNotice,
-    LaneTaskMessage,
-    decode_notice,
-    decode_task,
-    encode_notice,
-    encode_task,
-)
+from batchmaker.common.task import LaneTaskMessage, decode_task, encode_task
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered
 from batchmaker.manager.batching.worker_handle import WorkerHandle

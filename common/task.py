@@ -1,4 +1,5 @@
-"""The messages between the manager and a worker's stream: batched tasks, and completion notices.
+"""The tasks the manager sends a worker's stream: batched tasks and lane tasks (completion notices, what the
+worker sends back: common.notice).
 
 A task: slot lists, plus the requests' own inputs.
 
@@ -45,14 +46,6 @@ A lane task runs chain lanes (common.lanes) for several steps, described per lan
 * downloads: [[port, entries, io_arena, io_slots], ...] rows of output `port` the host must see:
              `entries` index its rows of every step, counted step after step
 
-A completion notice: [worker_id, key, task ids, errors, signal, rows, busy_us, kernel_busy_us], rows
-being [[io_arena, io_slots, data], ...], the downloaded rows of a worker on another host (else empty),
-busy_us how long each task kept the worker busy, in microseconds, as the worker timed it (or
-empty: not timed), and kernel_busy_us the microseconds its cells' forward calls have taken since
-it started, in all (nil: not timed, as on a GPU, whose kernels run asynchronously).
-`key` is the secret the manager gave the worker when it registered: the notice socket does not
-say who sent a message, and without it any peer could complete another worker's tasks.
-
 Slot lists travel as little-endian int64 bytes so both sides can view them without copying.
 External values travel inline rather than through arena rows: they are small (a token per
 row), and inline they need no slots to allocate and free.
@@ -60,7 +53,7 @@ row), and inline they need no slots to allocate and free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgpack
@@ -149,7 +142,8 @@ class TaskMessage:
         return [(io_arena, io_slots) for _, _, io_arena, io_slots in self.all_downloads()]
 
 
-def _slots(values: list[int] | np.ndarray) -> bytes:
+def slot_bytes(values: list[int] | np.ndarray) -> bytes:
+    """A slot list as it travels: little-endian int64 bytes."""
     return np.asarray(values, dtype=SLOT_DTYPE).tobytes()
 
 
@@ -167,14 +161,16 @@ def _encode_waves(message: TaskMessage) -> bytes:
 
 
 def _encode_downloads(downloads: list[SlotCopy]) -> list:
-    return [[arena, _slots(slots), io_arena, _slots(io_slots)] for arena, slots, io_arena, io_slots in downloads]
+    return [
+        [arena, slot_bytes(slots), io_arena, slot_bytes(io_slots)] for arena, slots, io_arena, io_slots in downloads
+    ]
 
 
 def _encode_step(batch_size: int, inputs: list[TaskInput], outputs: list[SlotList], downloads: list[SlotCopy]) -> list:
     return [
         batch_size,
         [_encode_input(*entry) for entry in inputs],
-        [[arena, _slots(slots)] for arena, slots in outputs],
+        [[arena, slot_bytes(slots)] for arena, slots in outputs],
         _encode_downloads(downloads),
     ]
 
@@ -189,14 +185,15 @@ def _encode_input(
     """A TaskInput's fields in order (a plain tuple of them is accepted too)."""
     return [
         arena,
-        _slots(slots),
-        None if segments is None else _slots(segments),
-        None if remote is None else [[peer, a, _slots(s), _slots(p)] for peer, a, s, p in remote],
-        None if values is None else [_slots(values[0]), values[1]],
+        slot_bytes(slots),
+        None if segments is None else slot_bytes(segments),
+        None if remote is None else [[peer, a, slot_bytes(s), slot_bytes(p)] for peer, a, s, p in remote],
+        None if values is None else [slot_bytes(values[0]), values[1]],
     ]
 
 
-def _view(data: bytes) -> np.ndarray:
+def slot_view(data: bytes) -> np.ndarray:
+    """A slot list that travelled, viewed without a copy."""
     return np.frombuffer(data, dtype=SLOT_DTYPE)
 
 
@@ -205,10 +202,10 @@ def _decode_input(
 ) -> TaskInput:
     return TaskInput(
         arena,
-        _view(slots),
-        None if segments is None else _view(segments),
-        None if remote is None else [RemoteRows(w, a, _view(s), _view(p)) for w, a, s, p in remote],
-        None if values is None else InlineValues(_view(values[0]), values[1]),
+        slot_view(slots),
+        None if segments is None else slot_view(segments),
+        None if remote is None else [RemoteRows(w, a, slot_view(s), slot_view(p)) for w, a, s, p in remote],
+        None if values is None else InlineValues(slot_view(values[0]), values[1]),
     )
 
 
@@ -225,13 +222,13 @@ def _decode_step(batch_size: int, inputs: list, outputs: list, downloads: list) 
     return TaskStep(
         batch_size,
         [_decode_input(*entry) for entry in inputs],
-        [SlotList(a, _view(s)) for a, s in outputs],
+        [SlotList(a, slot_view(s)) for a, s in outputs],
         _decode_downloads(downloads),
     )
 
 
 def _decode_downloads(downloads: list) -> list[SlotCopy]:
-    return [SlotCopy(a, _view(s), b, _view(t)) for a, s, b, t in downloads]
+    return [SlotCopy(a, slot_view(s), b, slot_view(t)) for a, s, b, t in downloads]
 
 
 class LaneInput(NamedTuple):
@@ -281,11 +278,11 @@ def _encode_lanes(message: LaneTaskMessage) -> bytes:
         message.task_id,
         message.cell_index,
         LANES,
-        _slots(message.steps),
+        slot_bytes(message.steps),
         inputs,
-        [[arena, _slots(slots)] for arena, slots in message.outputs],
-        [[port, _slots(entries)] for port, entries in message.every_step],
-        [[port, _slots(entries), io, _slots(io_slots)] for port, entries, io, io_slots in message.downloads],
+        [[arena, slot_bytes(slots)] for arena, slots in message.outputs],
+        [[port, slot_bytes(entries)] for port, entries in message.every_step],
+        [[port, slot_bytes(entries), io, slot_bytes(io_slots)] for port, entries, io, io_slots in message.downloads],
     ]
     return msgpack.packb(fields, use_bin_type=True)
 
@@ -304,96 +301,9 @@ def _decode_lane_task(
     return LaneTaskMessage(
         task_id,
         cell_index,
-        _view(steps),
+        slot_view(steps),
         [LaneInput(m, s, a, _decode_input(*f), _decode_later(later)) for m, s, a, f, later in inputs],
-        [SlotList(a, _view(s)) for a, s in outputs],
-        [(port, _view(entries)) for port, entries in every_step],
-        [StepDownload(p, _view(e), io, _view(s)) for p, e, io, s in downloads],
-    )
-
-
-class IoRows(NamedTuple):
-    """Downloaded rows a worker on another host sends in its notice."""
-
-    io_arena: int
-    io_slots: np.ndarray
-    data: bytes  # the rows' raw bytes, in the arena's dtype
-
-
-@dataclass(frozen=True)
-class CompletionNotice:
-    """What a worker reports: tasks its stream finished (in stream order), the errors of those that
-    failed, and its signal counter; a notice without tasks is a heartbeat. A worker on another host
-    than the manager, which cannot map its io arenas, also sends the rows its finished tasks copied
-    there (`rows`); a worker on the manager's host sends none. `key` proves who sent it. Every notice,
-    heartbeats too, carries the worker's kernel busy time so far, for the manager's `stats`."""
-
-    worker_id: int
-    task_ids: list[int]
-    errors: dict[int, str]
-    signal: int
-    rows: list[IoRows] = field(default_factory=list)
-    key: bytes = b""
-    busy_us: list[int] = field(default_factory=list)  # per task: how long it kept the worker busy (or none)
-    kernel_busy_us: int | None = 0  # its cells' forward calls in all since it started (None: not timed)
-
-
-def encode_notice(notice: CompletionNotice) -> bytes:
-    rows = [[io_arena, _slots(io_slots), data] for io_arena, io_slots, data in notice.rows]
-    fields = [
-        notice.worker_id,
-        notice.key,
-        notice.task_ids,
-        notice.errors,
-        notice.signal,
-        rows,
-        notice.busy_us,
-        notice.kernel_busy_us,
-    ]
-    return msgpack.packb(fields, use_bin_type=True)
-
-
-def decode_notice(frame: bytes) -> CompletionNotice:
-    """Decode a notice, checking every field's type: raises ValueError for anything else."""
-    try:
-        fields = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise ValueError(f"not msgpack ({type(exc).__name__})") from None
-    if not isinstance(fields, list) or len(fields) != 8:
-        raise ValueError("not a list of eight fields")
-    worker_id, key, task_ids, errors, signal, rows, busy_us, kernel_busy_us = fields
-    if not (_is_int(worker_id) and _is_int(signal) and isinstance(key, bytes)):
-        raise ValueError("ill-typed worker id, key or signal")
-    if not isinstance(task_ids, list) or not all(map(_is_int, task_ids)):
-        raise ValueError("task ids are not a list of integers")
-    if not isinstance(errors, dict) or not all(_is_int(k) and isinstance(v, str) for k, v in errors.items()):
-        raise ValueError("errors are not a map of task ids to text")
-    if not isinstance(rows, list) or not all(_is_io_rows(entry) for entry in rows):
-        raise ValueError("rows are not [io arena, slots, data] entries")
-    if not isinstance(busy_us, list) or len(busy_us) not in (0, len(task_ids)) or not all(map(_is_int, busy_us)):
-        raise ValueError("busy times are not an integer per task (or none)")
-    if not is_kernel_time(kernel_busy_us):
-        raise ValueError("the kernel busy time is not an integer >= 0 (or nil)")
-    io_rows = [IoRows(a, _view(s), data) for a, s, data in rows]
-    return CompletionNotice(worker_id, task_ids, errors, signal, io_rows, key, busy_us, kernel_busy_us)
-
-
-def is_kernel_time(value: object) -> bool:
-    """Whether a worker's reported kernel busy time (in a notice, a heartbeat, its registration or its running
-    batch's answers) is well formed: microseconds, an integer >= 0, or nil where its kernels are not timed."""
-    return value is None or (_is_int(value) and value >= 0)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_io_rows(entry: object) -> bool:
-    return (
-        isinstance(entry, list)
-        and len(entry) == 3
-        and _is_int(entry[0])
-        and isinstance(entry[1], bytes)
-        and len(entry[1]) % SLOT_DTYPE.itemsize == 0
-        and isinstance(entry[2], bytes)
+        [SlotList(a, slot_view(s)) for a, s in outputs],
+        [(port, slot_view(entries)) for port, entries in every_step],
+        [StepDownload(p, slot_view(e), io, slot_view(s)) for p, e, io, s in downloads],
     )

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from batchmaker.common.config import Config
+from batchmaker.common.notice import CompletionNotice
 from batchmaker.common.protocol import RequestError
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.task import CompletionNotice, LaneTaskMessage, TaskMessage, decode_task, encode_task
+from batchmaker.common.task import LaneTaskMessage, TaskMessage, decode_task, encode_task
 from batchmaker.manager.batching.core import BatchingCore
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome
 from batchmaker.manager.batching.records import Request, Task

@@ -9,7 +9,8 @@ from test_scheduler import lstm_models
 from test_tree_models import TREE_MODELS, tree
 
 from batchmaker.common.models.tree import NO_WORD
-from batchmaker.common.task import CompletionNotice, LaneTaskMessage, decode_notice, encode_notice
+from batchmaker.common.notice import CompletionNotice, decode_notice, encode_notice
+from batchmaker.common.task import LaneTaskMessage
 from batchmaker.worker.notices import InProgressFIFO
 
 CELL = "lstm/layer0"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import SMALL_LSTM
 
+from batchmaker.common.notice import CompletionNotice
 from batchmaker.common.protocol import (
     BAD_REQUEST,
     CANCELLED,
@@ -14,7 +15,6 @@ from batchmaker.common.protocol import (
     WORKER_LOST,
     RequestError,
 )
-from batchmaker.common.task import CompletionNotice
 from batchmaker.manager.batching.outcomes import Answered, Failed, Replayed
 from batchmaker.manager.batching.records import Request
 

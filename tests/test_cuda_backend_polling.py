@@ -12,7 +12,8 @@ from test_cuda_backend import fake_backend, hold_stream, lstm_task, peer_arenas,
 from test_cuda_fake import ACCESSIBLE_PEER, slots
 from torch.overrides import TorchFunctionMode
 
-from batchmaker.common.task import TaskMessage, decode_notice
+from batchmaker.common.notice import decode_notice
+from batchmaker.common.task import TaskMessage
 from batchmaker.worker import backend as backend_module
 from batchmaker.worker import cuda
 from batchmaker.worker.backend import FULL_TASK_RUNS, DeviceFault

@@ -19,8 +19,9 @@ from test_worker import cells, lstm_step_task, make_backend, notices_until, poll
 from test_worker_pool import Pool, pool  # noqa: F401 (a fixture)
 
 from batchmaker.bench.sweep import point
+from batchmaker.common.notice import CompletionNotice, decode_notice, encode_notice
 from batchmaker.common.slots import ZERO_SLOT
-from batchmaker.common.task import CompletionNotice, decode_notice, decode_task, encode_notice, encode_task
+from batchmaker.common.task import decode_task, encode_task
 from batchmaker.worker.notices import InProgressFIFO
 
 

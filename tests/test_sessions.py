@@ -14,6 +14,7 @@ from conftest import SMALL_LSTM, write_config
 from test_scheduler import lstm_models
 
 from batchmaker.common.models.base import build_planner
+from batchmaker.common.notice import CompletionNotice
 from batchmaker.common.protocol import (
     BAD_REQUEST,
     CANCELLED,
@@ -23,7 +24,6 @@ from batchmaker.common.protocol import (
     UNAVAILABLE,
     RequestError,
 )
-from batchmaker.common.task import CompletionNotice
 from batchmaker.manager.batching.outcomes import Answered, Failed, Refused
 from batchmaker.manager.batching.sessions import SessionFields, SessionStore, Waiting
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import SMALL_SEQ2SEQ
 
+from batchmaker.common.notice import CompletionNotice
 from batchmaker.common.protocol import INTERNAL
-from batchmaker.common.task import CompletionNotice
 from batchmaker.manager.batching.outcomes import Answered, Failed, Outcome, Partial, Replayed
 from batchmaker.manager.batching.records import Request
 from batchmaker.manager.batching.worker_handle import WorkerHandle

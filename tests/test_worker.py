@@ -15,8 +15,9 @@ import zmq
 from conftest import SMALL_LSTM, write_config
 
 from batchmaker.common.models import build_model
+from batchmaker.common.notice import CompletionNotice, decode_notice
 from batchmaker.common.slots import SCRATCH_SLOT, ZERO_SLOT
-from batchmaker.common.task import CompletionNotice, TaskMessage, TaskStep, decode_notice, decode_task, encode_task
+from batchmaker.common.task import TaskMessage, TaskStep, decode_task, encode_task
 from batchmaker.worker.backend import arena_ids
 from batchmaker.worker.main import load_cells
 from batchmaker.worker.notices import InProgressFIFO, Poller

@@ -15,10 +15,10 @@ import zmq
 from conftest import SMALL_LSTM, wait_until, write_config
 
 from batchmaker.common.addresses import completion_address
+from batchmaker.common.notice import CompletionNotice, encode_notice
 from batchmaker.common.protocol import decode, encode
 from batchmaker.common.server_config import ServerConfig
 from batchmaker.common.shm import SharedArray
-from batchmaker.common.task import CompletionNotice, encode_notice
 from batchmaker.manager.batching.worker_handle import WorkerHandle
 from batchmaker.manager.loop.server import load_models
 from batchmaker.manager.loop.worker_pool import WorkerPool

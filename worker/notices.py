@@ -13,7 +13,7 @@ import numpy as np
 import zmq
 
 from batchmaker.common.auth import CurveClient, connect_socket
-from batchmaker.common.task import CompletionNotice, IoRows, encode_notice
+from batchmaker.common.notice import CompletionNotice, IoRows, encode_notice
 from batchmaker.worker.backend import Backend, DeviceFault
 
 IDLE_WAIT_S = 0.05

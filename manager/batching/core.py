@@ -23,6 +23,7 @@ from typing import Any
 from batchmaker.common.config import Config
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.models.base import Planner
+from batchmaker.common.notice import CompletionNotice
 from batchmaker.common.protocol import (
     BAD_REQUEST,
     CANCELLED,
@@ -33,7 +34,7 @@ from batchmaker.common.protocol import (
     WORKER_LOST,
     RequestError,
 )
-from batchmaker.common.task import CompletionNotice, LaneTaskMessage
+from batchmaker.common.task import LaneTaskMessage
 from batchmaker.manager.batching.admission import (
     Admission,
     Burst,

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from batchmaker.common.graph import ValueKind
+from batchmaker.common.notice import IoRows, is_kernel_time
 from batchmaker.common.protocol import BAD_REQUEST, INTERNAL, RequestError, echo
 from batchmaker.common.shm import SharedArray
 from batchmaker.common.slots import FIRST_FREE_SLOT, SlotAllocator
-from batchmaker.common.task import IoRows, is_kernel_time
 from batchmaker.manager.batching.records import Task
 
 

@@ -28,10 +28,11 @@ from batchmaker.common.auth import CurveServer
 from batchmaker.common.config import ConfigError
 from batchmaker.common.graph import CellTypeSpec, ValueKind
 from batchmaker.common.hosts import default_host_id
+from batchmaker.common.notice import CompletionNotice, decode_notice, is_kernel_time
 from batchmaker.common.protocol import BAD_REQUEST, RequestError, decode, echo, encode
 from batchmaker.common.server_config import ServerConfig, check_worker_address
 from batchmaker.common.sockets import NOW, send, server_context
-from batchmaker.common.task import CompletionNotice, decode_notice, encode_task, is_kernel_time
+from batchmaker.common.task import encode_task
 from batchmaker.manager.batching.records import Task
 from batchmaker.manager.batching.worker_handle import WorkerHandle, check_registration
 
