@@ -253,14 +253,14 @@ class RunningBatch:
         self._passes[requests[left][priority[left] < priority[order[:size]].max()]] += 1
         return chosen
 
-    def _read_copies(self, nodes: list[np.ndarray], outputs: list[tuple[torch.Tensor, ...]]) -> list[int]:
-        """The results and watched values among the outputs a step read (per wave with any: its copied `nodes` and
-        their `outputs`) to their requests, in the order the nodes ran (Python per copied node only), in one copy to
-        the host per output; the request slots whose model saw their end in a watched value, whose later nodes' values
-        are not read."""
-        if not nodes:
+    def _read_copies(self, copied_rows: list[np.ndarray], outputs: list[tuple[torch.Tensor, ...]]) -> list[int]:
+        """The results and watched values among the outputs a step read (per wave with any: the node rows whose
+        outputs the host reads, and those outputs) to their requests, in the order the nodes ran (Python per copied
+        node only), in one copy to the host per output; the request slots whose model saw their end in a watched
+        value, whose later nodes' values are not read."""
+        if not copied_rows:
             return []
-        copied = joined(nodes)
+        copied = joined(copied_rows)
         requests = self.nodes.request[copied]
         self._read.append(requests)
         values = [torch.cat(port).cpu().numpy() if len(port) > 1 else port[0].cpu().numpy() for port in zip(*outputs)]
