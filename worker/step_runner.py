@@ -48,15 +48,17 @@ class StepRunner:
         return [lanes[:running] + wave for wave, running in enumerate(active)], code
 
     def run(self, cell: int, waves: list[np.ndarray], code: int, copied: list[np.ndarray]) -> list[Outputs]:
-        """Run the cell on each wave's nodes in turn (a step of its own is a run of one wave): gather their inputs (one
-        gather per kind of value: a tree's two children's h and c at once), scatter their outputs (one scatter each,
-        from the cell's own tensor); in a chain run (`code`), the inputs it carries come from the wave before's outputs after the first
-        wave, and the outputs it carries in place are written only for the lanes whose run ends at that wave. Returns
-        each wave's outputs at the positions `copied[wave]` (the results and watched values the host reads).
+        """Run the cell on each wave's nodes in turn (a step of its own is a run of one wave): gather their inputs
+        (one gather per kind of value: a tree's two children's h and c at once), scatter their outputs (one scatter
+        each, from the cell's own tensor); in a chain run (`code`), the inputs it carries come from the wave before's
+        outputs after the first wave, and the outputs it carries in place are written only for the lanes whose run
+        ends at that wave. Returns each wave's outputs at the positions `copied[wave]` (the results and watched values
+        the host reads).
 
         Every wave's indices are made before the first cell runs (one copy of them all to a GPU), and the copied
         outputs go to the host after the last: between the cells' calls a wave runs a gather per kind of value, a
-        scatter and a copy per output, nothing else (on a CPU a cell's call evicts the Python and numpy around it from the caches)."""
+        scatter and a copy per output, nothing else (on a CPU a cell's call evicts the Python and numpy around it
+        from the caches)."""
         spec, cell_module = self.types.specs[cell], self.types.cells[cell]
         later = self._groups(cell, code, True) if len(waves) > 1 else None
         index = iter(self._wave_indices(cell, code, waves, copied, later))
