@@ -90,7 +90,7 @@ class RunningBatch:
         self._prioritized = 0  # requests held with a priority other than 0: steps order their nodes by it
         self._free_slots: list[int] = []
         self._slot_of: dict[Any, int] = {}
-        self._read: list[np.ndarray] = []  # the request slots whose values the last step read, a slot a node
+        self._read = np.zeros(0, np.int64)  # the request slots whose values the last step read, a slot a node
         self.steps = 0  # run so far
         self._ran: collections.Counter[tuple[int, int]] = collections.Counter()  # steps by (cell, batch) since taken
         self.dead = 0  # rows of the node arrays whose nodes ran or were dropped (until the next compaction)
@@ -104,7 +104,7 @@ class RunningBatch:
 
     def updated(self) -> list[Any]:
         """The requests still held whose results or watched values the last step read (their outputs grew)."""
-        read = np.unique(np.concatenate(self._read)).tolist() if self._read else []
+        read = np.unique(self._read).tolist()
         return [held.key for slot in read if (held := self._held[slot]) is not None]
 
     def add_cell_types(self, specs: list[CellTypeSpec], cells: list[nn.Module], kinds: list[ValueKind]) -> None:
@@ -199,7 +199,7 @@ class RunningBatch:
         for rows in waves:
             self._ran[cell, len(rows)] += 1
         copied = [np.flatnonzero(nodes.copied[rows]) for rows in waves]  # the positions of the outputs the host reads
-        self._read = []
+        self._read = np.zeros(0, np.int64)
         began = time.perf_counter() if chaining else 0.0
         try:
             outputs = self._runner.run(cell, waves, code, copied)
@@ -262,7 +262,7 @@ class RunningBatch:
             return []
         copied = joined(copied_rows)
         requests = self.nodes.request[copied]
-        self._read.append(requests)
+        self._read = requests
         values = [torch.cat(port).cpu().numpy() if len(port) > 1 else port[0].cpu().numpy() for port in zip(*outputs)]
         ended: list[int] = []
         for row, (node, slot) in enumerate(zip(self.nodes.local[copied].tolist(), requests.tolist())):

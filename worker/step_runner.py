@@ -18,6 +18,7 @@ from batchmaker.worker.node_columns import Nodes, PortGroups
 
 Scatters = list[tuple[Any, int, bool]]  # per output: its kind of value, its port, and whether only lanes ending write
 Outputs = tuple[torch.Tensor, ...]
+WaveShape = tuple[tuple[PortGroups, Scatters], int]  # a wave's gathers and scatters, and where its ending lanes start
 
 
 class StepRunner:
@@ -60,12 +61,13 @@ class StepRunner:
         scatter and a copy per output, nothing else (on a CPU a cell's call evicts the Python and numpy around it
         from the caches)."""
         spec, cell_module = self.types.specs[cell], self.types.cells[cell]
-        later = self._groups(cell, code, True) if len(waves) > 1 else None
-        index = iter(self._wave_indices(cell, code, waves, copied, later))
+        first, later = self._groups(cell, code, False), self._groups(cell, code, True) if len(waves) > 1 else None
+        endings = [len(rows) for rows in waves[1:]] + [0]  # per wave: its lanes from here on end their run
+        shapes = [(first if wave == 0 else later, ending) for wave, ending in enumerate(endings)]
+        index = iter(self._wave_indices(waves, shapes, copied))
         arenas, carries, state = self.types.arenas, carried(code), None
         read_outputs: list[Outputs] = []
-        for wave, rows in enumerate(waves):
-            gathers, scatters = self._groups(cell, code, False) if wave == 0 else later
+        for wave, (rows, ((gathers, scatters), ending)) in enumerate(zip(waves, shapes)):
             size = len(rows)
             read: dict[int, torch.Tensor] = {}
             if state is not None:
@@ -82,7 +84,6 @@ class StepRunner:
                     args.append(read[port])
             results = cell_module(*args) if self._clock is None else self._clock.call(cell_module, *args)
             state = (results,) if isinstance(results, torch.Tensor) else tuple(results)
-            ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0  # lanes from here on end their run
             for kind, port, tail in scatters:  # an output at a time: one scatter of several would copy them first
                 arenas[kind].index_copy_(0, next(index), state[port][ending if tail else 0 :])
             if len(copied[wave]):
@@ -90,19 +91,18 @@ class StepRunner:
                 read_outputs.append(tuple(output.index_select(0, at) for output in state))
         return read_outputs
 
-    def _wave_indices(self, cell: int, code: int, waves: list[np.ndarray], copied: list[np.ndarray],
-                      later: tuple[PortGroups, Scatters] | None) -> Iterable[torch.Tensor]:  # fmt: skip
-        """The index arrays `run` takes, in the order it takes them: per wave its gathers', its scatters', and the
-        positions of its copied outputs (if any); as they are on the CPU, in one copy to a GPU."""
+    def _wave_indices(self, waves: list[np.ndarray], shapes: list[WaveShape], copied: list[np.ndarray]
+                      ) -> Iterable[torch.Tensor]:  # fmt: skip
+        """The index arrays `run` takes, in the order it takes them: per wave (its gathers and scatters, and where
+        the lanes that end their run start) its gathers', its scatters', and the positions of its copied outputs (if
+        any); as they are on the CPU, in one copy to a GPU."""
         nodes, arrays = self.nodes, []
-        for wave, rows in enumerate(waves):
-            gathers, scatters = self._groups(cell, code, False) if wave == 0 else later
+        for rows, ((gathers, scatters), ending), at in zip(waves, shapes, copied):
             inputs, outputs = nodes.inputs[rows], nodes.outputs[rows]
-            ending = len(waves[wave + 1]) if wave + 1 < len(waves) else 0
             arrays += [inputs[:, ports].T.ravel() for _, ports in gathers]
             arrays += [(outputs[ending:] if tail else outputs)[:, port] for _, port, tail in scatters]
-            if len(copied[wave]):
-                arrays.append(copied[wave])
+            if len(at):
+                arrays.append(at)
         if self._device.type == "cpu":
             return [torch.from_numpy(array) for array in arrays]
         return torch.from_numpy(np.concatenate(arrays)).to(self._device).split([len(array) for array in arrays])
